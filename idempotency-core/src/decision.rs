@@ -1,0 +1,171 @@
+//! The state machine's decision, as a pure function.
+
+use crate::{FencingToken, Fingerprint, Record, RecordStatus, Timestamp};
+use std::time::Duration;
+
+/// What to do about a request, given the record found for its key.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Decision {
+    /// No live record: claim the key and run the work.
+    Claim,
+    /// Completed with the same fingerprint: replay the stored outcome; the work does not run.
+    Replay,
+    /// Another attempt holds a live lease; retry after the given time.
+    InProgress {
+        /// Time until that lease passes (zero when it is passing right now).
+        retry_after: Duration,
+    },
+    /// The key was used with a different fingerprint: refuse.
+    Mismatch,
+    /// The record is Failed, or Pending with a passed lease: reclaim it by a CAS on `expected`.
+    Reclaim {
+        /// The token read, to compare-and-swap against.
+        expected: FencingToken,
+    },
+}
+
+/// Options of the decision that come from the engine's policy.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct DecisionOptions {
+    /// Whether a `Failed` record may be reclaimed by a request with a different fingerprint.
+    /// Nothing took effect under a failed key, so a corrected retry may run (default `true`).
+    pub reclaim_failed_with_different_fingerprint: bool,
+}
+
+impl Default for DecisionOptions {
+    fn default() -> Self {
+        Self {
+            reclaim_failed_with_different_fingerprint: true,
+        }
+    }
+}
+
+/// Decides what a request with `fingerprint` gets, given the `record` found for its key (if
+/// any) and the store's clock `now`.
+///
+/// ```
+/// use idempotency_core::{decide, Decision, DecisionOptions, Fingerprint, Timestamp};
+///
+/// let fp = Fingerprint::from_bytes(b"body");
+/// assert_eq!(decide(None, &fp, Timestamp::now(), DecisionOptions::default()), Decision::Claim);
+/// ```
+pub fn decide(
+    record: Option<&Record>,
+    fingerprint: &Fingerprint,
+    now: Timestamp,
+    options: DecisionOptions,
+) -> Decision {
+    let Some(record) = record else {
+        return Decision::Claim;
+    };
+    if record.is_expired(now) {
+        return Decision::Claim;
+    }
+    let same = record.fingerprint == *fingerprint;
+    match record.status {
+        RecordStatus::Completed if same => Decision::Replay,
+        RecordStatus::Completed => Decision::Mismatch,
+        RecordStatus::Pending if !same => Decision::Mismatch,
+        RecordStatus::Pending => match record.lease_until {
+            Some(until) if until > now => Decision::InProgress {
+                retry_after: until.saturating_duration_since(now),
+            },
+            _ => Decision::Reclaim {
+                expected: record.token,
+            },
+        },
+        RecordStatus::Failed if same || options.reclaim_failed_with_different_fingerprint => {
+            Decision::Reclaim {
+                expected: record.token,
+            }
+        }
+        RecordStatus::Failed => Decision::Mismatch,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{IdempotencyKey, RecordId, Scope};
+
+    fn record(status: RecordStatus, fp: Fingerprint, lease_until: Option<Timestamp>, expires_at: Timestamp) -> Record {
+        Record {
+            id: RecordId::new(Scope::new("s").unwrap(), IdempotencyKey::new("k").unwrap()),
+            fingerprint: fp,
+            status,
+            token: FencingToken(7),
+            lease_until,
+            outcome: (status == RecordStatus::Completed).then(Vec::new),
+            attempts: 1,
+            failure: None,
+            hits: 0,
+            created_at: Timestamp::from_millis(0),
+            updated_at: Timestamp::from_millis(0),
+            expires_at,
+        }
+    }
+
+    /// Every status × same/different fingerprint × lease live/passed × expired or not ×
+    /// both settings of the failed-reclaim option, against the table in DESIGN.md.
+    #[test]
+    fn exhaustive_table() {
+        let now = Timestamp::from_millis(10_000);
+        let fp = Fingerprint::from_bytes(b"a");
+        let other = Fingerprint::from_bytes(b"b");
+        let mut cases = 0;
+        for status in [RecordStatus::Pending, RecordStatus::Completed, RecordStatus::Failed] {
+            for same in [true, false] {
+                for lease_live in [true, false] {
+                    for expired in [true, false] {
+                        for reclaim_other in [true, false] {
+                            cases += 1;
+                            let lease_until = match status {
+                                RecordStatus::Pending if lease_live => Some(Timestamp::from_millis(12_500)),
+                                RecordStatus::Pending => Some(Timestamp::from_millis(10_000)),
+                                // Settled records have no lease; "live" then means nothing.
+                                _ => None,
+                            };
+                            let expires_at = Timestamp::from_millis(if expired { 10_000 } else { 60_000 });
+                            let r = record(status, if same { fp } else { other }, lease_until, expires_at);
+                            let opts = DecisionOptions {
+                                reclaim_failed_with_different_fingerprint: reclaim_other,
+                            };
+                            let got = decide(Some(&r), &fp, now, opts);
+                            let want = if expired {
+                                Decision::Claim
+                            } else {
+                                match (status, same) {
+                                    (RecordStatus::Completed, true) => Decision::Replay,
+                                    (RecordStatus::Completed, false) => Decision::Mismatch,
+                                    (RecordStatus::Pending, false) => Decision::Mismatch,
+                                    (RecordStatus::Pending, true) if lease_live => Decision::InProgress {
+                                        retry_after: Duration::from_millis(2_500),
+                                    },
+                                    (RecordStatus::Pending, true) => Decision::Reclaim { expected: FencingToken(7) },
+                                    (RecordStatus::Failed, true) => Decision::Reclaim { expected: FencingToken(7) },
+                                    (RecordStatus::Failed, false) if reclaim_other => {
+                                        Decision::Reclaim { expected: FencingToken(7) }
+                                    }
+                                    (RecordStatus::Failed, false) => Decision::Mismatch,
+                                }
+                            };
+                            assert_eq!(got, want, "{status:?} same={same} lease_live={lease_live} expired={expired} reclaim_other={reclaim_other}");
+                        }
+                    }
+                }
+            }
+        }
+        assert_eq!(cases, 48);
+        assert_eq!(decide(None, &fp, now, DecisionOptions::default()), Decision::Claim);
+    }
+
+    #[test]
+    fn pending_without_lease_is_reclaimable() {
+        let fp = Fingerprint::from_bytes(b"a");
+        let r = record(RecordStatus::Pending, fp, None, Timestamp::from_millis(99_999));
+        assert_eq!(
+            decide(Some(&r), &fp, Timestamp::from_millis(1), DecisionOptions::default()),
+            Decision::Reclaim { expected: FencingToken(7) }
+        );
+    }
+}

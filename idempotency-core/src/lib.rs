@@ -1,0 +1,31 @@
+#![doc = include_str!("../README.md")]
+#![cfg_attr(docsrs, feature(doc_auto_cfg))]
+
+mod decision;
+mod engine;
+mod error;
+mod fingerprint;
+mod key;
+mod observe;
+mod policy;
+mod record;
+mod scope;
+mod store;
+mod time;
+
+pub use decision::{decide, Decision, DecisionOptions};
+pub use engine::{decode_replay, Begin, Disposition, Idempotency, Lease, Outcome, WorkContext};
+pub use error::{BoxError, Error};
+pub use fingerprint::{canonical_json, is_json_media_type, Fingerprint, FingerprintBuilder};
+pub use key::{IdempotencyKey, KeyError};
+pub use observe::{loggable_key, Event};
+pub use policy::{ErrorOutcomes, InFlight, Policy};
+pub use record::{
+    Cas, Claim, ClaimRequest, Failure, FencingToken, Reclaim, Record, RecordId, RecordStatus,
+};
+pub use scope::{Scope, ScopeError};
+pub use store::IdempotencyStore;
+pub use time::{duration_millis, Clock, ManualClock, SystemClock, Timestamp};
+
+/// Re-exported so store implementations use the same `async_trait` as the trait.
+pub use async_trait::async_trait;

@@ -1,0 +1,65 @@
+//! Counters and log helpers.
+
+use crate::IdempotencyKey;
+use sha2::{Digest, Sha256};
+
+/// The events the engine counts, each exported as its own counter when the `metrics` feature
+/// is on (`idempotency_claims_total`, …).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Event {
+    /// A key was claimed fresh.
+    Claim,
+    /// A stored outcome was replayed.
+    Replay,
+    /// A key was reused with a different fingerprint.
+    Mismatch,
+    /// A duplicate found the first attempt still running.
+    InProgress,
+    /// A failed or stalled record was taken over.
+    Reclaim,
+    /// A holder's completion, failure or heartbeat was fenced.
+    LeaseLost,
+}
+
+impl Event {
+    /// The counter name.
+    pub const fn metric_name(self) -> &'static str {
+        match self {
+            Self::Claim => "idempotency_claims_total",
+            Self::Replay => "idempotency_replays_total",
+            Self::Mismatch => "idempotency_mismatches_total",
+            Self::InProgress => "idempotency_in_progress_total",
+            Self::Reclaim => "idempotency_reclaims_total",
+            Self::LeaseLost => "idempotency_lease_lost_total",
+        }
+    }
+
+    /// The decision name used in spans.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Claim => "claim",
+            Self::Replay => "replay",
+            Self::Mismatch => "mismatch",
+            Self::InProgress => "in_progress",
+            Self::Reclaim => "reclaim",
+            Self::LeaseLost => "lease_lost",
+        }
+    }
+}
+
+pub(crate) fn emit(event: Event) {
+    tracing::Span::current().record("decision", event.as_str());
+    tracing::debug!(decision = event.as_str(), "idempotency decision");
+    #[cfg(feature = "metrics")]
+    metrics::counter!(event.metric_name()).increment(1);
+}
+
+/// How a key appears in logs: as it is, or as the first 12 hex digits of its SHA-256.
+pub fn loggable_key(key: &IdempotencyKey, hashed: bool) -> String {
+    if hashed {
+        let digest = Sha256::digest(key.as_str().as_bytes());
+        format!("sha256:{}", &hex::encode(digest)[..12])
+    } else {
+        key.as_str().to_owned()
+    }
+}

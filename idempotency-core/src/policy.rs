@@ -1,0 +1,193 @@
+//! The engine's policy.
+
+use crate::{DecisionOptions, Error};
+use std::time::Duration;
+
+/// What the engine does with a work's `Err` result.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub enum ErrorOutcomes {
+    /// Record the attempt as a retryable failure and release the key, so a retry runs the
+    /// work again. The default: errors are usually transient, and a stored error would be
+    /// replayed forever.
+    #[default]
+    RecordFailure,
+    /// Store the error like a success and replay it (for deterministic errors such as a
+    /// validation failure).
+    Store,
+}
+
+/// What a request does while another attempt holds a live lease on its key.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub enum InFlight {
+    /// Refuse at once with [`Error::InProgress`] and a retry-after (the default; HTTP 409).
+    #[default]
+    Reject,
+    /// Poll with exponential backoff until the other attempt settles, then replay its outcome
+    /// (or take the key over if it failed); give up with [`Error::InProgress`] after
+    /// `max_wait`.
+    Wait {
+        /// The longest the caller is kept waiting.
+        max_wait: Duration,
+        /// The first pause between polls; it doubles up to `max_backoff`.
+        initial_backoff: Duration,
+        /// The longest pause between polls.
+        max_backoff: Duration,
+    },
+}
+
+impl InFlight {
+    /// Wait up to `max_wait`, polling from 10 ms up to 500 ms apart.
+    pub fn wait(max_wait: Duration) -> Self {
+        Self::Wait {
+            max_wait,
+            initial_backoff: Duration::from_millis(10),
+            max_backoff: Duration::from_millis(500),
+        }
+    }
+}
+
+/// How the engine treats a key: lease, retention, what is stored, in-flight behaviour and the
+/// lease heartbeat.
+///
+/// ```
+/// use idempotency_core::{InFlight, Policy};
+/// use std::time::Duration;
+///
+/// let policy = Policy::default()
+///     .lease(Duration::from_secs(10))
+///     .ttl(Duration::from_secs(24 * 3600))
+///     .in_flight(InFlight::wait(Duration::from_secs(5)))
+///     .heartbeat(Some(0.3));
+/// assert!(policy.validate().is_ok());
+/// ```
+#[derive(Clone, Debug)]
+pub struct Policy {
+    /// How long a holder may run before another caller may take the key over. Default 30 s.
+    pub lease: Duration,
+    /// How long a settled record is kept (and replayed). Default 24 h.
+    pub ttl: Duration,
+    /// What happens to a work's `Err`. Default: recorded as a retryable failure.
+    pub errors: ErrorOutcomes,
+    /// Whether a Failed record may be reclaimed by a request with a different fingerprint.
+    /// Default `true`: nothing took effect under that key, so a corrected retry may run.
+    pub reclaim_failed_with_different_fingerprint: bool,
+    /// What a duplicate does while the first attempt runs. Default: reject.
+    pub in_flight: InFlight,
+    /// Extend the lease every `fraction × lease` while the work runs; `None` turns the
+    /// heartbeat off. Default `Some(1/3)`.
+    pub heartbeat: Option<f64>,
+    /// Log keys as a short SHA-256 prefix instead of in clear. Default `false`.
+    pub hash_keys_in_logs: bool,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Self {
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(24 * 3600),
+            errors: ErrorOutcomes::default(),
+            reclaim_failed_with_different_fingerprint: true,
+            in_flight: InFlight::default(),
+            heartbeat: Some(1.0 / 3.0),
+            hash_keys_in_logs: false,
+        }
+    }
+}
+
+impl Policy {
+    /// Sets the lease length.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+    /// Sets the retention of settled records.
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+    /// Sets what happens to a work's `Err`.
+    pub fn errors(mut self, errors: ErrorOutcomes) -> Self {
+        self.errors = errors;
+        self
+    }
+    /// Sets whether a Failed record may be reclaimed with a different fingerprint.
+    pub fn reclaim_failed_with_different_fingerprint(mut self, allow: bool) -> Self {
+        self.reclaim_failed_with_different_fingerprint = allow;
+        self
+    }
+    /// Sets the in-flight behaviour.
+    pub fn in_flight(mut self, in_flight: InFlight) -> Self {
+        self.in_flight = in_flight;
+        self
+    }
+    /// Sets the heartbeat fraction (`None` turns it off).
+    pub fn heartbeat(mut self, fraction: Option<f64>) -> Self {
+        self.heartbeat = fraction;
+        self
+    }
+    /// Sets whether keys are hashed in logs.
+    pub fn hash_keys_in_logs(mut self, hash: bool) -> Self {
+        self.hash_keys_in_logs = hash;
+        self
+    }
+
+    /// Checks the policy: a non-zero lease and TTL, a heartbeat fraction in (0, 1), and
+    /// non-zero backoffs.
+    pub fn validate(&self) -> Result<(), Error> {
+        if self.lease.is_zero() {
+            return Err(Error::Config("lease must be greater than zero".into()));
+        }
+        if self.ttl.is_zero() {
+            return Err(Error::Config("ttl must be greater than zero".into()));
+        }
+        if let Some(f) = self.heartbeat {
+            if !(f > 0.0 && f < 1.0) {
+                return Err(Error::Config(format!(
+                    "heartbeat fraction must be in (0, 1), got {f}"
+                )));
+            }
+        }
+        if let InFlight::Wait {
+            initial_backoff,
+            max_backoff,
+            ..
+        } = self.in_flight
+        {
+            if initial_backoff.is_zero() || max_backoff < initial_backoff {
+                return Err(Error::Config(
+                    "in-flight backoff must be non-zero and max_backoff >= initial_backoff".into(),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn decision_options(&self) -> DecisionOptions {
+        DecisionOptions {
+            reclaim_failed_with_different_fingerprint: self.reclaim_failed_with_different_fingerprint,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn validation() {
+        assert!(Policy::default().validate().is_ok());
+        assert!(Policy::default().lease(Duration::ZERO).validate().is_err());
+        assert!(Policy::default().ttl(Duration::ZERO).validate().is_err());
+        assert!(Policy::default().heartbeat(Some(1.0)).validate().is_err());
+        assert!(Policy::default().heartbeat(Some(f64::NAN)).validate().is_err());
+        assert!(Policy::default().heartbeat(None).validate().is_ok());
+        assert!(Policy::default()
+            .in_flight(InFlight::Wait {
+                max_wait: Duration::from_secs(1),
+                initial_backoff: Duration::ZERO,
+                max_backoff: Duration::ZERO
+            })
+            .validate()
+            .is_err());
+    }
+}

@@ -1,0 +1,208 @@
+//! The stored record and the values store primitives return.
+
+use crate::{Fingerprint, IdempotencyKey, Scope, Timestamp};
+use std::fmt;
+use std::time::Duration;
+
+/// The address of a record: `(scope, key)`.
+#[derive(Clone, PartialEq, Eq, Hash, Debug)]
+pub struct RecordId {
+    /// Who is calling and what operation it is.
+    pub scope: Scope,
+    /// The client's key.
+    pub key: IdempotencyKey,
+}
+
+impl RecordId {
+    /// Builds a record address.
+    pub fn new(scope: Scope, key: IdempotencyKey) -> Self {
+        Self { scope, key }
+    }
+}
+
+impl fmt::Display for RecordId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}#{}", self.scope, self.key)
+    }
+}
+
+/// A fencing token: bumped at every claim and reclaim of a key, so a holder that lost its
+/// lease can be told apart from the current one.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+pub struct FencingToken(pub u64);
+
+impl FencingToken {
+    /// The token after this one.
+    pub fn next(self) -> Self {
+        Self(self.0.saturating_add(1))
+    }
+}
+
+impl fmt::Display for FencingToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// Where a record is in its life.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub enum RecordStatus {
+    /// Claimed; the holder of the current token is running the work under a lease.
+    Pending,
+    /// The work finished and its outcome is stored for replay.
+    Completed,
+    /// The work failed in a way that released the key; it may be reclaimed.
+    Failed,
+}
+
+impl RecordStatus {
+    /// A stable lower-case name (`pending`, `completed`, `failed`), as stores persist it.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "pending",
+            Self::Completed => "completed",
+            Self::Failed => "failed",
+        }
+    }
+
+    /// Parses [`RecordStatus::as_str`]'s output.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "pending" => Some(Self::Pending),
+            "completed" => Some(Self::Completed),
+            "failed" => Some(Self::Failed),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for RecordStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Why the last attempt failed, as recorded by [`crate::IdempotencyStore::fail`].
+#[derive(Clone, PartialEq, Eq, Debug, Default)]
+pub struct Failure {
+    /// Whether retrying may succeed (a timeout, a 503) as opposed to a permanent error.
+    pub retryable: bool,
+    /// A short human-readable reason, for operators. Never replayed to clients.
+    pub message: String,
+}
+
+impl Failure {
+    /// A retryable failure with a message.
+    pub fn retryable(message: impl Into<String>) -> Self {
+        Self {
+            retryable: true,
+            message: message.into(),
+        }
+    }
+
+    /// A permanent failure with a message.
+    pub fn permanent(message: impl Into<String>) -> Self {
+        Self {
+            retryable: false,
+            message: message.into(),
+        }
+    }
+}
+
+/// Everything a store keeps for `(scope, key)`.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct Record {
+    /// The record's address.
+    pub id: RecordId,
+    /// Fingerprint of the request that claimed (or last reclaimed) the key.
+    pub fingerprint: Fingerprint,
+    /// Where the record is in its life.
+    pub status: RecordStatus,
+    /// The current fencing token.
+    pub token: FencingToken,
+    /// While `Pending`: when the holder's lease passes. `None` once completed or failed.
+    pub lease_until: Option<Timestamp>,
+    /// While `Completed`: the stored outcome bytes, replayed byte-identical.
+    pub outcome: Option<Vec<u8>>,
+    /// How many times the work was started under this key (1 after the first claim).
+    pub attempts: u32,
+    /// While `Failed`: what the last failure was.
+    pub failure: Option<Failure>,
+    /// How many times the record was observed by a later claim (retries, duplicates).
+    pub hits: u64,
+    /// When the key was first claimed.
+    pub created_at: Timestamp,
+    /// When the record last changed state.
+    pub updated_at: Timestamp,
+    /// After this instant the record is treated as absent and may be replaced or purged.
+    pub expires_at: Timestamp,
+}
+
+impl Record {
+    /// Whether the record has expired at `now`.
+    pub fn is_expired(&self, now: Timestamp) -> bool {
+        now >= self.expires_at
+    }
+
+    /// Whether the record is `Pending` with a lease that has passed at `now`.
+    pub fn lease_passed(&self, now: Timestamp) -> bool {
+        self.status == RecordStatus::Pending && self.lease_until.is_none_or(|l| now >= l)
+    }
+}
+
+/// What to claim: the arguments of [`crate::IdempotencyStore::claim`].
+#[derive(Clone, Debug)]
+pub struct ClaimRequest {
+    /// The record's address.
+    pub id: RecordId,
+    /// The request's fingerprint.
+    pub fingerprint: Fingerprint,
+    /// How long the new holder's lease lasts.
+    pub lease: Duration,
+    /// How long the record is kept; a new Pending record expires after `max(lease, ttl)`.
+    pub ttl: Duration,
+}
+
+/// What [`crate::IdempotencyStore::claim`] found.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub enum Claim {
+    /// No live record existed: a Pending record was written and the caller holds it.
+    Claimed {
+        /// The caller's fencing token.
+        token: FencingToken,
+        /// When the caller's lease passes, on the store's clock.
+        lease_until: Timestamp,
+    },
+    /// A live record exists; its `hits` already include this observation.
+    Existing {
+        /// The record as it stood after the hit was counted.
+        record: Record,
+        /// The store's clock at the moment of the observation.
+        now: Timestamp,
+    },
+}
+
+/// The result of a compare-and-swap on the fencing token.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Cas {
+    /// The record was Pending with the expected token and has been updated.
+    Applied,
+    /// The record was not Pending with that token (another holder reclaimed it, it completed,
+    /// it expired or it is gone). Nothing was changed.
+    Fenced,
+}
+
+/// The result of [`crate::IdempotencyStore::reclaim`].
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Reclaim {
+    /// The caller now holds the record with a new token.
+    Reclaimed {
+        /// The caller's new fencing token.
+        token: FencingToken,
+        /// When the caller's lease passes, on the store's clock.
+        lease_until: Timestamp,
+    },
+    /// The record had moved on (another reclaimer won, the holder completed, the lease is
+    /// live again, it expired or it is gone). Nothing was changed.
+    Lost,
+}

@@ -1,0 +1,132 @@
+//! The storage contract every backend implements.
+
+use crate::{Cas, Claim, ClaimRequest, Error, FencingToken, Failure, Fingerprint, Reclaim, Record, RecordId};
+use async_trait::async_trait;
+use std::fmt::Debug;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Atomic storage primitives for idempotency records.
+///
+/// Each method is **one atomic step** (one statement or script, one round trip on networked
+/// stores). The store's own clock decides leases and expiry; `now` below means that clock. A
+/// record whose `expires_at` is at or before `now` is *expired*: every method treats it as
+/// absent.
+///
+/// Stores hold no policy: whether to replay, refuse or reclaim is decided by
+/// [`crate::decide`] in the engine. Implement this trait for your own database and prove it
+/// with the `idempotency-conformance` kit.
+///
+/// The trait is object-safe: `Arc<dyn IdempotencyStore>` works, and `Arc<T>`/`Box<T>` forward.
+#[async_trait]
+pub trait IdempotencyStore: Send + Sync + Debug + 'static {
+    /// Claim-or-observe.
+    ///
+    /// # Behavior
+    /// - No record, or an expired one: atomically writes a `Pending` record with the request's
+    ///   fingerprint, `attempts = 1`, `hits = 0`, `lease_until = now + lease`,
+    ///   `expires_at = now + max(lease, ttl)`, and a token greater than any token the replaced
+    ///   record had (1 for a fresh key), and returns [`Claim::Claimed`].
+    /// - A live record: increments its `hits` in the same atomic step and returns
+    ///   [`Claim::Existing`] with the record as it stands after the increment and the store's
+    ///   `now`. Nothing else changes: a live record is never overwritten, whatever its status.
+    /// - Exactly one of any number of concurrent claims of an absent key gets `Claimed`.
+    async fn claim(&self, request: &ClaimRequest) -> Result<Claim, Error>;
+
+    /// Stores the outcome of the holder of `token`.
+    ///
+    /// # Behavior
+    /// Compare-and-swap: applies only if the record is live, `Pending`, and holds `token`;
+    /// then sets `Completed`, stores `outcome` byte-for-byte, clears the lease and sets
+    /// `expires_at = now + ttl`. Otherwise changes nothing and returns [`Cas::Fenced`].
+    async fn complete(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        outcome: &[u8],
+        ttl: Duration,
+    ) -> Result<Cas, Error>;
+
+    /// Records that the holder of `token` failed, releasing the key for a reclaim.
+    ///
+    /// # Behavior
+    /// Compare-and-swap as [`IdempotencyStore::complete`]; on success sets `Failed`, stores
+    /// `failure`, clears the lease and sets `expires_at = now + ttl`.
+    async fn fail(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        failure: &Failure,
+        ttl: Duration,
+    ) -> Result<Cas, Error>;
+
+    /// Extends the lease of the holder of `token` (the heartbeat).
+    ///
+    /// # Behavior
+    /// Compare-and-swap as [`IdempotencyStore::complete`]; on success sets
+    /// `lease_until = now + lease` and moves `expires_at` to at least `lease_until`.
+    async fn extend(&self, id: &RecordId, token: FencingToken, lease: Duration)
+        -> Result<Cas, Error>;
+
+    /// Takes over a record from a failed or stalled holder.
+    ///
+    /// # Behavior
+    /// Compare-and-swap: applies only if the record is live, still holds `expected` (the token
+    /// the caller read), and is either `Failed` or `Pending` with `lease_until <= now`. Then
+    /// sets `Pending`, a new token `expected + 1`, the given fingerprint, `attempts + 1`,
+    /// `lease_until = now + lease`, `expires_at = now + max(lease, ttl)`, and clears any stored
+    /// outcome, returning [`Reclaim::Reclaimed`]. A stale snapshot (the holder completed after
+    /// the caller read it) never overwrites the record: the result is [`Reclaim::Lost`].
+    async fn reclaim(
+        &self,
+        id: &RecordId,
+        expected: FencingToken,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Reclaim, Error>;
+
+    /// Reads a record without counting a hit.
+    ///
+    /// # Behavior
+    /// Returns the live record, or `None` when it is absent or expired.
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error>;
+
+    /// Deletes up to `batch` expired records, returning how many were deleted.
+    ///
+    /// # Behavior
+    /// Never deletes a live record. Stores whose records expire on their own (Redis TTLs) may
+    /// return 0.
+    async fn purge_expired(&self, batch: usize) -> Result<u64, Error>;
+}
+
+macro_rules! forward_store {
+    ($($ty:ty),*) => {$(
+        #[async_trait]
+        impl<T: IdempotencyStore + ?Sized> IdempotencyStore for $ty {
+            async fn claim(&self, request: &ClaimRequest) -> Result<Claim, Error> {
+                (**self).claim(request).await
+            }
+            async fn complete(&self, id: &RecordId, token: FencingToken, outcome: &[u8], ttl: Duration) -> Result<Cas, Error> {
+                (**self).complete(id, token, outcome, ttl).await
+            }
+            async fn fail(&self, id: &RecordId, token: FencingToken, failure: &Failure, ttl: Duration) -> Result<Cas, Error> {
+                (**self).fail(id, token, failure, ttl).await
+            }
+            async fn extend(&self, id: &RecordId, token: FencingToken, lease: Duration) -> Result<Cas, Error> {
+                (**self).extend(id, token, lease).await
+            }
+            async fn reclaim(&self, id: &RecordId, expected: FencingToken, fingerprint: &Fingerprint, lease: Duration, ttl: Duration) -> Result<Reclaim, Error> {
+                (**self).reclaim(id, expected, fingerprint, lease, ttl).await
+            }
+            async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
+                (**self).get(id).await
+            }
+            async fn purge_expired(&self, batch: usize) -> Result<u64, Error> {
+                (**self).purge_expired(batch).await
+            }
+        }
+    )*};
+}
+
+forward_store!(Arc<T>, Box<T>);

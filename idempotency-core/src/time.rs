@@ -1,0 +1,139 @@
+//! Time as the store sees it: millisecond timestamps and injectable clocks.
+
+use std::fmt;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// Milliseconds since the Unix epoch, on the store's clock.
+///
+/// Leases and expiry are decided by the store's clock (Postgres `now()`, Redis `TIME`, the
+/// process clock for the memory and SQLite stores), so every timestamp in a [`crate::Record`]
+/// and every `now` handed to [`crate::decide`] comes from the same clock.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct Timestamp(i64);
+
+impl Timestamp {
+    /// From milliseconds since the Unix epoch.
+    pub const fn from_millis(ms: i64) -> Self {
+        Self(ms)
+    }
+
+    /// Milliseconds since the Unix epoch.
+    pub const fn as_millis(self) -> i64 {
+        self.0
+    }
+
+    /// The process clock, now.
+    pub fn now() -> Self {
+        let ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+            .unwrap_or(0);
+        Self(ms)
+    }
+
+    /// This instant plus a duration, saturating.
+    pub fn saturating_add(self, d: Duration) -> Self {
+        Self(self.0.saturating_add(duration_millis(d)))
+    }
+
+    /// How long from `earlier` to `self`; zero when `earlier` is later.
+    pub fn saturating_duration_since(self, earlier: Timestamp) -> Duration {
+        Duration::from_millis(u64::try_from(self.0.saturating_sub(earlier.0)).unwrap_or(0))
+    }
+}
+
+/// A duration in whole milliseconds, rounded up so a non-zero duration never becomes zero.
+pub fn duration_millis(d: Duration) -> i64 {
+    let ms = d.as_nanos().div_ceil(1_000_000);
+    i64::try_from(ms).unwrap_or(i64::MAX)
+}
+
+impl fmt::Debug for Timestamp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Timestamp({}ms)", self.0)
+    }
+}
+
+/// A source of the current time for stores that use the process clock.
+pub trait Clock: Send + Sync + fmt::Debug + 'static {
+    /// The current time.
+    fn now(&self) -> Timestamp;
+}
+
+/// The system clock.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct SystemClock;
+
+impl Clock for SystemClock {
+    fn now(&self) -> Timestamp {
+        Timestamp::now()
+    }
+}
+
+/// A clock that only moves when told to, for tests. Clones share the same time.
+///
+/// ```
+/// use idempotency_core::{Clock, ManualClock};
+/// use std::time::Duration;
+///
+/// let clock = ManualClock::new();
+/// let t0 = clock.now();
+/// clock.advance(Duration::from_secs(5));
+/// assert_eq!(clock.now().as_millis() - t0.as_millis(), 5_000);
+/// ```
+#[derive(Debug, Clone)]
+pub struct ManualClock(Arc<AtomicI64>);
+
+impl ManualClock {
+    /// A manual clock starting at the current system time.
+    pub fn new() -> Self {
+        Self::starting_at(Timestamp::now())
+    }
+
+    /// A manual clock starting at `t`.
+    pub fn starting_at(t: Timestamp) -> Self {
+        Self(Arc::new(AtomicI64::new(t.as_millis())))
+    }
+
+    /// Moves the clock forward.
+    pub fn advance(&self, d: Duration) {
+        self.0.fetch_add(duration_millis(d), Ordering::SeqCst);
+    }
+
+    /// Sets the clock.
+    pub fn set(&self, t: Timestamp) {
+        self.0.store(t.as_millis(), Ordering::SeqCst);
+    }
+}
+
+impl Default for ManualClock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Clock for ManualClock {
+    fn now(&self) -> Timestamp {
+        Timestamp(self.0.load(Ordering::SeqCst))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn arithmetic() {
+        let t = Timestamp::from_millis(1_000);
+        assert_eq!(t.saturating_add(Duration::from_micros(1)).as_millis(), 1_001);
+        assert_eq!(t.saturating_add(Duration::from_secs(2)).as_millis(), 3_000);
+        assert_eq!(
+            Timestamp::from_millis(3_000).saturating_duration_since(t),
+            Duration::from_secs(2)
+        );
+        assert_eq!(t.saturating_duration_since(Timestamp::from_millis(5_000)), Duration::ZERO);
+        assert_eq!(Timestamp::from_millis(i64::MAX).saturating_add(Duration::MAX).as_millis(), i64::MAX);
+    }
+}

@@ -1,0 +1,232 @@
+#![doc = include_str!("../README.md")]
+
+use async_trait::async_trait;
+use idempotency_core::{
+    Cas, Claim, ClaimRequest, Clock, Error, Failure, FencingToken, Fingerprint, IdempotencyStore, Reclaim, Record, RecordId, RecordStatus, SystemClock, Timestamp,
+};
+use parking_lot::Mutex;
+use std::collections::hash_map::{Entry, RandomState};
+use std::collections::HashMap;
+use std::hash::BuildHasher;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// An in-process store. Records live in a fixed number of shards, each behind its own mutex,
+/// so unrelated keys rarely contend. Time comes from an injectable [`Clock`].
+///
+/// Nothing survives the process: use it for tests, single-process services and as the
+/// reference implementation of the store contract.
+#[derive(Debug)]
+pub struct MemoryStore {
+    shards: Box<[Mutex<HashMap<RecordId, Record>>]>,
+    hasher: RandomState,
+    clock: Arc<dyn Clock>,
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl MemoryStore {
+    /// A store on the system clock with 64 shards.
+    pub fn new() -> Self {
+        Self::with_clock(Arc::new(SystemClock))
+    }
+
+    /// A store on the given clock (a [`idempotency_core::ManualClock`] in tests).
+    pub fn with_clock(clock: Arc<dyn Clock>) -> Self {
+        Self::with_clock_and_shards(clock, 64)
+    }
+
+    /// A store with `shards` lock shards (rounded up to a power of two, at least 1).
+    pub fn with_clock_and_shards(clock: Arc<dyn Clock>, shards: usize) -> Self {
+        let n = shards.max(1).next_power_of_two();
+        Self {
+            shards: (0..n).map(|_| Mutex::new(HashMap::new())).collect(),
+            hasher: RandomState::new(),
+            clock,
+        }
+    }
+
+    /// How many records are held, expired ones included.
+    pub fn len(&self) -> usize {
+        self.shards.iter().map(|s| s.lock().len()).sum()
+    }
+
+    /// Whether no records are held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn shard(&self, id: &RecordId) -> &Mutex<HashMap<RecordId, Record>> {
+        let h = self.hasher.hash_one(id);
+        // The shard count is a power of two.
+        &self.shards[(h as usize) & (self.shards.len() - 1)]
+    }
+
+    /// Applies `f` to the live Pending record held by `token`, if there is one.
+    fn cas_pending(&self, id: &RecordId, token: FencingToken, f: impl FnOnce(&mut Record, Timestamp)) -> Cas {
+        let now = self.clock.now();
+        let mut shard = self.shard(id).lock();
+        match shard.get_mut(id) {
+            Some(r) if !r.is_expired(now) && r.status == RecordStatus::Pending && r.token == token => {
+                f(r, now);
+                r.updated_at = now;
+                Cas::Applied
+            }
+            _ => Cas::Fenced,
+        }
+    }
+}
+
+fn hold_for(lease: Duration, ttl: Duration) -> Duration {
+    lease.max(ttl)
+}
+
+#[async_trait]
+impl IdempotencyStore for MemoryStore {
+    async fn claim(&self, request: &ClaimRequest) -> Result<Claim, Error> {
+        let now = self.clock.now();
+        let lease_until = now.saturating_add(request.lease);
+        let fresh = |token: FencingToken| Record {
+            id: request.id.clone(),
+            fingerprint: request.fingerprint,
+            status: RecordStatus::Pending,
+            token,
+            lease_until: Some(lease_until),
+            outcome: None,
+            attempts: 1,
+            failure: None,
+            hits: 0,
+            created_at: now,
+            updated_at: now,
+            expires_at: now.saturating_add(hold_for(request.lease, request.ttl)),
+        };
+        let mut shard = self.shard(&request.id).lock();
+        match shard.entry(request.id.clone()) {
+            Entry::Vacant(v) => {
+                v.insert(fresh(FencingToken(1)));
+                Ok(Claim::Claimed {
+                    token: FencingToken(1),
+                    lease_until,
+                })
+            }
+            Entry::Occupied(mut o) if o.get().is_expired(now) => {
+                let token = o.get().token.next();
+                o.insert(fresh(token));
+                Ok(Claim::Claimed { token, lease_until })
+            }
+            Entry::Occupied(mut o) => {
+                let r = o.get_mut();
+                r.hits = r.hits.saturating_add(1);
+                Ok(Claim::Existing {
+                    record: r.clone(),
+                    now,
+                })
+            }
+        }
+    }
+
+    async fn complete(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        outcome: &[u8],
+        ttl: Duration,
+    ) -> Result<Cas, Error> {
+        Ok(self.cas_pending(id, token, |r, now| {
+            r.status = RecordStatus::Completed;
+            r.outcome = Some(outcome.to_vec());
+            r.lease_until = None;
+            r.failure = None;
+            r.expires_at = now.saturating_add(ttl);
+        }))
+    }
+
+    async fn fail(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        failure: &Failure,
+        ttl: Duration,
+    ) -> Result<Cas, Error> {
+        Ok(self.cas_pending(id, token, |r, now| {
+            r.status = RecordStatus::Failed;
+            r.failure = Some(failure.clone());
+            r.lease_until = None;
+            r.expires_at = now.saturating_add(ttl);
+        }))
+    }
+
+    async fn extend(&self, id: &RecordId, token: FencingToken, lease: Duration) -> Result<Cas, Error> {
+        Ok(self.cas_pending(id, token, |r, now| {
+            let until = now.saturating_add(lease);
+            r.lease_until = Some(until);
+            r.expires_at = r.expires_at.max(until);
+        }))
+    }
+
+    async fn reclaim(
+        &self,
+        id: &RecordId,
+        expected: FencingToken,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Reclaim, Error> {
+        let now = self.clock.now();
+        let mut shard = self.shard(id).lock();
+        let Some(r) = shard.get_mut(id) else {
+            return Ok(Reclaim::Lost);
+        };
+        let takeable = match r.status {
+            RecordStatus::Failed => true,
+            RecordStatus::Pending => r.lease_passed(now),
+            RecordStatus::Completed => false,
+        };
+        if r.is_expired(now) || r.token != expected || !takeable {
+            return Ok(Reclaim::Lost);
+        }
+        let token = expected.next();
+        let lease_until = now.saturating_add(lease);
+        r.status = RecordStatus::Pending;
+        r.token = token;
+        r.fingerprint = *fingerprint;
+        r.attempts = r.attempts.saturating_add(1);
+        r.lease_until = Some(lease_until);
+        r.outcome = None;
+        r.updated_at = now;
+        r.expires_at = now.saturating_add(hold_for(lease, ttl));
+        Ok(Reclaim::Reclaimed { token, lease_until })
+    }
+
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
+        let now = self.clock.now();
+        let shard = self.shard(id).lock();
+        Ok(shard.get(id).filter(|r| !r.is_expired(now)).cloned())
+    }
+
+    async fn purge_expired(&self, batch: usize) -> Result<u64, Error> {
+        let now = self.clock.now();
+        let mut removed = 0usize;
+        for shard in self.shards.iter() {
+            if removed >= batch {
+                break;
+            }
+            let mut shard = shard.lock();
+            let expired: Vec<RecordId> = shard
+                .iter()
+                .filter(|(_, r)| r.is_expired(now))
+                .map(|(k, _)| k.clone())
+                .take(batch - removed)
+                .collect();
+            for k in expired {
+                shard.remove(&k);
+                removed += 1;
+            }
+        }
+        Ok(removed as u64)
+    }
+}
