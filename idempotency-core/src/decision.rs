@@ -88,7 +88,12 @@ mod tests {
     use super::*;
     use crate::{IdempotencyKey, RecordId, Scope};
 
-    fn record(status: RecordStatus, fp: Fingerprint, lease_until: Option<Timestamp>, expires_at: Timestamp) -> Record {
+    fn record(
+        status: RecordStatus,
+        fp: Fingerprint,
+        lease_until: Option<Timestamp>,
+        expires_at: Timestamp,
+    ) -> Record {
         Record {
             id: RecordId::new(Scope::new("s").unwrap(), IdempotencyKey::new("k").unwrap()),
             fingerprint: fp,
@@ -113,20 +118,32 @@ mod tests {
         let fp = Fingerprint::from_bytes(b"a");
         let other = Fingerprint::from_bytes(b"b");
         let mut cases = 0;
-        for status in [RecordStatus::Pending, RecordStatus::Completed, RecordStatus::Failed] {
+        for status in [
+            RecordStatus::Pending,
+            RecordStatus::Completed,
+            RecordStatus::Failed,
+        ] {
             for same in [true, false] {
                 for lease_live in [true, false] {
                     for expired in [true, false] {
                         for reclaim_other in [true, false] {
                             cases += 1;
                             let lease_until = match status {
-                                RecordStatus::Pending if lease_live => Some(Timestamp::from_millis(12_500)),
+                                RecordStatus::Pending if lease_live => {
+                                    Some(Timestamp::from_millis(12_500))
+                                }
                                 RecordStatus::Pending => Some(Timestamp::from_millis(10_000)),
                                 // Settled records have no lease; "live" then means nothing.
                                 _ => None,
                             };
-                            let expires_at = Timestamp::from_millis(if expired { 10_000 } else { 60_000 });
-                            let r = record(status, if same { fp } else { other }, lease_until, expires_at);
+                            let expires_at =
+                                Timestamp::from_millis(if expired { 10_000 } else { 60_000 });
+                            let r = record(
+                                status,
+                                if same { fp } else { other },
+                                lease_until,
+                                expires_at,
+                            );
                             let opts = DecisionOptions {
                                 reclaim_failed_with_different_fingerprint: reclaim_other,
                             };
@@ -138,13 +155,21 @@ mod tests {
                                     (RecordStatus::Completed, true) => Decision::Replay,
                                     (RecordStatus::Completed, false) => Decision::Mismatch,
                                     (RecordStatus::Pending, false) => Decision::Mismatch,
-                                    (RecordStatus::Pending, true) if lease_live => Decision::InProgress {
-                                        retry_after: Duration::from_millis(2_500),
+                                    (RecordStatus::Pending, true) if lease_live => {
+                                        Decision::InProgress {
+                                            retry_after: Duration::from_millis(2_500),
+                                        }
+                                    }
+                                    (RecordStatus::Pending, true) => Decision::Reclaim {
+                                        expected: FencingToken(7),
                                     },
-                                    (RecordStatus::Pending, true) => Decision::Reclaim { expected: FencingToken(7) },
-                                    (RecordStatus::Failed, true) => Decision::Reclaim { expected: FencingToken(7) },
+                                    (RecordStatus::Failed, true) => Decision::Reclaim {
+                                        expected: FencingToken(7),
+                                    },
                                     (RecordStatus::Failed, false) if reclaim_other => {
-                                        Decision::Reclaim { expected: FencingToken(7) }
+                                        Decision::Reclaim {
+                                            expected: FencingToken(7),
+                                        }
                                     }
                                     (RecordStatus::Failed, false) => Decision::Mismatch,
                                 }
@@ -156,16 +181,31 @@ mod tests {
             }
         }
         assert_eq!(cases, 48);
-        assert_eq!(decide(None, &fp, now, DecisionOptions::default()), Decision::Claim);
+        assert_eq!(
+            decide(None, &fp, now, DecisionOptions::default()),
+            Decision::Claim
+        );
     }
 
     #[test]
     fn pending_without_lease_is_reclaimable() {
         let fp = Fingerprint::from_bytes(b"a");
-        let r = record(RecordStatus::Pending, fp, None, Timestamp::from_millis(99_999));
+        let r = record(
+            RecordStatus::Pending,
+            fp,
+            None,
+            Timestamp::from_millis(99_999),
+        );
         assert_eq!(
-            decide(Some(&r), &fp, Timestamp::from_millis(1), DecisionOptions::default()),
-            Decision::Reclaim { expected: FencingToken(7) }
+            decide(
+                Some(&r),
+                &fp,
+                Timestamp::from_millis(1),
+                DecisionOptions::default()
+            ),
+            Decision::Reclaim {
+                expected: FencingToken(7)
+            }
         );
     }
 }

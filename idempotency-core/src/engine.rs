@@ -192,7 +192,8 @@ impl Idempotency {
             };
             match classify(&result) {
                 Disposition::Store => {
-                    let bytes = serde_json::to_vec(&result).map_err(|source| Error::Codec { source });
+                    let bytes =
+                        serde_json::to_vec(&result).map_err(|source| Error::Codec { source });
                     match bytes {
                         Ok(bytes) => lease.complete(&bytes).await?,
                         Err(e) => {
@@ -218,7 +219,9 @@ impl Idempotency {
     pub async fn begin(&self, id: &RecordId, fingerprint: &Fingerprint) -> Result<Begin, Error> {
         let started = Instant::now();
         let mut backoff = match self.policy.in_flight {
-            InFlight::Wait { initial_backoff, .. } => initial_backoff,
+            InFlight::Wait {
+                initial_backoff, ..
+            } => initial_backoff,
             InFlight::Reject => Duration::ZERO,
         };
         let request = ClaimRequest {
@@ -238,7 +241,12 @@ impl Idempotency {
                 }
                 Claim::Existing { record, now } => (record, now),
             };
-            match decide(Some(&record), fingerprint, now, self.policy.decision_options()) {
+            match decide(
+                Some(&record),
+                fingerprint,
+                now,
+                self.policy.decision_options(),
+            ) {
                 Decision::Claim => continue,
                 Decision::Replay => {
                     emit(Event::Replay);
@@ -251,7 +259,13 @@ impl Idempotency {
                 Decision::Reclaim { expected } => {
                     match self
                         .store
-                        .reclaim(id, expected, fingerprint, self.policy.lease, self.policy.ttl)
+                        .reclaim(
+                            id,
+                            expected,
+                            fingerprint,
+                            self.policy.lease,
+                            self.policy.ttl,
+                        )
                         .await?
                     {
                         Reclaim::Reclaimed { token, .. } => {

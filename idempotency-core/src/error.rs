@@ -25,7 +25,9 @@ pub enum Error {
     #[error("idempotency key was already used with a different request payload")]
     Mismatch,
     /// Another attempt holds a live lease on the key.
-    #[error("a request with this idempotency key is still in progress; retry after {retry_after:?}")]
+    #[error(
+        "a request with this idempotency key is still in progress; retry after {retry_after:?}"
+    )]
     InProgress {
         /// How long until that attempt's lease passes.
         retry_after: Duration,

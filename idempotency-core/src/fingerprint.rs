@@ -257,7 +257,8 @@ pub fn is_json_media_type(content_type: &str) -> bool {
         .unwrap_or("")
         .trim()
         .to_ascii_lowercase();
-    essence == "application/json" || (essence.starts_with("application/") && essence.ends_with("+json"))
+    essence == "application/json"
+        || (essence.starts_with("application/") && essence.ends_with("+json"))
 }
 
 #[cfg(test)]
@@ -269,8 +270,13 @@ mod tests {
         let a = Fingerprint::from_json_slice(br#"{"a":1,"b":[{"d":1,"c":2}]}"#).unwrap();
         let b = Fingerprint::from_json_slice(br#"{"b":[{"c":2,"d":1}],"a":1}"#).unwrap();
         assert_eq!(a, b);
-        let v: serde_json::Value = serde_json::from_str(r#"{ "z" : {"y":[3, {"b":null,"a":"\u00e9"}]}, "a":true }"#).unwrap();
-        assert_eq!(canonical_json(&v), r#"{"a":true,"z":{"y":[3,{"a":"é","b":null}]}}"#);
+        let v: serde_json::Value =
+            serde_json::from_str(r#"{ "z" : {"y":[3, {"b":null,"a":"\u00e9"}]}, "a":true }"#)
+                .unwrap();
+        assert_eq!(
+            canonical_json(&v),
+            r#"{"a":true,"z":{"y":[3,{"a":"é","b":null}]}}"#
+        );
     }
 
     #[test]
@@ -324,8 +330,14 @@ mod tests {
         // An empty body and no body differ from a body.
         assert_ne!(base().finish(), base().body(b"").finish());
         // Non-JSON bodies are raw: whitespace matters.
-        let t1 = Fingerprint::builder().content_type("text/plain").body(b"a b").finish();
-        let t2 = Fingerprint::builder().content_type("text/plain").body(b"a  b").finish();
+        let t1 = Fingerprint::builder()
+            .content_type("text/plain")
+            .body(b"a b")
+            .finish();
+        let t2 = Fingerprint::builder()
+            .content_type("text/plain")
+            .body(b"a  b")
+            .finish();
         assert_ne!(t1, t2);
     }
 

@@ -164,7 +164,8 @@ impl Policy {
 
     pub(crate) fn decision_options(&self) -> DecisionOptions {
         DecisionOptions {
-            reclaim_failed_with_different_fingerprint: self.reclaim_failed_with_different_fingerprint,
+            reclaim_failed_with_different_fingerprint: self
+                .reclaim_failed_with_different_fingerprint,
         }
     }
 }
@@ -179,7 +180,10 @@ mod tests {
         assert!(Policy::default().lease(Duration::ZERO).validate().is_err());
         assert!(Policy::default().ttl(Duration::ZERO).validate().is_err());
         assert!(Policy::default().heartbeat(Some(1.0)).validate().is_err());
-        assert!(Policy::default().heartbeat(Some(f64::NAN)).validate().is_err());
+        assert!(Policy::default()
+            .heartbeat(Some(f64::NAN))
+            .validate()
+            .is_err());
         assert!(Policy::default().heartbeat(None).validate().is_ok());
         assert!(Policy::default()
             .in_flight(InFlight::Wait {

@@ -146,7 +146,10 @@ mod tests {
             Scope::new("a\tb"),
             Err(ScopeError::ControlCharacter { position: 1 })
         );
-        assert_eq!(Scope::from_parts(Vec::<String>::new()), Err(ScopeError::Empty));
+        assert_eq!(
+            Scope::from_parts(Vec::<String>::new()),
+            Err(ScopeError::Empty)
+        );
     }
 
     #[test]

@@ -1,6 +1,8 @@
 //! The storage contract every backend implements.
 
-use crate::{Cas, Claim, ClaimRequest, Error, FencingToken, Failure, Fingerprint, Reclaim, Record, RecordId};
+use crate::{
+    Cas, Claim, ClaimRequest, Error, Failure, FencingToken, Fingerprint, Reclaim, Record, RecordId,
+};
 use async_trait::async_trait;
 use std::fmt::Debug;
 use std::sync::Arc;
@@ -65,8 +67,12 @@ pub trait IdempotencyStore: Send + Sync + Debug + 'static {
     /// # Behavior
     /// Compare-and-swap as [`IdempotencyStore::complete`]; on success sets
     /// `lease_until = now + lease` and moves `expires_at` to at least `lease_until`.
-    async fn extend(&self, id: &RecordId, token: FencingToken, lease: Duration)
-        -> Result<Cas, Error>;
+    async fn extend(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<Cas, Error>;
 
     /// Takes over a record from a failed or stalled holder.
     ///

@@ -127,13 +127,24 @@ mod tests {
     #[test]
     fn arithmetic() {
         let t = Timestamp::from_millis(1_000);
-        assert_eq!(t.saturating_add(Duration::from_micros(1)).as_millis(), 1_001);
+        assert_eq!(
+            t.saturating_add(Duration::from_micros(1)).as_millis(),
+            1_001
+        );
         assert_eq!(t.saturating_add(Duration::from_secs(2)).as_millis(), 3_000);
         assert_eq!(
             Timestamp::from_millis(3_000).saturating_duration_since(t),
             Duration::from_secs(2)
         );
-        assert_eq!(t.saturating_duration_since(Timestamp::from_millis(5_000)), Duration::ZERO);
-        assert_eq!(Timestamp::from_millis(i64::MAX).saturating_add(Duration::MAX).as_millis(), i64::MAX);
+        assert_eq!(
+            t.saturating_duration_since(Timestamp::from_millis(5_000)),
+            Duration::ZERO
+        );
+        assert_eq!(
+            Timestamp::from_millis(i64::MAX)
+                .saturating_add(Duration::MAX)
+                .as_millis(),
+            i64::MAX
+        );
     }
 }

@@ -2,7 +2,8 @@
 
 use async_trait::async_trait;
 use idempotency_core::{
-    Cas, Claim, ClaimRequest, Clock, Error, Failure, FencingToken, Fingerprint, IdempotencyStore, Reclaim, Record, RecordId, RecordStatus, SystemClock, Timestamp,
+    Cas, Claim, ClaimRequest, Clock, Error, Failure, FencingToken, Fingerprint, IdempotencyStore,
+    Reclaim, Record, RecordId, RecordStatus, SystemClock, Timestamp,
 };
 use parking_lot::Mutex;
 use std::collections::hash_map::{Entry, RandomState};
@@ -67,11 +68,18 @@ impl MemoryStore {
     }
 
     /// Applies `f` to the live Pending record held by `token`, if there is one.
-    fn cas_pending(&self, id: &RecordId, token: FencingToken, f: impl FnOnce(&mut Record, Timestamp)) -> Cas {
+    fn cas_pending(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        f: impl FnOnce(&mut Record, Timestamp),
+    ) -> Cas {
         let now = self.clock.now();
         let mut shard = self.shard(id).lock();
         match shard.get_mut(id) {
-            Some(r) if !r.is_expired(now) && r.status == RecordStatus::Pending && r.token == token => {
+            Some(r)
+                if !r.is_expired(now) && r.status == RecordStatus::Pending && r.token == token =>
+            {
                 f(r, now);
                 r.updated_at = now;
                 Cas::Applied
@@ -160,7 +168,12 @@ impl IdempotencyStore for MemoryStore {
         }))
     }
 
-    async fn extend(&self, id: &RecordId, token: FencingToken, lease: Duration) -> Result<Cas, Error> {
+    async fn extend(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<Cas, Error> {
         Ok(self.cas_pending(id, token, |r, now| {
             let until = now.saturating_add(lease);
             r.lease_until = Some(until);

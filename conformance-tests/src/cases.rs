@@ -1,0 +1,172 @@
+//! The conformance cases. Each is a `pub async fn(TestStore)` that panics on a violation.
+
+use crate::TestStore;
+use idempotency_core::{
+    Cas, Claim, ClaimRequest, Fingerprint, IdempotencyKey, Record, RecordId, RecordStatus, Scope,
+};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A record address unique to this call.
+pub fn unique_id(label: &str) -> RecordId {
+    RecordId::new(
+        Scope::from_parts(["conformance", label]).expect("valid scope"),
+        IdempotencyKey::random(),
+    )
+}
+
+/// A claim request for `id` with `fingerprint`, a lease and a TTL.
+pub fn request(
+    id: &RecordId,
+    fingerprint: Fingerprint,
+    lease: Duration,
+    ttl: Duration,
+) -> ClaimRequest {
+    ClaimRequest {
+        id: id.clone(),
+        fingerprint,
+        lease,
+        ttl,
+    }
+}
+
+/// Claims `id`, asserting that it was claimed, and returns the token.
+pub async fn must_claim(t: &TestStore, req: &ClaimRequest) -> idempotency_core::FencingToken {
+    match t.store.claim(req).await.expect("claim") {
+        Claim::Claimed { token, .. } => token,
+        Claim::Existing { record, .. } => panic!("expected Claimed, found {record:?}"),
+    }
+}
+
+/// Claims `id`, asserting that a live record exists, and returns it.
+pub async fn must_observe(t: &TestStore, req: &ClaimRequest) -> Record {
+    match t.store.claim(req).await.expect("claim") {
+        Claim::Existing { record, .. } => record,
+        Claim::Claimed { token, .. } => panic!("expected Existing, got Claimed({token})"),
+    }
+}
+
+/// Claim, complete, then replay byte-identical outcomes: a JSON one, an empty one and a
+/// 1 MiB binary one holding every byte value.
+pub async fn claim_complete_replay(t: TestStore) {
+    let big: Vec<u8> = (0..1024 * 1024)
+        .map(|i: u32| (i.wrapping_mul(2_654_435_761) >> 24) as u8)
+        .collect();
+    for outcome in [br#"{"ok":true}"#.to_vec(), Vec::new(), big] {
+        let id = unique_id("replay");
+        let fp = Fingerprint::from_bytes(b"payload");
+        let req = request(&id, fp, t.long(), t.long());
+        let token = must_claim(&t, &req).await;
+        let pending = t
+            .store
+            .get(&id)
+            .await
+            .expect("get")
+            .expect("pending record present");
+        assert_eq!(pending.status, RecordStatus::Pending);
+        assert_eq!(pending.token, token);
+        assert_eq!(pending.fingerprint, fp);
+        assert_eq!(pending.attempts, 1);
+        assert!(
+            pending.lease_until.is_some(),
+            "a Pending record has a lease"
+        );
+        assert_eq!(
+            t.store
+                .complete(&id, token, &outcome, t.long())
+                .await
+                .expect("complete"),
+            Cas::Applied
+        );
+        let seen = must_observe(&t, &req).await;
+        assert_eq!(seen.status, RecordStatus::Completed);
+        assert_eq!(seen.token, token);
+        assert_eq!(
+            seen.outcome.as_deref(),
+            Some(outcome.as_slice()),
+            "outcome replayed byte-identical"
+        );
+        assert_eq!(seen.lease_until, None, "a Completed record has no lease");
+        // Completing twice is refused: the record is no longer Pending.
+        assert_eq!(
+            t.store
+                .complete(&id, token, b"other", t.long())
+                .await
+                .expect("complete"),
+            Cas::Fenced
+        );
+        let again = t.store.get(&id).await.expect("get").expect("present");
+        assert_eq!(again.outcome.as_deref(), Some(outcome.as_slice()));
+    }
+}
+
+/// A claim with a different fingerprint observes the record and changes nothing but hits.
+pub async fn mismatch_leaves_record_unchanged(t: TestStore) {
+    let id = unique_id("mismatch");
+    let fp = Fingerprint::from_bytes(b"a");
+    let req = request(&id, fp, t.long(), t.long());
+    let token = must_claim(&t, &req).await;
+    t.store
+        .complete(&id, token, b"first", t.long())
+        .await
+        .expect("complete");
+    let before = t.store.get(&id).await.expect("get").expect("present");
+    let other = request(&id, Fingerprint::from_bytes(b"b"), t.long(), t.long());
+    let seen = must_observe(&t, &other).await;
+    assert_eq!(
+        seen.fingerprint, fp,
+        "the stored fingerprint is the first request's"
+    );
+    let after = t.store.get(&id).await.expect("get").expect("present");
+    assert_eq!(after.hits, before.hits + 1);
+    assert_eq!(
+        Record {
+            hits: before.hits,
+            ..after
+        },
+        before,
+        "a mismatching claim changed the record"
+    );
+}
+
+/// 64 concurrent claims of one key: exactly one `Claimed`, and 63 observe the same token.
+pub async fn concurrent_claims_one_winner(t: TestStore) {
+    for round in 0..5 {
+        let id = unique_id("race");
+        let req = Arc::new(request(
+            &id,
+            Fingerprint::from_bytes(b"x"),
+            t.long(),
+            t.long(),
+        ));
+        let barrier = Arc::new(tokio::sync::Barrier::new(64));
+        let mut tasks = Vec::new();
+        for _ in 0..64 {
+            let (store, req, barrier) = (t.store.clone(), req.clone(), barrier.clone());
+            tasks.push(tokio::spawn(async move {
+                barrier.wait().await;
+                store.claim(&req).await.expect("claim")
+            }));
+        }
+        let mut winners = Vec::new();
+        let mut observed = Vec::new();
+        for task in tasks {
+            match task.await.expect("task") {
+                Claim::Claimed { token, .. } => winners.push(token),
+                Claim::Existing { record, .. } => observed.push(record.token),
+            }
+        }
+        assert_eq!(
+            winners.len(),
+            1,
+            "round {round}: {} claims won",
+            winners.len()
+        );
+        assert!(
+            observed.iter().all(|t| *t == winners[0]),
+            "observers saw another token"
+        );
+        let r = t.store.get(&id).await.expect("get").expect("present");
+        assert_eq!(r.hits, 63, "every observation counts one hit");
+    }
+}

@@ -1,0 +1,65 @@
+#![doc = include_str!("../README.md")]
+
+pub mod cases;
+mod harness;
+
+pub use harness::{run_case, Capabilities, TestStore, TimeControl};
+
+/// The name of every case, in the order the macro expands them.
+///
+/// Kept in one place: [`conformance_tests!`] and [`all_cases`] are both generated from the
+/// list in [`__with_case_list!`].
+pub fn case_names() -> Vec<&'static str> {
+    all_cases().into_iter().map(|(name, _)| name).collect()
+}
+
+/// A boxed case, as [`all_cases`] lists them.
+pub type CaseFn = fn(TestStore) -> futures::future::BoxFuture<'static, ()>;
+
+macro_rules! list_cases {
+    ($($case:ident),* $(,)?) => {
+        /// Every case with its name, for running the suite by hand (the kit's own self-test
+        /// runs it against deliberately broken stores this way).
+        pub fn all_cases() -> Vec<(&'static str, CaseFn)> {
+            vec![$((stringify!($case), |s| Box::pin(cases::$case(s)))),*]
+        }
+    };
+}
+__with_case_list!((list_cases));
+
+/// Calls `$callback!(case, case, …)` with every case name. The single list of cases.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __with_case_list {
+    (($($callback:tt)*) $(, $arg:tt)*) => {
+        $($callback)*!($($arg,)* claim_complete_replay, mismatch_leaves_record_unchanged, concurrent_claims_one_winner);
+    };
+}
+
+/// Expands to one `#[test]` per conformance case, each running on a fresh tokio runtime with a
+/// fresh store from `$factory`, an `async fn() -> TestStore`.
+///
+/// ```ignore
+/// async fn factory() -> idempotency_conformance::TestStore { /* build an isolated store */ }
+/// idempotency_conformance::conformance_tests!(factory);
+/// ```
+#[macro_export]
+macro_rules! conformance_tests {
+    ($factory:path) => {
+        $crate::__with_case_list!(($crate::__idempotency_conformance_expand), $factory);
+    };
+}
+
+/// Implementation detail of [`conformance_tests!`].
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __idempotency_conformance_expand {
+    ($factory:path, $($case:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $case() {
+                $crate::run_case($factory, $crate::cases::$case);
+            }
+        )*
+    };
+}

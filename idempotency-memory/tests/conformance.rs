@@ -1,0 +1,14 @@
+use idempotency_conformance::TestStore;
+use idempotency_core::ManualClock;
+use idempotency_memory::MemoryStore;
+use std::sync::Arc;
+
+async fn factory() -> TestStore {
+    let clock = ManualClock::new();
+    TestStore::manual_time(
+        Arc::new(MemoryStore::with_clock(Arc::new(clock.clone()))),
+        clock,
+    )
+}
+
+idempotency_conformance::conformance_tests!(factory);
