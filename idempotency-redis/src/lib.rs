@@ -1,0 +1,454 @@
+#![doc = include_str!("../README.md")]
+
+mod decode;
+mod keys;
+mod scripts;
+
+pub use keys::MAX_PREFIX_LEN;
+/// The Redis driver this store is built on, re-exported so callers use the same version.
+pub use redis;
+
+use async_trait::async_trait;
+use decode::Reply;
+use idempotency_core::{
+    duration_millis, Cas, Claim, ClaimRequest, Error, Failure, FencingToken, Fingerprint,
+    IdempotencyStore, Reclaim, Record, RecordId,
+};
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterClient;
+use redis::cluster_async::ClusterConnection;
+use redis::{Cmd, ErrorKind, IntoConnectionInfo, RedisError, Value};
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The key prefix used unless [`RedisStore::with_prefix`] sets another.
+pub const DEFAULT_PREFIX: &str = "idempotency:";
+
+/// How long an expired record is kept before Redis evicts it, unless
+/// [`RedisStore::with_expired_retention`] sets another.
+pub const DEFAULT_EXPIRED_RETENTION: Duration = Duration::from_secs(3600);
+
+/// Durations handed to the scripts are capped at 1000 years so that every sum the scripts
+/// compute stays an exact integer in Lua's doubles.
+const MAX_DURATION_MS: i64 = 1000 * 365 * 24 * 3600 * 1000;
+
+/// Timeouts of the connections [`RedisStore::connect`] and [`RedisStore::connect_cluster`]
+/// open. A call that times out after being sent is reported as
+/// [`Error::OutcomeUnknown`].
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+const RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The connection the store talks through: both kinds multiplex concurrent calls over shared
+/// sockets and reconnect by themselves.
+#[derive(Clone)]
+enum Connection {
+    Standalone(Box<ConnectionManager>),
+    Cluster(ClusterConnection),
+}
+
+impl Connection {
+    /// Sends one command; an error reply from the server comes back as `Err`.
+    async fn query(&self, cmd: &Cmd) -> Result<Value, RedisError> {
+        match self {
+            Self::Standalone(c) => cmd.query_async(&mut ConnectionManager::clone(c)).await,
+            Self::Cluster(c) => cmd.query_async(&mut c.clone()).await,
+        }
+    }
+}
+
+/// One Lua script: its source and SHA-1, for `EVALSHA` with an `EVAL` fallback.
+struct Script {
+    source: String,
+    sha: String,
+}
+
+impl Script {
+    fn new(source: String) -> Self {
+        let sha = redis::Script::new(&source).get_hash().to_owned();
+        Self { source, sha }
+    }
+}
+
+struct Scripts {
+    claim: Script,
+    complete: Script,
+    fail: Script,
+    extend: Script,
+    reclaim: Script,
+    get: Script,
+}
+
+impl Scripts {
+    fn new() -> Self {
+        Self {
+            claim: Script::new(scripts::claim()),
+            complete: Script::new(scripts::complete()),
+            fail: Script::new(scripts::fail()),
+            extend: Script::new(scripts::extend()),
+            reclaim: Script::new(scripts::reclaim()),
+            get: Script::new(scripts::get()),
+        }
+    }
+}
+
+/// An [`IdempotencyStore`] on Redis or Redis Cluster.
+///
+/// Each record is one hash at `<prefix>{<scope>:<key>}` (the braces are a cluster hash tag),
+/// and each operation is one Lua script over that one key, called with `EVALSHA`: one round
+/// trip, atomic, and cluster-safe by construction. Leases and expiry follow the server's
+/// `TIME`. Cloning is cheap and clones share the connection.
+#[derive(Clone)]
+pub struct RedisStore {
+    connection: Connection,
+    prefix: Arc<str>,
+    retention_ms: i64,
+    scripts: Arc<Scripts>,
+}
+
+impl fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let topology = match self.connection {
+            Connection::Standalone(_) => "standalone",
+            Connection::Cluster(_) => "cluster",
+        };
+        f.debug_struct("RedisStore")
+            .field("topology", &topology)
+            .field("prefix", &self.prefix)
+            .field("expired_retention_ms", &self.retention_ms)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisStore {
+    /// Connects to a standalone server (or a primary) through a [`ConnectionManager`]: one
+    /// multiplexed connection that reconnects on its own, with 5 s connect and response
+    /// timeouts and up to three quick reconnect attempts per call.
+    ///
+    /// `url` is a Redis URL such as `redis://127.0.0.1:6379/0` or
+    /// `redis://user:password@host:6379`.
+    pub async fn connect(url: impl IntoConnectionInfo) -> Result<Self, Error> {
+        let client = redis::Client::open(url).map_err(config_error)?;
+        // Reconnect attempts back off from about 0.5 s; after three failed attempts the
+        // call fails and the next call starts over, so a call never waits more than a few
+        // seconds for a server that is down. (The driver's default backoff grows to a minute.)
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(CONNECT_TIMEOUT)
+            .set_response_timeout(RESPONSE_TIMEOUT)
+            .set_factor(2)
+            .set_max_delay(500)
+            .set_number_of_retries(2);
+        let manager = ConnectionManager::new_with_config(client, config)
+            .await
+            .map_err(connect_error)?;
+        Ok(Self::from_connection_manager(manager))
+    }
+
+    /// Connects to a Redis Cluster through the cluster client, given one or more of its
+    /// nodes; it discovers the others, follows `MOVED`/`ASK` redirects and reconnects on its
+    /// own.
+    pub async fn connect_cluster<T: IntoConnectionInfo>(
+        nodes: impl IntoIterator<Item = T>,
+    ) -> Result<Self, Error> {
+        // A few quick retries cover redirects during resharding and a failover's
+        // TRYAGAIN/CLUSTERDOWN; the driver's default (16 retries from 1.3 s) would hold a
+        // call for minutes.
+        let client = ClusterClient::builder(nodes)
+            .connection_timeout(CONNECT_TIMEOUT)
+            .response_timeout(RESPONSE_TIMEOUT)
+            .retries(4)
+            .min_retry_wait(50)
+            .max_retry_wait(1000)
+            .build()
+            .map_err(config_error)?;
+        let connection = client.get_async_connection().await.map_err(connect_error)?;
+        Ok(Self::from_cluster_connection(connection))
+    }
+
+    /// A store on a connection manager you configured yourself.
+    pub fn from_connection_manager(manager: ConnectionManager) -> Self {
+        Self::with_connection(Connection::Standalone(Box::new(manager)))
+    }
+
+    /// A store on a cluster connection you configured yourself.
+    pub fn from_cluster_connection(connection: ClusterConnection) -> Self {
+        Self::with_connection(Connection::Cluster(connection))
+    }
+
+    fn with_connection(connection: Connection) -> Self {
+        Self {
+            connection,
+            prefix: Arc::from(DEFAULT_PREFIX),
+            retention_ms: duration_millis(DEFAULT_EXPIRED_RETENTION),
+            scripts: Arc::new(Scripts::new()),
+        }
+    }
+
+    /// Sets the prefix of every record key (default [`DEFAULT_PREFIX`]).
+    ///
+    /// # Errors
+    /// [`Error::Config`] when the prefix holds a brace (it would move the cluster hash tag),
+    /// a control character, or is longer than [`MAX_PREFIX_LEN`] bytes.
+    pub fn with_prefix(mut self, prefix: impl Into<String>) -> Result<Self, Error> {
+        let prefix = prefix.into();
+        keys::validate_prefix(&prefix)?;
+        self.prefix = Arc::from(prefix);
+        Ok(self)
+    }
+
+    /// Sets how long a record is kept after its `expires_at` before Redis evicts it (default
+    /// [`DEFAULT_EXPIRED_RETENTION`]).
+    ///
+    /// An expired record reads as absent at once; keeping it a while lets the next claim of
+    /// its key continue its fencing token (token + 1) instead of starting again at 1. A holder
+    /// that stalls for longer than its record's lifetime plus this retention could otherwise
+    /// hold the same token as a new claimer. Choose at least the longest pause you expect a
+    /// worker to survive; zero evicts records as soon as they expire.
+    pub fn with_expired_retention(mut self, retention: Duration) -> Self {
+        self.retention_ms = clamp_ms(retention);
+        self
+    }
+
+    /// The key prefix.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// The Redis key that holds the record of `id`: `<prefix>{<scope>:<key>}`, with scope and
+    /// key percent-escaped so that neither can break the hash tag.
+    pub fn record_key(&self, id: &RecordId) -> String {
+        keys::record_key(&self.prefix, id)
+    }
+
+    /// Runs `script` on `id`'s key: `EVALSHA`, and on `NOSCRIPT` (after a restart, a failover
+    /// or `SCRIPT FLUSH`) `EVAL` with the source, which also caches it again. `EVAL` goes to
+    /// the node that owns the key, where `SCRIPT LOAD` would have to reach every primary.
+    async fn eval(&self, script: &Script, id: &RecordId, args: &[&[u8]]) -> Result<Value, Error> {
+        let key = self.record_key(id);
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(&script.sha).arg(1).arg(&key);
+        for a in args {
+            cmd.arg(*a);
+        }
+        match self.connection.query(&cmd).await {
+            Err(e) if e.kind() == ErrorKind::NoScriptError => {
+                let mut cmd = redis::cmd("EVAL");
+                cmd.arg(&script.source).arg(1).arg(&key);
+                for a in args {
+                    cmd.arg(*a);
+                }
+                self.connection.query(&cmd).await.map_err(call_error)
+            }
+            other => other.map_err(call_error),
+        }
+    }
+}
+
+fn clamp_ms(d: Duration) -> i64 {
+    duration_millis(d).min(MAX_DURATION_MS)
+}
+
+fn ms_arg(d: Duration) -> Vec<u8> {
+    clamp_ms(d).to_string().into_bytes()
+}
+
+fn config_error(e: RedisError) -> Error {
+    Error::Config(format!("invalid Redis connection settings: {e}"))
+}
+
+fn connect_error(e: RedisError) -> Error {
+    Error::backend(true, e)
+}
+
+/// Classifies a failed call. A request that may have reached the server before the
+/// connection failed is [`Error::OutcomeUnknown`]: the script may have run. Errors the server
+/// sent back mean the script did not run (the scripts validate before writing).
+fn call_error(e: RedisError) -> Error {
+    if e.is_connection_refusal() {
+        return Error::backend(true, e);
+    }
+    match e.kind() {
+        ErrorKind::IoError => Error::OutcomeUnknown {
+            source: Box::new(e),
+        },
+        ErrorKind::BusyLoadingError
+        | ErrorKind::TryAgain
+        | ErrorKind::ClusterDown
+        | ErrorKind::MasterDown
+        | ErrorKind::ReadOnly
+        | ErrorKind::Moved
+        | ErrorKind::Ask
+        | ErrorKind::ClusterConnectionNotFound => Error::backend(true, e),
+        _ => Error::backend(false, e),
+    }
+}
+
+/// Read-only calls can be repeated whatever happened, so an unknown outcome is just a
+/// retryable failure.
+fn read_error(e: Error) -> Error {
+    match e {
+        Error::OutcomeUnknown { source } => Error::Backend {
+            retryable: true,
+            source,
+        },
+        other => other,
+    }
+}
+
+fn cas_reply(value: Value, op: &str) -> Result<Cas, Error> {
+    let reply = Reply::parse(value)?;
+    match reply.tag.as_str() {
+        "applied" => Ok(Cas::Applied),
+        "fenced" => Ok(Cas::Fenced),
+        _ => Err(reply.unexpected_tag(op)),
+    }
+}
+
+#[async_trait]
+impl IdempotencyStore for RedisStore {
+    async fn claim(&self, request: &ClaimRequest) -> Result<Claim, Error> {
+        let s = &self.scripts;
+        let fp = request.fingerprint.to_hex();
+        let retention = self.retention_ms.to_string();
+        let value = self
+            .eval(
+                &s.claim,
+                &request.id,
+                &[
+                    fp.as_bytes(),
+                    &ms_arg(request.lease),
+                    &ms_arg(request.ttl),
+                    retention.as_bytes(),
+                ],
+            )
+            .await?;
+        let reply = Reply::parse(value)?;
+        match reply.tag.as_str() {
+            "claimed" => Ok(Claim::Claimed {
+                token: reply.token(0)?,
+                lease_until: reply.millis(1, "lease deadline")?,
+            }),
+            "record" => Ok(Claim::Existing {
+                now: reply.millis(0, "server time")?,
+                record: reply.record(1, &request.id)?,
+            }),
+            _ => Err(reply.unexpected_tag("claim")),
+        }
+    }
+
+    async fn complete(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        outcome: &[u8],
+        ttl: Duration,
+    ) -> Result<Cas, Error> {
+        let value = self
+            .eval(
+                &self.scripts.complete,
+                id,
+                &[
+                    token.0.to_string().as_bytes(),
+                    outcome,
+                    &ms_arg(ttl),
+                    self.retention_ms.to_string().as_bytes(),
+                ],
+            )
+            .await?;
+        cas_reply(value, "complete")
+    }
+
+    async fn fail(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        failure: &Failure,
+        ttl: Duration,
+    ) -> Result<Cas, Error> {
+        let value = self
+            .eval(
+                &self.scripts.fail,
+                id,
+                &[
+                    token.0.to_string().as_bytes(),
+                    if failure.retryable { b"1" } else { b"0" },
+                    failure.message.as_bytes(),
+                    &ms_arg(ttl),
+                    self.retention_ms.to_string().as_bytes(),
+                ],
+            )
+            .await?;
+        cas_reply(value, "fail")
+    }
+
+    async fn extend(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<Cas, Error> {
+        let value = self
+            .eval(
+                &self.scripts.extend,
+                id,
+                &[
+                    token.0.to_string().as_bytes(),
+                    &ms_arg(lease),
+                    self.retention_ms.to_string().as_bytes(),
+                ],
+            )
+            .await?;
+        cas_reply(value, "extend")
+    }
+
+    async fn reclaim(
+        &self,
+        id: &RecordId,
+        expected: FencingToken,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Reclaim, Error> {
+        let value = self
+            .eval(
+                &self.scripts.reclaim,
+                id,
+                &[
+                    expected.0.to_string().as_bytes(),
+                    fingerprint.to_hex().as_bytes(),
+                    &ms_arg(lease),
+                    &ms_arg(ttl),
+                    self.retention_ms.to_string().as_bytes(),
+                ],
+            )
+            .await?;
+        let reply = Reply::parse(value)?;
+        match reply.tag.as_str() {
+            "reclaimed" => Ok(Reclaim::Reclaimed {
+                token: reply.token(0)?,
+                lease_until: reply.millis(1, "lease deadline")?,
+            }),
+            "lost" => Ok(Reclaim::Lost),
+            _ => Err(reply.unexpected_tag("reclaim")),
+        }
+    }
+
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
+        let value = self
+            .eval(&self.scripts.get, id, &[])
+            .await
+            .map_err(read_error)?;
+        let reply = Reply::parse(value)?;
+        match reply.tag.as_str() {
+            "record" => reply.record(1, id).map(Some),
+            "none" => Ok(None),
+            _ => Err(reply.unexpected_tag("get")),
+        }
+    }
+
+    /// Redis evicts records by itself (each key's TTL is its `expires_at` plus the expired
+    /// retention), so there is nothing to purge: always 0.
+    async fn purge_expired(&self, _batch: usize) -> Result<u64, Error> {
+        Ok(0)
+    }
+}

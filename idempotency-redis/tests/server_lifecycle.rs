@@ -1,0 +1,179 @@
+//! A Redis server that crashes and restarts mid-run, on a port of its own that the test
+//! starts: the store reconnects by itself, and what survives depends on AOF.
+
+mod support;
+
+use idempotency_core::{
+    Cas, Claim, ClaimRequest, Error, Fingerprint, IdempotencyKey, IdempotencyStore, RecordId,
+    RecordStatus, Scope,
+};
+use idempotency_redis::RedisStore;
+use std::time::{Duration, Instant};
+use support::{free_port, RedisServer};
+
+const HOUR: Duration = Duration::from_secs(3600);
+
+fn id() -> RecordId {
+    RecordId::new(
+        Scope::new("lifecycle").expect("scope"),
+        IdempotencyKey::random(),
+    )
+}
+
+fn req(id: &RecordId) -> ClaimRequest {
+    ClaimRequest {
+        id: id.clone(),
+        fingerprint: Fingerprint::from_bytes(b"payload"),
+        lease: HOUR,
+        ttl: HOUR,
+    }
+}
+
+async fn claim_and_complete(store: &RedisStore, id: &RecordId, outcome: &[u8]) {
+    let Claim::Claimed { token, .. } = store.claim(&req(id)).await.expect("claim") else {
+        panic!("fresh key observed");
+    };
+    assert_eq!(
+        store
+            .complete(id, token, outcome, HOUR)
+            .await
+            .expect("complete"),
+        Cas::Applied
+    );
+}
+
+/// Crashes the server (SIGKILL), checks that calls fail with retryable errors while it is
+/// down, restarts it on the same port and directory, and waits until the store works again.
+/// Returns how many calls failed after the restart before one succeeded.
+async fn crash_and_restart(
+    server: RedisServer,
+    store: &RedisStore,
+    extra: &[&str],
+) -> (RedisServer, usize) {
+    let (port, dir) = (server.port, server.dir.clone());
+    server.crash();
+    for _ in 0..3 {
+        let e = store
+            .claim(&req(&id()))
+            .await
+            .expect_err("the server is down");
+        assert!(e.is_retryable(), "a refused call must be retryable: {e:?}");
+        assert!(
+            matches!(e, Error::Backend { .. } | Error::OutcomeUnknown { .. }),
+            "{e:?}"
+        );
+    }
+    let server = RedisServer::start(port, &dir, extra, false)
+        .unwrap_or_else(|| panic!("could not restart redis-server on port {port}"));
+    let start = Instant::now();
+    let mut failures = 0;
+    loop {
+        match store.get(&id()).await {
+            Ok(_) => break,
+            Err(e) => {
+                assert!(e.is_retryable(), "{e:?}");
+                failures += 1;
+                assert!(
+                    start.elapsed() < Duration::from_secs(15),
+                    "the store did not reconnect within 15 s: {e}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+    // Once reconnected, every operation succeeds (the restarted server has no cached
+    // scripts: each first call goes through the NOSCRIPT fallback).
+    for _ in 0..20 {
+        claim_and_complete(store, &id(), b"after").await;
+    }
+    (server, failures)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_without_aof_reconnects_and_loses_records() {
+    let extra = ["--appendonly", "no"];
+    let dir = tempfile::tempdir().expect("temp dir");
+    let server = RedisServer::start(free_port(), dir.path(), &extra, false)
+        .expect("start redis-server on a free port");
+    let store = RedisStore::connect(server.url()).await.expect("connect");
+    let before = id();
+    claim_and_complete(&store, &before, b"before").await;
+
+    let (_server, failures) = crash_and_restart(server, &store, &extra).await;
+    assert!(failures <= 5, "{failures} calls failed after the restart");
+    assert_eq!(
+        store.get(&before).await.expect("get"),
+        None,
+        "without AOF a restart loses every record (the README says so)"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_with_aof_always_keeps_records_and_their_ttl() {
+    let extra = ["--appendonly", "yes", "--appendfsync", "always"];
+    let dir = tempfile::tempdir().expect("temp dir");
+    let server = RedisServer::start(free_port(), dir.path(), &extra, false)
+        .expect("start redis-server on a free port");
+    let store = RedisStore::connect(server.url()).await.expect("connect");
+    let done = id();
+    claim_and_complete(&store, &done, b"kept").await;
+    let pending = id();
+    let Claim::Claimed { token, .. } = store.claim(&req(&pending)).await.expect("claim") else {
+        panic!("fresh key observed");
+    };
+
+    let (server, _) = crash_and_restart(server, &store, &extra).await;
+    let rec = store.get(&done).await.expect("get").expect("survived");
+    assert_eq!(rec.status, RecordStatus::Completed);
+    assert_eq!(rec.outcome.as_deref(), Some(&b"kept"[..]));
+    let rec = store.get(&pending).await.expect("get").expect("survived");
+    assert_eq!(rec.status, RecordStatus::Pending);
+    assert_eq!(rec.token, token);
+    assert_eq!(
+        store
+            .complete(&pending, token, b"late", HOUR)
+            .await
+            .expect("complete"),
+        Cas::Applied,
+        "the holder finishes after the restart"
+    );
+    let mut con = redis::Client::open(server.url())
+        .and_then(|c| c.get_connection())
+        .expect("connect");
+    for rid in [&done, &pending] {
+        let ttl: i64 = redis::cmd("PTTL")
+            .arg(store.record_key(rid))
+            .query(&mut con)
+            .expect("PTTL");
+        assert!(ttl > 0, "a record lost its TTL across the restart: {ttl}");
+    }
+}
+
+#[tokio::test]
+async fn unreachable_server_is_a_retryable_error() {
+    // Nothing listens on a port that was free a moment ago.
+    let url = format!("redis://127.0.0.1:{}", free_port());
+    match RedisStore::connect(url.as_str()).await {
+        Err(e @ Error::Backend { .. }) => assert!(e.is_retryable(), "{e:?}"),
+        other => panic!("expected a retryable backend error, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn bad_settings_are_config_errors() {
+    match RedisStore::connect("mongodb://127.0.0.1").await {
+        Err(Error::Config(msg)) => assert!(msg.contains("Redis"), "{msg}"),
+        other => panic!("expected a config error, got {other:?}"),
+    }
+    let store = support::standalone().await.store;
+    for prefix in ["a{b", "}", "x\ny"] {
+        match store.clone().with_prefix(prefix) {
+            Err(Error::Config(msg)) => assert!(!msg.is_empty()),
+            other => panic!("prefix {prefix:?}: expected a config error, got {other:?}"),
+        }
+    }
+    assert_eq!(
+        store.clone().with_prefix("ok:").expect("valid").prefix(),
+        "ok:"
+    );
+}

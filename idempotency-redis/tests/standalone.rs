@@ -1,0 +1,30 @@
+//! The conformance suite and the Redis-specific cases against the standalone server at
+//! `$IDEMPOTENCY_TEST_REDIS_URL` (default `redis://127.0.0.1:6379`).
+
+mod support;
+
+use idempotency_conformance::TestStore;
+use support::scenarios;
+
+async fn factory() -> TestStore {
+    support::standalone().await.into_test_store()
+}
+
+idempotency_conformance::conformance_tests!(factory);
+
+macro_rules! scenario_tests {
+    ($($name:ident),* $(,)?) => {$(
+        #[test]
+        fn $name() {
+            support::run(support::standalone, scenarios::$name);
+        }
+    )*};
+}
+
+scenario_tests!(
+    ttl_after_every_operation,
+    script_flush_mid_run,
+    corrupt_data_is_a_typed_error,
+    hostile_ids_stay_apart,
+    concurrent_reclaims_one_winner,
+);
