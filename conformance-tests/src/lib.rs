@@ -32,7 +32,30 @@ __with_case_list!((list_cases));
 #[macro_export]
 macro_rules! __with_case_list {
     (($($callback:tt)*) $(, $arg:tt)*) => {
-        $($callback)*!($($arg,)* claim_complete_replay, mismatch_leaves_record_unchanged, concurrent_claims_one_winner);
+        $($callback)*!($($arg,)*
+            claim_complete_replay,
+            mismatch_leaves_record_unchanged,
+            concurrent_claims_one_winner,
+            concurrent_reclaims_of_failed_one_winner,
+            lease_passed_one_taker_old_holder_fenced,
+            stale_snapshot_reclaim_loses,
+            live_pending_never_reclaimed,
+            completed_record_is_final,
+            fail_then_reclaim,
+            extend_moves_lease,
+            ttl_expiry,
+            purge_removes_only_expired,
+            scopes_are_independent,
+            hits_are_counted,
+            keys_and_scopes_round_trip,
+            model_based_random_sequences,
+            engine_concurrent_runs_execute_once,
+            engine_panic_releases_key,
+            engine_dropped_work_releases_key,
+            engine_error_not_stored,
+            engine_wait_policy_replays,
+            engine_mismatch,
+        );
     };
 }
 
