@@ -62,9 +62,20 @@ macro_rules! __with_case_list {
 /// Expands to one `#[test]` per conformance case, each running on a fresh tokio runtime with a
 /// fresh store from `$factory`, an `async fn() -> TestStore`.
 ///
-/// ```ignore
-/// async fn factory() -> idempotency_conformance::TestStore { /* build an isolated store */ }
+/// ```
+/// use idempotency_conformance::TestStore;
+/// use idempotency_core::ManualClock;
+/// use idempotency_memory::MemoryStore;
+/// use std::sync::Arc;
+///
+/// // Builds one isolated store per case.
+/// async fn factory() -> TestStore {
+///     let clock = ManualClock::new();
+///     TestStore::manual_time(Arc::new(MemoryStore::with_clock(Arc::new(clock.clone()))), clock)
+/// }
+///
 /// idempotency_conformance::conformance_tests!(factory);
+/// # fn main() {}
 /// ```
 #[macro_export]
 macro_rules! conformance_tests {
