@@ -1,4 +1,5 @@
 #![doc = include_str!("../README.md")]
+#![warn(clippy::unwrap_used)]
 
 use async_trait::async_trait;
 use idempotency_core::{
