@@ -55,6 +55,7 @@ macro_rules! __with_case_list {
             engine_error_not_stored,
             engine_wait_policy_replays,
             engine_mismatch,
+            engine_heartbeat_keeps_long_work_leased,
         );
     };
 }

@@ -31,6 +31,8 @@ enum Bug {
     CompleteWithoutExpiry,
     /// Fail reports success but writes nothing: the key is never released.
     FailWritesNothing,
+    /// Extend reports success but does not move the lease: heartbeats keep nothing alive.
+    ExtendWritesNothing,
 }
 
 #[derive(Debug)]
@@ -132,7 +134,10 @@ impl IdempotencyStore for Broken {
         token: FencingToken,
         lease: Duration,
     ) -> Result<Cas, Error> {
-        self.inner.extend(id, token, lease).await
+        match self.bug {
+            Bug::ExtendWritesNothing => Ok(Cas::Applied),
+            _ => self.inner.extend(id, token, lease).await,
+        }
     }
 
     async fn reclaim(
@@ -290,6 +295,18 @@ fn rejects_fail_that_writes_nothing() {
             "fail_then_reclaim",
             "engine_panic_releases_key",
             "engine_error_not_stored",
+        ],
+    );
+}
+
+#[test]
+fn rejects_extend_that_writes_nothing() {
+    assert_rejected(
+        Bug::ExtendWritesNothing,
+        &[
+            "extend_moves_lease",
+            "model_based_random_sequences",
+            "engine_heartbeat_keeps_long_work_leased",
         ],
     );
 }

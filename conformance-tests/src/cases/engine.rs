@@ -322,3 +322,59 @@ pub async fn engine_mismatch(t: TestStore) {
     );
     assert_eq!(runs.load(Ordering::SeqCst), 1, "the mismatching work ran");
 }
+
+/// A work that runs for longer than its lease keeps the key: the engine's heartbeat extends
+/// the lease through the store, so a retry during the work is told `InProgress` instead of
+/// taking the key over, and the work runs once.
+pub async fn engine_heartbeat_keeps_long_work_leased(t: TestStore) {
+    let lease = Duration::from_millis(900);
+    let e = engine(
+        &t,
+        Policy::default()
+            .lease(lease)
+            .ttl(t.long())
+            .heartbeat(Some(1.0 / 3.0)),
+    );
+    let (key, scope) = fresh_address("heartbeat");
+    let (started_tx, started_rx) = oneshot::channel();
+    let (release_tx, release_rx) = oneshot::channel::<()>();
+    let first = {
+        let (e, key, scope) = (e.clone(), key.clone(), scope.clone());
+        tokio::spawn(async move {
+            e.run(&key, &scope, &fp("hb"), move |_| async move {
+                let _ = started_tx.send(());
+                let _ = release_rx.await;
+                Ok::<_, String>("long work".to_string())
+            })
+            .await
+        })
+    };
+    started_rx.await.expect("the work started");
+    let runs = Arc::new(AtomicUsize::new(0));
+    // Let the store's clock run well past the original lease, in small steps so that the
+    // heartbeat (every lease / 3 of real time) keeps up on a manual clock too.
+    let step = Duration::from_millis(150);
+    for _ in 0..10 {
+        t.advance(step).await;
+        if matches!(t.time, crate::TimeControl::Manual(_)) {
+            tokio::time::sleep(step).await;
+        }
+    }
+    match counted(&e, &key, &scope, &fp("hb"), &runs, "retry").await {
+        Err(Error::InProgress { .. }) => {}
+        other => panic!(
+            "a retry while a heartbeating work runs got {other:?}, expected InProgress (the \
+             lease was not extended)"
+        ),
+    }
+    release_tx.send(()).expect("the work is waiting");
+    match first.await.expect("first task") {
+        Ok(Outcome::Fresh(Ok(v))) => assert_eq!(v, "long work"),
+        other => panic!("the long work got {other:?}, expected its fresh outcome"),
+    }
+    match counted(&e, &key, &scope, &fp("hb"), &runs, "retry").await {
+        Ok(Outcome::Replayed(Ok(v))) => assert_eq!(v, "long work"),
+        other => panic!("a retry after the long work got {other:?}, expected a replay"),
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "a retry's work ran");
+}
