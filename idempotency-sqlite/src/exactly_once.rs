@@ -57,27 +57,30 @@ impl SqliteStore {
         let ctx = lease.context();
         let ttl = lease.ttl();
         let store = self.clone();
-        let step = self
-            .call(move |conn| -> Result<Step<T, E>, Error> {
-                let tx = conn
-                    .transaction_with_behavior(TransactionBehavior::Immediate)
-                    .map_err(|e| store.inner.sql_error(e))?;
-                match work(&tx, &ctx) {
-                    Ok(value) => {
-                        let result: Result<T, E> = Ok(value);
-                        let bytes = serde_json::to_vec(&result)
-                            .map_err(|source| Error::Codec { source })?;
-                        // On LeaseLost `tx` is dropped here, rolling back the business writes.
-                        store.complete_in(&tx, &ctx.id, ctx.token, &bytes, ttl)?;
-                        tx.commit().map_err(|e| store.inner.sql_error(e))?;
-                        Ok(Step::Committed(result))
-                    }
-                    Err(e) => {
-                        drop(tx);
-                        Ok(Step::RolledBack(e))
-                    }
+        let in_tx = self.call(move |conn| -> Result<Step<T, E>, Error> {
+            let tx = conn
+                .transaction_with_behavior(TransactionBehavior::Immediate)
+                .map_err(|e| store.inner.sql_error(e))?;
+            match work(&tx, &ctx) {
+                Ok(value) => {
+                    let result: Result<T, E> = Ok(value);
+                    let bytes =
+                        serde_json::to_vec(&result).map_err(|source| Error::Codec { source })?;
+                    // On LeaseLost `tx` is dropped here, rolling back the business writes.
+                    store.complete_in(&tx, &ctx.id, ctx.token, &bytes, ttl)?;
+                    tx.commit().map_err(|e| store.inner.sql_error(e))?;
+                    Ok(Step::Committed(result))
                 }
-            })
+                Err(e) => {
+                    drop(tx);
+                    Ok(Step::RolledBack(e))
+                }
+            }
+        });
+        // The heartbeat keeps the lease while the call waits its turn on the connection; an
+        // extension queued behind the transaction finds it settled and changes nothing.
+        let step = lease
+            .with_heartbeat(in_tx)
             .await
             .map_err(Error::from)
             .and_then(|r| r);

@@ -1,6 +1,5 @@
 //! Bad input gets a typed error and changes nothing: unwritable paths, files that are not
 //! databases, bad table names, foreign tables, and records whose stored bytes are corrupt.
-#![allow(clippy::unwrap_used)] // helpers outside #[test] fns unwrap too
 
 mod common;
 

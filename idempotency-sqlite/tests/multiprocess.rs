@@ -10,7 +10,6 @@
 //!   caller.
 //! - `crash`: a process claims a key, writes an order in its transaction and aborts before
 //!   committing. The retry is refused while the lease lives, then runs: one order.
-#![allow(clippy::unwrap_used, clippy::expect_used)] // a test binary: failing loudly is the point
 
 use idempotency_core::{
     Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, InFlight, Outcome, Policy,
@@ -231,6 +230,8 @@ async fn child_race() {
         connections => ConnectionMode::BlockingPool { connections },
     };
     let store = SqliteStore::builder(&db).mode(mode).open().await.unwrap();
+    // Every process runs the (already applied) migrations at start-up, as services do.
+    store.migrate().await.unwrap();
     let policy = Policy::default()
         .lease(Duration::from_secs(30))
         .in_flight(InFlight::wait(Duration::from_secs(60)));

@@ -1,6 +1,5 @@
 //! The claim-or-observe statement and the CAS statements, checked field by field against the
 //! `# Behavior` contract, plus the expiry index and purge.
-#![allow(clippy::unwrap_used)] // helpers outside #[test] fns unwrap too
 
 mod common;
 
