@@ -115,7 +115,8 @@ impl PgIdempotency {
                 .begin()
                 .await
                 .map_err(|e| map_sqlx(e, &table, Effect::None))?;
-            let value = match work(&mut tx, lease.context()).await {
+            // The heartbeat extends the lease while the work runs (per the policy).
+            let value = match lease.with_heartbeat(work(&mut tx, lease.context())).await {
                 Ok(value) => value,
                 Err(e) => {
                     let _ = tx.rollback().await;

@@ -131,11 +131,16 @@ pub async fn pool_for(url: &str, level: Isolation, max: u32) -> PgPool {
 
 /// A migrated store in a fresh schema over a pool at `level`.
 pub async fn store(level: Isolation) -> (PostgresStore, SchemaGuard) {
+    store_with(level, 8).await
+}
+
+/// As [`store`], with a pool of `max` connections.
+pub async fn store_with(level: Isolation, max: u32) -> (PostgresStore, SchemaGuard) {
     let guard = SchemaGuard::new();
     let store = PostgresStore::builder()
         .schema(&guard.schema)
         .table("records")
-        .build(pool(level, 8).await)
+        .build(pool(level, max).await)
         .expect("valid names");
     store.migrate().await.expect("migrate");
     (store, guard)
