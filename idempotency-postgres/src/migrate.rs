@@ -120,6 +120,14 @@ async fn migrate_once(conn: &mut PgConnection, name: &TableName) -> Result<(), P
             None,
         ));
     }
+    if applied.is_empty() {
+        // No migration recorded but a table by that name exists: someone else's table, or
+        // one created by hand. Adopt it only if it has our shape.
+        match verify(&mut tx, name).await {
+            Ok(()) | Err(PostgresError::MissingTable { .. }) => {}
+            Err(e) => return Err(e),
+        }
+    }
     for m in MIGRATIONS.iter().filter(|m| !applied.contains(&m.version)) {
         sqlx::raw_sql(&render(m.sql, name))
             .execute(&mut *tx)

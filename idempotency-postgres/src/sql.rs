@@ -56,8 +56,8 @@ impl Statements {
         // - no row: inserts a Pending record with token 1;
         // - an expired row (expires_at <= now): replaces every field, token + 1, hits 0;
         // - a live row: only hits + 1 (every other column is set to itself).
-        // A claim always leaves hits = 0 and an observation hits >= 1, which tells the
-        // decoder which happened.
+        // A claim leaves hits = 0 and created_at = now, an observation adds one to hits, which
+        // tells the decoder which happened.
         //
         // Hit accounting without a WAL flush per replay: when the statement only counted a hit,
         // `set_config('synchronous_commit', 'off', true)` makes its implicit transaction commit

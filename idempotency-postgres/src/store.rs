@@ -442,7 +442,12 @@ impl IdempotencyStore for PostgresStore {
             .await?;
         let table = &*self.qualified;
         let hits: i64 = get(&row, "hits", table)?;
-        if hits == 0 {
+        let created_ms: i64 = get(&row, "created_ms", table)?;
+        let now_ms: i64 = get(&row, "now_ms", table)?;
+        // A claim leaves hits = 0 and created_at = this statement's now; an observation adds
+        // one to the stored hits, so even a corrupt negative count is not taken for a claim
+        // unless the record was also created in this very millisecond.
+        if hits == 0 && created_ms == now_ms {
             // Claimed: a fresh record, or an expired one replaced.
             let token: i64 = get(&row, "token", table)?;
             let lease_until: Option<i64> = get(&row, "lease_until_ms", table)?;
@@ -458,8 +463,10 @@ impl IdempotencyStore for PostgresStore {
             });
         }
         let record = decode_record(&row, &request.id, table)?;
-        let now = Timestamp::from_millis(get(&row, "now_ms", table)?);
-        Ok(Claim::Existing { record, now })
+        Ok(Claim::Existing {
+            record,
+            now: Timestamp::from_millis(now_ms),
+        })
     }
 
     async fn complete(
