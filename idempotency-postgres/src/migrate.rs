@@ -7,7 +7,7 @@
 
 use crate::error::is_serialization_failure;
 use crate::{PostgresError, TableName};
-use sqlx::{PgConnection, Row};
+use sqlx::{Executor, PgConnection, Row};
 
 /// One migration: a version, a description and SQL with `{records}`/`{expires_index}`
 /// placeholders.
@@ -64,13 +64,31 @@ async fn migrate_once(conn: &mut PgConnection, name: &TableName) -> Result<(), P
         name.quoted_schema(),
         name.derived("migrations")
     );
+    let mut tx = sqlx::Connection::begin(&mut *conn).await.map_err(db)?;
+    apply(&mut tx, name, &qualified, &migrations_table).await?;
+    tx.commit().await.map_err(db)
+}
+
+/// The body of [`migrate_once`], on the open transaction. A plain `&mut PgConnection` (rather
+/// than the `Transaction`) keeps the future `Send` for any lifetime, so `migrate()` can run in
+/// a spawned task.
+async fn apply(
+    tx: &mut PgConnection,
+    name: &TableName,
+    qualified: &str,
+    migrations_table: &str,
+) -> Result<(), PostgresError> {
     let migrate_err = |detail: String, source: Option<sqlx::Error>| PostgresError::Migrate {
-        table: qualified.clone(),
+        table: qualified.to_owned(),
         detail,
         source,
     };
-
-    let mut tx = sqlx::Connection::begin(&mut *conn).await.map_err(db)?;
+    // READ COMMITTED whatever the session's default: every statement after the lock must see
+    // what the previous holder of the lock committed (at REPEATABLE READ the snapshot would be
+    // taken before the lock is granted).
+    tx.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
+        .await
+        .map_err(db)?;
     sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1, 0))")
         .bind(format!("idempotency-postgres migrate {qualified}"))
         .execute(&mut *tx)
@@ -85,21 +103,21 @@ async fn migrate_once(conn: &mut PgConnection, name: &TableName) -> Result<(), P
             .await
             .map_err(db)?;
     if !schema_exists {
-        sqlx::raw_sql(&format!("CREATE SCHEMA {}", name.quoted_schema()))
-            .execute(&mut *tx)
+        let create = format!("CREATE SCHEMA IF NOT EXISTS {}", name.quoted_schema());
+        tx.execute(create.as_str())
             .await
             .map_err(|e| migrate_err("cannot create the schema".into(), Some(e)))?;
     }
-    sqlx::raw_sql(&format!(
+    let create = format!(
         "CREATE TABLE IF NOT EXISTS {migrations_table} (
             version     integer     PRIMARY KEY,
             description text        NOT NULL,
             applied_at  timestamptz NOT NULL DEFAULT now()
         )"
-    ))
-    .execute(&mut *tx)
-    .await
-    .map_err(|e| migrate_err("cannot create the migrations table".into(), Some(e)))?;
+    );
+    tx.execute(create.as_str())
+        .await
+        .map_err(|e| migrate_err("cannot create the migrations table".into(), Some(e)))?;
     let applied: Vec<i32> = sqlx::query_scalar(&format!(
         "SELECT version FROM {migrations_table} ORDER BY version"
     ))
@@ -123,21 +141,20 @@ async fn migrate_once(conn: &mut PgConnection, name: &TableName) -> Result<(), P
     if applied.is_empty() {
         // No migration recorded but a table by that name exists: someone else's table, or
         // one created by hand. Adopt it only if it has our shape.
-        match verify(&mut tx, name).await {
+        match verify(&mut *tx, name).await {
             Ok(()) | Err(PostgresError::MissingTable { .. }) => {}
             Err(e) => return Err(e),
         }
     }
     for m in MIGRATIONS.iter().filter(|m| !applied.contains(&m.version)) {
-        sqlx::raw_sql(&render(m.sql, name))
-            .execute(&mut *tx)
-            .await
-            .map_err(|e| {
-                migrate_err(
-                    format!("migration {} ({}) failed", m.version, m.description),
-                    Some(e),
-                )
-            })?;
+        // Sent as a simple query: a migration file holds several statements.
+        let sql = render(m.sql, name);
+        tx.execute(sql.as_str()).await.map_err(|e| {
+            migrate_err(
+                format!("migration {} ({}) failed", m.version, m.description),
+                Some(e),
+            )
+        })?;
         sqlx::query(&format!(
             "INSERT INTO {migrations_table} (version, description) VALUES ($1, $2)"
         ))
@@ -149,8 +166,7 @@ async fn migrate_once(conn: &mut PgConnection, name: &TableName) -> Result<(), P
     }
     // A table of another shape that happened to have our name would have been left alone by
     // CREATE TABLE IF NOT EXISTS: refuse it, and roll back.
-    verify(&mut tx, name).await?;
-    tx.commit().await.map_err(db)
+    verify(tx, name).await
 }
 
 /// Expected columns: name, `format_type` of the type.
