@@ -29,3 +29,46 @@ scenario_tests!(
     hostile_ids_stay_apart,
     concurrent_reclaims_one_winner,
 );
+
+/// The cases above only prove cluster-safety if records land on different nodes: 60 records
+/// must reach every primary (each node's SCAN finds some), each readable through the cluster
+/// client.
+async fn records_spread_over_every_primary(h: support::Harness) {
+    use idempotency_core::{Claim, ClaimRequest, Fingerprint, IdempotencyStore};
+    use std::time::Duration;
+
+    let ids: Vec<_> = (0..60)
+        .map(|_| idempotency_conformance::cases::unique_id("spread"))
+        .collect();
+    for id in &ids {
+        let req = ClaimRequest {
+            id: id.clone(),
+            fingerprint: Fingerprint::from_bytes(b"x"),
+            lease: Duration::from_secs(60),
+            ttl: Duration::from_secs(60),
+        };
+        assert!(matches!(
+            h.store.claim(&req).await.expect("claim"),
+            Claim::Claimed { .. }
+        ));
+    }
+    for node in h.topology.nodes() {
+        let mut con = redis::Client::open(node.as_str())
+            .and_then(|c| c.get_connection())
+            .expect("connect to a node");
+        // SCAN lists only the keys this node holds.
+        let pattern = format!("{}*", h.store.prefix());
+        let here = redis::Commands::scan_match::<_, String>(&mut con, &pattern)
+            .expect("SCAN")
+            .count();
+        assert!(here > 0, "no record landed on {node}");
+    }
+    for id in &ids {
+        assert!(h.store.get(id).await.expect("get").is_some());
+    }
+}
+
+#[test]
+fn records_reach_every_primary() {
+    support::run(support::cluster, records_spread_over_every_primary);
+}

@@ -4,8 +4,8 @@
 mod support;
 
 use idempotency_core::{
-    Cas, Claim, ClaimRequest, Error, Fingerprint, IdempotencyKey, IdempotencyStore, RecordId,
-    RecordStatus, Scope,
+    Cas, Claim, ClaimRequest, Error, Fingerprint, IdempotencyKey, IdempotencyStore, Reclaim,
+    RecordId, RecordStatus, Scope,
 };
 use idempotency_redis::RedisStore;
 use std::time::{Duration, Instant};
@@ -175,5 +175,127 @@ async fn bad_settings_are_config_errors() {
     assert_eq!(
         store.clone().with_prefix("ok:").expect("valid").prefix(),
         "ok:"
+    );
+}
+
+/// Counts per command since the last `CONFIG RESETSTAT`, from `INFO commandstats`.
+fn command_calls(con: &mut redis::Connection) -> Vec<(String, u64)> {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query(con)
+        .expect("INFO");
+    info.lines()
+        .filter_map(|l| l.strip_prefix("cmdstat_"))
+        .filter_map(|l| {
+            let (name, rest) = l.split_once(':')?;
+            let calls = rest
+                .strip_prefix("calls=")?
+                .split(',')
+                .next()?
+                .parse()
+                .ok()?;
+            Some((name.to_owned(), calls))
+        })
+        .collect()
+}
+
+/// On a server of its own, each store operation reaches Redis as exactly one `EVALSHA`:
+/// every other command the server counts is one the scripts run inside themselves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_operation_is_one_evalsha() {
+    let server = RedisServer::start_anywhere(&["--appendonly", "no"]);
+    let store = RedisStore::connect(server.url()).await.expect("connect");
+    let mut con = redis::Client::open(server.url())
+        .and_then(|c| c.get_connection())
+        .expect("connect");
+
+    // Warm up: the first call of each script goes through the NOSCRIPT fallback.
+    let warm = id();
+    let Claim::Claimed { token, .. } = store.claim(&req(&warm)).await.expect("claim") else {
+        panic!("fresh key observed");
+    };
+    store.extend(&warm, token, HOUR).await.expect("extend");
+    store
+        .fail(
+            &warm,
+            token,
+            &idempotency_core::Failure::retryable("x"),
+            HOUR,
+        )
+        .await
+        .expect("fail");
+    let Reclaim::Reclaimed { token, .. } = store
+        .reclaim(&warm, token, &req(&warm).fingerprint, HOUR, HOUR)
+        .await
+        .expect("reclaim")
+    else {
+        panic!("reclaim lost");
+    };
+    store
+        .complete(&warm, token, b"w", HOUR)
+        .await
+        .expect("complete");
+    store.get(&warm).await.expect("get");
+
+    let _: () = redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query(&mut con)
+        .expect("RESETSTAT");
+    let mut ops = 0;
+    for _ in 0..5 {
+        let rid = id();
+        let Claim::Claimed { token, .. } = store.claim(&req(&rid)).await.expect("claim") else {
+            panic!("fresh key observed");
+        };
+        store.extend(&rid, token, HOUR).await.expect("extend");
+        store
+            .fail(
+                &rid,
+                token,
+                &idempotency_core::Failure::retryable("x"),
+                HOUR,
+            )
+            .await
+            .expect("fail");
+        let Reclaim::Reclaimed { token, .. } = store
+            .reclaim(&rid, token, &req(&rid).fingerprint, HOUR, HOUR)
+            .await
+            .expect("reclaim")
+        else {
+            panic!("reclaim lost");
+        };
+        store
+            .complete(&rid, token, b"done", HOUR)
+            .await
+            .expect("complete");
+        store.claim(&req(&rid)).await.expect("hit");
+        store.get(&rid).await.expect("get");
+        ops += 7;
+    }
+    let calls = command_calls(&mut con);
+    let inside_scripts = [
+        "time",
+        "type",
+        "hgetall",
+        "hset",
+        "hdel",
+        "hincrby",
+        "pexpireat",
+        "del",
+    ];
+    for (name, n) in &calls {
+        match name.as_str() {
+            "evalsha" => assert_eq!(*n, ops, "{ops} operations sent {n} EVALSHA"),
+            // This check's own RESETSTAT and INFO.
+            "config|resetstat" | "info" => {}
+            other => assert!(
+                inside_scripts.contains(&other),
+                "the store sent {other} ({n} calls) besides its scripts: {calls:?}"
+            ),
+        }
+    }
+    assert!(
+        calls.iter().any(|(name, _)| name == "evalsha"),
+        "no EVALSHA counted: {calls:?}"
     );
 }
