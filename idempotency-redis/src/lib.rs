@@ -32,6 +32,9 @@ pub const DEFAULT_EXPIRED_RETENTION: Duration = Duration::from_secs(3600);
 /// Durations handed to the scripts are capped at 1000 years so that every sum the scripts
 /// compute stays an exact integer in Lua's doubles.
 const MAX_DURATION_MS: i64 = 1000 * 365 * 24 * 3600 * 1000;
+// A stored expiry (at most 15 digits) plus a retention, or now plus two capped durations,
+// stays below 2^53.
+const _: () = assert!(1_000_000_000_000_000 + 2 * MAX_DURATION_MS < 1 << 53);
 
 /// Timeouts of the connections [`RedisStore::connect`] and [`RedisStore::connect_cluster`]
 /// open. A call that times out after being sent is reported as
@@ -450,5 +453,57 @@ impl IdempotencyStore for RedisStore {
     /// retention), so there is nothing to purge: always 0.
     async fn purge_expired(&self, _batch: usize) -> Result<u64, Error> {
         Ok(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io;
+
+    #[test]
+    fn errors_say_whether_the_script_may_have_run() {
+        let refused = RedisError::from(io::Error::from(io::ErrorKind::ConnectionRefused));
+        assert!(matches!(
+            call_error(refused),
+            Error::Backend {
+                retryable: true,
+                ..
+            }
+        ));
+        for kind in [
+            io::ErrorKind::BrokenPipe,
+            io::ErrorKind::ConnectionReset,
+            io::ErrorKind::TimedOut,
+        ] {
+            let e = call_error(RedisError::from(io::Error::from(kind)));
+            assert!(matches!(e, Error::OutcomeUnknown { .. }), "{kind:?}: {e:?}");
+            assert!(e.is_retryable());
+            assert!(matches!(
+                read_error(e),
+                Error::Backend {
+                    retryable: true,
+                    ..
+                }
+            ));
+        }
+        let busy = RedisError::from((ErrorKind::TryAgain, "TRYAGAIN"));
+        assert!(call_error(busy).is_retryable());
+        let bug = RedisError::from((ErrorKind::ResponseError, "ERR bad"));
+        assert!(matches!(
+            call_error(bug),
+            Error::Backend {
+                retryable: false,
+                ..
+            }
+        ));
+        let crossslot = RedisError::from((ErrorKind::CrossSlot, "CROSSSLOT"));
+        assert!(!call_error(crossslot).is_retryable());
+    }
+
+    #[test]
+    fn durations_stay_exact_in_lua() {
+        assert_eq!(clamp_ms(Duration::MAX), MAX_DURATION_MS);
+        assert_eq!(clamp_ms(Duration::from_micros(1)), 1);
     }
 }
