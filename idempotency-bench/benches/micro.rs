@@ -35,7 +35,10 @@ fn body_1k() -> Vec<u8> {
             i * 100
         ));
     }
-    let body = format!(r#"{{"customer":"c_42","items":[{}],"a":true}}"#, items.join(","));
+    let body = format!(
+        r#"{{"customer":"c_42","items":[{}],"a":true}}"#,
+        items.join(",")
+    );
     body.into_bytes()
 }
 
@@ -44,10 +47,21 @@ fn benches(c: &mut Criterion) {
     let fp = Fingerprint::from_bytes(b"a");
     let now = Timestamp::from_millis(1_000);
     c.bench_function("decide (completed, same fingerprint)", |b| {
-        b.iter(|| decide(black_box(Some(&r)), black_box(&fp), now, DecisionOptions::default()))
+        b.iter(|| {
+            decide(
+                black_box(Some(&r)),
+                black_box(&fp),
+                now,
+                DecisionOptions::default(),
+            )
+        })
     });
     let body = body_1k();
-    assert!((900..1300).contains(&body.len()), "body is {} bytes", body.len());
+    assert!(
+        (900..1300).contains(&body.len()),
+        "body is {} bytes",
+        body.len()
+    );
     c.bench_function("fingerprint 1 KiB JSON body (canonical)", |b| {
         b.iter(|| {
             Fingerprint::builder()

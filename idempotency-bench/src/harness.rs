@@ -96,9 +96,15 @@ pub fn key(run: &str, client: usize, i: usize) -> IdempotencyKey {
 }
 
 /// One new-key cycle through the engine: claim, run, complete.
-pub async fn engine_cycle(engine: &Idempotency, scope: &Scope, key: &IdempotencyKey) -> Result<(), BoxError> {
+pub async fn engine_cycle(
+    engine: &Idempotency,
+    scope: &Scope,
+    key: &IdempotencyKey,
+) -> Result<(), BoxError> {
     let out = engine
-        .run(key, scope, &fingerprint(), |_| async { Ok::<_, String>(OUTCOME.to_owned()) })
+        .run(key, scope, &fingerprint(), |_| async {
+            Ok::<_, String>(OUTCOME.to_owned())
+        })
         .await?;
     if out.is_replayed() {
         return Err("a new key was replayed".into());
@@ -107,9 +113,15 @@ pub async fn engine_cycle(engine: &Idempotency, scope: &Scope, key: &Idempotency
 }
 
 /// One replay through the engine; fails if the work would have run.
-pub async fn engine_replay(engine: &Idempotency, scope: &Scope, key: &IdempotencyKey) -> Result<(), BoxError> {
+pub async fn engine_replay(
+    engine: &Idempotency,
+    scope: &Scope,
+    key: &IdempotencyKey,
+) -> Result<(), BoxError> {
     let out = engine
-        .run(key, scope, &fingerprint(), |_| async { Ok::<_, String>(String::from("must not run")) })
+        .run(key, scope, &fingerprint(), |_| async {
+            Ok::<_, String>(String::from("must not run"))
+        })
         .await?;
     if !out.is_replayed() {
         return Err("a completed key ran its work again".into());
@@ -127,11 +139,20 @@ pub async fn store_cycle(store: &dyn IdempotencyStore, id: RecordId) -> Result<(
     };
     match store.claim(&req).await? {
         Claim::Claimed { token, .. } => {
-            store.complete(&req.id, token, OUTCOME.as_bytes(), req.ttl).await?;
+            store
+                .complete(&req.id, token, engine_outcome(), req.ttl)
+                .await?;
             Ok(())
         }
         Claim::Existing { .. } => Err("a new key was found existing".into()),
     }
+}
+
+/// [`OUTCOME`] as the engine stores it (`Ok` of a JSON string), so keys filled through the
+/// store API replay through the engine.
+pub fn engine_outcome() -> &'static [u8] {
+    static BYTES: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+    BYTES.get_or_init(|| serde_json::to_vec(&Ok::<&str, String>(OUTCOME)).expect("serialize"))
 }
 
 /// How the 64 callers of the same-key race were answered.
@@ -151,7 +172,12 @@ pub async fn same_key_race(engine: &Idempotency, run: &str) -> RaceReport {
     let key = IdempotencyKey::new(format!("{run}-race")).expect("valid key");
     let mut tasks = Vec::new();
     for _ in 0..64 {
-        let (engine, key, executions, barrier) = (engine.clone(), key.clone(), executions.clone(), barrier.clone());
+        let (engine, key, executions, barrier) = (
+            engine.clone(),
+            key.clone(),
+            executions.clone(),
+            barrier.clone(),
+        );
         tasks.push(tokio::spawn(async move {
             barrier.wait().await;
             engine

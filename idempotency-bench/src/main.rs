@@ -6,10 +6,12 @@
 
 mod harness;
 mod memory;
+mod sqlite;
 mod stats;
 
 use harness::{Backend, Budget};
 use idempotency_core::{BoxError, IdempotencyStore, RecordId};
+use idempotency_sqlite::ConnectionMode;
 use stats::{fmt_latency, Summary};
 use std::sync::Arc;
 use std::time::Duration;
@@ -37,7 +39,9 @@ fn parse_args() -> Result<Args, String> {
             "--backend" => {
                 let v = value()?;
                 args.backends = if v == "all" {
-                    ["memory", "sqlite", "postgres", "redis"].map(String::from).to_vec()
+                    ["memory", "sqlite", "postgres", "redis"]
+                        .map(String::from)
+                        .to_vec()
                 } else {
                     v.split(',').map(String::from).collect()
                 };
@@ -64,13 +68,32 @@ fn parse_args() -> Result<Args, String> {
 
 fn parse_list(s: &str) -> Result<Vec<usize>, String> {
     s.split(',')
-        .map(|p| p.trim().replace('_', "").parse::<usize>().map_err(|e| format!("{p:?}: {e}")))
+        .map(|p| {
+            p.trim()
+                .replace('_', "")
+                .parse::<usize>()
+                .map_err(|e| format!("{p:?}: {e}"))
+        })
         .collect()
 }
 
-fn make_backend(name: &str) -> Result<Backend, BoxError> {
+/// A backend to measure, with whatever must live as long as it (a temp dir, a schema).
+type Prepared = (Backend, Box<dyn std::any::Any>);
+
+async fn make_backends(name: &str) -> Result<Vec<Prepared>, BoxError> {
     match name {
-        "memory" => Ok(memory::backend()),
+        "memory" => Ok(vec![(memory::backend(), Box::new(()))]),
+        "sqlite" => {
+            let (thread, d1) =
+                sqlite::backend("sqlite (dedicated thread)", ConnectionMode::DedicatedThread)
+                    .await?;
+            let (pool, d2) = sqlite::backend(
+                "sqlite (spawn_blocking pool of 4)",
+                ConnectionMode::BlockingPool { connections: 4 },
+            )
+            .await?;
+            Ok(vec![(thread, Box::new(d1)), (pool, Box::new(d2))])
+        }
         other => Err(format!("backend {other:?} is not in the harness yet").into()),
     }
 }
@@ -115,7 +138,10 @@ async fn bench_backend(b: &Backend, args: &Args) -> Result<(), BoxError> {
         let t = format!("{tag}-raw");
         let base = harness::measure(clients, budget, move |c, i| {
             let (raw, k) = (raw.clone(), harness::key(&t, c, i));
-            async move { raw.new_key_cycle(k.as_str(), harness::OUTCOME.as_bytes()).await }
+            async move {
+                raw.new_key_cycle(k.as_str(), harness::OUTCOME.as_bytes())
+                    .await
+            }
         })
         .await?;
         row("new-key cycle", clients, &ours, Some(&base));
@@ -132,7 +158,11 @@ async fn bench_backend(b: &Backend, args: &Args) -> Result<(), BoxError> {
     for &clients in &args.clients {
         let (e, s, t) = (engine.clone(), harness::scope(), tag.clone());
         let ours = harness::measure(clients, budget, move |c, i| {
-            let (e, s, k) = (e.clone(), s.clone(), harness::key(&t, 0, (c * 7919 + i) % pool));
+            let (e, s, k) = (
+                e.clone(),
+                s.clone(),
+                harness::key(&t, 0, (c * 7919 + i) % pool),
+            );
             async move { harness::engine_replay(&e, &s, &k).await }
         })
         .await?;
@@ -197,7 +227,14 @@ async fn round_trips(
     }
     let c1 = counter.count().await?;
     for (id, token) in ids.iter().zip(&tokens) {
-        store.complete(id, *token, harness::OUTCOME.as_bytes(), Duration::from_secs(3600)).await?;
+        store
+            .complete(
+                id,
+                *token,
+                harness::OUTCOME.as_bytes(),
+                Duration::from_secs(3600),
+            )
+            .await?;
     }
     let c2 = counter.count().await?;
     for id in &ids {
@@ -228,23 +265,42 @@ fn rss_bytes() -> Option<u64> {
     Some(pages * 4096)
 }
 
-async fn memory_scaling(args: &Args) -> Result<(), BoxError> {
-    println!("\n## memory store at scale\n");
+/// Cost per operation as the number of live keys grows: replay of a random live key and a
+/// new-key cycle, one client. For the memory store also the resident memory per record.
+async fn scaling(kind: &str, args: &Args) -> Result<(), BoxError> {
+    println!("\n## {kind} at scale\n");
     println!("| live keys | RSS per record | replay ops/s (1 client) | replay p50 | new-key cycle ops/s | new-key p50 |");
     println!("|---|---|---|---|---|---|");
     let budget = Budget {
-        ops: args.ops.min(50_000),
+        ops: args.ops.min(20_000),
         duration: args.duration,
     };
     for &n in &args.sizes {
-        let store: Arc<dyn IdempotencyStore> = Arc::new(idempotency_memory::MemoryStore::new());
         let before = rss_bytes().unwrap_or(0);
-        for i in 0..n {
-            let id = RecordId::new(harness::scope(), harness::key("fill", 0, i));
-            harness::store_cycle(store.as_ref(), id).await?;
-        }
-        let after = rss_bytes().unwrap_or(0);
-        let per_record = after.saturating_sub(before) as f64 / n as f64;
+        let mut _guard: Option<tempfile::TempDir> = None;
+        let store: Arc<dyn IdempotencyStore> = match kind {
+            "memory" => {
+                let store = Arc::new(idempotency_memory::MemoryStore::new());
+                for i in 0..n {
+                    let id = RecordId::new(harness::scope(), harness::key("fill", 0, i));
+                    harness::store_cycle(store.as_ref(), id).await?;
+                }
+                store
+            }
+            _ => {
+                let (store, dir) = sqlite::open(ConnectionMode::DedicatedThread).await?;
+                sqlite::fill(&store, n, harness::engine_outcome()).await?;
+                _guard = Some(dir);
+                Arc::new(store)
+            }
+        };
+        let per_record = match kind {
+            "memory" => format!(
+                "{:.0} B",
+                rss_bytes().unwrap_or(0).saturating_sub(before) as f64 / n as f64
+            ),
+            _ => "–".to_owned(),
+        };
         let engine = harness::engine(store.clone())?;
         let e = engine.clone();
         let replay = harness::measure(1, budget, move |_, i| {
@@ -259,14 +315,12 @@ async fn memory_scaling(args: &Args) -> Result<(), BoxError> {
         })
         .await?;
         println!(
-            "| {n} | {per_record:.0} B | {:.0} | {} | {:.0} | {} |",
+            "| {n} | {per_record} | {:.0} | {} | {:.0} | {} |",
             replay.ops_per_sec(),
             fmt_latency(replay.p50),
             fresh.ops_per_sec(),
             fmt_latency(fresh.p50)
         );
-        drop(engine);
-        drop(store);
     }
     Ok(())
 }
@@ -289,13 +343,16 @@ fn main() {
             args.ops,
             args.duration,
             args.clients,
-            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
         );
         for name in &args.backends {
-            let backend = make_backend(name)?;
-            bench_backend(&backend, &args).await?;
-            if name == "memory" {
-                memory_scaling(&args).await?;
+            for (backend, _guard) in make_backends(name).await? {
+                bench_backend(&backend, &args).await?;
+            }
+            if name == "memory" || name == "sqlite" {
+                scaling(name, &args).await?;
             }
         }
         Ok(())

@@ -16,7 +16,11 @@ pub struct RawMemory {
 #[async_trait]
 impl RawBaseline for RawMemory {
     async fn new_key_cycle(&self, key: &str, outcome: &[u8]) -> Result<(), BoxError> {
-        let inserted = self.map.lock().insert(key.to_owned(), (false, Vec::new())).is_none();
+        let inserted = self
+            .map
+            .lock()
+            .insert(key.to_owned(), (false, Vec::new()))
+            .is_none();
         if !inserted {
             return Err("key existed".into());
         }
