@@ -18,138 +18,14 @@ use idempotency_core::{
 use idempotency_postgres::sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
 use idempotency_postgres::sqlx::{self, Executor};
 use idempotency_postgres::{PgIdempotency, PostgresStore};
+use idempotency_testing::pg_wire::{CountingProxy, Counts};
 use std::str::FromStr;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-
-#[derive(Default, Debug)]
-struct Counters {
-    /// `Sync` after Parse/Bind/Execute…: one extended-protocol round trip carrying statements.
-    statement_syncs: AtomicU64,
-    /// `Sync` alone: a liveness ping.
-    bare_syncs: AtomicU64,
-    /// `Query`: one simple-protocol round trip (BEGIN, COMMIT…).
-    simple_queries: AtomicU64,
-    /// `Parse`: a statement being prepared.
-    parses: AtomicU64,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-struct Counts {
-    statement_syncs: u64,
-    bare_syncs: u64,
-    simple_queries: u64,
-    parses: u64,
-}
-
-impl Counts {
-    /// Round trips that carried statements.
-    fn round_trips(&self) -> u64 {
-        self.statement_syncs + self.simple_queries
-    }
-}
-
-impl std::ops::Sub for Counts {
-    type Output = Counts;
-    fn sub(self, o: Counts) -> Counts {
-        Counts {
-            statement_syncs: self.statement_syncs - o.statement_syncs,
-            bare_syncs: self.bare_syncs - o.bare_syncs,
-            simple_queries: self.simple_queries - o.simple_queries,
-            parses: self.parses - o.parses,
-        }
-    }
-}
-
-impl Counters {
-    fn snapshot(&self) -> Counts {
-        Counts {
-            statement_syncs: self.statement_syncs.load(Ordering::SeqCst),
-            bare_syncs: self.bare_syncs.load(Ordering::SeqCst),
-            simple_queries: self.simple_queries.load(Ordering::SeqCst),
-            parses: self.parses.load(Ordering::SeqCst),
-        }
-    }
-}
-
-/// A counting proxy on a free loopback port in front of `upstream`.
-async fn start_proxy(upstream: String) -> (u16, Arc<Counters>) {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let counters = Arc::new(Counters::default());
-    let c = counters.clone();
-    tokio::spawn(async move {
-        while let Ok((client, _)) = listener.accept().await {
-            let server = TcpStream::connect(&upstream).await.unwrap();
-            let (mut client_rd, mut client_wr) = client.into_split();
-            let (mut server_rd, mut server_wr) = server.into_split();
-            tokio::spawn(async move {
-                let _ = tokio::io::copy(&mut server_rd, &mut client_wr).await;
-            });
-            let c = c.clone();
-            tokio::spawn(async move {
-                let _ = pump(&mut client_rd, &mut server_wr, &c).await;
-                let _ = server_wr.shutdown().await;
-            });
-        }
-    });
-    (port, counters)
-}
-
-/// Forwards client→server traffic, counting frontend messages.
-async fn pump(
-    from: &mut (impl AsyncReadExt + Unpin),
-    to: &mut (impl AsyncWriteExt + Unpin),
-    c: &Counters,
-) -> std::io::Result<()> {
-    // Startup: untyped messages (length, then a code); SSL/GSS requests come before the real
-    // startup message.
-    loop {
-        let len = from.read_u32().await?;
-        let mut body = vec![0; len as usize - 4];
-        from.read_exact(&mut body).await?;
-        to.write_all(&len.to_be_bytes()).await?;
-        to.write_all(&body).await?;
-        let code = u32::from_be_bytes([body[0], body[1], body[2], body[3]]);
-        if code != 80_877_103 && code != 80_877_104 {
-            break;
-        }
-    }
-    let mut since_sync = 0u32;
-    loop {
-        let kind = from.read_u8().await?;
-        let len = from.read_u32().await?;
-        let mut body = vec![0; len as usize - 4];
-        from.read_exact(&mut body).await?;
-        match kind {
-            b'S' if since_sync == 0 => {
-                c.bare_syncs.fetch_add(1, Ordering::SeqCst);
-            }
-            b'S' => {
-                c.statement_syncs.fetch_add(1, Ordering::SeqCst);
-                since_sync = 0;
-            }
-            b'Q' => {
-                c.simple_queries.fetch_add(1, Ordering::SeqCst);
-            }
-            b'P' => {
-                c.parses.fetch_add(1, Ordering::SeqCst);
-                since_sync += 1;
-            }
-            _ => since_sync += 1,
-        }
-        to.write_all(&[kind]).await?;
-        to.write_all(&len.to_be_bytes()).await?;
-        to.write_all(&body).await?;
-    }
-}
 
 struct Rig {
     store: PostgresStore,
-    counters: Arc<Counters>,
+    proxy: CountingProxy,
     _guard: SchemaGuard,
 }
 
@@ -159,7 +35,8 @@ async fn rig() -> Rig {
     drop(direct);
     let options = PgConnectOptions::from_str(&common::url()).unwrap();
     let upstream = format!("{}:{}", options.get_host(), options.get_port());
-    let (port, counters) = start_proxy(upstream).await;
+    let proxy = CountingProxy::start(upstream).await.unwrap();
+    let port = proxy.port();
     let options = options
         .host("127.0.0.1")
         .port(port)
@@ -177,7 +54,7 @@ async fn rig() -> Rig {
         .unwrap();
     Rig {
         store,
-        counters,
+        proxy,
         _guard: guard,
     }
 }
@@ -186,10 +63,10 @@ impl Rig {
     /// Runs `op` and returns what it sent, once the pool's background release has settled.
     async fn count<F: std::future::Future>(&self, op: F) -> (F::Output, Counts) {
         tokio::time::sleep(Duration::from_millis(30)).await;
-        let before = self.counters.snapshot();
+        let before = self.proxy.snapshot();
         let out = op.await;
         tokio::time::sleep(Duration::from_millis(30)).await;
-        (out, self.counters.snapshot() - before)
+        (out, self.proxy.snapshot() - before)
     }
 }
 

@@ -1,0 +1,203 @@
+//! The workloads, run the same way against every backend.
+
+use crate::stats::Summary;
+use async_trait::async_trait;
+use idempotency_core::{
+    BoxError, Claim, ClaimRequest, Error, Fingerprint, Idempotency, IdempotencyKey,
+    IdempotencyStore, Policy, RecordId, Scope,
+};
+use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// A ~40-byte outcome, as the issue asks.
+pub const OUTCOME: &str = "{\"order_id\":\"ord_0123456789\",\"ok\":true}";
+
+/// What a hand-written implementation would send for each workload, on the same driver and
+/// connection settings as the store.
+#[async_trait]
+pub trait RawBaseline: Send + Sync {
+    /// Insert-if-absent of a pending row, then mark it completed with the outcome.
+    async fn new_key_cycle(&self, key: &str, outcome: &[u8]) -> Result<(), BoxError>;
+    /// Read a completed key's outcome.
+    async fn replay(&self, key: &str) -> Result<Option<Vec<u8>>, BoxError>;
+}
+
+/// Counts the round trips (statements, commands) the backend has served so far.
+#[async_trait]
+pub trait RoundTripCounter: Send + Sync {
+    async fn count(&self) -> Result<u64, BoxError>;
+}
+
+/// One backend, ready to measure.
+pub struct Backend {
+    pub name: &'static str,
+    pub store: Arc<dyn IdempotencyStore>,
+    pub raw: Arc<dyn RawBaseline>,
+    pub round_trips: Option<Arc<dyn RoundTripCounter>>,
+}
+
+/// How long each measurement runs: until `ops` operations or `duration`, whichever is first.
+#[derive(Clone, Copy, Debug)]
+pub struct Budget {
+    pub ops: usize,
+    pub duration: Duration,
+}
+
+/// Runs `op(client, i)` from `clients` concurrent tasks and summarises the latencies.
+pub async fn measure<F, Fut>(clients: usize, budget: Budget, op: F) -> Result<Summary, BoxError>
+where
+    F: Fn(usize, usize) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), BoxError>> + Send,
+{
+    let op = Arc::new(op);
+    let per_client = budget.ops.div_ceil(clients).max(1);
+    let start = Instant::now();
+    let deadline = start + budget.duration;
+    let mut tasks = Vec::with_capacity(clients);
+    for c in 0..clients {
+        let op = op.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut samples = Vec::with_capacity(per_client.min(1 << 20));
+            for i in 0..per_client {
+                let t = Instant::now();
+                op(c, i).await?;
+                samples.push(t.elapsed());
+                if i % 64 == 63 && Instant::now() >= deadline {
+                    break;
+                }
+            }
+            Ok::<_, BoxError>(samples)
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await??);
+    }
+    Ok(Summary::from_samples(all, start.elapsed()))
+}
+
+/// An engine over `store` with the default policy (heartbeat on, as users run it).
+pub fn engine(store: Arc<dyn IdempotencyStore>) -> Result<Idempotency, Error> {
+    Idempotency::new(store, Policy::default())
+}
+
+pub fn scope() -> Scope {
+    Scope::from_parts(["bench", "POST /orders"]).expect("valid scope")
+}
+
+pub fn fingerprint() -> Fingerprint {
+    Fingerprint::from_bytes(b"{\"sku\":\"A-1\",\"qty\":1}")
+}
+
+pub fn key(run: &str, client: usize, i: usize) -> IdempotencyKey {
+    IdempotencyKey::new(format!("{run}-{client}-{i}")).expect("valid key")
+}
+
+/// One new-key cycle through the engine: claim, run, complete.
+pub async fn engine_cycle(
+    engine: &Idempotency,
+    scope: &Scope,
+    key: &IdempotencyKey,
+) -> Result<(), BoxError> {
+    let out = engine
+        .run(key, scope, &fingerprint(), |_| async {
+            Ok::<_, String>(OUTCOME.to_owned())
+        })
+        .await?;
+    if out.is_replayed() {
+        return Err("a new key was replayed".into());
+    }
+    Ok(())
+}
+
+/// One replay through the engine; fails if the work would have run.
+pub async fn engine_replay(
+    engine: &Idempotency,
+    scope: &Scope,
+    key: &IdempotencyKey,
+) -> Result<(), BoxError> {
+    let out = engine
+        .run(key, scope, &fingerprint(), |_| async {
+            Ok::<_, String>(String::from("must not run"))
+        })
+        .await?;
+    if !out.is_replayed() {
+        return Err("a completed key ran its work again".into());
+    }
+    Ok(())
+}
+
+/// One new-key cycle through the store API alone (claim + complete), no engine.
+pub async fn store_cycle(store: &dyn IdempotencyStore, id: RecordId) -> Result<(), BoxError> {
+    let req = ClaimRequest {
+        id,
+        fingerprint: fingerprint(),
+        lease: Duration::from_secs(30),
+        ttl: Duration::from_secs(3600),
+    };
+    match store.claim(&req).await? {
+        Claim::Claimed { token, .. } => {
+            store
+                .complete(&req.id, token, engine_outcome(), req.ttl)
+                .await?;
+            Ok(())
+        }
+        Claim::Existing { .. } => Err("a new key was found existing".into()),
+    }
+}
+
+/// [`OUTCOME`] as the engine stores it (`Ok` of a JSON string), so keys filled through the
+/// store API replay through the engine.
+pub fn engine_outcome() -> &'static [u8] {
+    static BYTES: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+    BYTES.get_or_init(|| serde_json::to_vec(&Ok::<&str, String>(OUTCOME)).expect("serialize"))
+}
+
+/// How the 64 callers of the same-key race were answered.
+#[derive(Debug, Default)]
+pub struct RaceReport {
+    pub executions: usize,
+    pub fresh: usize,
+    pub replayed: usize,
+    pub in_progress: usize,
+    pub other_errors: usize,
+}
+
+/// 64 concurrent `run`s of one key, released together by a barrier.
+pub async fn same_key_race(engine: &Idempotency, run: &str) -> RaceReport {
+    let executions = Arc::new(AtomicUsize::new(0));
+    let barrier = Arc::new(tokio::sync::Barrier::new(64));
+    let key = IdempotencyKey::new(format!("{run}-race")).expect("valid key");
+    let mut tasks = Vec::new();
+    for _ in 0..64 {
+        let (engine, key, executions, barrier) = (
+            engine.clone(),
+            key.clone(),
+            executions.clone(),
+            barrier.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            barrier.wait().await;
+            engine
+                .run(&key, &scope(), &fingerprint(), |_| async move {
+                    executions.fetch_add(1, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    Ok::<_, String>(OUTCOME.to_owned())
+                })
+                .await
+        }));
+    }
+    let mut report = RaceReport::default();
+    for t in tasks {
+        match t.await {
+            Ok(Ok(o)) if o.is_replayed() => report.replayed += 1,
+            Ok(Ok(_)) => report.fresh += 1,
+            Ok(Err(Error::InProgress { .. })) => report.in_progress += 1,
+            _ => report.other_errors += 1,
+        }
+    }
+    report.executions = executions.load(Ordering::SeqCst);
+    report
+}

@@ -1,0 +1,67 @@
+//! Latency samples and their summary.
+
+use std::time::Duration;
+
+/// Throughput and latency of one workload run.
+#[derive(Clone, Debug)]
+pub struct Summary {
+    pub ops: usize,
+    pub elapsed: Duration,
+    pub p50: Duration,
+    pub p99: Duration,
+}
+
+impl Summary {
+    pub fn from_samples(mut samples: Vec<Duration>, elapsed: Duration) -> Self {
+        samples.sort_unstable();
+        let pick = |q: f64| {
+            if samples.is_empty() {
+                Duration::ZERO
+            } else {
+                let i = ((samples.len() as f64 - 1.0) * q).round() as usize;
+                samples[i]
+            }
+        };
+        Self {
+            ops: samples.len(),
+            elapsed,
+            p50: pick(0.50),
+            p99: pick(0.99),
+        }
+    }
+
+    pub fn ops_per_sec(&self) -> f64 {
+        if self.elapsed.is_zero() {
+            0.0
+        } else {
+            self.ops as f64 / self.elapsed.as_secs_f64()
+        }
+    }
+}
+
+/// Formats a duration compactly (ns, µs or ms).
+pub fn fmt_latency(d: Duration) -> String {
+    let ns = d.as_nanos();
+    if ns < 10_000 {
+        format!("{ns}ns")
+    } else if ns < 10_000_000 {
+        format!("{:.1}µs", ns as f64 / 1e3)
+    } else {
+        format!("{:.2}ms", ns as f64 / 1e6)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles() {
+        let samples: Vec<_> = (1..=100).map(Duration::from_micros).collect();
+        let s = Summary::from_samples(samples, Duration::from_secs(1));
+        assert_eq!(s.ops, 100);
+        assert_eq!(s.p50, Duration::from_micros(51));
+        assert_eq!(s.p99, Duration::from_micros(99));
+        assert!((s.ops_per_sec() - 100.0).abs() < 1e-9);
+    }
+}
