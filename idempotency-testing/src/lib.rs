@@ -1,3 +1,7 @@
 #![doc = include_str!("../README.md")]
 
 pub mod pg_wire;
+#[cfg(feature = "postgres")]
+pub mod postgres;
+#[cfg(feature = "redis")]
+pub mod redis_server;

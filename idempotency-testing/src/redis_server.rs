@@ -1,0 +1,330 @@
+//! Redis test support: the shared server's URL, per-case key prefixes cleaned up afterwards,
+//! and `redis-server` processes and a 3-master cluster that tests start themselves on free
+//! loopback ports.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+/// The env var naming the standalone Redis the tests use.
+pub const URL_VAR: &str = "IDEMPOTENCY_TEST_REDIS_URL";
+
+/// The standalone Redis URL: `$IDEMPOTENCY_TEST_REDIS_URL` or the local default.
+pub fn redis_url() -> String {
+    std::env::var(URL_VAR).unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
+}
+
+/// A key prefix no other case uses.
+pub fn unique_prefix() -> String {
+    format!("idem-test:{}:", uuid::Uuid::new_v4().simple())
+}
+
+/// Fails the test with how to start the server.
+pub fn unreachable_server(url: &str, e: &dyn std::fmt::Display) -> ! {
+    panic!(
+        "cannot reach Redis at {url}: {e}. Start it with `bash .ci/services` (Redis on \
+         127.0.0.1:6379), or point {URL_VAR} at a running server."
+    )
+}
+
+/// Deletes every key under a prefix when dropped; on a cluster it also asserts that no node
+/// has ever answered `CROSSSLOT`.
+#[derive(Debug)]
+pub struct Cleanup {
+    /// Every node a key may live on.
+    pub nodes: Vec<String>,
+    /// The prefix whose keys are deleted.
+    pub prefix: String,
+    /// Whether to fail when a node counted a `CROSSSLOT` error.
+    pub check_crossslot: bool,
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        let mut crossslot = Vec::new();
+        for node in &self.nodes {
+            let Ok(mut con) = redis::Client::open(node.as_str()).and_then(|c| c.get_connection())
+            else {
+                continue;
+            };
+            let pattern = format!("{}*", self.prefix);
+            let keys: Vec<String> = match redis::Commands::scan_match(&mut con, &pattern) {
+                Ok(iter) => iter.collect(),
+                Err(_) => Vec::new(),
+            };
+            for key in keys {
+                let _: redis::RedisResult<i64> = redis::cmd("DEL").arg(key).query(&mut con);
+            }
+            if self.check_crossslot {
+                let stats: String = redis::cmd("INFO")
+                    .arg("errorstats")
+                    .query(&mut con)
+                    .unwrap_or_default();
+                crossslot.extend(
+                    stats
+                        .lines()
+                        .filter(|l| l.starts_with("errorstat_CROSSSLOT"))
+                        .map(|l| format!("{node}: {l}")),
+                );
+            }
+        }
+        if !crossslot.is_empty() && !std::thread::panicking() {
+            panic!("cluster nodes answered CROSSSLOT: {crossslot:?}");
+        }
+    }
+}
+
+/// A loopback port that is free, and whose cluster bus port (+10000) is free too.
+pub fn free_port() -> u16 {
+    loop {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+        let port = listener.local_addr().expect("local addr").port();
+        if port > 55_000 {
+            continue;
+        }
+        if TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
+            return port;
+        }
+    }
+}
+
+/// Runs `redis-server` under a shell watchdog that stops it when our end of its stdin
+/// closes: when this value is dropped, and also when the test process dies in any way, so no
+/// server outlives the tests.
+const WATCHDOG: &str = r#"
+redis-server "$@" >/dev/null 2>&1 &
+pid=$!
+echo "$pid"
+read -r _
+kill -TERM "$pid" 2>/dev/null
+wait "$pid" 2>/dev/null
+if [ -n "$IDEM_TEST_REMOVE_DIR" ]; then rm -rf "$IDEM_TEST_REMOVE_DIR"; fi
+"#;
+
+/// A `redis-server` process this test started.
+#[derive(Debug)]
+pub struct RedisServer {
+    /// The loopback port it listens on.
+    pub port: u16,
+    /// Its working directory (AOF, logs).
+    pub dir: PathBuf,
+    pid: u32,
+    watchdog: Child,
+    stdin: Option<ChildStdin>,
+}
+
+impl RedisServer {
+    /// Starts `redis-server` on `port` with `dir` as its working directory, plus `extra`
+    /// arguments, and waits until it answers `PING`. `remove_dir` makes the watchdog delete
+    /// `dir` once the server has stopped.
+    pub fn start(port: u16, dir: &Path, extra: &[&str], remove_dir: bool) -> Option<Self> {
+        let port_s = port.to_string();
+        let mut args = vec![
+            "--port",
+            &port_s,
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            dir.to_str().expect("utf-8 temp dir"),
+            "--save",
+            "",
+            "--logfile",
+            "redis.log",
+            "--protected-mode",
+            "no",
+        ];
+        args.extend_from_slice(extra);
+        let mut cmd = Command::new("bash");
+        cmd.arg("-c")
+            .arg(WATCHDOG)
+            .arg("redis-watchdog")
+            .args(&args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null());
+        if remove_dir {
+            cmd.env("IDEM_TEST_REMOVE_DIR", dir);
+        }
+        let mut watchdog = cmd.spawn().unwrap_or_else(|e| {
+            panic!(
+                "cannot run bash to start redis-server ({e}); install it with `bash .ci/services`"
+            )
+        });
+        let mut line = String::new();
+        BufReader::new(watchdog.stdout.take().expect("stdout"))
+            .read_line(&mut line)
+            .expect("read redis-server pid");
+        let pid = line.trim().parse().expect("redis-server pid");
+        let stdin = watchdog.stdin.take();
+        let server = Self {
+            port,
+            dir: dir.to_owned(),
+            pid,
+            watchdog,
+            stdin,
+        };
+        server.wait_ready(Duration::from_secs(10)).then_some(server)
+    }
+
+    /// Starts a server on a free port in a fresh temp dir (removed when it stops), retrying
+    /// on another port if the chosen one was taken in the meantime.
+    pub fn start_anywhere(extra: &[&str]) -> Self {
+        assert_redis_installed();
+        for _ in 0..5 {
+            let dir = tempfile::Builder::new()
+                .prefix("idem-redis-test-")
+                .tempdir()
+                .expect("temp dir")
+                .keep();
+            if let Some(s) = Self::start(free_port(), &dir, extra, true) {
+                return s;
+            }
+        }
+        panic!("could not start redis-server on a free loopback port (see redis.log in /tmp/idem-redis-test-*)");
+    }
+
+    /// `redis://127.0.0.1:<port>`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    fn ping(&self) -> bool {
+        redis::Client::open(self.url())
+            .and_then(|c| c.get_connection_with_timeout(Duration::from_millis(200)))
+            .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c))
+            .is_ok()
+    }
+
+    fn wait_ready(&self, limit: Duration) -> bool {
+        let start = Instant::now();
+        while start.elapsed() < limit {
+            if self.ping() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        false
+    }
+
+    /// Kills the server with SIGKILL, as a crash would, and waits until it is gone.
+    pub fn crash(mut self) {
+        let status = Command::new("kill")
+            .arg("-KILL")
+            .arg(self.pid.to_string())
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -KILL {} failed", self.pid);
+        self.stop_watchdog();
+    }
+
+    fn stop_watchdog(&mut self) {
+        drop(self.stdin.take());
+        let _ = self.watchdog.wait();
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        if let Some(stdin) = self.stdin.as_mut() {
+            let _ = stdin.flush();
+        }
+        self.stop_watchdog();
+    }
+}
+
+/// Fails the test when `redis-server` or `redis-cli` is missing.
+pub fn assert_redis_installed() {
+    for tool in ["redis-server", "redis-cli"] {
+        let ok = Command::new(tool)
+            .arg("--version")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "{tool} is not installed: run `bash .ci/services`");
+    }
+}
+
+/// A 3-master Redis Cluster on free loopback ports.
+#[derive(Debug)]
+pub struct Cluster {
+    /// The three primaries.
+    pub nodes: Vec<RedisServer>,
+}
+
+impl Cluster {
+    /// Every primary's URL.
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(RedisServer::url).collect()
+    }
+
+    /// Starts three cluster-enabled servers, joins them with `redis-cli --cluster create` and
+    /// waits for `cluster_state:ok` on every node.
+    pub fn start() -> Self {
+        let args = [
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            "nodes.conf",
+            "--cluster-node-timeout",
+            "5000",
+            "--appendonly",
+            "no",
+        ];
+        let nodes: Vec<RedisServer> = (0..3).map(|_| RedisServer::start_anywhere(&args)).collect();
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        let out = Command::new("redis-cli")
+            .arg("--cluster")
+            .arg("create")
+            .args(&addrs)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .output()
+            .expect("run redis-cli --cluster create");
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster create failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let cluster = Self { nodes };
+        cluster.wait_ok(Duration::from_secs(30));
+        cluster
+    }
+
+    fn wait_ok(&self, limit: Duration) {
+        let start = Instant::now();
+        loop {
+            let all_ok = self.nodes.iter().all(|n| {
+                redis::Client::open(n.url())
+                    .and_then(|c| c.get_connection())
+                    .and_then(|mut c| redis::cmd("CLUSTER").arg("INFO").query::<String>(&mut c))
+                    .is_ok_and(|info| {
+                        info.contains("cluster_state:ok")
+                            && info.contains("cluster_slots_ok:16384")
+                            && info.contains("cluster_known_nodes:3")
+                    })
+            });
+            if all_ok {
+                return;
+            }
+            assert!(
+                start.elapsed() < limit,
+                "the test cluster did not reach cluster_state:ok within {limit:?}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+/// The cluster this test binary shares. Its servers stop when the process exits: each runs
+/// under a watchdog that ends it when the process's end of its stdin closes.
+pub fn shared_cluster() -> &'static Cluster {
+    static CLUSTER: OnceLock<Cluster> = OnceLock::new();
+    CLUSTER.get_or_init(Cluster::start)
+}
