@@ -1,0 +1,6 @@
+#![doc = include_str!("../README.md")]
+
+pub mod checker;
+pub mod model;
+pub mod postgres;
+pub mod soak;

@@ -1,0 +1,104 @@
+//! The soak's runner for PostgreSQL's exactly-once path: the work writes a business row in the
+//! transaction that also runs the completion CAS ([`PgIdempotency::run_in_transaction`]), so
+//! the rows can be counted.
+
+use crate::soak::{soak_policy, RunResult, Runner, Work, WorkFault};
+use futures::future::BoxFuture;
+use idempotency_core::{Fingerprint, IdempotencyKey, IdempotencyStore, Scope};
+use idempotency_postgres::sqlx;
+use idempotency_postgres::{PgIdempotency, PostgresStore};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Runs work through [`PgIdempotency::run_in_transaction`], inserting one row into an
+/// `effects` table per execution, in the completion's transaction.
+#[derive(Debug)]
+pub struct PgTransactionalRunner {
+    engine: PgIdempotency,
+    stall_engine: PgIdempotency,
+    effects: Arc<str>,
+}
+
+impl PgTransactionalRunner {
+    /// Creates the `effects` table (`schema.effects`, no uniqueness: a double effect must be
+    /// countable, not prevented) and the engines, with and without the heartbeat.
+    pub async fn new(store: PostgresStore, schema: &str, lease: Duration) -> Self {
+        let effects: Arc<str> = format!(r#""{schema}".effects"#).into();
+        sqlx::query(&format!(
+            "CREATE TABLE {effects} (id bigserial PRIMARY KEY, scope text NOT NULL, \
+             key text NOT NULL, value bigint NOT NULL)"
+        ))
+        .execute(store.pool())
+        .await
+        .expect("create the effects table");
+        Self {
+            engine: PgIdempotency::new(store.clone(), soak_policy(lease, true)).expect("policy"),
+            stall_engine: PgIdempotency::new(store, soak_policy(lease, false)).expect("policy"),
+            effects,
+        }
+    }
+}
+
+impl Runner for PgTransactionalRunner {
+    fn store(&self) -> Arc<dyn IdempotencyStore> {
+        Arc::new(self.engine.store().clone())
+    }
+
+    fn run(
+        &self,
+        key: IdempotencyKey,
+        scope: Scope,
+        fingerprint: Fingerprint,
+        work: Work,
+    ) -> BoxFuture<'static, RunResult> {
+        let engine = if work.fault == WorkFault::Stall {
+            self.stall_engine.clone()
+        } else {
+            self.engine.clone()
+        };
+        let effects = self.effects.clone();
+        Box::pin(async move {
+            let (s, k) = (scope.as_str().to_owned(), key.as_str().to_owned());
+            engine
+                .run_in_transaction(&key, &scope, &fingerprint, move |tx, _ctx| {
+                    let (work, effects, s, k) =
+                        (work.clone(), effects.clone(), s.clone(), k.clone());
+                    Box::pin(async move {
+                        let value = i64::try_from(work.value).map_err(|e| e.to_string())?;
+                        sqlx::query(&format!(
+                            "INSERT INTO {effects} (scope, key, value) VALUES ($1, $2, $3)"
+                        ))
+                        .bind(s)
+                        .bind(k)
+                        .bind(value)
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                        work.perform().await
+                    })
+                })
+                .await
+        })
+    }
+
+    fn effects<'a>(&'a self, scope: &'a Scope) -> BoxFuture<'a, Option<HashMap<String, Vec<u64>>>> {
+        Box::pin(async move {
+            let rows: Vec<(String, i64)> = sqlx::query_as(&format!(
+                "SELECT key, value FROM {} WHERE scope = $1 ORDER BY id",
+                self.effects
+            ))
+            .bind(scope.as_str())
+            .fetch_all(self.engine.store().pool())
+            .await
+            .expect("read the effects table");
+            let mut map: HashMap<String, Vec<u64>> = HashMap::new();
+            for (key, value) in rows {
+                map.entry(key)
+                    .or_default()
+                    .push(u64::try_from(value).expect("values are positive"));
+            }
+            Some(map)
+        })
+    }
+}

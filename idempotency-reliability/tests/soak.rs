@@ -1,0 +1,212 @@
+//! The history-checked soak, once per backend: 16 workers, `IDEMPOTENCY_SOAK_OPS` calls
+//! (default 10,000) over 200 keys, failures injected at random; zero violations and zero
+//! double effects. Run with `--nocapture` to see each run's figures.
+
+use idempotency_core::IdempotencyStore;
+use idempotency_postgres::PostgresStore;
+use idempotency_redis::RedisStore;
+use idempotency_reliability::postgres::PgTransactionalRunner;
+use idempotency_reliability::soak::{soak, EngineRunner, Runner, SoakConfig};
+use idempotency_sqlite::{ConnectionMode, SqliteStore};
+use idempotency_testing::postgres::{self as pg, Isolation, SchemaGuard};
+use idempotency_testing::redis_server::{self as rs, Cleanup};
+use std::sync::Arc;
+
+async fn run(runner: Arc<dyn Runner>, config: SoakConfig) {
+    let report = soak(runner, config).await;
+    eprintln!("{report}");
+    report.assert_clean();
+    // The run must have exercised what it claims to.
+    assert!(
+        report.responses.get("fresh").copied().unwrap_or(0) > 0,
+        "{report}"
+    );
+    assert!(
+        report.responses.get("replayed").copied().unwrap_or(0) > 0,
+        "{report}"
+    );
+}
+
+fn engine(store: Arc<dyn IdempotencyStore>, config: &SoakConfig) -> Arc<dyn Runner> {
+    Arc::new(EngineRunner::new(store, config.lease))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn soak_memory() {
+    let config = SoakConfig::from_env("memory");
+    let store = Arc::new(idempotency_memory::MemoryStore::new());
+    run(engine(store, &config), config).await;
+}
+
+async fn sqlite(mode: ConnectionMode, label: &str) {
+    let config = SoakConfig::from_env(label);
+    let dir = tempfile::tempdir().expect("temp dir");
+    let store = SqliteStore::builder(dir.path().join("soak.db"))
+        .mode(mode)
+        .open()
+        .await
+        .expect("open");
+    store.migrate().await.expect("migrate");
+    run(engine(Arc::new(store), &config), config).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn soak_sqlite_dedicated_thread() {
+    sqlite(ConnectionMode::DedicatedThread, "sqlite-thread").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn soak_sqlite_blocking_pool() {
+    sqlite(
+        ConnectionMode::BlockingPool { connections: 4 },
+        "sqlite-pool",
+    )
+    .await;
+}
+
+async fn postgres_store(pool_size: u32) -> (PostgresStore, SchemaGuard) {
+    let guard = SchemaGuard::new();
+    let store = PostgresStore::builder()
+        .schema(&guard.schema)
+        .table("records")
+        .build(pg::pool(Isolation::ReadCommitted, pool_size).await)
+        .expect("valid names");
+    store.migrate().await.expect("migrate");
+    (store, guard)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn soak_postgres() {
+    let config = SoakConfig::from_env("postgres");
+    let (store, _guard) = postgres_store(16).await;
+    run(engine(Arc::new(store), &config), config).await;
+}
+
+/// Through `PgIdempotency::run_in_transaction`: every execution inserts a business row in
+/// the completion's transaction, and the rows are counted against the records.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn soak_postgres_transactional() {
+    let config = SoakConfig::from_env("postgres-transactional");
+    // Stalled holders keep their transaction's connection while they sleep.
+    let (store, guard) = postgres_store(24).await;
+    let runner = PgTransactionalRunner::new(store, &guard.schema, config.lease).await;
+    let report = soak(Arc::new(runner), config).await;
+    eprintln!("{report}");
+    report.assert_clean();
+    assert_eq!(
+        report.effect_rows,
+        Some(report.committed_effects),
+        "one business row per committed key: {report}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn soak_redis_standalone() {
+    let config = SoakConfig::from_env("redis");
+    let url = rs::redis_url();
+    let prefix = rs::unique_prefix();
+    let _cleanup = Cleanup {
+        nodes: vec![url.clone()],
+        prefix: prefix.clone(),
+        check_crossslot: false,
+    };
+    let store = RedisStore::connect(url.as_str())
+        .await
+        .unwrap_or_else(|e| rs::unreachable_server(&url, &e))
+        .with_prefix(prefix)
+        .expect("valid prefix");
+    run(engine(Arc::new(store), &config), config).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn soak_redis_cluster() {
+    let config = SoakConfig::from_env("redis-cluster");
+    let urls = rs::shared_cluster().urls();
+    let prefix = rs::unique_prefix();
+    let _cleanup = Cleanup {
+        nodes: urls.clone(),
+        prefix: prefix.clone(),
+        check_crossslot: true,
+    };
+    let store = RedisStore::connect_cluster(urls.iter().map(String::as_str))
+        .await
+        .expect("connect to the test cluster")
+        .with_prefix(prefix)
+        .expect("valid prefix");
+    run(engine(Arc::new(store), &config), config).await;
+}
+
+/// The campaign can fail: a store whose completion ignores the fencing token (it reports a
+/// fenced completion as applied, the family of bugs where a stale holder overwrites or
+/// believes it committed) is caught as a violation and as double effects.
+#[derive(Debug)]
+struct IgnoresFencing(idempotency_memory::MemoryStore);
+
+#[idempotency_core::async_trait]
+impl IdempotencyStore for IgnoresFencing {
+    async fn claim(
+        &self,
+        request: &idempotency_core::ClaimRequest,
+    ) -> Result<idempotency_core::Claim, idempotency_core::Error> {
+        self.0.claim(request).await
+    }
+    async fn complete(
+        &self,
+        id: &idempotency_core::RecordId,
+        token: idempotency_core::FencingToken,
+        outcome: &[u8],
+        ttl: std::time::Duration,
+    ) -> Result<idempotency_core::Cas, idempotency_core::Error> {
+        self.0.complete(id, token, outcome, ttl).await?;
+        Ok(idempotency_core::Cas::Applied)
+    }
+    async fn fail(
+        &self,
+        id: &idempotency_core::RecordId,
+        token: idempotency_core::FencingToken,
+        failure: &idempotency_core::Failure,
+        ttl: std::time::Duration,
+    ) -> Result<idempotency_core::Cas, idempotency_core::Error> {
+        self.0.fail(id, token, failure, ttl).await
+    }
+    async fn extend(
+        &self,
+        id: &idempotency_core::RecordId,
+        token: idempotency_core::FencingToken,
+        lease: std::time::Duration,
+    ) -> Result<idempotency_core::Cas, idempotency_core::Error> {
+        self.0.extend(id, token, lease).await
+    }
+    async fn reclaim(
+        &self,
+        id: &idempotency_core::RecordId,
+        expected: idempotency_core::FencingToken,
+        fingerprint: &idempotency_core::Fingerprint,
+        lease: std::time::Duration,
+        ttl: std::time::Duration,
+    ) -> Result<idempotency_core::Reclaim, idempotency_core::Error> {
+        self.0.reclaim(id, expected, fingerprint, lease, ttl).await
+    }
+    async fn get(
+        &self,
+        id: &idempotency_core::RecordId,
+    ) -> Result<Option<idempotency_core::Record>, idempotency_core::Error> {
+        self.0.get(id).await
+    }
+    async fn purge_expired(&self, batch: usize) -> Result<u64, idempotency_core::Error> {
+        self.0.purge_expired(batch).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn soak_catches_a_store_that_ignores_fencing() {
+    let mut config = SoakConfig::from_env("broken-store");
+    config.ops = config.ops.min(10_000);
+    let store = Arc::new(IgnoresFencing(idempotency_memory::MemoryStore::new()));
+    let report = soak(engine(store, &config), config).await;
+    eprintln!("{report}");
+    assert!(
+        !report.violations.is_empty() && !report.double_effects.is_empty(),
+        "the broken store went unnoticed: {report}"
+    );
+}
