@@ -4,3 +4,4 @@ pub mod checker;
 pub mod model;
 pub mod postgres;
 pub mod soak;
+pub mod storm;

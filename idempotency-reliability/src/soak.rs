@@ -189,6 +189,16 @@ fn work_index(f: WorkFault) -> usize {
 }
 
 impl Work {
+    /// A work with its own execution counters.
+    pub fn new(value: u64, fault: WorkFault, duration: Duration) -> Self {
+        Self {
+            value,
+            fault,
+            duration,
+            counters: Arc::default(),
+        }
+    }
+
     /// Runs the work.
     pub async fn perform(self) -> Result<u64, String> {
         self.counters.started[work_index(self.fault)].fetch_add(1, Ordering::Relaxed);

@@ -1,0 +1,166 @@
+//! Cancellation storms: every call wrapped in a random short timeout (or run in a task that
+//! is aborted), so futures are dropped at every await point; then checks that the next calls
+//! all succeed.
+
+use crate::soak::{RunResult, Runner, Work, WorkFault};
+use idempotency_core::{Error, Fingerprint, IdempotencyKey, Outcome, Scope};
+use rand::Rng;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// What a storm did.
+#[derive(Debug, Default)]
+pub struct StormReport {
+    /// Calls made.
+    pub calls: usize,
+    /// Calls whose future was dropped before it answered.
+    pub interrupted: usize,
+    /// Calls that answered in time.
+    pub answered: usize,
+    /// Answers that were errors other than `InProgress`/`LeaseLost` (a call that was not
+    /// cancelled must not be hurt by the ones that were).
+    pub errors: Vec<String>,
+}
+
+/// The key of storm key `i`.
+pub fn storm_key(i: usize) -> IdempotencyKey {
+    IdempotencyKey::new(format!("storm-{i:03}")).expect("valid key")
+}
+
+fn fingerprint(key: &IdempotencyKey) -> Fingerprint {
+    Fingerprint::from_bytes(key.as_str().as_bytes())
+}
+
+fn unexpected(result: &RunResult) -> Option<String> {
+    match result {
+        Ok(_) | Err(Error::InProgress { .. } | Error::LeaseLost { .. }) => None,
+        Err(e) => Some(format!("{e:?}")),
+    }
+}
+
+/// `workers` tasks make `calls` calls over `keys` keys, each under a timeout drawn from
+/// `0..max_deadline` (one in ten instead runs in a task aborted after that delay). The work
+/// itself takes 0–2 ms, so the drops land before, during and after it.
+pub async fn cancellation_storm(
+    runner: Arc<dyn Runner>,
+    scope: &Scope,
+    workers: usize,
+    calls: usize,
+    keys: usize,
+    max_deadline: Duration,
+) -> StormReport {
+    let next = Arc::new(AtomicUsize::new(0));
+    let tasks: Vec<_> = (0..workers)
+        .map(|_| {
+            let (runner, scope, next) = (runner.clone(), scope.clone(), next.clone());
+            tokio::spawn(async move {
+                let mut report = StormReport::default();
+                loop {
+                    let seq = next.fetch_add(1, Ordering::Relaxed);
+                    if seq >= calls {
+                        return report;
+                    }
+                    let (key, deadline, work_ms, abort) = {
+                        let mut rng = rand::thread_rng();
+                        (
+                            storm_key(rng.gen_range(0..keys)),
+                            max_deadline.mul_f64(rng.gen::<f64>()),
+                            rng.gen_range(0..2_000),
+                            rng.gen_bool(0.1),
+                        )
+                    };
+                    let work = Work::new(
+                        seq as u64 + 1,
+                        WorkFault::None,
+                        Duration::from_micros(work_ms),
+                    );
+                    let call = runner.run(key.clone(), scope.clone(), fingerprint(&key), work);
+                    report.calls += 1;
+                    let answer = if abort {
+                        let task = tokio::spawn(call);
+                        tokio::time::sleep(deadline).await;
+                        task.abort();
+                        task.await.ok()
+                    } else {
+                        tokio::time::timeout(deadline, call).await.ok()
+                    };
+                    match answer {
+                        Some(result) => {
+                            report.answered += 1;
+                            report.errors.extend(unexpected(&result));
+                        }
+                        None => report.interrupted += 1,
+                    }
+                }
+            })
+        })
+        .collect();
+    let mut total = StormReport::default();
+    for t in tasks {
+        let r = t.await.expect("a storm worker panicked");
+        total.calls += r.calls;
+        total.interrupted += r.interrupted;
+        total.answered += r.answered;
+        total.errors.extend(r.errors);
+    }
+    total
+}
+
+/// `n` calls on fresh keys, `concurrency` at a time, with no timeout: every one must run its
+/// work and answer `Fresh(Ok)` with its own value. Returns the failures.
+pub async fn next_calls_succeed(
+    runner: Arc<dyn Runner>,
+    scope: &Scope,
+    n: usize,
+    concurrency: usize,
+) -> Vec<String> {
+    let next = Arc::new(AtomicUsize::new(0));
+    let tasks: Vec<_> = (0..concurrency)
+        .map(|_| {
+            let (runner, scope, next) = (runner.clone(), scope.clone(), next.clone());
+            tokio::spawn(async move {
+                let mut failures = Vec::new();
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= n {
+                        return failures;
+                    }
+                    let key = IdempotencyKey::new(format!("after-{i:05}")).expect("valid key");
+                    let value = 1_000_000 + i as u64;
+                    let work = Work::new(value, WorkFault::None, Duration::ZERO);
+                    match runner
+                        .run(key.clone(), scope.clone(), fingerprint(&key), work)
+                        .await
+                    {
+                        Ok(Outcome::Fresh(Ok(v))) if v == value => {}
+                        other => failures.push(format!("{key}: {other:?}")),
+                    }
+                }
+            })
+        })
+        .collect();
+    let mut failures = Vec::new();
+    for t in tasks {
+        failures.extend(t.await.expect("a worker panicked"));
+    }
+    failures
+}
+
+/// Runs every storm key once more, with no timeout (call it once the storm's leases have
+/// passed): each must answer `Ok`, fresh or replayed. Returns the failures.
+pub async fn storm_keys_settle(runner: Arc<dyn Runner>, scope: &Scope, keys: usize) -> Vec<String> {
+    let mut failures = Vec::new();
+    for i in 0..keys {
+        let key = storm_key(i);
+        let work = Work::new(2_000_000 + i as u64, WorkFault::None, Duration::ZERO);
+        match runner
+            .run(key.clone(), scope.clone(), fingerprint(&key), work)
+            .await
+        {
+            Ok(Outcome::Fresh(Ok(_)) | Outcome::Replayed(Ok(_))) => {}
+            other => failures.push(format!("{key}: {other:?}")),
+        }
+    }
+    failures
+}
