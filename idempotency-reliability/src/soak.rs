@@ -353,6 +353,25 @@ pub struct Report {
     pub run_time: Duration,
     /// How long the check took.
     pub check_time: Duration,
+    /// When the run started: event times are nanoseconds since then.
+    pub origin: Option<Instant>,
+    /// Every recorded call, for assertions of a test's own.
+    pub events: Vec<Event>,
+}
+
+impl Report {
+    /// The instant an event's time (nanoseconds since the origin) stands for.
+    pub fn instant(&self, nanos: u64) -> Instant {
+        self.origin.expect("a finished run has an origin") + Duration::from_nanos(nanos)
+    }
+
+    /// Whether `event` is a call whose store failed (recorded as unknown).
+    pub fn is_backend_error(event: &Event) -> bool {
+        event.op.output == Response::Unknown
+            && event.note.as_deref().is_some_and(|n| {
+                !n.starts_with("UNEXPECTED") && n != "timed out" && n != "cancelled"
+            })
+    }
 }
 
 impl Report {
@@ -713,8 +732,10 @@ pub async fn soak(runner: Arc<dyn Runner>, config: SoakConfig) -> Report {
     }
     let effects = shared.runner.effects(&shared.scope).await;
     let check_started = Instant::now();
-    let mut report = analyse(&config, events, &finals, effects.as_ref());
+    let mut report = analyse(&config, &events, &finals, effects.as_ref());
     report.check_time = check_started.elapsed();
+    report.origin = Some(shared.origin);
+    report.events = events;
     report.run_time = run_time;
     report.executions = shared.counters.succeeded.load(Ordering::Relaxed);
     for f in [
@@ -733,7 +754,7 @@ pub async fn soak(runner: Arc<dyn Runner>, config: SoakConfig) -> Report {
 
 fn analyse(
     config: &SoakConfig,
-    events: Vec<Event>,
+    events: &[Event],
     finals: &HashMap<usize, Response>,
     effects: Option<&HashMap<String, Vec<u64>>>,
 ) -> Report {
@@ -745,7 +766,7 @@ fn analyse(
     };
     let mut per_key: BTreeMap<usize, Vec<Event>> = BTreeMap::new();
     for e in events {
-        per_key.entry(e.key).or_default().push(e);
+        per_key.entry(e.key).or_default().push(e.clone());
     }
     for (&key, history) in &per_key {
         report.checked_ops += history.len();
