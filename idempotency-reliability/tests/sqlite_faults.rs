@@ -421,7 +421,7 @@ async fn kill_9_while_holding_the_write_transaction() {
 
         assert_eq!(integrity(&store).await, "ok");
         assert!(
-            effects(&store, &scope()).await.get(key.as_str()).is_none(),
+            !effects(&store, &scope()).await.contains_key(key.as_str()),
             "the row rolled back"
         );
         let id = RecordId::new(scope(), key.clone());
