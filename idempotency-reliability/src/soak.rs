@@ -307,6 +307,9 @@ pub struct Event {
     pub note: Option<String>,
     /// Whether this is the read made after the run, not one of the calls.
     pub is_final: bool,
+    /// When the call ended (answered, failed or was dropped), in the history's clock: unlike
+    /// `op.ret`, also set for unknown outcomes.
+    pub ended: u64,
 }
 
 /// What a soak run found.
@@ -646,7 +649,8 @@ async fn worker(shared: Arc<Shared>, seed: u64) -> Vec<Event> {
                 ),
             },
         };
-        let ret = (output != Response::Unknown).then(|| shared.now());
+        let ended = shared.now();
+        let ret = (output != Response::Unknown).then_some(ended);
         let input = if mode == CallMode::Read {
             Call::Read
         } else {
@@ -671,6 +675,7 @@ async fn worker(shared: Arc<Shared>, seed: u64) -> Vec<Event> {
             },
             note,
             is_final: false,
+            ended,
         });
         if backend {
             // A client backs off when the store fails.
@@ -715,6 +720,7 @@ pub async fn soak(runner: Arc<dyn Runner>, config: SoakConfig) -> Report {
     for key in 0..config.keys {
         let call = shared.now();
         let (output, note, _) = read(&shared.store, &shared.id(key)).await;
+        let ended = shared.now();
         finals.insert(key, output);
         events.push(Event {
             key,
@@ -722,12 +728,13 @@ pub async fn soak(runner: Arc<dyn Runner>, config: SoakConfig) -> Report {
             work: WorkFault::None,
             op: Operation {
                 call,
-                ret: (output != Response::Unknown).then(|| shared.now()),
+                ret: (output != Response::Unknown).then_some(ended),
                 input: Call::Read,
                 output,
             },
             note,
             is_final: true,
+            ended,
         });
     }
     let effects = shared.runner.effects(&shared.scope).await;
