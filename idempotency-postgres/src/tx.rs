@@ -109,11 +109,16 @@ impl PgIdempotency {
         // background (or is fenced, if the record moved on).
         loop {
             attempt += 1;
-            let mut tx = self
-                .store
-                .pool()
-                .begin()
+            // BEGIN runs in a task of its own. sqlx 0.8 leaks an open transaction into the
+            // pool when the future of `Pool::begin` is dropped after BEGIN was sent but before
+            // its answer (its rollback guard sees depth 0 and queues nothing): the next user
+            // of that connection then runs its statements inside a transaction nobody
+            // commits, holding their row locks for ever. Spawned, BEGIN always finishes, and
+            // a transaction dropped unused (our caller was cancelled) rolls back.
+            let pool = self.store.pool().clone();
+            let mut tx = tokio::spawn(async move { pool.begin().await })
                 .await
+                .map_err(|e| Error::backend(true, e))?
                 .map_err(|e| map_sqlx(e, &table, Effect::None))?;
             // The heartbeat extends the lease while the work runs (per the policy).
             let value = match lease.with_heartbeat(work(&mut tx, lease.context())).await {
