@@ -420,3 +420,45 @@ async fn cancellation_storm_leaves_no_connection_in_a_transaction() {
         );
     }
 }
+
+/// Regression: `run_in_transaction` cancelled while its BEGIN is in flight must not leave the
+/// pooled connection inside a transaction (sqlx 0.8's `Pool::begin` does when its own future
+/// is dropped at that point; the soak found it as a pool frozen behind an `idle in
+/// transaction` session). One connection, 400 calls under 0–3 ms timeouts, each followed by
+/// a check that the connection is outside any transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelled_begin_leaves_no_transaction_open() {
+    let guard = SchemaGuard::new();
+    let pool = pg::pool(Isolation::ReadCommitted, 1).await;
+    let store = store_on(pool.clone(), &guard);
+    store.migrate().await.expect("migrate");
+    let engine = PgIdempotency::new(store, Policy::default()).expect("engine");
+    let mut in_transaction = 0;
+    for i in 0..400u64 {
+        let key = IdempotencyKey::random();
+        let deadline = Duration::from_micros(rand::thread_rng().gen_range(0..3_000));
+        let _ = tokio::time::timeout(
+            deadline,
+            engine.run_in_transaction(&key, &scope(), &fingerprint(), move |_tx, _ctx| {
+                Box::pin(async move { Ok::<u64, String>(i) })
+            }),
+        )
+        .await;
+        let row = sqlx::raw_sql("SELECT now() = statement_timestamp()")
+            .fetch_one(&pool)
+            .await
+            .expect("the pooled connection runs a statement");
+        if !sqlx::Row::get::<bool, _>(&row, 0) {
+            in_transaction += 1;
+            // Clean up so one leak does not count again.
+            sqlx::raw_sql("ROLLBACK")
+                .execute(&pool)
+                .await
+                .expect("rollback");
+        }
+    }
+    assert_eq!(
+        in_transaction, 0,
+        "the pooled connection was left inside a transaction {in_transaction} times"
+    );
+}

@@ -33,7 +33,9 @@ async fn restart_and_script_flush_under_load() {
         .expect("start redis-server on a free port");
     let url = server.url();
     let store = RedisStore::connect(url.as_str()).await.expect("connect");
-    let config = SoakConfig::from_env("redis-restart");
+    let mut config = SoakConfig::from_env("redis-restart");
+    // Long enough to outlast the chaos schedule (about 3 s), whatever the soak length.
+    config.ops = config.ops.max(10_000);
     let runner: Arc<dyn Runner> = Arc::new(EngineRunner::new(Arc::new(store), config.lease));
 
     let chaos = {
