@@ -10,9 +10,11 @@ use std::time::Duration;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Capabilities {
-    /// `purge_expired` deletes expired records and reports how many. Stores whose records
-    /// expire by themselves (Redis TTLs) set this to `false`; the purge case then only checks
-    /// that nothing live is removed and expired records read as absent.
+    /// `purge_expired` deletes expired records and reports how many, and until then the
+    /// store keeps them (so a claim that replaces one gets a higher token). Stores whose
+    /// records expire by themselves (Redis TTLs) set this to `false`: the purge case then only
+    /// checks that nothing live is removed and expired records read as absent, and a claim
+    /// after expiry may start the key's token again at 1 (the record is gone).
     pub purge_reports_deletions: bool,
 }
 

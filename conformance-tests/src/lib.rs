@@ -32,16 +32,51 @@ __with_case_list!((list_cases));
 #[macro_export]
 macro_rules! __with_case_list {
     (($($callback:tt)*) $(, $arg:tt)*) => {
-        $($callback)*!($($arg,)* claim_complete_replay, mismatch_leaves_record_unchanged, concurrent_claims_one_winner);
+        $($callback)*!($($arg,)*
+            claim_complete_replay,
+            mismatch_leaves_record_unchanged,
+            concurrent_claims_one_winner,
+            concurrent_reclaims_of_failed_one_winner,
+            lease_passed_one_taker_old_holder_fenced,
+            stale_snapshot_reclaim_loses,
+            live_pending_never_reclaimed,
+            completed_record_is_final,
+            fail_then_reclaim,
+            extend_moves_lease,
+            ttl_expiry,
+            purge_removes_only_expired,
+            scopes_are_independent,
+            hits_are_counted,
+            keys_and_scopes_round_trip,
+            model_based_random_sequences,
+            engine_concurrent_runs_execute_once,
+            engine_panic_releases_key,
+            engine_dropped_work_releases_key,
+            engine_error_not_stored,
+            engine_wait_policy_replays,
+            engine_mismatch,
+            engine_heartbeat_keeps_long_work_leased,
+        );
     };
 }
 
 /// Expands to one `#[test]` per conformance case, each running on a fresh tokio runtime with a
 /// fresh store from `$factory`, an `async fn() -> TestStore`.
 ///
-/// ```ignore
-/// async fn factory() -> idempotency_conformance::TestStore { /* build an isolated store */ }
+/// ```
+/// use idempotency_conformance::TestStore;
+/// use idempotency_core::ManualClock;
+/// use idempotency_memory::MemoryStore;
+/// use std::sync::Arc;
+///
+/// // Builds one isolated store per case.
+/// async fn factory() -> TestStore {
+///     let clock = ManualClock::new();
+///     TestStore::manual_time(Arc::new(MemoryStore::with_clock(Arc::new(clock.clone()))), clock)
+/// }
+///
 /// idempotency_conformance::conformance_tests!(factory);
+/// # fn main() {}
 /// ```
 #[macro_export]
 macro_rules! conformance_tests {

@@ -181,7 +181,10 @@ impl Idempotency {
                 Begin::Execute(lease) => lease,
             };
             let ctx = lease.context();
-            let result = match AssertUnwindSafe(work(ctx)).catch_unwind().await {
+            let result = match lease
+                .with_heartbeat(AssertUnwindSafe(work(ctx)).catch_unwind())
+                .await
+            {
                 Ok(r) => r,
                 Err(panic) => {
                     // Release the key before the panic goes on, so a retry need not wait for
@@ -332,20 +335,20 @@ pub fn decode_replay<R: DeserializeOwned>(record: &Record) -> Result<R, Error> {
 
 /// The right to run the work for a key, held until it is settled.
 ///
-/// While it lives, a heartbeat extends the lease (per [`Policy::heartbeat`]). Settle it with
-/// [`Lease::complete`] or [`Lease::fail`], or with [`Lease::settled_externally`] after
-/// committing the completion inside your own transaction. Dropping it unsettled (the work
-/// panicked or its future was cancelled) stops the heartbeat and records a retryable failure
-/// in the background, so the key is released at once; if that write cannot be made, the lease
-/// simply passes and a retry reclaims the key.
+/// Settle it with [`Lease::complete`] or [`Lease::fail`], or with
+/// [`Lease::settled_externally`] after committing the completion inside your own transaction.
+/// Run the work inside [`Lease::with_heartbeat`] to extend the lease while it runs (per
+/// [`Policy::heartbeat`]); [`Idempotency::run`] does this for you. Dropping a lease unsettled
+/// (the work panicked or its future was cancelled) records a retryable failure in the
+/// background, so the key is released at once; if that write cannot be made, the lease simply
+/// passes and a retry reclaims the key.
 #[derive(Debug)]
 pub struct Lease {
     store: Arc<dyn IdempotencyStore>,
     policy: Arc<Policy>,
     id: RecordId,
     token: FencingToken,
-    lost: Arc<AtomicBool>,
-    heartbeat: Option<tokio::task::JoinHandle<()>>,
+    lost: AtomicBool,
     settled: bool,
 }
 
@@ -356,35 +359,12 @@ impl Lease {
         id: RecordId,
         token: FencingToken,
     ) -> Self {
-        let lost = Arc::new(AtomicBool::new(false));
-        let heartbeat = policy.heartbeat.and_then(|fraction| {
-            let handle = tokio::runtime::Handle::try_current().ok()?;
-            let every = policy.lease.mul_f64(fraction).max(Duration::from_millis(1));
-            let (store, id, lost, lease) = (store.clone(), id.clone(), lost.clone(), policy.lease);
-            Some(handle.spawn(async move {
-                loop {
-                    tokio::time::sleep(every).await;
-                    match store.extend(&id, token, lease).await {
-                        Ok(Cas::Applied) => {}
-                        Ok(Cas::Fenced) => {
-                            lost.store(true, Ordering::SeqCst);
-                            emit(Event::LeaseLost);
-                            return;
-                        }
-                        // A failed extension is retried at the next beat; the lease may
-                        // pass meanwhile, and then the CAS reports it.
-                        Err(e) => tracing::warn!(error = %e, "lease heartbeat failed"),
-                    }
-                }
-            }))
-        });
         Self {
             store,
             policy,
             id,
             token,
-            lost,
-            heartbeat,
+            lost: AtomicBool::new(false),
             settled: false,
         }
     }
@@ -417,9 +397,50 @@ impl Lease {
         self.policy.ttl
     }
 
+    /// Runs `work` to completion while extending the lease every `fraction × lease` (per
+    /// [`Policy::heartbeat`]). The heartbeat is polled in the caller's task, so nothing is
+    /// spawned and short work costs no more than a timer. If an extension is fenced the lease
+    /// is marked lost ([`Lease::is_lost`]) and the work still runs to its end; its completion
+    /// will then be refused with [`Error::LeaseLost`].
+    pub async fn with_heartbeat<F: Future>(&self, work: F) -> F::Output {
+        let Some(fraction) = self.policy.heartbeat else {
+            return work.await;
+        };
+        let every = self
+            .policy
+            .lease
+            .mul_f64(fraction)
+            .max(Duration::from_millis(1));
+        let beat = async {
+            loop {
+                tokio::time::sleep(every).await;
+                match self
+                    .store
+                    .extend(&self.id, self.token, self.policy.lease)
+                    .await
+                {
+                    Ok(Cas::Applied) => {}
+                    Ok(Cas::Fenced) => {
+                        self.lost.store(true, Ordering::SeqCst);
+                        emit(Event::LeaseLost);
+                        return;
+                    }
+                    // A failed extension is retried at the next beat; the lease may pass
+                    // meanwhile, and then the CAS reports it.
+                    Err(e) => tracing::warn!(error = %e, "lease heartbeat failed"),
+                }
+            }
+        };
+        let work = std::pin::pin!(work);
+        let beat = std::pin::pin!(beat);
+        match futures::future::select(work, beat).await {
+            futures::future::Either::Left((out, _)) => out,
+            futures::future::Either::Right(((), work)) => work.await,
+        }
+    }
+
     /// Stores the outcome. [`Error::LeaseLost`] if the token was fenced.
     pub async fn complete(mut self, outcome: &[u8]) -> Result<(), Error> {
-        self.stop_heartbeat();
         let cas = self
             .store
             .complete(&self.id, self.token, outcome, self.policy.ttl)
@@ -429,7 +450,6 @@ impl Lease {
 
     /// Records a failure and releases the key. [`Error::LeaseLost`] if the token was fenced.
     pub async fn fail(mut self, failure: Failure) -> Result<(), Error> {
-        self.stop_heartbeat();
         let cas = self
             .store
             .fail(&self.id, self.token, &failure, self.policy.ttl)
@@ -440,7 +460,6 @@ impl Lease {
     /// Marks the lease settled without writing: the caller committed the completion CAS in
     /// its own transaction (the SQL stores' exactly-once path).
     pub fn settled_externally(mut self) {
-        self.stop_heartbeat();
         self.settled = true;
     }
 
@@ -459,17 +478,10 @@ impl Lease {
             Err(e) => Err(e),
         }
     }
-
-    fn stop_heartbeat(&mut self) {
-        if let Some(h) = self.heartbeat.take() {
-            h.abort();
-        }
-    }
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        self.stop_heartbeat();
         if self.settled {
             return;
         }

@@ -1,12 +1,13 @@
 #![doc = include_str!("../README.md")]
+#![warn(clippy::unwrap_used)]
 
 use async_trait::async_trait;
+use foldhash::fast::RandomState;
 use idempotency_core::{
     Cas, Claim, ClaimRequest, Clock, Error, Failure, FencingToken, Fingerprint, IdempotencyStore,
     Reclaim, Record, RecordId, RecordStatus, SystemClock, Timestamp,
 };
 use parking_lot::Mutex;
-use std::collections::hash_map::{Entry, RandomState};
 use std::collections::HashMap;
 use std::hash::BuildHasher;
 use std::sync::Arc;
@@ -19,9 +20,54 @@ use std::time::Duration;
 /// reference implementation of the store contract.
 #[derive(Debug)]
 pub struct MemoryStore {
-    shards: Box<[Mutex<HashMap<RecordId, Record>>]>,
+    shards: Box<[Mutex<Shard>]>,
     hasher: RandomState,
     clock: Arc<dyn Clock>,
+}
+
+type Shard = HashMap<RecordId, Slot, RandomState>;
+
+/// A record without its address (the map key holds that once).
+#[derive(Debug, Clone)]
+struct Slot {
+    fingerprint: Fingerprint,
+    status: RecordStatus,
+    token: FencingToken,
+    lease_until: Option<Timestamp>,
+    outcome: Option<Vec<u8>>,
+    attempts: u32,
+    failure: Option<Failure>,
+    hits: u64,
+    created_at: Timestamp,
+    updated_at: Timestamp,
+    expires_at: Timestamp,
+}
+
+impl Slot {
+    fn to_record(&self, id: &RecordId) -> Record {
+        Record {
+            id: id.clone(),
+            fingerprint: self.fingerprint,
+            status: self.status,
+            token: self.token,
+            lease_until: self.lease_until,
+            outcome: self.outcome.clone(),
+            attempts: self.attempts,
+            failure: self.failure.clone(),
+            hits: self.hits,
+            created_at: self.created_at,
+            updated_at: self.updated_at,
+            expires_at: self.expires_at,
+        }
+    }
+
+    fn is_expired(&self, now: Timestamp) -> bool {
+        now >= self.expires_at
+    }
+
+    fn lease_passed(&self, now: Timestamp) -> bool {
+        self.status == RecordStatus::Pending && self.lease_until.is_none_or(|l| now >= l)
+    }
 }
 
 impl Default for MemoryStore {
@@ -44,9 +90,12 @@ impl MemoryStore {
     /// A store with `shards` lock shards (rounded up to a power of two, at least 1).
     pub fn with_clock_and_shards(clock: Arc<dyn Clock>, shards: usize) -> Self {
         let n = shards.max(1).next_power_of_two();
+        let hasher = RandomState::default();
         Self {
-            shards: (0..n).map(|_| Mutex::new(HashMap::new())).collect(),
-            hasher: RandomState::new(),
+            shards: (0..n)
+                .map(|_| Mutex::new(HashMap::with_hasher(hasher.clone())))
+                .collect(),
+            hasher,
             clock,
         }
     }
@@ -61,10 +110,11 @@ impl MemoryStore {
         self.len() == 0
     }
 
-    fn shard(&self, id: &RecordId) -> &Mutex<HashMap<RecordId, Record>> {
+    fn shard(&self, id: &RecordId) -> &Mutex<Shard> {
+        // High bits pick the shard; the map inside uses the whole hash, so keys that share a
+        // shard still spread over its buckets.
         let h = self.hasher.hash_one(id);
-        // The shard count is a power of two.
-        &self.shards[(h as usize) & (self.shards.len() - 1)]
+        &self.shards[(h >> 32) as usize & (self.shards.len() - 1)]
     }
 
     /// Applies `f` to the live Pending record held by `token`, if there is one.
@@ -72,7 +122,7 @@ impl MemoryStore {
         &self,
         id: &RecordId,
         token: FencingToken,
-        f: impl FnOnce(&mut Record, Timestamp),
+        f: impl FnOnce(&mut Slot, Timestamp),
     ) -> Cas {
         let now = self.clock.now();
         let mut shard = self.shard(id).lock();
@@ -98,8 +148,7 @@ impl IdempotencyStore for MemoryStore {
     async fn claim(&self, request: &ClaimRequest) -> Result<Claim, Error> {
         let now = self.clock.now();
         let lease_until = now.saturating_add(request.lease);
-        let fresh = |token: FencingToken| Record {
-            id: request.id.clone(),
+        let fresh = |token: FencingToken| Slot {
             fingerprint: request.fingerprint,
             status: RecordStatus::Pending,
             token,
@@ -113,28 +162,25 @@ impl IdempotencyStore for MemoryStore {
             expires_at: now.saturating_add(hold_for(request.lease, request.ttl)),
         };
         let mut shard = self.shard(&request.id).lock();
-        match shard.entry(request.id.clone()) {
-            Entry::Vacant(v) => {
-                v.insert(fresh(FencingToken(1)));
-                Ok(Claim::Claimed {
-                    token: FencingToken(1),
-                    lease_until,
-                })
-            }
-            Entry::Occupied(mut o) if o.get().is_expired(now) => {
-                let token = o.get().token.next();
-                o.insert(fresh(token));
-                Ok(Claim::Claimed { token, lease_until })
-            }
-            Entry::Occupied(mut o) => {
-                let r = o.get_mut();
-                r.hits = r.hits.saturating_add(1);
-                Ok(Claim::Existing {
-                    record: r.clone(),
+        let token = match shard.get_mut(&request.id) {
+            Some(slot) if !slot.is_expired(now) => {
+                slot.hits = slot.hits.saturating_add(1);
+                return Ok(Claim::Existing {
+                    record: slot.to_record(&request.id),
                     now,
-                })
+                });
             }
-        }
+            Some(expired) => {
+                let token = expired.token.next();
+                *expired = fresh(token);
+                token
+            }
+            None => {
+                shard.insert(request.id.clone(), fresh(FencingToken(1)));
+                FencingToken(1)
+            }
+        };
+        Ok(Claim::Claimed { token, lease_until })
     }
 
     async fn complete(
@@ -218,7 +264,10 @@ impl IdempotencyStore for MemoryStore {
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
         let now = self.clock.now();
         let shard = self.shard(id).lock();
-        Ok(shard.get(id).filter(|r| !r.is_expired(now)).cloned())
+        Ok(shard
+            .get(id)
+            .filter(|r| !r.is_expired(now))
+            .map(|r| r.to_record(id)))
     }
 
     async fn purge_expired(&self, batch: usize) -> Result<u64, Error> {

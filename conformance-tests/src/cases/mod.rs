@@ -1,8 +1,25 @@
 //! The conformance cases. Each is a `pub async fn(TestStore)` that panics on a violation.
+//!
+//! The cases are grouped by theme in submodules and re-exported here, so every case is
+//! `idempotency_conformance::cases::<name>`. The helpers at the top are public for
+//! hand-written tests of a store.
+
+mod basic;
+mod engine;
+mod model;
+mod races;
+mod time;
+
+pub use basic::*;
+pub use engine::*;
+pub use model::*;
+pub use races::*;
+pub use time::*;
 
 use crate::TestStore;
 use idempotency_core::{
-    Cas, Claim, ClaimRequest, Fingerprint, IdempotencyKey, Record, RecordId, RecordStatus, Scope,
+    Cas, Claim, ClaimRequest, FencingToken, Fingerprint, IdempotencyKey, Record, RecordId,
+    RecordStatus, Scope, Timestamp,
 };
 use std::sync::Arc;
 use std::time::Duration;
@@ -30,19 +47,79 @@ pub fn request(
     }
 }
 
+/// A fingerprint of `label`'s bytes.
+pub fn fp(label: &str) -> Fingerprint {
+    Fingerprint::from_bytes(label.as_bytes())
+}
+
 /// Claims `id`, asserting that it was claimed, and returns the token.
-pub async fn must_claim(t: &TestStore, req: &ClaimRequest) -> idempotency_core::FencingToken {
+pub async fn must_claim(t: &TestStore, req: &ClaimRequest) -> FencingToken {
+    must_claim_with_lease(t, req).await.0
+}
+
+/// Claims `id`, asserting that it was claimed, and returns the token and lease deadline.
+pub async fn must_claim_with_lease(t: &TestStore, req: &ClaimRequest) -> (FencingToken, Timestamp) {
     match t.store.claim(req).await.expect("claim") {
-        Claim::Claimed { token, .. } => token,
-        Claim::Existing { record, .. } => panic!("expected Claimed, found {record:?}"),
+        Claim::Claimed { token, lease_until } => (token, lease_until),
+        Claim::Existing { record, .. } => {
+            panic!(
+                "expected the claim of {} to be Claimed, found a live record {record:?}",
+                req.id
+            )
+        }
     }
 }
 
 /// Claims `id`, asserting that a live record exists, and returns it.
 pub async fn must_observe(t: &TestStore, req: &ClaimRequest) -> Record {
+    must_observe_at(t, req).await.0
+}
+
+/// Claims `id`, asserting that a live record exists, and returns it with the store's `now`.
+pub async fn must_observe_at(t: &TestStore, req: &ClaimRequest) -> (Record, Timestamp) {
     match t.store.claim(req).await.expect("claim") {
-        Claim::Existing { record, .. } => record,
-        Claim::Claimed { token, .. } => panic!("expected Existing, got Claimed({token})"),
+        Claim::Existing { record, now } => (record, now),
+        Claim::Claimed { token, .. } => panic!(
+            "expected the claim of {} to observe a live record, but it was Claimed({token}) \
+             (a live record was overwritten, or the record was lost)",
+            req.id
+        ),
+    }
+}
+
+/// Reads `id`, asserting that it is present (live).
+pub async fn present(t: &TestStore, id: &RecordId) -> Record {
+    t.store
+        .get(id)
+        .await
+        .expect("get")
+        .unwrap_or_else(|| panic!("expected {id} to be present, get returned None"))
+}
+
+/// Reads `id`, asserting that it is absent (or expired).
+pub async fn absent(t: &TestStore, id: &RecordId) {
+    if let Some(r) = t.store.get(id).await.expect("get") {
+        panic!("expected {id} to be absent, found {r:?}");
+    }
+}
+
+/// Completes `id` with `token`, asserting that the CAS applied.
+pub async fn must_complete(t: &TestStore, id: &RecordId, token: FencingToken, outcome: &[u8]) {
+    assert_eq!(
+        t.store
+            .complete(id, token, outcome, t.long())
+            .await
+            .expect("complete"),
+        Cas::Applied,
+        "complete({id}, token {token}) by the holder was refused"
+    );
+}
+
+/// `record` with `hits` replaced, to compare records that differ only by observations.
+pub fn with_hits(record: &Record, hits: u64) -> Record {
+    Record {
+        hits,
+        ..record.clone()
     }
 }
 
@@ -54,7 +131,7 @@ pub async fn claim_complete_replay(t: TestStore) {
         .collect();
     for outcome in [br#"{"ok":true}"#.to_vec(), Vec::new(), big] {
         let id = unique_id("replay");
-        let fp = Fingerprint::from_bytes(b"payload");
+        let fp = fp("payload");
         let req = request(&id, fp, t.long(), t.long());
         let token = must_claim(&t, &req).await;
         let pending = t
@@ -103,7 +180,7 @@ pub async fn claim_complete_replay(t: TestStore) {
 /// A claim with a different fingerprint observes the record and changes nothing but hits.
 pub async fn mismatch_leaves_record_unchanged(t: TestStore) {
     let id = unique_id("mismatch");
-    let fp = Fingerprint::from_bytes(b"a");
+    let fp = fp("a");
     let req = request(&id, fp, t.long(), t.long());
     let token = must_claim(&t, &req).await;
     t.store
@@ -111,7 +188,7 @@ pub async fn mismatch_leaves_record_unchanged(t: TestStore) {
         .await
         .expect("complete");
     let before = t.store.get(&id).await.expect("get").expect("present");
-    let other = request(&id, Fingerprint::from_bytes(b"b"), t.long(), t.long());
+    let other = request(&id, self::fp("b"), t.long(), t.long());
     let seen = must_observe(&t, &other).await;
     assert_eq!(
         seen.fingerprint, fp,
@@ -133,12 +210,7 @@ pub async fn mismatch_leaves_record_unchanged(t: TestStore) {
 pub async fn concurrent_claims_one_winner(t: TestStore) {
     for round in 0..5 {
         let id = unique_id("race");
-        let req = Arc::new(request(
-            &id,
-            Fingerprint::from_bytes(b"x"),
-            t.long(),
-            t.long(),
-        ));
+        let req = Arc::new(request(&id, fp("x"), t.long(), t.long()));
         let barrier = Arc::new(tokio::sync::Barrier::new(64));
         let mut tasks = Vec::new();
         for _ in 0..64 {

@@ -1,0 +1,380 @@
+//! The engine (`idempotency_core::Idempotency`) on top of the store: what users rely on.
+
+use super::{fp, present};
+use crate::TestStore;
+use idempotency_core::{
+    Begin, Error, Failure, Fingerprint, Idempotency, IdempotencyKey, InFlight, Outcome, Policy,
+    RecordId, RecordStatus, Scope,
+};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{oneshot, Barrier};
+
+type Run = Result<Outcome<Result<String, String>>, Error>;
+
+fn engine(t: &TestStore, policy: Policy) -> Idempotency {
+    Idempotency::new(t.store.clone(), policy).expect("valid policy")
+}
+
+fn fresh_address(label: &str) -> (IdempotencyKey, Scope) {
+    (
+        IdempotencyKey::random(),
+        Scope::from_parts(["conformance-engine", label]).expect("valid scope"),
+    )
+}
+
+/// Runs a work that counts its executions and returns `Ok(value)`.
+async fn counted(
+    e: &Idempotency,
+    key: &IdempotencyKey,
+    scope: &Scope,
+    fingerprint: &Fingerprint,
+    runs: &Arc<AtomicUsize>,
+    value: &str,
+) -> Run {
+    let (runs, value) = (runs.clone(), value.to_string());
+    e.run(key, scope, fingerprint, move |_| async move {
+        runs.fetch_add(1, Ordering::SeqCst);
+        Ok::<_, String>(value)
+    })
+    .await
+}
+
+/// 64 concurrent `run` calls with one key: the work runs exactly once; every other call gets
+/// `InProgress` or a replay of its outcome; later calls replay it.
+pub async fn engine_concurrent_runs_execute_once(t: TestStore) {
+    for round in 0..3 {
+        let e = engine(&t, Policy::default().lease(t.long()).ttl(t.long()));
+        let (key, scope) = fresh_address("race");
+        let runs = Arc::new(AtomicUsize::new(0));
+        let barrier = Arc::new(Barrier::new(64));
+        let tasks: Vec<_> = (0..64)
+            .map(|_| {
+                let (e, key, scope, runs, barrier) = (
+                    e.clone(),
+                    key.clone(),
+                    scope.clone(),
+                    runs.clone(),
+                    barrier.clone(),
+                );
+                tokio::spawn(async move {
+                    barrier.wait().await;
+                    e.run(&key, &scope, &fp("order"), move |_| async move {
+                        runs.fetch_add(1, Ordering::SeqCst);
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                        Ok::<_, String>("receipt".to_string())
+                    })
+                    .await
+                })
+            })
+            .collect();
+        let (mut fresh, mut replayed, mut in_progress) = (0, 0, 0);
+        for task in tasks {
+            match task.await.expect("run task") {
+                Ok(Outcome::Fresh(Ok(v))) if v == "receipt" => fresh += 1,
+                Ok(Outcome::Replayed(Ok(v))) if v == "receipt" => replayed += 1,
+                Err(Error::InProgress { .. }) => in_progress += 1,
+                other => panic!("round {round}: unexpected answer {other:?}"),
+            }
+        }
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            1,
+            "round {round}: the work ran {} times for one key",
+            runs.load(Ordering::SeqCst)
+        );
+        assert_eq!(fresh, 1, "round {round}: {fresh} fresh outcomes");
+        assert_eq!(fresh + replayed + in_progress, 64);
+        match counted(&e, &key, &scope, &fp("order"), &runs, "again").await {
+            Ok(Outcome::Replayed(Ok(v))) => assert_eq!(v, "receipt"),
+            other => panic!("round {round}: a later retry got {other:?}, expected a replay"),
+        }
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+    }
+}
+
+/// A work that panics releases the key at once (the panic goes on to the caller), and a
+/// retry runs the work.
+pub async fn engine_panic_releases_key(t: TestStore) {
+    // A long lease: only the release, not the lease passing, can let the retry run.
+    let e = engine(&t, Policy::default().lease(t.long()).ttl(t.long()));
+    let (key, scope) = fresh_address("panic");
+    let explode = true;
+    let task = {
+        let (e, key, scope) = (e.clone(), key.clone(), scope.clone());
+        tokio::spawn(async move {
+            e.run(&key, &scope, &fp("p"), move |_| async move {
+                if explode {
+                    panic!("deliberate panic inside the work (conformance case)");
+                }
+                Ok::<String, String>("unreachable".into())
+            })
+            .await
+        })
+    };
+    let err = task.await.expect_err("the panic must reach the caller");
+    assert!(err.is_panic(), "the run task ended without a panic: {err}");
+    let r = present(&t, &RecordId::new(scope.clone(), key.clone())).await;
+    assert_eq!(
+        r.status,
+        RecordStatus::Failed,
+        "a panicking work must release the key (record Failed), found {r:?}"
+    );
+    let runs = Arc::new(AtomicUsize::new(0));
+    match counted(&e, &key, &scope, &fp("p"), &runs, "after panic").await {
+        Ok(Outcome::Fresh(Ok(v))) => assert_eq!(v, "after panic"),
+        other => panic!("the retry after a panic got {other:?}, expected a fresh run"),
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// Retries until the work runs; after about a second of `InProgress` answers moves the clock
+/// past the lease. Panics if the key stays in progress after its lease passed.
+async fn retry_runs(t: &TestStore, e: &Idempotency, key: &IdempotencyKey, scope: &Scope) {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let mut advanced = false;
+    for attempt in 0..60 {
+        match counted(e, key, scope, &fp("d"), &runs, "retry").await {
+            Ok(Outcome::Fresh(Ok(v))) => {
+                assert_eq!(v, "retry");
+                assert_eq!(runs.load(Ordering::SeqCst), 1);
+                return;
+            }
+            Err(Error::InProgress { .. }) if !advanced && attempt >= 20 => {
+                t.advance(e.policy().lease).await;
+                advanced = true;
+            }
+            Err(Error::InProgress { .. }) => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            other => panic!("a retry after a dropped work got {other:?}"),
+        }
+        if advanced && attempt >= 40 {
+            break;
+        }
+    }
+    panic!(
+        "the key is still in progress after the dropped work's lease passed: a cancelled work \
+         left it Pending (check that dropping the lease stops the heartbeat)"
+    );
+}
+
+/// A work whose future is dropped (a timeout, an aborted task) does not leave the key Pending
+/// forever: a retry runs at the latest once the lease has passed.
+pub async fn engine_dropped_work_releases_key(t: TestStore) {
+    let e = engine(&t, Policy::default().lease(t.short_lease()).ttl(t.long()));
+
+    // Cancelled by a timeout.
+    let (key, scope) = fresh_address("timeout");
+    let timed_out = tokio::time::timeout(
+        Duration::from_millis(100),
+        e.run(&key, &scope, &fp("d"), |_| async {
+            futures::future::pending::<()>().await;
+            Ok::<String, String>("never".into())
+        }),
+    )
+    .await;
+    assert!(timed_out.is_err(), "the never-ending work finished");
+    retry_runs(&t, &e, &key, &scope).await;
+
+    // Aborted while running.
+    let (key, scope) = fresh_address("abort");
+    let (started_tx, started_rx) = oneshot::channel();
+    let task = {
+        let (e, key, scope) = (e.clone(), key.clone(), scope.clone());
+        tokio::spawn(async move {
+            e.run(&key, &scope, &fp("d"), move |_| async move {
+                let _ = started_tx.send(());
+                futures::future::pending::<()>().await;
+                Ok::<String, String>("never".into())
+            })
+            .await
+        })
+    };
+    started_rx.await.expect("the work started");
+    task.abort();
+    assert!(
+        task.await.expect_err("aborted").is_cancelled(),
+        "the task was not cancelled"
+    );
+    retry_runs(&t, &e, &key, &scope).await;
+}
+
+/// An `Err` outcome is not stored (by default): the key is released, the retry runs, and
+/// its `Ok` is what later calls replay.
+pub async fn engine_error_not_stored(t: TestStore) {
+    let e = engine(&t, Policy::default().lease(t.long()).ttl(t.long()));
+    let (key, scope) = fresh_address("error");
+    let runs = Arc::new(AtomicUsize::new(0));
+    let first = {
+        let runs = runs.clone();
+        e.run(&key, &scope, &fp("e"), move |_| async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Err::<String, String>("transient failure".into())
+        })
+        .await
+    };
+    match first {
+        Ok(Outcome::Fresh(Err(msg))) => assert_eq!(msg, "transient failure"),
+        other => panic!("the failing work returned {other:?}"),
+    }
+    let r = present(&t, &RecordId::new(scope.clone(), key.clone())).await;
+    assert_eq!(
+        r.status,
+        RecordStatus::Failed,
+        "an Err outcome must release the key"
+    );
+    assert_eq!(r.outcome, None, "an Err outcome was stored");
+    match counted(&e, &key, &scope, &fp("e"), &runs, "second try").await {
+        Ok(Outcome::Fresh(Ok(v))) => assert_eq!(v, "second try"),
+        other => panic!("the retry after an error got {other:?}, expected a fresh run"),
+    }
+    match counted(&e, &key, &scope, &fp("e"), &runs, "third").await {
+        Ok(Outcome::Replayed(Ok(v))) => assert_eq!(v, "second try"),
+        other => panic!("a call after the success got {other:?}, expected its replay"),
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+/// With `InFlight::Wait`, callers arriving while the first attempt runs wait for it and
+/// replay its outcome; their own work never runs.
+pub async fn engine_wait_policy_replays(t: TestStore) {
+    let e = engine(
+        &t,
+        Policy::default()
+            .lease(t.long())
+            .ttl(t.long())
+            .in_flight(InFlight::wait(Duration::from_secs(20))),
+    );
+    let (key, scope) = fresh_address("wait");
+    let (started_tx, started_rx) = oneshot::channel();
+    let (release_tx, release_rx) = oneshot::channel::<()>();
+    let first = {
+        let (e, key, scope) = (e.clone(), key.clone(), scope.clone());
+        tokio::spawn(async move {
+            e.run(&key, &scope, &fp("w"), move |_| async move {
+                let _ = started_tx.send(());
+                let _ = release_rx.await;
+                Ok::<_, String>("first outcome".to_string())
+            })
+            .await
+        })
+    };
+    started_rx.await.expect("the first work started");
+    let runs = Arc::new(AtomicUsize::new(0));
+    let waiters: Vec<_> = (0..8)
+        .map(|_| {
+            let (e, key, scope, runs) = (e.clone(), key.clone(), scope.clone(), runs.clone());
+            tokio::spawn(async move { counted(&e, &key, &scope, &fp("w"), &runs, "waiter").await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    release_tx.send(()).expect("the first work is waiting");
+    match first.await.expect("first task") {
+        Ok(Outcome::Fresh(Ok(v))) => assert_eq!(v, "first outcome"),
+        other => panic!("the first call got {other:?}"),
+    }
+    for w in waiters {
+        match w.await.expect("waiter task") {
+            Ok(Outcome::Replayed(Ok(v))) => assert_eq!(v, "first outcome"),
+            other => panic!("a waiter got {other:?}, expected the first outcome replayed"),
+        }
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "a waiter's work ran");
+}
+
+/// A key reused with a different fingerprint gets `Error::Mismatch`, while the first attempt
+/// runs and after it completed; the mismatching work never runs and the record keeps the
+/// first outcome.
+pub async fn engine_mismatch(t: TestStore) {
+    let e = engine(&t, Policy::default().lease(t.long()).ttl(t.long()));
+    let (key, scope) = fresh_address("mismatch");
+    let id = RecordId::new(scope.clone(), key.clone());
+    let runs = Arc::new(AtomicUsize::new(0));
+
+    let Begin::Execute(lease) = e.begin(&id, &fp("original")).await.expect("begin") else {
+        panic!("the first begin replayed");
+    };
+    match counted(&e, &key, &scope, &fp("different"), &runs, "x").await {
+        Err(Error::Mismatch) => {}
+        other => panic!("a different payload while in flight got {other:?}, expected Mismatch"),
+    }
+    lease
+        .fail(Failure::retryable("released by the case"))
+        .await
+        .expect("fail");
+
+    match counted(&e, &key, &scope, &fp("original"), &runs, "first").await {
+        Ok(Outcome::Fresh(Ok(v))) => assert_eq!(v, "first"),
+        other => panic!("the original payload got {other:?}"),
+    }
+    let before = present(&t, &id).await;
+    match counted(&e, &key, &scope, &fp("different"), &runs, "second").await {
+        Err(Error::Mismatch) => {}
+        other => panic!("a different payload after completion got {other:?}, expected Mismatch"),
+    }
+    let after = present(&t, &id).await;
+    assert_eq!(
+        super::with_hits(&after, before.hits),
+        before,
+        "a mismatch changed the record"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the mismatching work ran");
+}
+
+/// A work that runs for longer than its lease keeps the key: the engine's heartbeat extends
+/// the lease through the store, so a retry during the work is told `InProgress` instead of
+/// taking the key over, and the work runs once.
+pub async fn engine_heartbeat_keeps_long_work_leased(t: TestStore) {
+    let lease = Duration::from_millis(900);
+    let e = engine(
+        &t,
+        Policy::default()
+            .lease(lease)
+            .ttl(t.long())
+            .heartbeat(Some(1.0 / 3.0)),
+    );
+    let (key, scope) = fresh_address("heartbeat");
+    let (started_tx, started_rx) = oneshot::channel();
+    let (release_tx, release_rx) = oneshot::channel::<()>();
+    let first = {
+        let (e, key, scope) = (e.clone(), key.clone(), scope.clone());
+        tokio::spawn(async move {
+            e.run(&key, &scope, &fp("hb"), move |_| async move {
+                let _ = started_tx.send(());
+                let _ = release_rx.await;
+                Ok::<_, String>("long work".to_string())
+            })
+            .await
+        })
+    };
+    started_rx.await.expect("the work started");
+    let runs = Arc::new(AtomicUsize::new(0));
+    // Let the store's clock run well past the original lease, in small steps so that the
+    // heartbeat (every lease / 3 of real time) keeps up on a manual clock too.
+    let step = Duration::from_millis(150);
+    for _ in 0..10 {
+        t.advance(step).await;
+        if matches!(t.time, crate::TimeControl::Manual(_)) {
+            tokio::time::sleep(step).await;
+        }
+    }
+    match counted(&e, &key, &scope, &fp("hb"), &runs, "retry").await {
+        Err(Error::InProgress { .. }) => {}
+        other => panic!(
+            "a retry while a heartbeating work runs got {other:?}, expected InProgress (the \
+             lease was not extended)"
+        ),
+    }
+    release_tx.send(()).expect("the work is waiting");
+    match first.await.expect("first task") {
+        Ok(Outcome::Fresh(Ok(v))) => assert_eq!(v, "long work"),
+        other => panic!("the long work got {other:?}, expected its fresh outcome"),
+    }
+    match counted(&e, &key, &scope, &fp("hb"), &runs, "retry").await {
+        Ok(Outcome::Replayed(Ok(v))) => assert_eq!(v, "long work"),
+        other => panic!("a retry after the long work got {other:?}, expected a replay"),
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "a retry's work ran");
+}

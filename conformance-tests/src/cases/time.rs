@@ -1,0 +1,322 @@
+//! Time: retention, expiry, purge and lease extension, on the store's clock.
+
+use super::{
+    absent, fp, must_claim, must_claim_with_lease, must_observe, present, request, unique_id,
+};
+use crate::{TestStore, TimeControl};
+use idempotency_core::{Cas, ClaimRequest, Failure, FencingToken, Reclaim, Record, RecordStatus};
+
+/// Claims `req` and settles it: `Completed`, `Failed`, or left `Pending`.
+async fn make(
+    t: &TestStore,
+    req: &ClaimRequest,
+    status: RecordStatus,
+    ttl: std::time::Duration,
+) -> FencingToken {
+    let token = must_claim(t, req).await;
+    let cas = match status {
+        RecordStatus::Completed => t
+            .store
+            .complete(&req.id, token, b"outcome", ttl)
+            .await
+            .expect("complete"),
+        RecordStatus::Failed => t
+            .store
+            .fail(&req.id, token, &Failure::retryable("boom"), ttl)
+            .await
+            .expect("fail"),
+        RecordStatus::Pending => Cas::Applied,
+    };
+    assert_eq!(
+        cas,
+        Cas::Applied,
+        "settling {} as {status} was refused",
+        req.id
+    );
+    token
+}
+
+/// Retention: a record is present before `expires_at` and treated as absent after it, for
+/// every status. After expiry `get` returns `None`, the old holder's writes and reclaims are
+/// refused, and a claim gets a fresh `Pending` record (with a higher token when the store
+/// keeps expired records until purged).
+pub async fn ttl_expiry(t: TestStore) {
+    let ttl = t.short_ttl();
+    let mut short = Vec::new();
+    for status in [
+        RecordStatus::Completed,
+        RecordStatus::Failed,
+        RecordStatus::Pending,
+    ] {
+        let id = unique_id("ttl");
+        // A Pending record's retention is max(lease, ttl): the lease here is shorter.
+        let req = request(&id, fp("a"), t.short_lease(), ttl);
+        let token = make(&t, &req, status, ttl).await;
+        short.push((req, token, status));
+    }
+    let keep_id = unique_id("ttl-long");
+    let keep = request(&keep_id, fp("a"), t.long(), t.long());
+    make(&t, &keep, RecordStatus::Completed, t.long()).await;
+
+    t.advance(ttl / 2).await;
+    for (req, token, status) in &short {
+        let r = present(&t, &req.id).await;
+        assert_eq!(
+            (r.status, r.token),
+            (*status, *token),
+            "{} changed before expiry",
+            req.id
+        );
+        let seen = must_observe(&t, req).await;
+        assert_eq!(
+            seen.status, *status,
+            "a claim before expiry changed the record"
+        );
+    }
+
+    t.advance(ttl).await;
+    for (req, token, status) in &short {
+        absent(&t, &req.id).await;
+        assert_eq!(
+            t.store
+                .complete(&req.id, *token, b"late", t.long())
+                .await
+                .expect("complete"),
+            Cas::Fenced,
+            "complete of an expired {status} record was applied"
+        );
+        assert_eq!(
+            t.store
+                .extend(&req.id, *token, t.long())
+                .await
+                .expect("extend"),
+            Cas::Fenced,
+            "extend of an expired {status} record was applied"
+        );
+        assert_eq!(
+            t.store
+                .reclaim(&req.id, *token, &fp("a"), t.long(), t.long())
+                .await
+                .expect("reclaim"),
+            Reclaim::Lost,
+            "reclaim of an expired {status} record won (expired records are absent)"
+        );
+        absent(&t, &req.id).await;
+
+        // A new claim with another fingerprint: the expired record is gone for good.
+        let again = request(&req.id, fp("b"), t.long(), t.long());
+        let (new_token, lease_until) = must_claim_with_lease(&t, &again).await;
+        if t.capabilities.purge_reports_deletions {
+            assert!(
+                new_token > *token,
+                "the claim replacing an expired {status} record got token {new_token}, not \
+                 greater than the replaced record's {token}"
+            );
+        }
+        let r = present(&t, &req.id).await;
+        assert_eq!(r.status, RecordStatus::Pending);
+        assert_eq!(r.token, new_token);
+        assert_eq!(r.fingerprint, fp("b"), "the replacing claim's fingerprint");
+        assert_eq!(r.attempts, 1, "a replacing claim starts at attempts = 1");
+        assert_eq!(r.hits, 0, "a replacing claim starts at hits = 0");
+        assert_eq!(r.outcome, None);
+        assert_eq!(r.lease_until, Some(lease_until));
+        if new_token != *token {
+            assert_eq!(
+                t.store
+                    .complete(&req.id, *token, b"stale", t.long())
+                    .await
+                    .expect("complete"),
+                Cas::Fenced,
+                "the expired record's holder completed the new record"
+            );
+        }
+    }
+    let r = present(&t, &keep_id).await;
+    assert_eq!(
+        r.status,
+        RecordStatus::Completed,
+        "a long-lived record expired"
+    );
+}
+
+/// `purge_expired` removes expired records only, in batches, and never a live one — not a
+/// Pending record whose lease passed, nor settled records with a long retention.
+pub async fn purge_removes_only_expired(t: TestStore) {
+    let ttl = t.short_ttl();
+    let mut expiring = Vec::new();
+    for status in [
+        RecordStatus::Completed,
+        RecordStatus::Completed,
+        RecordStatus::Failed,
+        RecordStatus::Failed,
+        RecordStatus::Pending,
+    ] {
+        let id = unique_id("purge-expiring");
+        make(
+            &t,
+            &request(&id, fp("p"), t.short_lease(), ttl),
+            status,
+            ttl,
+        )
+        .await;
+        expiring.push(id);
+    }
+    let mut live = Vec::new();
+    for (status, lease) in [
+        (RecordStatus::Completed, t.long()),
+        (RecordStatus::Failed, t.long()),
+        (RecordStatus::Pending, t.long()),
+        // Its lease passes, but its retention does not: it must stay for a reclaim.
+        (RecordStatus::Pending, t.short_lease()),
+    ] {
+        let id = unique_id("purge-live");
+        make(
+            &t,
+            &request(&id, fp("p"), lease, t.long()),
+            status,
+            t.long(),
+        )
+        .await;
+        live.push(id);
+    }
+    let mut before: Vec<Record> = Vec::new();
+    for id in &live {
+        before.push(present(&t, id).await);
+    }
+
+    t.advance(ttl).await;
+    if t.capabilities.purge_reports_deletions {
+        // The store is isolated per case, so exactly our five records are expired.
+        assert_eq!(
+            t.store.purge_expired(2).await.expect("purge"),
+            2,
+            "purge(2) of 5 expired"
+        );
+        assert_eq!(
+            t.store.purge_expired(100).await.expect("purge"),
+            3,
+            "purge of the last 3 expired"
+        );
+        assert_eq!(
+            t.store.purge_expired(100).await.expect("purge"),
+            0,
+            "nothing left to purge"
+        );
+    } else {
+        t.store.purge_expired(100).await.expect("purge");
+    }
+    for (id, b) in live.iter().zip(&before) {
+        assert_eq!(
+            &present(&t, id).await,
+            b,
+            "purge removed or changed a live {} record",
+            b.status
+        );
+    }
+    for id in &expiring {
+        absent(&t, id).await;
+        must_claim(&t, &request(id, fp("p"), t.long(), t.long())).await;
+    }
+    if t.capabilities.purge_reports_deletions {
+        assert_eq!(
+            t.store.purge_expired(100).await.expect("purge"),
+            0,
+            "purge removed a re-claimed record"
+        );
+    }
+}
+
+/// `extend` moves the holder's lease to `now + lease` (and the retention to at least that):
+/// the key is not reclaimable until the extended lease passes, then it is. A wrong token's
+/// extension is refused.
+pub async fn extend_moves_lease(t: TestStore) {
+    let s = t.short_lease();
+    // Retention long: only the lease matters.
+    let a = unique_id("extend");
+    let req_a = request(&a, fp("x"), s, t.long());
+    let token_a = must_claim(&t, &req_a).await;
+    // Retention as short as the lease: the extension must also keep the record alive.
+    let b = unique_id("extend-retention");
+    let req_b = request(&b, fp("x"), s, s);
+    let token_b = must_claim(&t, &req_b).await;
+
+    let before = present(&t, &a).await;
+    assert_eq!(
+        t.store
+            .extend(&a, token_a.next(), s * 3)
+            .await
+            .expect("extend"),
+        Cas::Fenced,
+        "extend with a token the record does not hold was applied"
+    );
+    assert_eq!(
+        present(&t, &a).await,
+        before,
+        "a refused extend changed the record"
+    );
+    let manual_now = match &t.time {
+        TimeControl::Manual(clock) => Some(idempotency_core::Clock::now(clock)),
+        TimeControl::Real => None,
+    };
+    for (id, token) in [(&a, token_a), (&b, token_b)] {
+        assert_eq!(
+            t.store.extend(id, token, s * 3).await.expect("extend"),
+            Cas::Applied,
+            "the holder's extend was refused"
+        );
+    }
+    let extended = present(&t, &a).await;
+    let until = extended.lease_until.expect("a Pending record has a lease");
+    assert!(
+        until > before.lease_until.expect("lease"),
+        "extend did not move the lease"
+    );
+    if let Some(now) = manual_now {
+        assert_eq!(
+            until,
+            now.saturating_add(s * 3),
+            "extend sets lease_until = now + lease"
+        );
+    }
+    let rb = present(&t, &b).await;
+    assert!(
+        rb.expires_at >= rb.lease_until.expect("lease"),
+        "extend must move expires_at to at least lease_until"
+    );
+    assert_eq!(extended.token, token_a, "extend changed the token");
+    assert_eq!(extended.status, RecordStatus::Pending);
+
+    // The original lease has passed; the extended one has not.
+    t.advance(s).await;
+    assert_eq!(
+        t.store
+            .reclaim(&a, token_a, &fp("x"), t.long(), t.long())
+            .await
+            .expect("reclaim"),
+        Reclaim::Lost,
+        "reclaimed after the original lease though the holder extended it"
+    );
+    let rb = present(&t, &b).await;
+    assert_eq!(
+        rb.token, token_b,
+        "the extended record with a short retention was replaced"
+    );
+
+    // Now the extended lease has passed too.
+    t.advance(s * 3).await;
+    match t
+        .store
+        .reclaim(&a, token_a, &fp("x"), t.long(), t.long())
+        .await
+        .expect("reclaim")
+    {
+        Reclaim::Reclaimed { token, .. } => assert_eq!(token, token_a.next()),
+        Reclaim::Lost => panic!("not reclaimable after the extended lease passed"),
+    }
+    assert_eq!(
+        t.store.extend(&a, token_a, t.long()).await.expect("extend"),
+        Cas::Fenced,
+        "the old holder extended after a reclaim"
+    );
+}

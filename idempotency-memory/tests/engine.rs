@@ -1,0 +1,61 @@
+//! Engine behaviour that needs real time: the lease heartbeat.
+
+use idempotency_core::{Error, Fingerprint, Idempotency, IdempotencyKey, Policy, Scope};
+use idempotency_memory::MemoryStore;
+use std::sync::Arc;
+use std::time::Duration;
+
+fn engine(heartbeat: Option<f64>) -> Idempotency {
+    let policy = Policy::default()
+        .lease(Duration::from_millis(300))
+        .heartbeat(heartbeat);
+    Idempotency::new(Arc::new(MemoryStore::new()), policy).unwrap()
+}
+
+async fn slow_then_duplicate(engine: Idempotency) -> (Result<bool, Error>, Result<bool, Error>) {
+    let key = IdempotencyKey::random();
+    let scope = Scope::new("t|op").unwrap();
+    let fp = Fingerprint::from_bytes(b"x");
+    let (e, k, s) = (engine.clone(), key.clone(), scope.clone());
+    let slow = tokio::spawn(async move {
+        e.run(&k, &s, &fp, |_| async {
+            tokio::time::sleep(Duration::from_millis(1_000)).await;
+            Ok::<_, String>(1)
+        })
+        .await
+        .map(|o| o.is_replayed())
+    });
+    // Well past the 300 ms lease: only the heartbeat keeps the first holder in place.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let dup = engine
+        .run(&key, &scope, &fp, |_| async { Ok::<_, String>(2) })
+        .await
+        .map(|o| o.is_replayed());
+    (slow.await.unwrap(), dup)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heartbeat_keeps_a_long_work_in_place() {
+    let (first, dup) = slow_then_duplicate(engine(Some(0.3))).await;
+    assert!(
+        matches!(first, Ok(false)),
+        "first run completes fresh: {first:?}"
+    );
+    assert!(
+        matches!(dup, Err(Error::InProgress { .. })),
+        "duplicate is told to retry: {dup:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_heartbeat_the_stalled_holder_is_fenced() {
+    let (first, dup) = slow_then_duplicate(engine(None)).await;
+    assert!(
+        matches!(dup, Ok(false)),
+        "duplicate reclaims and runs: {dup:?}"
+    );
+    assert!(
+        matches!(first, Err(Error::LeaseLost { .. })),
+        "stalled holder's completion is refused: {first:?}"
+    );
+}

@@ -1,0 +1,37 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use idempotency_core::{ClaimRequest, Fingerprint, IdempotencyKey, ManualClock, RecordId, Scope};
+use idempotency_sqlite::{ConnectionMode, SqliteStore};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A migrated store on a manual clock in its own temp dir (kept alive by the returned guard).
+pub async fn manual_store(mode: ConnectionMode) -> (SqliteStore, ManualClock, tempfile::TempDir) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let clock = ManualClock::new();
+    let store = SqliteStore::builder(dir.path().join("test.db"))
+        .clock(Arc::new(clock.clone()))
+        .mode(mode)
+        .open()
+        .await
+        .expect("open");
+    store.migrate().await.expect("migrate");
+    (store, clock, dir)
+}
+
+pub fn id(label: &str) -> RecordId {
+    RecordId::new(
+        Scope::from_parts(["sqlite-tests", label]).expect("scope"),
+        IdempotencyKey::random(),
+    )
+}
+
+pub fn req(id: &RecordId, payload: &[u8], lease: Duration, ttl: Duration) -> ClaimRequest {
+    ClaimRequest {
+        id: id.clone(),
+        fingerprint: Fingerprint::from_bytes(payload),
+        lease,
+        ttl,
+    }
+}

@@ -1,0 +1,251 @@
+//! The claim-or-observe statement and the CAS statements, checked field by field against the
+//! `# Behavior` contract, plus the expiry index and purge.
+
+mod common;
+
+use common::{id, manual_store, req};
+use idempotency_core::{
+    Cas, Claim, Failure, FencingToken, Fingerprint, IdempotencyStore, Reclaim, RecordStatus,
+};
+use idempotency_sqlite::ConnectionMode;
+use std::time::Duration;
+
+const S: Duration = Duration::from_secs(1);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expired_record_is_replaced_with_the_next_token_and_live_ones_count_hits() {
+    let (store, clock, _dir) = manual_store(ConnectionMode::DedicatedThread).await;
+    let id = id("expiry");
+    let r1 = req(&id, b"one", 10 * S, 60 * S);
+    let t0 = clock.now_ms();
+    let Claim::Claimed { token, lease_until } = store.claim(&r1).await.unwrap() else {
+        panic!("first claim must win");
+    };
+    assert_eq!(token, FencingToken(1));
+    assert_eq!(lease_until.as_millis(), t0 + 10_000);
+
+    for expected_hits in 1..=3u64 {
+        let Claim::Existing { record, now } = store.claim(&r1).await.unwrap() else {
+            panic!("a live record must be observed");
+        };
+        assert_eq!(record.hits, expected_hits);
+        assert_eq!(record.token, FencingToken(1));
+        assert_eq!(record.status, RecordStatus::Pending);
+        assert_eq!(now.as_millis(), t0);
+        assert_eq!(record.expires_at.as_millis(), t0 + 60_000);
+    }
+    assert_eq!(
+        store
+            .complete(&id, FencingToken(1), b"done", 30 * S)
+            .await
+            .unwrap(),
+        Cas::Applied
+    );
+    // A live Completed record is never overwritten, even by another fingerprint.
+    let other = req(&id, b"two", 10 * S, 60 * S);
+    let Claim::Existing { record, .. } = store.claim(&other).await.unwrap() else {
+        panic!("completed record must be observed");
+    };
+    assert_eq!(record.status, RecordStatus::Completed);
+    assert_eq!(record.outcome.as_deref(), Some(&b"done"[..]));
+    assert_eq!(record.fingerprint, Fingerprint::from_bytes(b"one"));
+    assert_eq!(record.hits, 4);
+
+    // At expires_at exactly the record counts as absent and is replaced, token + 1.
+    clock.advance(30 * S);
+    assert!(store.get(&id).await.unwrap().is_none());
+    let t1 = clock.now_ms();
+    let Claim::Claimed { token, .. } = store.claim(&other).await.unwrap() else {
+        panic!("an expired record must be replaced");
+    };
+    assert_eq!(token, FencingToken(2));
+    let fresh = store.get(&id).await.unwrap().expect("replaced record");
+    assert_eq!(fresh.status, RecordStatus::Pending);
+    assert_eq!(fresh.fingerprint, Fingerprint::from_bytes(b"two"));
+    assert_eq!((fresh.attempts, fresh.hits), (1, 0));
+    assert_eq!(fresh.outcome, None);
+    assert_eq!(fresh.failure, None);
+    assert_eq!(fresh.created_at.as_millis(), t1);
+    assert_eq!(fresh.expires_at.as_millis(), t1 + 60_000);
+    // The old holder is fenced.
+    assert_eq!(
+        store
+            .complete(&id, FencingToken(1), b"late", S)
+            .await
+            .unwrap(),
+        Cas::Fenced
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reclaim_fail_extend_and_stale_snapshots() {
+    for mode in [
+        ConnectionMode::DedicatedThread,
+        ConnectionMode::BlockingPool { connections: 3 },
+    ] {
+        let (store, clock, _dir) = manual_store(mode).await;
+        let id = id("reclaim");
+        let r = req(&id, b"p", 10 * S, 100 * S);
+        assert!(matches!(
+            store.claim(&r).await.unwrap(),
+            Claim::Claimed { .. }
+        ));
+        let fp = Fingerprint::from_bytes(b"p");
+        // Live lease: no reclaim.
+        assert_eq!(
+            store
+                .reclaim(&id, FencingToken(1), &fp, 10 * S, 100 * S)
+                .await
+                .unwrap(),
+            Reclaim::Lost
+        );
+        // Extend pushes the lease; the expiry moves only when the lease would outlive it.
+        clock.advance(8 * S);
+        let before = store.get(&id).await.unwrap().unwrap();
+        assert_eq!(
+            store.extend(&id, FencingToken(1), 50 * S).await.unwrap(),
+            Cas::Applied
+        );
+        let rec = store.get(&id).await.unwrap().unwrap();
+        assert_eq!(
+            rec.lease_until.unwrap().as_millis(),
+            before.created_at.as_millis() + 58_000
+        );
+        assert_eq!(rec.expires_at, before.expires_at);
+        let other = common::id("extend-expiry");
+        store
+            .claim(&req(&other, b"p", 10 * S, 20 * S))
+            .await
+            .unwrap();
+        assert_eq!(
+            store
+                .extend(&other, FencingToken(1), 200 * S)
+                .await
+                .unwrap(),
+            Cas::Applied
+        );
+        let rec = store.get(&other).await.unwrap().unwrap();
+        assert_eq!(rec.lease_until, Some(rec.expires_at));
+        clock.advance(50 * S);
+        // Lease passed: the wrong token loses, the right one wins once.
+        assert_eq!(
+            store
+                .reclaim(&id, FencingToken(7), &fp, 10 * S, 100 * S)
+                .await
+                .unwrap(),
+            Reclaim::Lost
+        );
+        let Reclaim::Reclaimed { token, .. } = store
+            .reclaim(&id, FencingToken(1), &fp, 10 * S, 100 * S)
+            .await
+            .unwrap()
+        else {
+            panic!("lease passed: reclaim must win");
+        };
+        assert_eq!(token, FencingToken(2));
+        assert_eq!(
+            store
+                .reclaim(&id, FencingToken(1), &fp, 10 * S, 100 * S)
+                .await
+                .unwrap(),
+            Reclaim::Lost
+        );
+        // The fenced holder can neither fail nor extend.
+        let failure = Failure::retryable("boom");
+        assert_eq!(
+            store
+                .fail(&id, FencingToken(1), &failure, 50 * S)
+                .await
+                .unwrap(),
+            Cas::Fenced
+        );
+        assert_eq!(
+            store.extend(&id, FencingToken(1), 50 * S).await.unwrap(),
+            Cas::Fenced
+        );
+        assert_eq!(
+            store.fail(&id, token, &failure, 50 * S).await.unwrap(),
+            Cas::Applied
+        );
+        let rec = store.get(&id).await.unwrap().unwrap();
+        assert_eq!(rec.status, RecordStatus::Failed);
+        assert_eq!(rec.failure, Some(failure));
+        assert_eq!(rec.attempts, 2);
+        // Failed: reclaim at once, with another fingerprint; then complete.
+        let fp2 = Fingerprint::from_bytes(b"q");
+        let Reclaim::Reclaimed { token, .. } = store
+            .reclaim(&id, token, &fp2, 10 * S, 100 * S)
+            .await
+            .unwrap()
+        else {
+            panic!("failed record must be reclaimable");
+        };
+        assert_eq!(token, FencingToken(3));
+        assert_eq!(
+            store.complete(&id, token, b"ok", 100 * S).await.unwrap(),
+            Cas::Applied
+        );
+        // Stale snapshot: the token read before the completion cannot reclaim it.
+        clock.advance(50 * S);
+        assert_eq!(
+            store
+                .reclaim(&id, token, &fp2, 10 * S, 100 * S)
+                .await
+                .unwrap(),
+            Reclaim::Lost
+        );
+        let rec = store.get(&id).await.unwrap().unwrap();
+        assert_eq!(rec.status, RecordStatus::Completed);
+        assert_eq!(rec.fingerprint, fp2);
+        assert_eq!(rec.outcome.as_deref(), Some(&b"ok"[..]));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_deletes_only_expired_records_in_batches_using_the_index() {
+    let (store, clock, _dir) = manual_store(ConnectionMode::DedicatedThread).await;
+    let mut short = Vec::new();
+    for i in 0..25 {
+        let id = id(&format!("short-{i}"));
+        store.claim(&req(&id, b"x", S, 10 * S)).await.unwrap();
+        short.push(id);
+    }
+    let long = id("long");
+    store.claim(&req(&long, b"x", S, 1000 * S)).await.unwrap();
+    assert_eq!(store.purge_expired(100).await.unwrap(), 0);
+    clock.advance(10 * S);
+    assert_eq!(store.purge_expired(10).await.unwrap(), 10);
+    assert_eq!(store.purge_expired(10).await.unwrap(), 10);
+    assert_eq!(store.purge_expired(10).await.unwrap(), 5);
+    assert_eq!(store.purge_expired(10).await.unwrap(), 0);
+    assert!(store.get(&long).await.unwrap().is_some());
+    let table = store.table().to_owned();
+    let plan: String = store
+        .call(move |conn| {
+            conn.query_row(
+                &format!(
+                    "EXPLAIN QUERY PLAN SELECT rowid FROM \"{table}\" WHERE expires_at <= 5 \
+                     ORDER BY expires_at LIMIT 10"
+                ),
+                [],
+                |r| r.get(3),
+            )
+        })
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        plan.contains("_expires_at"),
+        "purge must use the expiry index: {plan}"
+    );
+}
+
+trait NowMs {
+    fn now_ms(&self) -> i64;
+}
+
+impl NowMs for idempotency_core::ManualClock {
+    fn now_ms(&self) -> i64 {
+        idempotency_core::Clock::now(self).as_millis()
+    }
+}
