@@ -370,6 +370,8 @@ pub async fn oversized_body_gets_413(store: TestStore) {
     )
     .await;
     assert_problem(&declared, 413, slug);
+    // The unread rest of the body makes the connection unusable; the layer says so.
+    assert_eq!(declared.header("connection"), Some("close"));
     let chunks: Vec<Result<Bytes, std::io::Error>> =
         (0..5).map(|_| Ok(Bytes::from(vec![b'y'; 300]))).collect();
     let chunked = send(

@@ -160,13 +160,20 @@ fn refuse<B>(config: &Config, refusal: Refusal) -> Answer<B> {
         "idempotency refusal"
     );
     let mut resp = config.responder.respond(&refusal);
-    if let Refusal::InProgress { retry_after } = refusal {
+    if let Refusal::InProgress { retry_after } = &refusal {
+        let retry_after = *retry_after;
         if !resp.headers().contains_key(header::RETRY_AFTER) {
             resp.headers_mut().insert(
                 header::RETRY_AFTER,
                 HeaderValue::from(crate::problem::retry_after_secs(retry_after)),
             );
         }
+    }
+    if let Refusal::BodyTooLarge { .. } = refusal {
+        // The rest of the body is left unread, so the connection cannot carry another request:
+        // say so, or a client reusing it would see its next request fail.
+        resp.headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
     }
     resp.map(|b| Either::Left(Full::new(b)))
 }

@@ -33,6 +33,8 @@ pub const ACCEPT_PATCH: &str = "application/merge-patch+json, application/json";
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum StoreChoice {
+    /// The `idempotency_records` table in the books' SQLite file (the default).
+    Sqlite,
     /// In process; keys are forgotten on restart.
     Memory,
 }
@@ -55,16 +57,17 @@ pub struct ConfigError(String);
 
 impl Config {
     /// Reads `BOOKS_DATABASE` (default: `books-api.sqlite3` in the temp directory) and
-    /// `BOOKS_STORE` (`memory`).
+    /// `BOOKS_STORE` (`sqlite`, the default, or `memory`).
     pub fn from_env() -> Result<Self, ConfigError> {
         let database = std::env::var_os("BOOKS_DATABASE")
             .map(PathBuf::from)
             .unwrap_or_else(|| std::env::temp_dir().join("books-api.sqlite3"));
         let store = match std::env::var("BOOKS_STORE").as_deref() {
-            Err(_) | Ok("memory") => StoreChoice::Memory,
+            Err(_) | Ok("sqlite") => StoreChoice::Sqlite,
+            Ok("memory") => StoreChoice::Memory,
             Ok(other) => {
                 return Err(ConfigError(format!(
-                    "BOOKS_STORE={other} is not supported (use: memory)"
+                    "BOOKS_STORE={other} is not supported (use: sqlite, memory)"
                 )))
             }
         };
@@ -111,9 +114,12 @@ pub enum BuildError {
     /// The books table could not be opened.
     #[error(transparent)]
     Books(#[from] RepoError),
-    /// The idempotency store or engine could not be set up.
+    /// The idempotency engine could not be set up.
     #[error(transparent)]
     Idempotency(#[from] idempotency_core::Error),
+    /// The SQLite idempotency store could not be opened or migrated.
+    #[error(transparent)]
+    Sqlite(#[from] idempotency_sqlite::SqliteError),
 }
 
 /// The caller identity, from `Authorization: Bearer <token>`. The example accepts any token:
@@ -139,6 +145,11 @@ async fn authenticate(mut req: Request, next: Next) -> Response {
 /// The idempotency store `config` names.
 pub async fn store(config: &Config) -> Result<Arc<dyn IdempotencyStore>, BuildError> {
     match config.store {
+        StoreChoice::Sqlite => {
+            let store = idempotency_sqlite::SqliteStore::open(&config.database).await?;
+            store.migrate().await?;
+            Ok(Arc::new(store))
+        }
         StoreChoice::Memory => Ok(Arc::new(idempotency_memory::MemoryStore::new())),
     }
 }

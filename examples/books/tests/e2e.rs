@@ -16,11 +16,20 @@ struct Svc {
     _dir: tempfile::TempDir,
 }
 
+/// The store the tests run on: `BOOKS_TEST_STORE` (default `sqlite`, as the service).
+fn store_choice() -> StoreChoice {
+    match std::env::var("BOOKS_TEST_STORE").as_deref() {
+        Ok("memory") => StoreChoice::Memory,
+        Err(_) | Ok("sqlite") => StoreChoice::Sqlite,
+        Ok(other) => panic!("BOOKS_TEST_STORE={other} is not a store (sqlite, memory)"),
+    }
+}
+
 async fn svc() -> Svc {
     let dir = tempfile::tempdir().unwrap();
     let config = Config {
         database: dir.path().join("books.sqlite3"),
-        store: StoreChoice::Memory,
+        store: store_choice(),
         policy: Policy::default(),
     };
     let running = start(&config, 0).await.unwrap();
