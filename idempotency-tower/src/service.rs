@@ -47,7 +47,7 @@ impl<S> IdempotencyService<S> {
 }
 
 /// What the layer did with a request, recorded on the `idempotency.http` span (field
-/// `decision`) and counted in `idempotency_http_requests_total{decision}`.
+/// `http_decision`) and counted in `idempotency_http_requests_total{decision}`.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 #[non_exhaustive]
 pub enum HttpDecision {
@@ -89,8 +89,11 @@ impl HttpDecision {
 }
 
 fn record(decision: HttpDecision) {
-    tracing::Span::current().record("decision", decision.as_str());
-    tracing::debug!(decision = decision.as_str(), "idempotency http decision");
+    tracing::Span::current().record("http_decision", decision.as_str());
+    tracing::debug!(
+        http_decision = decision.as_str(),
+        "idempotency http decision"
+    );
     #[cfg(feature = "metrics")]
     metrics::counter!("idempotency_http_requests_total", "decision" => decision.as_str())
         .increment(1);
@@ -135,7 +138,9 @@ where
             method = %req.method(),
             route = tracing::field::Empty,
             key = tracing::field::Empty,
+            // The engine records its own decision (claim, replay, mismatch…) here.
             decision = tracing::field::Empty,
+            http_decision = tracing::field::Empty,
             outcome = tracing::field::Empty,
         );
         Box::pin(handle(inner, config, req).instrument(span))
