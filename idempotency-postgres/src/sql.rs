@@ -1,0 +1,172 @@
+//! The statements, built once per table name.
+//!
+//! Every store operation is exactly one of these statements: one round trip, one implicit
+//! transaction. They are sent as prepared statements, which sqlx caches per connection.
+//!
+//! Time: `now` is `statement_timestamp()` truncated to milliseconds (the unit of
+//! [`idempotency_core::Timestamp`]), evaluated once per statement. It is the database's clock,
+//! so app servers with skewed clocks agree; unlike `now()` it is not frozen at the start of a
+//! caller's transaction, which matters for [`crate::PostgresStore::complete_in`].
+
+use crate::TableName;
+
+/// `(extract(epoch from col) * 1000)::int8`: a timestamptz as Unix milliseconds.
+fn ms(col: &str) -> String {
+    format!("(extract(epoch from {col}) * 1000)::int8")
+}
+
+/// The record's columns as the decoder reads them, from a row aliased `r`.
+fn record_columns() -> String {
+    [
+        "r.fingerprint".to_owned(),
+        "r.status".to_owned(),
+        "r.token".to_owned(),
+        format!("{} AS lease_until_ms", ms("r.lease_until")),
+        "r.outcome".to_owned(),
+        "r.attempts".to_owned(),
+        "r.failure_retryable".to_owned(),
+        "r.failure_message".to_owned(),
+        "r.hits".to_owned(),
+        format!("{} AS created_ms", ms("r.created_at")),
+        format!("{} AS updated_ms", ms("r.updated_at")),
+        format!("{} AS expires_ms", ms("r.expires_at")),
+    ]
+    .join(", ")
+}
+
+const NOW_CTE: &str = "WITH c AS (SELECT date_trunc('milliseconds', statement_timestamp()) AS now)";
+
+/// The statements of one store.
+#[derive(Debug)]
+pub(crate) struct Statements {
+    pub claim: String,
+    pub complete: String,
+    pub fail: String,
+    pub extend: String,
+    pub reclaim: String,
+    pub get: String,
+    pub purge: String,
+}
+
+impl Statements {
+    pub(crate) fn new(name: &TableName) -> Self {
+        let t = name.qualified();
+        let cols = record_columns();
+        // Claim-or-observe. One INSERT … ON CONFLICT DO UPDATE:
+        // - no row: inserts a Pending record with token 1;
+        // - an expired row (expires_at <= now): replaces every field, token + 1, hits 0;
+        // - a live row: only hits + 1 (every other column is set to itself).
+        // A claim leaves hits = 0 and created_at = now, an observation adds one to hits, which
+        // tells the decoder which happened.
+        //
+        // Hit accounting without a WAL flush per replay: when the statement only counted a hit,
+        // `set_config('synchronous_commit', 'off', true)` makes its implicit transaction commit
+        // asynchronously. The increment is visible at once; a server crash may lose the last
+        // few hundred milliseconds of hit counts, never a claim (a claim keeps the session's
+        // synchronous_commit). The store's statements always run in their own implicit
+        // transaction, so the setting never reaches a caller's transaction.
+        let expired = "r.expires_at <= excluded.created_at";
+        let claim = format!(
+            "{NOW_CTE},
+up AS (
+    INSERT INTO {t} AS r (scope, key, fingerprint, status, token, lease_until, outcome,
+                          attempts, failure_retryable, failure_message, hits,
+                          created_at, updated_at, expires_at)
+    SELECT $1, $2, $3, 'pending', 1, c.now + $4 * interval '1 millisecond', NULL,
+           1, NULL, NULL, 0,
+           c.now, c.now, c.now + $5 * interval '1 millisecond'
+    FROM c
+    ON CONFLICT (scope, key) DO UPDATE SET
+        fingerprint = CASE WHEN {expired} THEN excluded.fingerprint ELSE r.fingerprint END,
+        status = CASE WHEN {expired} THEN excluded.status ELSE r.status END,
+        token = CASE WHEN {expired} THEN r.token + 1 ELSE r.token END,
+        lease_until = CASE WHEN {expired} THEN excluded.lease_until ELSE r.lease_until END,
+        outcome = CASE WHEN {expired} THEN NULL ELSE r.outcome END,
+        attempts = CASE WHEN {expired} THEN 1 ELSE r.attempts END,
+        failure_retryable = CASE WHEN {expired} THEN NULL ELSE r.failure_retryable END,
+        failure_message = CASE WHEN {expired} THEN NULL ELSE r.failure_message END,
+        hits = CASE WHEN {expired} THEN 0 ELSE r.hits + 1 END,
+        created_at = CASE WHEN {expired} THEN excluded.created_at ELSE r.created_at END,
+        updated_at = CASE WHEN {expired} THEN excluded.updated_at ELSE r.updated_at END,
+        expires_at = CASE WHEN {expired} THEN excluded.expires_at ELSE r.expires_at END
+    RETURNING {cols}
+)
+SELECT up.*, {now} AS now_ms,
+       set_config('synchronous_commit',
+                  CASE WHEN up.hits = 0 THEN current_setting('synchronous_commit')
+                       ELSE 'off' END,
+                  true) AS commit_mode
+FROM up, c",
+            now = ms("c.now"),
+        );
+        // The CAS on a live Pending record holding the token; shared by complete, fail, extend.
+        let held = "r.scope = $1 AND r.key = $2 AND r.token = $3 AND r.status = 'pending' \
+                    AND r.expires_at > c.now";
+        let complete = format!(
+            "{NOW_CTE}
+UPDATE {t} AS r SET status = 'completed', outcome = $4, lease_until = NULL,
+    failure_retryable = NULL, failure_message = NULL, updated_at = c.now,
+    expires_at = c.now + $5 * interval '1 millisecond'
+FROM c WHERE {held}
+RETURNING r.token"
+        );
+        let fail = format!(
+            "{NOW_CTE}
+UPDATE {t} AS r SET status = 'failed', failure_retryable = $4, failure_message = $5,
+    lease_until = NULL, updated_at = c.now,
+    expires_at = c.now + $6 * interval '1 millisecond'
+FROM c WHERE {held}
+RETURNING r.token"
+        );
+        let extend = format!(
+            "{NOW_CTE}
+UPDATE {t} AS r SET lease_until = c.now + $4 * interval '1 millisecond',
+    expires_at = greatest(r.expires_at, c.now + $4 * interval '1 millisecond'),
+    updated_at = c.now
+FROM c WHERE {held}
+RETURNING r.token"
+        );
+        let reclaim = format!(
+            "{NOW_CTE}
+UPDATE {t} AS r SET status = 'pending', token = r.token + 1, fingerprint = $4,
+    attempts = r.attempts + 1, lease_until = c.now + $5 * interval '1 millisecond',
+    outcome = NULL, updated_at = c.now,
+    expires_at = c.now + $6 * interval '1 millisecond'
+FROM c
+WHERE r.scope = $1 AND r.key = $2 AND r.token = $3 AND r.expires_at > c.now
+  AND (r.status = 'failed'
+       OR (r.status = 'pending' AND (r.lease_until IS NULL OR r.lease_until <= c.now)))
+RETURNING r.token, {lease} AS lease_until_ms",
+            lease = ms("r.lease_until"),
+        );
+        let get = format!(
+            "{NOW_CTE}
+SELECT {cols} FROM {t} AS r, c
+WHERE r.scope = $1 AND r.key = $2 AND r.expires_at > c.now"
+        );
+        // Batched purge: lock at most $1 expired rows, skipping rows another session holds
+        // (a claim replacing one, a concurrent purge), and delete them. The expires_at index
+        // finds them in order; each batch is one short transaction, so no long locks.
+        let purge = format!(
+            "{NOW_CTE},
+doomed AS (
+    SELECT r.scope, r.key FROM {t} AS r, c
+    WHERE r.expires_at <= c.now
+    ORDER BY r.expires_at
+    LIMIT $1
+    FOR UPDATE OF r SKIP LOCKED
+)
+DELETE FROM {t} AS r USING doomed, c
+WHERE r.scope = doomed.scope AND r.key = doomed.key AND r.expires_at <= c.now"
+        );
+        Self {
+            claim,
+            complete,
+            fail,
+            extend,
+            reclaim,
+            get,
+            purge,
+        }
+    }
+}

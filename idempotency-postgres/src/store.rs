@@ -1,0 +1,582 @@
+//! The store.
+
+use crate::error::{is_serialization_failure, map_sqlx, Effect};
+use crate::migrate;
+use crate::sql::Statements;
+use crate::{PostgresError, TableName};
+use async_trait::async_trait;
+use idempotency_core::{
+    duration_millis, Cas, Claim, ClaimRequest, Error, Failure, FencingToken, Fingerprint,
+    IdempotencyStore, Reclaim, Record, RecordId, RecordStatus, Timestamp,
+};
+use rand::Rng;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
+use sqlx::{ConnectOptions, Connection, PgConnection, PgPool, Row};
+use std::future::Future;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Durations are capped at this many milliseconds (100 years) before they reach SQL, so a huge
+/// lease or TTL cannot overflow PostgreSQL's timestamp range.
+const MAX_DURATION_MS: i64 = 100 * 366 * 24 * 3600 * 1000;
+
+fn millis(d: Duration) -> i64 {
+    duration_millis(d).min(MAX_DURATION_MS)
+}
+
+/// Builds a [`PostgresStore`] with a chosen schema, table and pool settings.
+///
+/// Names are validated when the store is built ([`PostgresStoreBuilder::connect`] or
+/// [`PostgresStoreBuilder::build`]).
+#[derive(Clone, Debug)]
+pub struct PostgresStoreBuilder {
+    schema: String,
+    table: String,
+    max_connections: u32,
+    acquire_timeout: Duration,
+    connect_timeout: Duration,
+    serialization_retries: u32,
+}
+
+impl Default for PostgresStoreBuilder {
+    fn default() -> Self {
+        Self {
+            schema: TableName::DEFAULT_SCHEMA.to_owned(),
+            table: TableName::DEFAULT_TABLE.to_owned(),
+            max_connections: 10,
+            acquire_timeout: Duration::from_secs(10),
+            connect_timeout: Duration::from_secs(10),
+            serialization_retries: 16,
+        }
+    }
+}
+
+impl PostgresStoreBuilder {
+    /// The schema holding the table. Default `public`.
+    pub fn schema(mut self, schema: impl Into<String>) -> Self {
+        self.schema = schema.into();
+        self
+    }
+
+    /// The table name. Default `idempotency_records`.
+    pub fn table(mut self, table: impl Into<String>) -> Self {
+        self.table = table.into();
+        self
+    }
+
+    /// The pool size for [`PostgresStoreBuilder::connect`]. Default 10.
+    pub fn max_connections(mut self, n: u32) -> Self {
+        self.max_connections = n.max(1);
+        self
+    }
+
+    /// How long an operation waits for a pooled connection, for
+    /// [`PostgresStoreBuilder::connect`]. Default 10 s.
+    pub fn acquire_timeout(mut self, timeout: Duration) -> Self {
+        self.acquire_timeout = timeout;
+        self
+    }
+
+    /// How long [`PostgresStoreBuilder::connect`] waits for the server. Default 10 s.
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// How many times an operation is re-run after a serialization failure or deadlock
+    /// (SQLSTATE 40001/40P01, which sessions at REPEATABLE READ or SERIALIZABLE get under
+    /// contention) before the error is returned as retryable. Default 16.
+    pub fn serialization_retries(mut self, n: u32) -> Self {
+        self.serialization_retries = n;
+        self
+    }
+
+    /// Builds the store over an existing pool.
+    ///
+    /// The pool's settings are kept. Note that sqlx pools by default ping every connection
+    /// before handing it out (`test_before_acquire`), one extra round trip per operation;
+    /// turn it off to get one round trip per step.
+    pub fn build(self, pool: PgPool) -> Result<PostgresStore, PostgresError> {
+        let name = TableName::new(&self.schema, &self.table)?;
+        Ok(PostgresStore::assemble(
+            pool,
+            name,
+            self.serialization_retries,
+        ))
+    }
+
+    /// Connects to `url` (`postgres://user:password@host:port/database?sslmode=…`) and builds
+    /// the store with its own pool.
+    ///
+    /// One connection is opened at once to check that the server is reachable and accepts
+    /// the credentials, then closed; the pool opens connections as operations need them and
+    /// does not ping them before use.
+    pub async fn connect(self, url: &str) -> Result<PostgresStore, PostgresError> {
+        let name = TableName::new(&self.schema, &self.table)?;
+        let lower = url.trim_start().to_ascii_lowercase();
+        if !(lower.starts_with("postgres://") || lower.starts_with("postgresql://")) {
+            return Err(PostgresError::InvalidUrl {
+                source: sqlx::Error::Configuration(
+                    "the URL must start with postgres:// or postgresql://".into(),
+                ),
+            });
+        }
+        let options = PgConnectOptions::from_str(url)
+            .map_err(|source| PostgresError::InvalidUrl { source })?
+            .log_statements(tracing::log::LevelFilter::Trace);
+        let probe = tokio::time::timeout(self.connect_timeout, options.connect()).await;
+        let probe = match probe {
+            Ok(Ok(conn)) => conn,
+            Ok(Err(source)) => return Err(PostgresError::Connect { source }),
+            Err(_) => {
+                return Err(PostgresError::Connect {
+                    source: sqlx::Error::Io(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!("no answer within {:?}", self.connect_timeout),
+                    )),
+                })
+            }
+        };
+        // Closing politely is a courtesy; the server cleans up either way.
+        let _ = probe.close().await;
+        let pool = PgPoolOptions::new()
+            .max_connections(self.max_connections)
+            .acquire_timeout(self.acquire_timeout)
+            .test_before_acquire(false)
+            .connect_lazy_with(options);
+        Ok(PostgresStore::assemble(
+            pool,
+            name,
+            self.serialization_retries,
+        ))
+    }
+}
+
+/// A PostgreSQL [`IdempotencyStore`].
+///
+/// Each operation is exactly one prepared statement, so one round trip. The database's clock
+/// decides leases and expiry. See the crate documentation for the exactly-once path
+/// ([`PostgresStore::complete_in`] and [`crate::PgIdempotency`]).
+///
+/// Cloning is cheap: clones share the pool.
+#[derive(Clone, Debug)]
+pub struct PostgresStore {
+    pool: PgPool,
+    name: TableName,
+    qualified: Arc<str>,
+    sql: Arc<Statements>,
+    serialization_retries: u32,
+}
+
+impl PostgresStore {
+    /// A builder, to choose the schema, table and pool settings.
+    pub fn builder() -> PostgresStoreBuilder {
+        PostgresStoreBuilder::default()
+    }
+
+    /// Connects to `url` with the default table `public.idempotency_records`.
+    ///
+    /// ```no_run
+    /// # async fn f() -> Result<(), idempotency_postgres::PostgresError> {
+    /// let store = idempotency_postgres::PostgresStore::connect("postgres://postgres@127.0.0.1/app").await?;
+    /// store.migrate().await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn connect(url: &str) -> Result<Self, PostgresError> {
+        Self::builder().connect(url).await
+    }
+
+    /// A store over an existing pool with the default table `public.idempotency_records`.
+    pub fn from_pool(pool: PgPool) -> Self {
+        Self::assemble(
+            pool,
+            TableName::default(),
+            PostgresStoreBuilder::default().serialization_retries,
+        )
+    }
+
+    fn assemble(pool: PgPool, name: TableName, serialization_retries: u32) -> Self {
+        Self {
+            qualified: name.qualified().into(),
+            sql: Arc::new(Statements::new(&name)),
+            pool,
+            name,
+            serialization_retries,
+        }
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The table.
+    pub fn table_name(&self) -> &TableName {
+        &self.name
+    }
+
+    /// Creates the schema, the table and its expiry index, applying the migrations shipped
+    /// with this crate that the database does not have yet, then checks the table's shape.
+    ///
+    /// Safe to call at every start and from several processes at once (one transaction under
+    /// an advisory lock). A table of another shape under the same name is refused with
+    /// [`PostgresError::TableShape`] and nothing is changed.
+    pub async fn migrate(&self) -> Result<(), PostgresError> {
+        let mut conn = self
+            .pool
+            .acquire()
+            .await
+            .map_err(|source| PostgresError::Connect { source })?;
+        migrate::migrate(&mut conn, &self.name).await
+    }
+
+    /// Checks that the table exists and has the shape this crate needs, without changing
+    /// anything: [`PostgresError::MissingTable`] or [`PostgresError::TableShape`] otherwise.
+    pub async fn verify(&self) -> Result<(), PostgresError> {
+        let mut conn = self
+            .pool
+            .acquire()
+            .await
+            .map_err(|source| PostgresError::Connect { source })?;
+        migrate::verify(&mut conn, &self.name).await
+    }
+
+    /// The completion compare-and-swap, inside the caller's transaction.
+    ///
+    /// Run it in the same transaction as the business writes, then commit. It applies only
+    /// if the record is live, `Pending` and still held by `token`; otherwise it returns
+    /// [`Error::LeaseLost`] and the caller must roll back (returning the error with `?` drops
+    /// the transaction, which rolls it back), so the business writes of a holder that lost its
+    /// lease never commit. If the commit's outcome is unknown, a retry finds either the
+    /// Completed record (the writes committed) or the Pending one whose lease will pass
+    /// (nothing was written).
+    ///
+    /// The row stays locked until the transaction ends, so a concurrent reclaim waits for it.
+    /// At REPEATABLE READ or SERIALIZABLE a concurrent change to the record (a heartbeat, a
+    /// takeover) may fail the statement or the commit with a serialization error, reported as
+    /// retryable: run the whole transaction again. [`crate::PgIdempotency`] does that for you.
+    pub async fn complete_in(
+        &self,
+        tx: &mut PgConnection,
+        id: &RecordId,
+        token: FencingToken,
+        outcome: &[u8],
+        ttl: Duration,
+    ) -> Result<(), Error> {
+        let Ok(t) = i64::try_from(token.0) else {
+            return Err(Error::LeaseLost { token });
+        };
+        let row = sqlx::query(&self.sql.complete)
+            .bind(id.scope.as_str())
+            .bind(id.key.as_str())
+            .bind(t)
+            .bind(outcome)
+            .bind(millis(ttl))
+            .fetch_optional(&mut *tx)
+            .await
+            // Nothing commits until the caller commits: a lost connection applied nothing.
+            .map_err(|e| map_sqlx(e, &self.qualified, Effect::None))?;
+        match row {
+            Some(_) => Ok(()),
+            None => Err(Error::LeaseLost { token }),
+        }
+    }
+
+    /// Runs one statement, re-running it after serialization failures and deadlocks (the
+    /// implicit transaction was rolled back, so nothing was applied).
+    async fn run<T, F, Fut>(&self, effect: Effect, mut statement: F) -> Result<T, Error>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, sqlx::Error>>,
+    {
+        let mut attempt = 0u32;
+        loop {
+            match statement().await {
+                Ok(v) => return Ok(v),
+                Err(e) if is_serialization_failure(&e) && attempt < self.serialization_retries => {
+                    attempt += 1;
+                    // Jittered exponential backoff, so the contenders do not collide again.
+                    let cap_ms = 1u64 << attempt.min(6);
+                    let ms = rand::thread_rng().gen_range(0..=cap_ms);
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
+                }
+                Err(e) => return Err(map_sqlx(e, &self.qualified, effect)),
+            }
+        }
+    }
+
+    /// A CAS statement that returns the token when it applied.
+    async fn cas(&self, sql: &str, binds: CasBinds<'_>) -> Result<Cas, Error> {
+        let Ok(token) = i64::try_from(binds.token.0) else {
+            // No stored record can hold a token above i64::MAX.
+            return Ok(Cas::Fenced);
+        };
+        let row = self
+            .run(Effect::Write, || {
+                let q = sqlx::query(sql)
+                    .bind(binds.id.scope.as_str())
+                    .bind(binds.id.key.as_str())
+                    .bind(token);
+                let q = match binds.extra {
+                    Extra::Complete { outcome, ttl_ms } => q.bind(outcome).bind(ttl_ms),
+                    Extra::Fail {
+                        retryable,
+                        message,
+                        ttl_ms,
+                    } => q.bind(retryable).bind(message).bind(ttl_ms),
+                    Extra::Extend { lease_ms } => q.bind(lease_ms),
+                };
+                q.fetch_optional(&self.pool)
+            })
+            .await?;
+        Ok(if row.is_some() {
+            Cas::Applied
+        } else {
+            Cas::Fenced
+        })
+    }
+}
+
+struct CasBinds<'a> {
+    id: &'a RecordId,
+    token: FencingToken,
+    extra: Extra<'a>,
+}
+
+#[derive(Clone, Copy)]
+enum Extra<'a> {
+    Complete {
+        outcome: &'a [u8],
+        ttl_ms: i64,
+    },
+    Fail {
+        retryable: bool,
+        message: &'a str,
+        ttl_ms: i64,
+    },
+    Extend {
+        lease_ms: i64,
+    },
+}
+
+fn get<'r, T>(row: &'r PgRow, col: &str, table: &str) -> Result<T, Error>
+where
+    T: sqlx::Decode<'r, sqlx::Postgres> + sqlx::Type<sqlx::Postgres>,
+{
+    row.try_get(col)
+        .map_err(|e| map_sqlx(e, table, Effect::None))
+}
+
+fn non_negative<T: TryFrom<i64>>(v: i64, what: &str, id: &RecordId) -> Result<T, Error> {
+    T::try_from(v).map_err(|_| Error::corrupt(format!("record {id} has {what} = {v}")))
+}
+
+/// Decodes a record row (the columns of `sql::record_columns`), checking what the database
+/// cannot: a stored value this crate did not write is reported as corrupt, never trusted.
+fn decode_record(row: &PgRow, id: &RecordId, table: &str) -> Result<Record, Error> {
+    let fingerprint: Vec<u8> = get(row, "fingerprint", table)?;
+    let fingerprint = Fingerprint::from_slice(&fingerprint).ok_or_else(|| {
+        Error::corrupt(format!(
+            "record {id} has a {}-byte fingerprint (expected 32)",
+            fingerprint.len()
+        ))
+    })?;
+    let status: String = get(row, "status", table)?;
+    let status = RecordStatus::parse(&status)
+        .ok_or_else(|| Error::corrupt(format!("record {id} has unknown status {status:?}")))?;
+    let token: i64 = get(row, "token", table)?;
+    if token <= 0 {
+        return Err(Error::corrupt(format!("record {id} has token {token}")));
+    }
+    let outcome: Option<Vec<u8>> = get(row, "outcome", table)?;
+    if status == RecordStatus::Completed && outcome.is_none() {
+        return Err(Error::corrupt(format!(
+            "completed record {id} has no outcome"
+        )));
+    }
+    let failure = match (
+        get::<Option<bool>>(row, "failure_retryable", table)?,
+        get::<Option<String>>(row, "failure_message", table)?,
+    ) {
+        (Some(retryable), Some(message)) => Some(Failure { retryable, message }),
+        (None, None) => None,
+        _ => {
+            return Err(Error::corrupt(format!(
+                "record {id} has half of a failure (retryable and message must be set together)"
+            )))
+        }
+    };
+    let ts = |col: &str| get::<i64>(row, col, table).map(Timestamp::from_millis);
+    Ok(Record {
+        id: id.clone(),
+        fingerprint,
+        status,
+        token: FencingToken(token as u64),
+        lease_until: get::<Option<i64>>(row, "lease_until_ms", table)?.map(Timestamp::from_millis),
+        outcome,
+        attempts: non_negative(get::<i32>(row, "attempts", table)?.into(), "attempts", id)?,
+        failure,
+        hits: non_negative(get::<i64>(row, "hits", table)?, "hits", id)?,
+        created_at: ts("created_ms")?,
+        updated_at: ts("updated_ms")?,
+        expires_at: ts("expires_ms")?,
+    })
+}
+
+#[async_trait]
+impl IdempotencyStore for PostgresStore {
+    async fn claim(&self, request: &ClaimRequest) -> Result<Claim, Error> {
+        let lease_ms = millis(request.lease);
+        let hold_ms = millis(request.lease.max(request.ttl));
+        let row = self
+            .run(Effect::Write, || {
+                sqlx::query(&self.sql.claim)
+                    .bind(request.id.scope.as_str())
+                    .bind(request.id.key.as_str())
+                    .bind(&request.fingerprint.as_bytes()[..])
+                    .bind(lease_ms)
+                    .bind(hold_ms)
+                    .fetch_one(&self.pool)
+            })
+            .await?;
+        let table = &*self.qualified;
+        let hits: i64 = get(&row, "hits", table)?;
+        let created_ms: i64 = get(&row, "created_ms", table)?;
+        let now_ms: i64 = get(&row, "now_ms", table)?;
+        // A claim leaves hits = 0 and created_at = this statement's now; an observation adds
+        // one to the stored hits, so even a corrupt negative count is not taken for a claim
+        // unless the record was also created in this very millisecond.
+        if hits == 0 && created_ms == now_ms {
+            // Claimed: a fresh record, or an expired one replaced.
+            let token: i64 = get(&row, "token", table)?;
+            let lease_until: Option<i64> = get(&row, "lease_until_ms", table)?;
+            let (Ok(token), Some(lease_until)) = (u64::try_from(token), lease_until) else {
+                return Err(Error::corrupt(format!(
+                    "claimed record {} came back without a valid token or lease",
+                    request.id
+                )));
+            };
+            return Ok(Claim::Claimed {
+                token: FencingToken(token),
+                lease_until: Timestamp::from_millis(lease_until),
+            });
+        }
+        let record = decode_record(&row, &request.id, table)?;
+        Ok(Claim::Existing {
+            record,
+            now: Timestamp::from_millis(now_ms),
+        })
+    }
+
+    async fn complete(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        outcome: &[u8],
+        ttl: Duration,
+    ) -> Result<Cas, Error> {
+        let extra = Extra::Complete {
+            outcome,
+            ttl_ms: millis(ttl),
+        };
+        self.cas(&self.sql.complete, CasBinds { id, token, extra })
+            .await
+    }
+
+    async fn fail(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        failure: &Failure,
+        ttl: Duration,
+    ) -> Result<Cas, Error> {
+        let extra = Extra::Fail {
+            retryable: failure.retryable,
+            message: &failure.message,
+            ttl_ms: millis(ttl),
+        };
+        self.cas(&self.sql.fail, CasBinds { id, token, extra })
+            .await
+    }
+
+    async fn extend(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<Cas, Error> {
+        let extra = Extra::Extend {
+            lease_ms: millis(lease),
+        };
+        self.cas(&self.sql.extend, CasBinds { id, token, extra })
+            .await
+    }
+
+    async fn reclaim(
+        &self,
+        id: &RecordId,
+        expected: FencingToken,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Reclaim, Error> {
+        let Ok(expected) = i64::try_from(expected.0) else {
+            return Ok(Reclaim::Lost);
+        };
+        let (lease_ms, hold_ms) = (millis(lease), millis(lease.max(ttl)));
+        let row = self
+            .run(Effect::Write, || {
+                sqlx::query(&self.sql.reclaim)
+                    .bind(id.scope.as_str())
+                    .bind(id.key.as_str())
+                    .bind(expected)
+                    .bind(&fingerprint.as_bytes()[..])
+                    .bind(lease_ms)
+                    .bind(hold_ms)
+                    .fetch_optional(&self.pool)
+            })
+            .await?;
+        let Some(row) = row else {
+            return Ok(Reclaim::Lost);
+        };
+        let table = &*self.qualified;
+        let token: i64 = get(&row, "token", table)?;
+        let lease_until: Option<i64> = get(&row, "lease_until_ms", table)?;
+        match (u64::try_from(token), lease_until) {
+            (Ok(token), Some(lease_until)) => Ok(Reclaim::Reclaimed {
+                token: FencingToken(token),
+                lease_until: Timestamp::from_millis(lease_until),
+            }),
+            _ => Err(Error::corrupt(format!(
+                "reclaimed record {id} came back without a valid token or lease"
+            ))),
+        }
+    }
+
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
+        let row = self
+            .run(Effect::None, || {
+                sqlx::query(&self.sql.get)
+                    .bind(id.scope.as_str())
+                    .bind(id.key.as_str())
+                    .fetch_optional(&self.pool)
+            })
+            .await?;
+        row.map(|row| decode_record(&row, id, &self.qualified))
+            .transpose()
+    }
+
+    async fn purge_expired(&self, batch: usize) -> Result<u64, Error> {
+        if batch == 0 {
+            return Ok(0);
+        }
+        let limit = i64::try_from(batch).unwrap_or(i64::MAX);
+        let done = self
+            .run(Effect::Write, || {
+                sqlx::query(&self.sql.purge).bind(limit).execute(&self.pool)
+            })
+            .await?;
+        Ok(done.rows_affected())
+    }
+}

@@ -1,0 +1,34 @@
+//! The conformance suite against the real server, once per isolation level of the sessions the
+//! store's pool hands out. Each case gets its own schema, dropped afterwards.
+
+mod common;
+
+use common::Isolation;
+use idempotency_conformance::TestStore;
+use std::sync::Arc;
+
+async fn factory(level: Isolation) -> TestStore {
+    let (store, guard) = common::store(level).await;
+    TestStore::real_time(Arc::new(store)).with_guard(guard)
+}
+
+mod read_committed {
+    async fn factory() -> idempotency_conformance::TestStore {
+        super::factory(super::Isolation::ReadCommitted).await
+    }
+    idempotency_conformance::conformance_tests!(factory);
+}
+
+mod repeatable_read {
+    async fn factory() -> idempotency_conformance::TestStore {
+        super::factory(super::Isolation::RepeatableRead).await
+    }
+    idempotency_conformance::conformance_tests!(factory);
+}
+
+mod serializable {
+    async fn factory() -> idempotency_conformance::TestStore {
+        super::factory(super::Isolation::Serializable).await
+    }
+    idempotency_conformance::conformance_tests!(factory);
+}

@@ -1,0 +1,600 @@
+//! Exactly-once effects with a real business table: the completion CAS commits in the same
+//! transaction as the `orders` insert, so whatever happens to the holder (it stalls past its
+//! lease, its transaction is dropped, its connection is killed), the key ends with exactly one
+//! order, never two and never none. Every scenario runs many times over, concurrently, at each
+//! isolation level.
+
+mod common;
+
+use common::{Isolation, SchemaGuard};
+use idempotency_core::{
+    Begin, Claim, ClaimRequest, Error, FencingToken, Fingerprint, IdempotencyKey, IdempotencyStore,
+    InFlight, Outcome, Policy, Reclaim, RecordId, RecordStatus, Scope,
+};
+use idempotency_postgres::sqlx::{self, Connection, PgConnection};
+use idempotency_postgres::{PgIdempotency, PostgresStore};
+use rand::Rng;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::Notify;
+
+/// The store, its schema guard and the schema-qualified `orders` table beside it.
+async fn setup(level: Isolation, pool_size: u32) -> (PostgresStore, SchemaGuard, Arc<str>) {
+    let (store, guard) = common::store_with(level, pool_size).await;
+    let orders = format!(r#""{}".orders"#, guard.schema);
+    common::exec(&format!(
+        "CREATE TABLE {orders} (id bigserial PRIMARY KEY, ref text NOT NULL, placed_by text NOT NULL)"
+    ))
+    .await;
+    (store, guard, orders.into())
+}
+
+async fn insert_order(
+    conn: &mut PgConnection,
+    orders: &str,
+    key: &IdempotencyKey,
+    placed_by: &str,
+) -> Result<(), String> {
+    sqlx::query(&format!(
+        "INSERT INTO {orders} (ref, placed_by) VALUES ($1, $2)"
+    ))
+    .bind(key.as_str())
+    .bind(placed_by)
+    .execute(conn)
+    .await
+    .map(|_| ())
+    .map_err(|e| e.to_string())
+}
+
+/// The committed orders for `key`, by who placed them.
+/// Read on a connection of its own at READ COMMITTED: an observer that never fails to
+/// serialize, whatever level the store's sessions run at.
+async fn orders_for(_store: &PostgresStore, orders: &str, key: &IdempotencyKey) -> Vec<String> {
+    let mut conn = common::admin().await;
+    sqlx::query_scalar(&format!(
+        "SELECT placed_by FROM {orders} WHERE ref = $1 ORDER BY id"
+    ))
+    .bind(key.as_str())
+    .fetch_all(&mut conn)
+    .await
+    .expect("count orders")
+}
+
+fn scope() -> Scope {
+    Scope::new("tenant-1|POST /orders").unwrap()
+}
+
+fn fingerprint() -> Fingerprint {
+    Fingerprint::from_json(&serde_json::json!({"sku": "A1", "qty": 2}))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Lease takeover: the holder stalls past its lease inside its transaction, a retry reclaims the
+// key and commits its order; the stale holder's completion matches nothing and its transaction
+// (with its order) rolls back.
+
+const TAKEOVER_PAIRS: usize = 6;
+const TAKEOVER_ROUNDS: usize = 2;
+
+async fn lease_takeover(level: Isolation) {
+    // Each stalled holder keeps a connection busy; the pool must have room for the retries.
+    let (store, _guard, orders) = setup(level, 2 * TAKEOVER_PAIRS as u32 + 2).await;
+    let policy = Policy::default()
+        .lease(Duration::from_millis(300))
+        .heartbeat(None);
+    let engine = PgIdempotency::new(store.clone(), policy).unwrap();
+    for _ in 0..TAKEOVER_ROUNDS {
+        let pairs: Vec<_> = (0..TAKEOVER_PAIRS)
+            .map(|_| tokio::spawn(takeover_pair(engine.clone(), orders.clone())))
+            .collect();
+        for pair in pairs {
+            pair.await.expect("pair");
+        }
+    }
+}
+
+async fn takeover_pair(engine: PgIdempotency, orders: Arc<str>) {
+    let key = IdempotencyKey::random();
+    let started = Arc::new(Notify::new());
+    let stale = {
+        let (engine, orders, key, started) =
+            (engine.clone(), orders.clone(), key.clone(), started.clone());
+        tokio::spawn(async move {
+            let k = key.clone();
+            engine
+                .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, ctx| {
+                    let (orders, key, started) = (orders.clone(), k.clone(), started.clone());
+                    Box::pin(async move {
+                        insert_order(tx, &orders, &key, "stale").await?;
+                        started.notify_one();
+                        // Stall well past the 300 ms lease, transaction open.
+                        tokio::time::sleep(Duration::from_millis(800)).await;
+                        Ok::<u64, String>(ctx.token.0)
+                    })
+                })
+                .await
+        })
+    };
+    started.notified().await;
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    let k = key.clone();
+    let o = orders.clone();
+    let fresh = engine
+        .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, ctx| {
+            let (orders, key) = (o.clone(), k.clone());
+            Box::pin(async move {
+                insert_order(tx, &orders, &key, "retry").await?;
+                Ok::<u64, String>(ctx.token.0)
+            })
+        })
+        .await
+        .expect("the retry runs");
+    assert_eq!(
+        fresh,
+        Outcome::Fresh(Ok(2)),
+        "the retry reclaimed with token 2"
+    );
+    let stale = stale.await.expect("task");
+    assert!(
+        matches!(
+            stale,
+            Err(Error::LeaseLost {
+                token: FencingToken(1)
+            })
+        ),
+        "the stale holder must be fenced, got {stale:?}"
+    );
+    assert_eq!(
+        orders_for(engine.store(), &orders, &key).await,
+        vec!["retry".to_owned()],
+        "exactly one order, the retry's: the stale holder's transaction rolled back"
+    );
+    let record = engine
+        .store()
+        .get(&RecordId::new(scope(), key.clone()))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(record.status, RecordStatus::Completed);
+    assert_eq!(record.token, FencingToken(2));
+    let replay = engine
+        .run_in_transaction(&key, &scope(), &fingerprint(), |_tx, _ctx| {
+            Box::pin(async { panic!("a completed key must not run again") })
+        })
+        .await
+        .expect("replay");
+    assert_eq!(replay, Outcome::<Result<u64, String>>::Replayed(Ok(2)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn lease_takeover_read_committed() {
+    lease_takeover(Isolation::ReadCommitted).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn lease_takeover_repeatable_read() {
+    lease_takeover(Isolation::RepeatableRead).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn lease_takeover_serializable() {
+    lease_takeover(Isolation::Serializable).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dropped transaction: the holder's future is cancelled mid-transaction (after its insert, or
+// after its completion CAS but before the commit). Nothing commits; the retry runs once.
+
+const DROPPED: usize = 8;
+
+async fn dropped_transaction(level: Isolation) {
+    let (store, _guard, orders) = setup(level, 2 * DROPPED as u32 + 2).await;
+    let policy = Policy::default()
+        .lease(Duration::from_secs(5))
+        .in_flight(InFlight::wait(Duration::from_secs(20)));
+    let engine = PgIdempotency::new(store.clone(), policy).unwrap();
+    let cases: Vec<_> = (0..DROPPED)
+        .map(|i| {
+            let (engine, orders) = (engine.clone(), orders.clone());
+            tokio::spawn(async move {
+                if i % 2 == 0 {
+                    dropped_during_work(engine, orders).await;
+                } else {
+                    dropped_after_completion(engine, orders).await;
+                }
+            })
+        })
+        .collect();
+    for case in cases {
+        case.await.expect("case");
+    }
+}
+
+/// The work's future is aborted after its insert.
+async fn dropped_during_work(engine: PgIdempotency, orders: Arc<str>) {
+    let key = IdempotencyKey::random();
+    let inserted = Arc::new(Notify::new());
+    let first = {
+        let (engine, orders, key, inserted) = (
+            engine.clone(),
+            orders.clone(),
+            key.clone(),
+            inserted.clone(),
+        );
+        tokio::spawn(async move {
+            let k = key.clone();
+            engine
+                .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, _ctx| {
+                    let (orders, key, inserted) = (orders.clone(), k.clone(), inserted.clone());
+                    Box::pin(async move {
+                        insert_order(tx, &orders, &key, "dropped").await?;
+                        inserted.notify_one();
+                        std::future::pending::<()>().await;
+                        Ok::<u64, String>(0)
+                    })
+                })
+                .await
+        })
+    };
+    inserted.notified().await;
+    first.abort();
+    assert!(first.await.expect_err("aborted").is_cancelled());
+    retry_runs_once(&engine, &orders, &key).await;
+}
+
+/// The completion CAS ran in the transaction, then the transaction and the lease were dropped
+/// without a commit (the process gave up, a panic unwound past them).
+async fn dropped_after_completion(engine: PgIdempotency, orders: Arc<str>) {
+    let key = IdempotencyKey::random();
+    let id = RecordId::new(scope(), key.clone());
+    let Begin::Execute(lease) = engine.engine().begin(&id, &fingerprint()).await.unwrap() else {
+        panic!("a fresh key is executed");
+    };
+    let mut tx = engine.store().pool().begin().await.unwrap();
+    insert_order(&mut tx, &orders, &key, "dropped")
+        .await
+        .unwrap();
+    engine
+        .store()
+        .complete_in(
+            &mut tx,
+            lease.id(),
+            lease.token(),
+            b"{\"Ok\":1}",
+            lease.ttl(),
+        )
+        .await
+        .expect("the holder's completion applies inside its transaction");
+    drop(tx);
+    drop(lease);
+    retry_runs_once(&engine, &orders, &key).await;
+}
+
+async fn retry_runs_once(engine: &PgIdempotency, orders: &Arc<str>, key: &IdempotencyKey) {
+    let (o, k) = (orders.clone(), key.clone());
+    let retry = engine
+        .run_in_transaction(key, &scope(), &fingerprint(), move |tx, ctx| {
+            let (orders, key) = (o.clone(), k.clone());
+            Box::pin(async move {
+                insert_order(tx, &orders, &key, "retry").await?;
+                Ok::<u64, String>(ctx.token.0)
+            })
+        })
+        .await
+        .expect("the retry runs");
+    assert_eq!(
+        retry,
+        Outcome::Fresh(Ok(2)),
+        "the retry reclaimed the released key"
+    );
+    assert_eq!(
+        orders_for(engine.store(), orders, key).await,
+        vec!["retry".to_owned()],
+        "exactly one order: the dropped transaction committed nothing"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dropped_transaction_read_committed() {
+    dropped_transaction(Isolation::ReadCommitted).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dropped_transaction_repeatable_read() {
+    dropped_transaction(Isolation::RepeatableRead).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dropped_transaction_serializable() {
+    dropped_transaction(Isolation::Serializable).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Killed connection: `pg_terminate_backend` hits the connection at a random moment of the
+// transaction holding the business write and the completion (before the insert, between the
+// insert and the CAS, between the CAS and the commit, during or after the commit). The holder
+// is treated as crashed (no release). Afterwards the record is either Completed with one
+// order, or Pending with zero orders, not reclaimable while its lease is live, and reclaimable
+// once it passes — after which the retry leaves one order. Never two, never lost.
+
+const KILLS_PER_LEVEL: usize = 16;
+const KILL_LEASE: Duration = Duration::from_secs(3);
+
+#[derive(Default)]
+struct Tally {
+    completed: AtomicUsize,
+    pending: AtomicUsize,
+}
+
+async fn killed_connection(level: Isolation, tally: &Tally) {
+    let (store, _guard, orders) = setup(level, 8).await;
+    let cases: Vec<_> = (0..KILLS_PER_LEVEL)
+        .map(|_| tokio::spawn(kill_once(store.clone(), orders.clone(), level)))
+        .collect();
+    for case in cases {
+        match case.await.expect("case") {
+            RecordStatus::Completed => tally.completed.fetch_add(1, Ordering::SeqCst),
+            RecordStatus::Pending => tally.pending.fetch_add(1, Ordering::SeqCst),
+            RecordStatus::Failed => unreachable!("checked in kill_once"),
+        };
+    }
+}
+
+/// The holder's transaction on a connection of its own: insert, completion CAS, commit, with
+/// random pauses so the kill lands anywhere. Returns whether the commit reported success.
+async fn holder_transaction(
+    store: &PostgresStore,
+    orders: &str,
+    id: &RecordId,
+    token: FencingToken,
+    level: Isolation,
+    pid_tx: Option<tokio::sync::oneshot::Sender<i32>>,
+) -> Result<(), String> {
+    let mut conn = common::admin().await;
+    sqlx::query(&format!(
+        "SET default_transaction_isolation = '{}'",
+        level.sql()
+    ))
+    .execute(&mut conn)
+    .await
+    .map_err(|e| e.to_string())?;
+    let mut tx = conn.begin().await.map_err(|e| e.to_string())?;
+    holder_statements(&mut tx, store, orders, id, token, pid_tx).await?;
+    tx.commit().await.map_err(|e| e.to_string())
+}
+
+async fn holder_statements(
+    tx: &mut PgConnection,
+    store: &PostgresStore,
+    orders: &str,
+    id: &RecordId,
+    token: FencingToken,
+    pid_tx: Option<tokio::sync::oneshot::Sender<i32>>,
+) -> Result<(), String> {
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(|e| e.to_string())?;
+    if let Some(pid_tx) = pid_tx {
+        let _ = pid_tx.send(pid);
+    }
+    let (p1, p2) = {
+        let mut rng = rand::thread_rng();
+        (rng.gen_range(0..60), rng.gen_range(0..60))
+    };
+    let pause = |ms: u32| format!("SELECT pg_sleep({})", f64::from(ms) / 1000.0);
+    sqlx::query(&pause(p1))
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| e.to_string())?;
+    insert_order(tx, orders, &id.key, "holder").await?;
+    store
+        .complete_in(tx, id, token, b"{\"Ok\":1}", Duration::from_secs(3600))
+        .await
+        .map_err(|e| e.to_string())?;
+    sqlx::query(&pause(p2))
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+async fn kill_once(store: PostgresStore, orders: Arc<str>, level: Isolation) -> RecordStatus {
+    let key = IdempotencyKey::random();
+    let id = RecordId::new(scope(), key.clone());
+    let request = ClaimRequest {
+        id: id.clone(),
+        fingerprint: fingerprint(),
+        lease: KILL_LEASE,
+        ttl: Duration::from_secs(3600),
+    };
+    let Claim::Claimed { token, .. } = store.claim(&request).await.unwrap() else {
+        panic!("a fresh key is claimed");
+    };
+    let (pid_tx, pid_rx) = tokio::sync::oneshot::channel();
+    let holder = {
+        let (store, orders, id) = (store.clone(), orders.clone(), id.clone());
+        tokio::spawn(async move {
+            holder_transaction(&store, &orders, &id, token, level, Some(pid_tx)).await
+        })
+    };
+    let pid = pid_rx.await.expect("the holder reports its backend");
+    let delay = rand::thread_rng().gen_range(0..150);
+    tokio::time::sleep(Duration::from_millis(delay)).await;
+    let mut admin = common::admin().await;
+    let _: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .fetch_one(&mut admin)
+        .await
+        .unwrap();
+    let committed = holder.await.expect("holder task").is_ok();
+
+    let record = store
+        .get(&id)
+        .await
+        .unwrap()
+        .expect("the record is never lost");
+    let placed = orders_for(&store, &orders, &key).await;
+    match record.status {
+        RecordStatus::Completed => {
+            assert_eq!(
+                placed,
+                vec!["holder".to_owned()],
+                "completed: exactly one order"
+            );
+            assert_eq!(record.token, token);
+            RecordStatus::Completed
+        }
+        RecordStatus::Pending => {
+            assert!(
+                !committed,
+                "the commit reported success but nothing is stored"
+            );
+            assert!(
+                placed.is_empty(),
+                "pending: the order must not exist, found {placed:?}"
+            );
+            assert_eq!(record.token, token, "nobody else took the key");
+            // Not reclaimable while the lease is live (checked only when the lease has more
+            // than a second left on the database clock, so a slow machine cannot race it).
+            let now_ms: i64 = sqlx::query_scalar(
+                "SELECT (extract(epoch from statement_timestamp()) * 1000)::int8",
+            )
+            .fetch_one(&mut admin)
+            .await
+            .unwrap();
+            let lease_until = record.lease_until.expect("pending has a lease").as_millis();
+            if lease_until - now_ms > 1000 {
+                assert_eq!(
+                    store
+                        .reclaim(
+                            &id,
+                            token,
+                            &fingerprint(),
+                            KILL_LEASE,
+                            Duration::from_secs(3600)
+                        )
+                        .await
+                        .unwrap(),
+                    Reclaim::Lost,
+                    "a live lease must not be reclaimed"
+                );
+            }
+            // Once the lease passes, a retry reclaims the key and commits its order.
+            tokio::time::sleep(Duration::from_millis(
+                u64::try_from(lease_until - now_ms).unwrap_or(0) + 50,
+            ))
+            .await;
+            let mut reclaimed = None;
+            for _ in 0..50 {
+                match store
+                    .reclaim(
+                        &id,
+                        token,
+                        &fingerprint(),
+                        KILL_LEASE,
+                        Duration::from_secs(3600),
+                    )
+                    .await
+                    .unwrap()
+                {
+                    Reclaim::Reclaimed { token, .. } => {
+                        reclaimed = Some(token);
+                        break;
+                    }
+                    Reclaim::Lost => tokio::time::sleep(Duration::from_millis(50)).await,
+                }
+            }
+            let new_token = reclaimed.expect("reclaimable once the lease passed");
+            assert_eq!(new_token, token.next());
+            // At SERIALIZABLE the retry's transaction may fail to serialize against the
+            // other cases running beside it; like any serializable client, run it again.
+            let mut attempts = 0;
+            while let Err(e) =
+                holder_transaction(&store, &orders, &id, new_token, level, None).await
+            {
+                attempts += 1;
+                assert!(
+                    attempts < 20 && (e.contains("could not serialize") || e.contains("deadlock")),
+                    "the retry must commit: {e}"
+                );
+            }
+            assert_eq!(
+                orders_for(&store, &orders, &key).await,
+                vec!["holder".to_owned()],
+                "after the retry: exactly one order"
+            );
+            let done = store.get(&id).await.unwrap().unwrap();
+            assert_eq!(done.status, RecordStatus::Completed);
+            assert_eq!(done.token, new_token);
+            RecordStatus::Pending
+        }
+        RecordStatus::Failed => panic!("nothing records a failure in this scenario: {record:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn killed_connection_never_two_never_lost() {
+    let tally = Tally::default();
+    for level in Isolation::ALL {
+        killed_connection(level, &tally).await;
+    }
+    let (completed, pending) = (
+        tally.completed.load(Ordering::SeqCst),
+        tally.pending.load(Ordering::SeqCst),
+    );
+    eprintln!(
+        "killed connection: {completed} kills left Completed + 1 order, \
+         {pending} left Pending + 0 orders (then reclaimed: 1 order)"
+    );
+    // Both outcomes must have been exercised, or the kill timing missed the window.
+    assert!(
+        completed > 0 && pending > 0,
+        "completed {completed}, pending {pending}"
+    );
+}
+
+// Kill with the engine helper: the work's pooled connection is terminated mid-transaction;
+// the helper reports an error, and a retry through the engine leaves exactly one order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn killed_connection_through_engine_helper() {
+    let (store, _guard, orders) = setup(Isolation::ReadCommitted, 8).await;
+    let policy = Policy::default()
+        .lease(Duration::from_secs(2))
+        .in_flight(InFlight::wait(Duration::from_secs(10)));
+    let engine = PgIdempotency::new(store.clone(), policy).unwrap();
+    for _ in 0..6 {
+        let key = IdempotencyKey::random();
+        let (o, k) = (orders.clone(), key.clone());
+        let first = engine
+            .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, _ctx| {
+                let (orders, key) = (o.clone(), k.clone());
+                Box::pin(async move {
+                    insert_order(tx, &orders, &key, "killed").await?;
+                    // Kill our own backend from a second connection while the transaction
+                    // holds the insert.
+                    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+                        .fetch_one(&mut *tx)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    let mut admin = common::admin().await;
+                    let _: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+                        .bind(pid)
+                        .fetch_one(&mut admin)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    insert_order(tx, &orders, &key, "killed").await?;
+                    Ok::<u64, String>(0)
+                })
+            })
+            .await;
+        // The work saw its connection die: a fresh error outcome, released for a retry.
+        assert!(
+            matches!(first, Ok(Outcome::Fresh(Err(_)))),
+            "expected the work's error, got {first:?}"
+        );
+        assert!(orders_for(&store, &orders, &key).await.is_empty());
+        retry_runs_once(&engine, &orders, &key).await;
+    }
+}

@@ -1,0 +1,389 @@
+//! Round trips per operation, counted on the wire.
+//!
+//! `pg_stat_statements` is not loaded on every server, so the store talks to PostgreSQL
+//! through a loopback proxy that parses the frontend protocol and counts what the client sends:
+//! every `Sync` (extended protocol) or `Query` (simple protocol) is one round trip, because the
+//! client then waits for `ReadyForQuery`. A `Sync` with nothing before it is sqlx's pool
+//! pinging a connection as it is released (a background task, off the caller's path); it is
+//! counted apart. `Parse` messages show whether statements were prepared again.
+
+mod common;
+
+use common::{Isolation, SchemaGuard};
+use futures::future::BoxFuture;
+use idempotency_core::{
+    Begin, Claim, ClaimRequest, Failure, Fingerprint, Idempotency, IdempotencyKey,
+    IdempotencyStore, Policy, RecordId, Scope, WorkContext,
+};
+use idempotency_postgres::sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
+use idempotency_postgres::sqlx::{self, Executor};
+use idempotency_postgres::{PgIdempotency, PostgresStore};
+use std::str::FromStr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+#[derive(Default, Debug)]
+struct Counters {
+    /// `Sync` after Parse/Bind/Execute…: one extended-protocol round trip carrying statements.
+    statement_syncs: AtomicU64,
+    /// `Sync` alone: a liveness ping.
+    bare_syncs: AtomicU64,
+    /// `Query`: one simple-protocol round trip (BEGIN, COMMIT…).
+    simple_queries: AtomicU64,
+    /// `Parse`: a statement being prepared.
+    parses: AtomicU64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+struct Counts {
+    statement_syncs: u64,
+    bare_syncs: u64,
+    simple_queries: u64,
+    parses: u64,
+}
+
+impl Counts {
+    /// Round trips that carried statements.
+    fn round_trips(&self) -> u64 {
+        self.statement_syncs + self.simple_queries
+    }
+}
+
+impl std::ops::Sub for Counts {
+    type Output = Counts;
+    fn sub(self, o: Counts) -> Counts {
+        Counts {
+            statement_syncs: self.statement_syncs - o.statement_syncs,
+            bare_syncs: self.bare_syncs - o.bare_syncs,
+            simple_queries: self.simple_queries - o.simple_queries,
+            parses: self.parses - o.parses,
+        }
+    }
+}
+
+impl Counters {
+    fn snapshot(&self) -> Counts {
+        Counts {
+            statement_syncs: self.statement_syncs.load(Ordering::SeqCst),
+            bare_syncs: self.bare_syncs.load(Ordering::SeqCst),
+            simple_queries: self.simple_queries.load(Ordering::SeqCst),
+            parses: self.parses.load(Ordering::SeqCst),
+        }
+    }
+}
+
+/// A counting proxy on a free loopback port in front of `upstream`.
+async fn start_proxy(upstream: String) -> (u16, Arc<Counters>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let counters = Arc::new(Counters::default());
+    let c = counters.clone();
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let server = TcpStream::connect(&upstream).await.unwrap();
+            let (mut client_rd, mut client_wr) = client.into_split();
+            let (mut server_rd, mut server_wr) = server.into_split();
+            tokio::spawn(async move {
+                let _ = tokio::io::copy(&mut server_rd, &mut client_wr).await;
+            });
+            let c = c.clone();
+            tokio::spawn(async move {
+                let _ = pump(&mut client_rd, &mut server_wr, &c).await;
+                let _ = server_wr.shutdown().await;
+            });
+        }
+    });
+    (port, counters)
+}
+
+/// Forwards client→server traffic, counting frontend messages.
+async fn pump(
+    from: &mut (impl AsyncReadExt + Unpin),
+    to: &mut (impl AsyncWriteExt + Unpin),
+    c: &Counters,
+) -> std::io::Result<()> {
+    // Startup: untyped messages (length, then a code); SSL/GSS requests come before the real
+    // startup message.
+    loop {
+        let len = from.read_u32().await?;
+        let mut body = vec![0; len as usize - 4];
+        from.read_exact(&mut body).await?;
+        to.write_all(&len.to_be_bytes()).await?;
+        to.write_all(&body).await?;
+        let code = u32::from_be_bytes([body[0], body[1], body[2], body[3]]);
+        if code != 80_877_103 && code != 80_877_104 {
+            break;
+        }
+    }
+    let mut since_sync = 0u32;
+    loop {
+        let kind = from.read_u8().await?;
+        let len = from.read_u32().await?;
+        let mut body = vec![0; len as usize - 4];
+        from.read_exact(&mut body).await?;
+        match kind {
+            b'S' if since_sync == 0 => {
+                c.bare_syncs.fetch_add(1, Ordering::SeqCst);
+            }
+            b'S' => {
+                c.statement_syncs.fetch_add(1, Ordering::SeqCst);
+                since_sync = 0;
+            }
+            b'Q' => {
+                c.simple_queries.fetch_add(1, Ordering::SeqCst);
+            }
+            b'P' => {
+                c.parses.fetch_add(1, Ordering::SeqCst);
+                since_sync += 1;
+            }
+            _ => since_sync += 1,
+        }
+        to.write_all(&[kind]).await?;
+        to.write_all(&len.to_be_bytes()).await?;
+        to.write_all(&body).await?;
+    }
+}
+
+struct Rig {
+    store: PostgresStore,
+    counters: Arc<Counters>,
+    _guard: SchemaGuard,
+}
+
+/// A migrated store whose single pooled connection goes through the counting proxy.
+async fn rig() -> Rig {
+    let (direct, guard) = common::store(Isolation::ReadCommitted).await;
+    drop(direct);
+    let options = PgConnectOptions::from_str(&common::url()).unwrap();
+    let upstream = format!("{}:{}", options.get_host(), options.get_port());
+    let (port, counters) = start_proxy(upstream).await;
+    let options = options
+        .host("127.0.0.1")
+        .port(port)
+        .ssl_mode(PgSslMode::Disable);
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .test_before_acquire(false)
+        .connect_with(options)
+        .await
+        .unwrap();
+    let store = PostgresStore::builder()
+        .schema(&guard.schema)
+        .table("records")
+        .build(pool)
+        .unwrap();
+    Rig {
+        store,
+        counters,
+        _guard: guard,
+    }
+}
+
+impl Rig {
+    /// Runs `op` and returns what it sent, once the pool's background release has settled.
+    async fn count<F: std::future::Future>(&self, op: F) -> (F::Output, Counts) {
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        let before = self.counters.snapshot();
+        let out = op.await;
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        (out, self.counters.snapshot() - before)
+    }
+}
+
+fn request(key: &IdempotencyKey) -> ClaimRequest {
+    ClaimRequest {
+        id: RecordId::new(Scope::new("rt").unwrap(), key.clone()),
+        fingerprint: Fingerprint::from_bytes(b"payload"),
+        lease: Duration::from_secs(60),
+        ttl: Duration::from_secs(3600),
+    }
+}
+
+/// Every store operation once, so each statement is prepared on the connection.
+async fn warm_up(store: &PostgresStore) {
+    let req = request(&IdempotencyKey::random());
+    let Claim::Claimed { token, .. } = store.claim(&req).await.unwrap() else {
+        panic!()
+    };
+    store.extend(&req.id, token, req.lease).await.unwrap();
+    store.get(&req.id).await.unwrap();
+    store
+        .fail(&req.id, token, &Failure::retryable("x"), req.ttl)
+        .await
+        .unwrap();
+    store
+        .reclaim(&req.id, token, &req.fingerprint, req.lease, req.ttl)
+        .await
+        .unwrap();
+    store
+        .complete(&req.id, token.next(), b"1", req.ttl)
+        .await
+        .unwrap();
+    store.claim(&req).await.unwrap();
+    store.purge_expired(10).await.unwrap();
+    let mut tx = store.pool().begin().await.unwrap();
+    let _ = store
+        .complete_in(&mut tx, &req.id, token, b"1", req.ttl)
+        .await;
+    tx.rollback().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_round_trip_per_operation() {
+    let rig = rig().await;
+    let store = &rig.store;
+    let mut table = Vec::new();
+
+    // A fresh connection prepares each statement once (Parse + Describe, then execute).
+    let key = IdempotencyKey::random();
+    let (_, first) = rig.count(store.claim(&request(&key))).await;
+    table.push(("claim, first use on a connection", first));
+    assert_eq!(first.parses, 1, "the claim is prepared once: {first:?}");
+
+    warm_up(store).await;
+
+    let key = IdempotencyKey::random();
+    let req = request(&key);
+    let (claimed, claim) = rig.count(store.claim(&req)).await;
+    let Claim::Claimed { token, .. } = claimed.unwrap() else {
+        panic!("fresh key")
+    };
+    table.push(("claim (new key)", claim));
+    let (_, extend) = rig.count(store.extend(&req.id, token, req.lease)).await;
+    table.push(("extend", extend));
+    let (_, complete) = rig
+        .count(store.complete(&req.id, token, b"outcome", req.ttl))
+        .await;
+    table.push(("complete", complete));
+    let (seen, replay) = rig.count(store.claim(&req)).await;
+    assert!(matches!(seen.unwrap(), Claim::Existing { .. }));
+    table.push(("claim (replay of a completed key)", replay));
+    let (_, get) = rig.count(store.get(&req.id)).await;
+    table.push(("get", get));
+
+    let req2 = request(&IdempotencyKey::random());
+    let Claim::Claimed { token: t2, .. } = store.claim(&req2).await.unwrap() else {
+        panic!()
+    };
+    let (_, fail) = rig
+        .count(store.fail(&req2.id, t2, &Failure::retryable("boom"), req2.ttl))
+        .await;
+    table.push(("fail", fail));
+    let (_, reclaim) = rig
+        .count(store.reclaim(&req2.id, t2, &req2.fingerprint, req2.lease, req2.ttl))
+        .await;
+    table.push(("reclaim", reclaim));
+    let (_, purge) = rig.count(store.purge_expired(100)).await;
+    table.push(("purge_expired (one batch)", purge));
+
+    for (op, counts) in &table[1..] {
+        assert_eq!(
+            counts.round_trips(),
+            1,
+            "{op}: exactly one round trip, got {counts:?}"
+        );
+        assert_eq!(counts.parses, 0, "{op}: prepared statement reused");
+        assert!(
+            counts.bare_syncs <= 1,
+            "{op}: at most the pool's release ping"
+        );
+    }
+
+    // Through the engine: a new key costs claim + complete, a replay one claim.
+    let engine =
+        Idempotency::new(Arc::new(store.clone()), Policy::default().heartbeat(None)).unwrap();
+    let (key, scope, fp) = (
+        IdempotencyKey::random(),
+        Scope::new("rt").unwrap(),
+        Fingerprint::from_bytes(b"p"),
+    );
+    let (_, run) = rig
+        .count(engine.run(&key, &scope, &fp, |_| async { Ok::<_, String>(7) }))
+        .await;
+    table.push(("engine run, new key (claim + complete)", run));
+    assert_eq!(run.round_trips(), 2, "{run:?}");
+    let (out, replayed) = rig
+        .count(engine.run(&key, &scope, &fp, |_| async { Ok::<_, String>(8) }))
+        .await;
+    assert!(out.unwrap().is_replayed());
+    table.push(("engine run, replay (claim)", replayed));
+    assert_eq!(replayed.round_trips(), 1, "{replayed:?}");
+
+    // Inside the caller's transaction the completion adds exactly one round trip:
+    // BEGIN + complete_in + COMMIT.
+    let id = RecordId::new(scope.clone(), IdempotencyKey::random());
+    let Begin::Execute(lease) = engine.begin(&id, &fp).await.unwrap() else {
+        panic!()
+    };
+    let (_, in_tx) = rig
+        .count(async {
+            let mut tx = store.pool().begin().await.unwrap();
+            store
+                .complete_in(&mut tx, lease.id(), lease.token(), b"1", lease.ttl())
+                .await
+                .unwrap();
+            tx.commit().await.unwrap();
+        })
+        .await;
+    lease.settled_externally();
+    table.push(("BEGIN + complete_in + COMMIT", in_tx));
+    assert_eq!(in_tx.statement_syncs, 1, "{in_tx:?}");
+    assert_eq!(in_tx.round_trips(), 3, "{in_tx:?}");
+
+    // The transactional engine with a one-insert work: claim, BEGIN, insert, complete_in,
+    // COMMIT.
+    let pg_engine = PgIdempotency::new(store.clone(), Policy::default().heartbeat(None)).unwrap();
+    let orders = format!(r#""{}".orders"#, rig._guard.schema);
+    common::exec(&format!("CREATE TABLE {orders} (id bigserial PRIMARY KEY)")).await;
+    let insert: Arc<str> = format!("INSERT INTO {orders} DEFAULT VALUES").into();
+    let work = insert_work;
+    // Prepare the insert once.
+    let warm_key = IdempotencyKey::random();
+    pg_engine
+        .run_in_transaction(&warm_key, &scope, &fp, work(insert.clone()))
+        .await
+        .unwrap();
+    let key = IdempotencyKey::random();
+    let (_, txn) = rig
+        .count(pg_engine.run_in_transaction(&key, &scope, &fp, work(insert.clone())))
+        .await;
+    table.push((
+        "run_in_transaction, new key (claim, BEGIN, insert, CAS, COMMIT)",
+        txn,
+    ));
+    assert_eq!(txn.round_trips(), 5, "{txn:?}");
+    let (_, txn_replay) = rig
+        .count(pg_engine.run_in_transaction(&key, &scope, &fp, work(insert.clone())))
+        .await;
+    table.push(("run_in_transaction, replay", txn_replay));
+    assert_eq!(txn_replay.round_trips(), 1, "{txn_replay:?}");
+
+    eprintln!("\n{:<66} round trips  (release pings)  parses", "operation");
+    for (op, c) in &table {
+        eprintln!(
+            "{op:<66} {:>11}  {:>15}  {:>6}",
+            c.round_trips(),
+            c.bare_syncs,
+            c.parses
+        );
+    }
+}
+
+/// Work that inserts one row through the transaction it is given.
+fn insert_work(
+    insert: Arc<str>,
+) -> impl for<'c> FnMut(&'c mut sqlx::PgConnection, WorkContext) -> BoxFuture<'c, Result<i32, String>>
+       + Send {
+    move |tx, _ctx| {
+        let insert = insert.clone();
+        Box::pin(async move {
+            tx.execute(sqlx::query(&insert))
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok(1)
+        })
+    }
+}
