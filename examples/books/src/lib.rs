@@ -37,6 +37,8 @@ pub enum StoreChoice {
     Sqlite,
     /// In process; keys are forgotten on restart.
     Memory,
+    /// A Postgres server at this URL (records in `idempotency_records`, migrated at start).
+    Postgres(String),
 }
 
 /// How the service is set up.
@@ -56,8 +58,9 @@ pub struct Config {
 pub struct ConfigError(String);
 
 impl Config {
-    /// Reads `BOOKS_DATABASE` (default: `books-api.sqlite3` in the temp directory) and
-    /// `BOOKS_STORE` (`sqlite`, the default, or `memory`).
+    /// Reads `BOOKS_DATABASE` (default: `books-api.sqlite3` in the temp directory),
+    /// `BOOKS_STORE` (`sqlite`, the default, `postgres` or `memory`) and, for Postgres,
+    /// `BOOKS_POSTGRES_URL` (default `postgres://postgres@127.0.0.1:5432/test`).
     pub fn from_env() -> Result<Self, ConfigError> {
         let database = std::env::var_os("BOOKS_DATABASE")
             .map(PathBuf::from)
@@ -65,9 +68,13 @@ impl Config {
         let store = match std::env::var("BOOKS_STORE").as_deref() {
             Err(_) | Ok("sqlite") => StoreChoice::Sqlite,
             Ok("memory") => StoreChoice::Memory,
+            Ok("postgres") => StoreChoice::Postgres(
+                std::env::var("BOOKS_POSTGRES_URL")
+                    .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned()),
+            ),
             Ok(other) => {
                 return Err(ConfigError(format!(
-                    "BOOKS_STORE={other} is not supported (use: sqlite, memory)"
+                    "BOOKS_STORE={other} is not supported (use: sqlite, postgres, memory)"
                 )))
             }
         };
@@ -120,6 +127,9 @@ pub enum BuildError {
     /// The SQLite idempotency store could not be opened or migrated.
     #[error(transparent)]
     Sqlite(#[from] idempotency_sqlite::SqliteError),
+    /// The Postgres idempotency store could not be reached or migrated.
+    #[error(transparent)]
+    Postgres(#[from] idempotency_postgres::PostgresError),
 }
 
 /// The caller identity, from `Authorization: Bearer <token>`. The example accepts any token:
@@ -151,6 +161,11 @@ pub async fn store(config: &Config) -> Result<Arc<dyn IdempotencyStore>, BuildEr
             Ok(Arc::new(store))
         }
         StoreChoice::Memory => Ok(Arc::new(idempotency_memory::MemoryStore::new())),
+        StoreChoice::Postgres(ref url) => {
+            let store = idempotency_postgres::PostgresStore::connect(url).await?;
+            store.migrate().await?;
+            Ok(Arc::new(store))
+        }
     }
 }
 
