@@ -29,6 +29,9 @@ pub const MERGE_PATCH: &str = "application/merge-patch+json";
 /// The patch formats PATCH accepts, as `Accept-Patch` lists them.
 pub const ACCEPT_PATCH: &str = "application/merge-patch+json, application/json";
 
+/// The key prefix of the service's records when they live in Redis.
+pub const REDIS_PREFIX: &str = "books-api:";
+
 /// Which idempotency store records the keys.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -39,6 +42,8 @@ pub enum StoreChoice {
     Memory,
     /// A Postgres server at this URL (records in `idempotency_records`, migrated at start).
     Postgres(String),
+    /// A Redis server at this URL (records under the `books-api:` key prefix).
+    Redis(String),
 }
 
 /// How the service is set up.
@@ -59,8 +64,9 @@ pub struct ConfigError(String);
 
 impl Config {
     /// Reads `BOOKS_DATABASE` (default: `books-api.sqlite3` in the temp directory),
-    /// `BOOKS_STORE` (`sqlite`, the default, `postgres` or `memory`) and, for Postgres,
-    /// `BOOKS_POSTGRES_URL` (default `postgres://postgres@127.0.0.1:5432/test`).
+    /// `BOOKS_STORE` (`sqlite`, the default, `postgres`, `redis` or `memory`) and, for
+    /// Postgres, `BOOKS_POSTGRES_URL` (default `postgres://postgres@127.0.0.1:5432/test`), for
+    /// Redis, `BOOKS_REDIS_URL` (default `redis://127.0.0.1:6379`).
     pub fn from_env() -> Result<Self, ConfigError> {
         let database = std::env::var_os("BOOKS_DATABASE")
             .map(PathBuf::from)
@@ -72,9 +78,13 @@ impl Config {
                 std::env::var("BOOKS_POSTGRES_URL")
                     .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned()),
             ),
+            Ok("redis") => StoreChoice::Redis(
+                std::env::var("BOOKS_REDIS_URL")
+                    .unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned()),
+            ),
             Ok(other) => {
                 return Err(ConfigError(format!(
-                    "BOOKS_STORE={other} is not supported (use: sqlite, postgres, memory)"
+                    "BOOKS_STORE={other} is not supported (use: sqlite, postgres, redis, memory)"
                 )))
             }
         };
@@ -164,6 +174,12 @@ pub async fn store(config: &Config) -> Result<Arc<dyn IdempotencyStore>, BuildEr
         StoreChoice::Postgres(ref url) => {
             let store = idempotency_postgres::PostgresStore::connect(url).await?;
             store.migrate().await?;
+            Ok(Arc::new(store))
+        }
+        StoreChoice::Redis(ref url) => {
+            let store = idempotency_redis::RedisStore::connect(url.as_str())
+                .await?
+                .with_prefix(REDIS_PREFIX)?;
             Ok(Arc::new(store))
         }
     }

@@ -31,7 +31,11 @@ fn store_choice() -> StoreChoice {
             std::env::var("IDEMPOTENCY_TEST_POSTGRES_URL")
                 .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned()),
         ),
-        Ok(other) => panic!("BOOKS_TEST_STORE={other} is not a store (sqlite, postgres, memory)"),
+        Ok("redis") => StoreChoice::Redis(
+            std::env::var("IDEMPOTENCY_TEST_REDIS_URL")
+                .unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned()),
+        ),
+        Ok(other) => panic!("BOOKS_TEST_STORE={other} is not a store (sqlite, postgres, redis, memory)"),
     }
 }
 
