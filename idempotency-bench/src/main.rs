@@ -6,6 +6,7 @@
 
 mod harness;
 mod memory;
+mod profile;
 mod sqlite;
 mod stats;
 
@@ -22,6 +23,7 @@ struct Args {
     ops: usize,
     duration: Duration,
     sizes: Vec<usize>,
+    profile: Option<String>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -31,6 +33,7 @@ fn parse_args() -> Result<Args, String> {
         ops: 20_000,
         duration: Duration::from_secs(5),
         sizes: vec![1_000, 10_000, 100_000, 1_000_000],
+        profile: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -53,10 +56,13 @@ fn parse_args() -> Result<Args, String> {
                 args.duration = Duration::from_secs_f64(secs);
             }
             "--sizes" => args.sizes = parse_list(&value()?)?,
+            "--profile" => args.profile = Some(value()?),
             "--help" | "-h" => {
                 println!(
                     "usage: idempotency-bench [--backend memory|sqlite|postgres|redis|all|a,b] \
-                     [--clients 1,16] [--ops N] [--duration SECS] [--sizes 1000,10000,...]"
+                     [--clients 1,16] [--ops N] [--duration SECS] [--sizes 1000,10000,...]\n       \
+                     idempotency-bench --profile store-cycle|store-replay|engine-cycle|\
+                     engine-replay|raw-cycle|raw-replay [--ops N]"
                 );
                 std::process::exit(0);
             }
@@ -333,6 +339,13 @@ fn main() {
             std::process::exit(2);
         }
     };
+    if let Some(workload) = &args.profile {
+        if let Err(e) = profile::run(workload, args.ops) {
+            eprintln!("error: {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
