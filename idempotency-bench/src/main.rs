@@ -324,7 +324,7 @@ async fn bench_backend(b: &Backend, args: &Args, targets: &mut Targets) -> Resul
         round_trips(b.name, counted, &run, targets).await?;
     }
     if b.name == "postgres" {
-        postgres::wal_syncs(500, targets).await?;
+        postgres::wal_syncs(args.ops.min(500), targets).await?;
     }
 
     let race = harness::same_key_race(&engine, &run).await;
