@@ -6,12 +6,27 @@ use idempotency_core::{
     BoxError, Claim, ClaimRequest, Error, Fingerprint, Idempotency, IdempotencyKey,
     IdempotencyStore, Policy, RecordId, Scope,
 };
+use serde::{Deserialize, Serialize};
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// A ~40-byte outcome, as the issue asks.
+/// The work's result in every workload: a small receipt, ~40 bytes of JSON ([`OUTCOME`]).
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct Receipt {
+    pub order_id: String,
+    pub ok: bool,
+}
+
+pub fn receipt() -> Receipt {
+    Receipt {
+        order_id: "ord_0123456789".to_owned(),
+        ok: true,
+    }
+}
+
+/// [`Receipt`] as JSON (39 bytes): what the raw baselines store and replay.
 pub const OUTCOME: &str = "{\"order_id\":\"ord_0123456789\",\"ok\":true}";
 
 /// What a hand-written implementation would send for each workload, on the same driver and
@@ -24,10 +39,26 @@ pub trait RawBaseline: Send + Sync {
     async fn replay(&self, key: &str) -> Result<Option<Vec<u8>>, BoxError>;
 }
 
-/// Counts the round trips (statements, commands) the backend has served so far.
+/// Counts the round trips (statements, commands) sent so far over a counted connection.
 #[async_trait]
 pub trait RoundTripCounter: Send + Sync {
+    /// Round trips so far, not counting any this call makes itself.
     async fn count(&self) -> Result<u64, BoxError>;
+    /// What the counter saw beyond the round trips (commands run inside scripts, statements
+    /// prepared), as of now; printed beside the counts.
+    async fn detail(&self) -> Result<Vec<(String, u64)>, BoxError> {
+        Ok(Vec::new())
+    }
+}
+
+/// A store and a raw baseline on a connection whose round trips are counted. Kept apart from
+/// the measured ones, so throughput is never measured through a counting proxy.
+pub struct Counted {
+    pub store: Arc<dyn IdempotencyStore>,
+    pub raw: Arc<dyn RawBaseline>,
+    pub counter: Arc<dyn RoundTripCounter>,
+    /// Where the counts come from, for the report.
+    pub method: &'static str,
 }
 
 /// One backend, ready to measure.
@@ -35,7 +66,42 @@ pub struct Backend {
     pub name: &'static str,
     pub store: Arc<dyn IdempotencyStore>,
     pub raw: Arc<dyn RawBaseline>,
-    pub round_trips: Option<Arc<dyn RoundTripCounter>>,
+    pub round_trips: Option<Counted>,
+}
+
+/// Runs a blocking clean-up (dropping a schema, deleting keys) when dropped, also on error
+/// paths, on a runtime of its own so it works from inside or outside the benchmark's runtime.
+type CleanupFn =
+    Box<dyn FnOnce() -> futures::future::BoxFuture<'static, Result<(), BoxError>> + Send>;
+
+pub struct Cleanup(Option<CleanupFn>);
+
+impl Cleanup {
+    pub fn new<F, Fut>(f: F) -> Self
+    where
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
+    {
+        Self(Some(Box::new(move || Box::pin(f()))))
+    }
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        let Some(f) = self.0.take() else { return };
+        let done = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            rt.block_on(f())
+        })
+        .join();
+        match done {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => eprintln!("warning: clean-up failed: {e}"),
+            Err(_) => eprintln!("warning: clean-up panicked"),
+        }
+    }
 }
 
 /// How long each measurement runs: until `ops` operations or `duration`, whichever is first.
@@ -45,37 +111,61 @@ pub struct Budget {
     pub duration: Duration,
 }
 
-/// Runs `op(client, i)` from `clients` concurrent tasks and summarises the latencies.
-pub async fn measure<F, Fut>(clients: usize, budget: Budget, op: F) -> Result<Summary, BoxError>
+/// Runs `op` from `clients` concurrent tasks, each on the inputs `prepare(client, i)` built
+/// before the clock starts (keys, ids), until the budget's operations or its duration run
+/// out, and summarises the latencies.
+pub async fn measure<I, P, F, Fut>(
+    clients: usize,
+    budget: Budget,
+    prepare: P,
+    op: F,
+) -> Result<Summary, BoxError>
 where
-    F: Fn(usize, usize) -> Fut + Send + Sync + 'static,
+    I: Send + 'static,
+    P: Fn(usize, usize) -> I,
+    F: Fn(I) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Result<(), BoxError>> + Send,
 {
     let op = Arc::new(op);
     let per_client = budget.ops.div_ceil(clients).max(1);
-    let start = Instant::now();
-    let deadline = start + budget.duration;
+    let start_line = Arc::new(tokio::sync::Barrier::new(clients + 1));
     let mut tasks = Vec::with_capacity(clients);
     for c in 0..clients {
-        let op = op.clone();
+        let inputs: Vec<I> = (0..per_client).map(|i| prepare(c, i)).collect();
+        let (op, start_line) = (op.clone(), start_line.clone());
         tasks.push(tokio::spawn(async move {
-            let mut samples = Vec::with_capacity(per_client.min(1 << 20));
-            for i in 0..per_client {
+            let mut samples = Vec::with_capacity(inputs.len());
+            start_line.wait().await;
+            let started = Instant::now();
+            let deadline = started + budget.duration;
+            let mut inputs = inputs.into_iter();
+            for (i, input) in inputs.by_ref().enumerate() {
                 let t = Instant::now();
-                op(c, i).await?;
+                op(input).await?;
                 samples.push(t.elapsed());
                 if i % 64 == 63 && Instant::now() >= deadline {
                     break;
                 }
             }
-            Ok::<_, BoxError>(samples)
+            // Inputs left over when the duration ran out are dropped after the clock stops.
+            let finished = Instant::now();
+            drop(inputs);
+            Ok::<_, BoxError>((samples, started, finished))
         }));
     }
+    start_line.wait().await;
     let mut all = Vec::new();
+    let mut span: Option<(Instant, Instant)> = None;
     for t in tasks {
-        all.extend(t.await??);
+        let (samples, started, finished) = t.await??;
+        all.extend(samples);
+        span = Some(match span {
+            None => (started, finished),
+            Some((s, f)) => (s.min(started), f.max(finished)),
+        });
     }
-    Ok(Summary::from_samples(all, start.elapsed()))
+    let elapsed = span.map_or(Duration::ZERO, |(s, f)| f - s);
+    Ok(Summary::from_samples(all, elapsed))
 }
 
 /// An engine over `store` with the default policy (heartbeat on, as users run it).
@@ -84,11 +174,17 @@ pub fn engine(store: Arc<dyn IdempotencyStore>) -> Result<Idempotency, Error> {
 }
 
 pub fn scope() -> Scope {
-    Scope::from_parts(["bench", "POST /orders"]).expect("valid scope")
+    static SCOPE: std::sync::OnceLock<Scope> = std::sync::OnceLock::new();
+    SCOPE
+        .get_or_init(|| Scope::from_parts(["bench", "POST /orders"]).expect("valid scope"))
+        .clone()
 }
 
+/// The request fingerprint every workload uses. Computed once: hashing the request is the
+/// caller's cost (the criterion benches measure it), not the store's or the engine's.
 pub fn fingerprint() -> Fingerprint {
-    Fingerprint::from_bytes(b"{\"sku\":\"A-1\",\"qty\":1}")
+    static FP: std::sync::OnceLock<Fingerprint> = std::sync::OnceLock::new();
+    *FP.get_or_init(|| Fingerprint::from_bytes(b"{\"sku\":\"A-1\",\"qty\":1}"))
 }
 
 pub fn key(run: &str, client: usize, i: usize) -> IdempotencyKey {
@@ -103,7 +199,7 @@ pub async fn engine_cycle(
 ) -> Result<(), BoxError> {
     let out = engine
         .run(key, scope, &fingerprint(), |_| async {
-            Ok::<_, String>(OUTCOME.to_owned())
+            Ok::<_, String>(receipt())
         })
         .await?;
     if out.is_replayed() {
@@ -120,10 +216,10 @@ pub async fn engine_replay(
 ) -> Result<(), BoxError> {
     let out = engine
         .run(key, scope, &fingerprint(), |_| async {
-            Ok::<_, String>(String::from("must not run"))
+            Err::<Receipt, _>(String::from("must not run"))
         })
         .await?;
-    if !out.is_replayed() {
+    if !out.is_replayed() || out.get().is_err() {
         return Err("a completed key ran its work again".into());
     }
     Ok(())
@@ -148,11 +244,25 @@ pub async fn store_cycle(store: &dyn IdempotencyStore, id: RecordId) -> Result<(
     }
 }
 
-/// [`OUTCOME`] as the engine stores it (`Ok` of a JSON string), so keys filled through the
-/// store API replay through the engine.
+/// One replay through the store API alone: a claim that must find the completed record.
+pub async fn store_replay(store: &dyn IdempotencyStore, id: RecordId) -> Result<(), BoxError> {
+    let req = ClaimRequest {
+        id,
+        fingerprint: fingerprint(),
+        lease: Duration::from_secs(30),
+        ttl: Duration::from_secs(3600),
+    };
+    match store.claim(&req).await? {
+        Claim::Existing { .. } => Ok(()),
+        Claim::Claimed { .. } => Err("a completed key was claimed".into()),
+    }
+}
+
+/// [`Receipt`] as the engine stores it (`{"Ok":{…}}`), so keys filled through the store API
+/// replay through the engine.
 pub fn engine_outcome() -> &'static [u8] {
     static BYTES: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
-    BYTES.get_or_init(|| serde_json::to_vec(&Ok::<&str, String>(OUTCOME)).expect("serialize"))
+    BYTES.get_or_init(|| serde_json::to_vec(&Ok::<Receipt, String>(receipt())).expect("serialize"))
 }
 
 /// How the 64 callers of the same-key race were answered.
@@ -184,7 +294,7 @@ pub async fn same_key_race(engine: &Idempotency, run: &str) -> RaceReport {
                 .run(&key, &scope(), &fingerprint(), |_| async move {
                     executions.fetch_add(1, Ordering::SeqCst);
                     tokio::time::sleep(Duration::from_millis(20)).await;
-                    Ok::<_, String>(OUTCOME.to_owned())
+                    Ok::<_, String>(receipt())
                 })
                 .await
         }));

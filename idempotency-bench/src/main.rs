@@ -1,20 +1,21 @@
-//! `cargo run --release -p idempotency-bench -- --backend memory|sqlite|postgres|redis|all`
-//!
-//! Prints, per backend, ops/s and p50/p99 latency of the new-key cycle and the replay through
-//! the engine at 1 and 16 clients, each beside the raw baseline measured in the same run, the
-//! round trips per operation, the same-key race, and the cost at 10³…10⁶ live keys.
+#![doc = include_str!("../README.md")]
 
 mod harness;
 mod memory;
+mod postgres;
+mod profile;
+mod redis;
 mod sqlite;
 mod stats;
 
-use harness::{Backend, Budget};
+use harness::{Backend, Budget, Counted};
 use idempotency_core::{BoxError, IdempotencyStore, RecordId};
 use idempotency_sqlite::ConnectionMode;
 use stats::{fmt_latency, Summary};
 use std::sync::Arc;
 use std::time::Duration;
+
+const ALL: [&str; 4] = ["memory", "sqlite", "postgres", "redis"];
 
 struct Args {
     backends: Vec<String>,
@@ -22,7 +23,17 @@ struct Args {
     ops: usize,
     duration: Duration,
     sizes: Vec<usize>,
+    profile: Option<String>,
 }
+
+const USAGE: &str = "usage: idempotency-bench [--backend memory|sqlite|postgres|redis|all|a,b] \
+[--clients 1,16] [--ops N] [--duration SECS] [--sizes 1000,10000,100000,1000000]
+       idempotency-bench --profile store-cycle|store-replay|engine-cycle|engine-replay|raw-cycle|raw-replay [--ops N]
+
+--ops and --duration bound every measurement (whichever ends first). --sizes are the live-key
+counts of the scaling tables (memory and SQLite; PostgreSQL takes the sizes up to 100000).
+Servers: IDEMPOTENCY_BENCH_POSTGRES_URL (default postgres://postgres@127.0.0.1:5432/test),
+IDEMPOTENCY_BENCH_REDIS_URL (default redis://127.0.0.1:6379).";
 
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
@@ -31,6 +42,7 @@ fn parse_args() -> Result<Args, String> {
         ops: 20_000,
         duration: Duration::from_secs(5),
         sizes: vec![1_000, 10_000, 100_000, 1_000_000],
+        profile: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -39,29 +51,36 @@ fn parse_args() -> Result<Args, String> {
             "--backend" => {
                 let v = value()?;
                 args.backends = if v == "all" {
-                    ["memory", "sqlite", "postgres", "redis"]
-                        .map(String::from)
-                        .to_vec()
+                    ALL.map(String::from).to_vec()
                 } else {
-                    v.split(',').map(String::from).collect()
+                    v.split(',').map(|s| s.trim().to_owned()).collect()
                 };
+                if let Some(bad) = args.backends.iter().find(|b| !ALL.contains(&b.as_str())) {
+                    return Err(format!(
+                        "unknown backend {bad:?} (memory, sqlite, postgres, redis or all)"
+                    ));
+                }
             }
             "--clients" => args.clients = parse_list(&value()?)?,
             "--ops" => args.ops = value()?.parse().map_err(|e| format!("--ops: {e}"))?,
             "--duration" => {
                 let secs: f64 = value()?.parse().map_err(|e| format!("--duration: {e}"))?;
+                if !(secs.is_finite() && secs > 0.0) {
+                    return Err("--duration must be a positive number of seconds".into());
+                }
                 args.duration = Duration::from_secs_f64(secs);
             }
             "--sizes" => args.sizes = parse_list(&value()?)?,
+            "--profile" => args.profile = Some(value()?),
             "--help" | "-h" => {
-                println!(
-                    "usage: idempotency-bench [--backend memory|sqlite|postgres|redis|all|a,b] \
-                     [--clients 1,16] [--ops N] [--duration SECS] [--sizes 1000,10000,...]"
-                );
+                println!("{USAGE}");
                 std::process::exit(0);
             }
             other => return Err(format!("unknown argument {other:?} (try --help)")),
         }
+    }
+    if args.clients.contains(&0) || args.ops == 0 || args.sizes.contains(&0) {
+        return Err("--clients, --ops and --sizes take positive numbers".into());
     }
     Ok(args)
 }
@@ -77,10 +96,32 @@ fn parse_list(s: &str) -> Result<Vec<usize>, String> {
         .collect()
 }
 
+/// The targets of the issue, judged as the run goes and printed at the end.
+#[derive(Default)]
+struct Targets(Vec<(String, String, bool)>);
+
+impl Targets {
+    fn check(&mut self, target: impl Into<String>, measured: impl Into<String>, met: bool) {
+        self.0.push((target.into(), measured.into(), met));
+    }
+
+    fn print(&self) {
+        if self.0.is_empty() {
+            return;
+        }
+        println!("\n## Targets\n");
+        println!("| target | measured | |");
+        println!("|---|---|---|");
+        for (t, m, met) in &self.0 {
+            println!("| {t} | {m} | {} |", if *met { "met" } else { "MISSED" });
+        }
+    }
+}
+
 /// A backend to measure, with whatever must live as long as it (a temp dir, a schema).
 type Prepared = (Backend, Box<dyn std::any::Any>);
 
-async fn make_backends(name: &str) -> Result<Vec<Prepared>, BoxError> {
+async fn make_backends(name: &str, max_clients: usize) -> Result<Vec<Prepared>, BoxError> {
     match name {
         "memory" => Ok(vec![(memory::backend(), Box::new(()))]),
         "sqlite" => {
@@ -94,57 +135,97 @@ async fn make_backends(name: &str) -> Result<Vec<Prepared>, BoxError> {
             .await?;
             Ok(vec![(thread, Box::new(d1)), (pool, Box::new(d2))])
         }
-        other => Err(format!("backend {other:?} is not in the harness yet").into()),
+        "postgres" => {
+            let (b, schema) = postgres::backend(max_clients).await?;
+            Ok(vec![(b, Box::new(schema))])
+        }
+        "redis" => {
+            let (b, cleanup) = redis::backend().await?;
+            Ok(vec![(b, Box::new(cleanup))])
+        }
+        other => Err(format!("unknown backend {other:?}").into()),
     }
 }
 
-fn row(workload: &str, clients: usize, ours: &Summary, raw: Option<&Summary>) {
+fn row(workload: &str, clients: usize, ours: &Summary, raw: Option<&Summary>) -> Option<f64> {
     let (raw_ops, raw_p50, ratio) = match raw {
-        Some(r) => (
-            format!("{:.0}", r.ops_per_sec()),
-            fmt_latency(r.p50),
-            format!("{:.2}×", ours.ops_per_sec() / r.ops_per_sec()),
-        ),
-        None => ("–".into(), "–".into(), "–".into()),
+        Some(r) => {
+            let ratio = ours.ops_per_sec() / r.ops_per_sec();
+            (
+                format!("{:.0}", r.ops_per_sec()),
+                fmt_latency(r.p50),
+                Some(ratio),
+            )
+        }
+        None => ("–".into(), "–".into(), None),
     };
     println!(
-        "| {workload} | {clients} | {:.0} | {} | {} | {raw_ops} | {raw_p50} | {ratio} |",
+        "| {workload} | {clients} | {:.0} | {} | {} | {raw_ops} | {raw_p50} | {} |",
         ours.ops_per_sec(),
         fmt_latency(ours.p50),
         fmt_latency(ours.p99),
+        ratio.map_or("–".into(), |r| format!("{r:.2}×")),
     );
+    ratio
 }
 
-async fn bench_backend(b: &Backend, args: &Args) -> Result<(), BoxError> {
+fn is_networked(b: &Backend) -> bool {
+    b.name == "postgres" || b.name == "redis"
+}
+
+async fn bench_backend(b: &Backend, args: &Args, targets: &mut Targets) -> Result<(), BoxError> {
     let budget = Budget {
         ops: args.ops,
         duration: args.duration,
     };
-    let run = format!("{}-{}", b.name, std::process::id());
+    let run = format!(
+        "{}-{}",
+        b.name.split(' ').next().unwrap_or("b"),
+        std::process::id()
+    );
     let engine = harness::engine(b.store.clone())?;
     println!("\n## {}\n", b.name);
     println!("| workload | clients | ops/s | p50 | p99 | raw ops/s | raw p50 | ours/raw |");
     println!("|---|---|---|---|---|---|---|---|");
+    let mut engine_p50 = Vec::new();
     for &clients in &args.clients {
         let tag = format!("{run}-nk{clients}");
-        let (e, s) = (engine.clone(), harness::scope());
-        let t = tag.clone();
-        let ours = harness::measure(clients, budget, move |c, i| {
-            let (e, s, k) = (e.clone(), s.clone(), harness::key(&t, c, i));
-            async move { harness::engine_cycle(&e, &s, &k).await }
-        })
+        let e = engine.clone();
+        let ours = harness::measure(
+            clients,
+            budget,
+            |c, i| harness::key(&tag, c, i),
+            move |k| {
+                let e = e.clone();
+                async move { harness::engine_cycle(&e, &harness::scope(), &k).await }
+            },
+        )
         .await?;
         let raw = b.raw.clone();
         let t = format!("{tag}-raw");
-        let base = harness::measure(clients, budget, move |c, i| {
-            let (raw, k) = (raw.clone(), harness::key(&t, c, i));
-            async move {
-                raw.new_key_cycle(k.as_str(), harness::OUTCOME.as_bytes())
-                    .await
-            }
-        })
+        let base = harness::measure(
+            clients,
+            budget,
+            |c, i| harness::key(&t, c, i).into_inner(),
+            move |k| {
+                let raw = raw.clone();
+                async move { raw.new_key_cycle(&k, harness::OUTCOME.as_bytes()).await }
+            },
+        )
         .await?;
-        row("new-key cycle", clients, &ours, Some(&base));
+        let ratio = row("new-key cycle", clients, &ours, Some(&base));
+        engine_p50.push(("new-key", clients, ours.p50));
+        if let (true, Some(r)) = (is_networked(b), ratio) {
+            targets.check(
+                format!("{}: new-key cycle ≥ 0.9× raw at {clients} clients", b.name),
+                format!(
+                    "{r:.2}× ({:.0} vs {:.0} ops/s)",
+                    ours.ops_per_sec(),
+                    base.ops_per_sec()
+                ),
+                r >= 0.9,
+            );
+        }
     }
     // Replay: a pool of completed keys, read round-robin.
     let pool = 1_000usize;
@@ -155,41 +236,95 @@ async fn bench_backend(b: &Backend, args: &Args) -> Result<(), BoxError> {
             .new_key_cycle(&format!("{tag}-raw-{i}"), harness::OUTCOME.as_bytes())
             .await?;
     }
+    let replay_key = |c: usize, i: usize| (c * 7919 + i) % pool;
     for &clients in &args.clients {
-        let (e, s, t) = (engine.clone(), harness::scope(), tag.clone());
-        let ours = harness::measure(clients, budget, move |c, i| {
-            let (e, s, k) = (
-                e.clone(),
-                s.clone(),
-                harness::key(&t, 0, (c * 7919 + i) % pool),
+        let e = engine.clone();
+        let ours = harness::measure(
+            clients,
+            budget,
+            |c, i| harness::key(&tag, 0, replay_key(c, i)),
+            move |k| {
+                let e = e.clone();
+                async move { harness::engine_replay(&e, &harness::scope(), &k).await }
+            },
+        )
+        .await?;
+        let raw = b.raw.clone();
+        let base = harness::measure(
+            clients,
+            budget,
+            |c, i| format!("{tag}-raw-{}", replay_key(c, i)),
+            move |k| {
+                let raw = raw.clone();
+                async move {
+                    raw.replay(&k).await?.ok_or("raw replay found nothing")?;
+                    Ok(())
+                }
+            },
+        )
+        .await?;
+        let ratio = row("replay", clients, &ours, Some(&base));
+        engine_p50.push(("replay", clients, ours.p50));
+        if let (true, Some(r)) = (is_networked(b), ratio) {
+            targets.check(
+                format!("{}: replay ≥ 0.9× raw at {clients} clients", b.name),
+                format!(
+                    "{r:.2}× ({:.0} vs {:.0} ops/s)",
+                    ours.ops_per_sec(),
+                    base.ops_per_sec()
+                ),
+                r >= 0.9,
             );
-            async move { harness::engine_replay(&e, &s, &k).await }
-        })
-        .await?;
-        let (raw, t) = (b.raw.clone(), tag.clone());
-        let base = harness::measure(clients, budget, move |c, i| {
-            let (raw, k) = (raw.clone(), format!("{t}-raw-{}", (c * 7919 + i) % pool));
-            async move {
-                raw.replay(&k).await?.ok_or("raw replay found nothing")?;
-                Ok(())
-            }
-        })
-        .await?;
-        row("replay", clients, &ours, Some(&base));
+        }
     }
     for &clients in &args.clients {
-        let (store, t) = (b.store.clone(), format!("{run}-st{clients}"));
-        let ours = harness::measure(clients, budget, move |c, i| {
-            let store = store.clone();
-            let id = RecordId::new(harness::scope(), harness::key(&t, c, i));
-            async move { harness::store_cycle(store.as_ref(), id).await }
-        })
+        let store = b.store.clone();
+        let t = format!("{run}-st{clients}");
+        let ours = harness::measure(
+            clients,
+            budget,
+            |c, i| RecordId::new(harness::scope(), harness::key(&t, c, i)),
+            move |id| {
+                let store = store.clone();
+                async move { harness::store_cycle(store.as_ref(), id).await }
+            },
+        )
         .await?;
         row("new-key cycle, store API only", clients, &ours, None);
+        if b.name == "memory" && clients == 1 {
+            targets.check(
+                "memory: ≥ 1,000,000 new-key cycles/s through the store API, one core",
+                format!(
+                    "{:.0} cycles/s (p50 {})",
+                    ours.ops_per_sec(),
+                    fmt_latency(ours.p50)
+                ),
+                ours.ops_per_sec() >= 1e6,
+            );
+        }
+        overhead(b, targets, &engine_p50, "new-key", clients, &ours);
+    }
+    for &clients in &args.clients {
+        let store = b.store.clone();
+        let ours = harness::measure(
+            clients,
+            budget,
+            |c, i| RecordId::new(harness::scope(), harness::key(&tag, 0, replay_key(c, i))),
+            move |id| {
+                let store = store.clone();
+                async move { harness::store_replay(store.as_ref(), id).await }
+            },
+        )
+        .await?;
+        row("replay, store API only", clients, &ours, None);
+        overhead(b, targets, &engine_p50, "replay", clients, &ours);
     }
 
-    if let Some(counter) = &b.round_trips {
-        round_trips(b, counter.as_ref(), &run).await?;
+    if let Some(counted) = &b.round_trips {
+        round_trips(b.name, counted, &run, targets).await?;
+    }
+    if b.name == "postgres" {
+        postgres::wal_syncs(args.ops.min(500), targets).await?;
     }
 
     let race = harness::same_key_race(&engine, &run).await;
@@ -198,21 +333,68 @@ async fn bench_backend(b: &Backend, args: &Args) -> Result<(), BoxError> {
          {} fresh, {} replayed, {} in progress (409), {} other errors",
         race.executions, race.fresh, race.replayed, race.in_progress, race.other_errors
     );
+    targets.check(
+        format!("{}: same-key race runs the work once", b.name),
+        format!("{} executions", race.executions),
+        race.executions == 1 && race.other_errors == 0,
+    );
     Ok(())
 }
 
-async fn round_trips(
+/// The engine's overhead over the store API: the p50 difference, printed for every backend
+/// and judged for the memory store at one client.
+fn overhead(
     b: &Backend,
-    counter: &dyn harness::RoundTripCounter,
+    targets: &mut Targets,
+    engine_p50: &[(&str, usize, Duration)],
+    workload: &str,
+    clients: usize,
+    store: &Summary,
+) {
+    let Some(&(_, _, engine)) = engine_p50
+        .iter()
+        .find(|(w, c, _)| *w == workload && *c == clients)
+    else {
+        return;
+    };
+    let extra = engine.as_nanos() as i128 - store.p50.as_nanos() as i128;
+    println!("|   engine overhead, {workload} ({clients} clients) | | p50 {extra} ns | | | | |");
+    if b.name == "memory" && clients == 1 {
+        targets.check(
+            format!("memory: engine overhead ≤ 2 µs per call ({workload})"),
+            format!("{extra} ns (p50 engine − p50 store API)"),
+            extra <= 2_000,
+        );
+    }
+}
+
+async fn round_trips(
+    backend: &str,
+    counted: &Counted,
     run: &str,
+    targets: &mut Targets,
 ) -> Result<(), BoxError> {
     const N: usize = 200;
-    let store = b.store.as_ref();
-    let ids: Vec<RecordId> = (0..N)
-        .map(|i| RecordId::new(harness::scope(), harness::key(&format!("{run}-rt"), 0, i)))
-        .collect();
-    let mut tokens = Vec::new();
-    let c0 = counter.count().await?;
+    let store = counted.store.as_ref();
+    let raw = counted.raw.as_ref();
+    let new_id = |tag: &str, i: usize| {
+        RecordId::new(
+            harness::scope(),
+            harness::key(&format!("{run}-{tag}"), 0, i),
+        )
+    };
+    // Warm-up: each statement prepared (Postgres) and each script cached (Redis) once, as in
+    // a running service.
+    harness::store_cycle(store, new_id("rt-warm", 0)).await?;
+    harness::store_replay(store, new_id("rt-warm", 0)).await?;
+    raw.new_key_cycle(&format!("{run}-rt-warm"), b"{}").await?;
+    raw.replay(&format!("{run}-rt-warm")).await?;
+
+    let ids: Vec<RecordId> = (0..N).map(|i| new_id("rt", i)).collect();
+    let counter = counted.counter.as_ref();
+    let mut phases: Vec<Phase<'_>> = Vec::new();
+    let mut mark = Snapshot::take(counter).await?;
+    let mut tokens = Vec::with_capacity(N);
     for id in &ids {
         let req = idempotency_core::ClaimRequest {
             id: id.clone(),
@@ -225,37 +407,93 @@ async fn round_trips(
             _ => return Err("round-trip claim found an existing key".into()),
         }
     }
-    let c1 = counter.count().await?;
+    let now = Snapshot::take(counter).await?;
+    phases.push(now.since("claim (new key)", &mark));
+    mark = now;
     for (id, token) in ids.iter().zip(&tokens) {
         store
             .complete(
                 id,
                 *token,
-                harness::OUTCOME.as_bytes(),
+                harness::engine_outcome(),
                 Duration::from_secs(3600),
             )
             .await?;
     }
-    let c2 = counter.count().await?;
+    let now = Snapshot::take(counter).await?;
+    phases.push(now.since("complete", &mark));
+    mark = now;
     for id in &ids {
-        let req = idempotency_core::ClaimRequest {
-            id: id.clone(),
-            fingerprint: harness::fingerprint(),
-            lease: Duration::from_secs(30),
-            ttl: Duration::from_secs(3600),
-        };
-        store.claim(&req).await?;
+        harness::store_replay(store, id.clone()).await?;
     }
-    let c3 = counter.count().await?;
-    // Each count() call may itself be a round trip; it is subtracted.
-    let per = |a: u64, b: u64| (b.saturating_sub(a).saturating_sub(1)) as f64 / N as f64;
+    let now = Snapshot::take(counter).await?;
+    phases.push(now.since("replay (claim of a completed key)", &mark));
+    mark = now;
+    for i in 0..N {
+        raw.new_key_cycle(&format!("{run}-rt-{i}"), harness::OUTCOME.as_bytes())
+            .await?;
+    }
+    let now = Snapshot::take(counter).await?;
+    phases.push(now.since("raw new-key cycle (insert + update)", &mark));
+    mark = now;
+    for i in 0..N {
+        raw.replay(&format!("{run}-rt-{i}")).await?;
+    }
+    let now = Snapshot::take(counter).await?;
+    phases.push(now.since("raw replay (read)", &mark));
+
     println!(
-        "\nround trips per operation (counted over {N} ops each): claim {:.2}, complete {:.2}, replay {:.2}",
-        per(c0, c1),
-        per(c1, c2),
-        per(c2, c3)
+        "\nround trips per operation, counted over {N} operations each: {}\n",
+        counted.method
     );
+    println!("| operation | round trips per op | also seen (per op) |");
+    println!("|---|---|---|");
+    for (name, trips, detail) in &phases {
+        let per = *trips as f64 / N as f64;
+        let also: Vec<String> = detail
+            .iter()
+            .map(|(k, v)| format!("{k} {:.2}", *v as f64 / N as f64))
+            .collect();
+        println!("| {name} | {per:.2} | {} |", also.join(", "));
+        if !name.starts_with("raw") {
+            targets.check(
+                format!("{backend}: {name} is exactly 1 round trip"),
+                format!("{per:.2}"),
+                *trips == N as u64,
+            );
+        }
+    }
     Ok(())
+}
+
+/// A named phase: round trips and the other counts' deltas.
+type Phase<'a> = (&'a str, u64, Vec<(String, u64)>);
+
+/// A counter reading: round trips and details.
+struct Snapshot(u64, Vec<(String, u64)>);
+
+impl Snapshot {
+    async fn take(counter: &dyn harness::RoundTripCounter) -> Result<Self, BoxError> {
+        Ok(Self(counter.count().await?, counter.detail().await?))
+    }
+
+    /// What happened between `before` and this reading, as a named phase.
+    fn since<'a>(&self, name: &'a str, before: &Snapshot) -> Phase<'a> {
+        let detail = self
+            .1
+            .iter()
+            .map(|(k, v)| {
+                let was = before
+                    .1
+                    .iter()
+                    .find(|(k0, _)| k0 == k)
+                    .map_or(0, |(_, v0)| *v0);
+                (k.clone(), v.saturating_sub(was))
+            })
+            .filter(|(_, d)| *d > 0)
+            .collect();
+        (name, self.0.saturating_sub(before.0), detail)
+    }
 }
 
 /// Resident set size of this process, in bytes.
@@ -267,17 +505,33 @@ fn rss_bytes() -> Option<u64> {
 
 /// Cost per operation as the number of live keys grows: replay of a random live key and a
 /// new-key cycle, one client. For the memory store also the resident memory per record.
-async fn scaling(kind: &str, args: &Args) -> Result<(), BoxError> {
-    println!("\n## {kind} at scale\n");
-    println!("| live keys | RSS per record | replay ops/s (1 client) | replay p50 | new-key cycle ops/s | new-key p50 |");
-    println!("|---|---|---|---|---|---|");
+async fn scaling(kind: &str, args: &Args, targets: &mut Targets) -> Result<(), BoxError> {
+    let sizes: Vec<usize> = match kind {
+        "postgres" => args
+            .sizes
+            .iter()
+            .copied()
+            .filter(|&n| n <= 100_000)
+            .collect(),
+        _ => args.sizes.clone(),
+    };
+    if sizes.is_empty() {
+        return Ok(());
+    }
+    println!("\n## {kind} at scale (one client, through the engine)\n");
+    println!(
+        "| live keys | fill time | RSS per record | replay ops/s | replay p50 | new-key cycle ops/s | new-key p50 |"
+    );
+    println!("|---|---|---|---|---|---|---|");
     let budget = Budget {
         ops: args.ops.min(20_000),
         duration: args.duration,
     };
-    for &n in &args.sizes {
+    let mut p50s = Vec::new();
+    for &n in &sizes {
         let before = rss_bytes().unwrap_or(0);
-        let mut _guard: Option<tempfile::TempDir> = None;
+        let mut _guard: Box<dyn std::any::Any> = Box::new(());
+        let filling = std::time::Instant::now();
         let store: Arc<dyn IdempotencyStore> = match kind {
             "memory" => {
                 let store = Arc::new(idempotency_memory::MemoryStore::new());
@@ -287,13 +541,20 @@ async fn scaling(kind: &str, args: &Args) -> Result<(), BoxError> {
                 }
                 store
             }
+            "postgres" => {
+                let (store, schema) = postgres::scaling_store().await?;
+                postgres::fill(&store, n).await?;
+                _guard = Box::new(schema);
+                Arc::new(store)
+            }
             _ => {
                 let (store, dir) = sqlite::open(ConnectionMode::DedicatedThread).await?;
                 sqlite::fill(&store, n, harness::engine_outcome()).await?;
-                _guard = Some(dir);
+                _guard = Box::new(dir);
                 Arc::new(store)
             }
         };
+        let fill_time = filling.elapsed();
         let per_record = match kind {
             "memory" => format!(
                 "{:.0} B",
@@ -303,26 +564,82 @@ async fn scaling(kind: &str, args: &Args) -> Result<(), BoxError> {
         };
         let engine = harness::engine(store.clone())?;
         let e = engine.clone();
-        let replay = harness::measure(1, budget, move |_, i| {
-            let (e, k) = (e.clone(), harness::key("fill", 0, (i * 7919) % n));
-            async move { harness::engine_replay(&e, &harness::scope(), &k).await }
-        })
+        let replay = harness::measure(
+            1,
+            budget,
+            |_, i| harness::key("fill", 0, (i * 7919) % n),
+            move |k| {
+                let e = e.clone();
+                async move { harness::engine_replay(&e, &harness::scope(), &k).await }
+            },
+        )
         .await?;
         let e = engine.clone();
-        let fresh = harness::measure(1, budget, move |_, i| {
-            let (e, k) = (e.clone(), harness::key("new", 0, i));
-            async move { harness::engine_cycle(&e, &harness::scope(), &k).await }
-        })
+        let fresh = harness::measure(
+            1,
+            budget,
+            |_, i| harness::key("new", 0, i),
+            move |k| {
+                let e = e.clone();
+                async move { harness::engine_cycle(&e, &harness::scope(), &k).await }
+            },
+        )
         .await?;
         println!(
-            "| {n} | {per_record} | {:.0} | {} | {:.0} | {} |",
+            "| {n} | {:.1} s | {per_record} | {:.0} | {} | {:.0} | {} |",
+            fill_time.as_secs_f64(),
             replay.ops_per_sec(),
             fmt_latency(replay.p50),
             fresh.ops_per_sec(),
             fmt_latency(fresh.p50)
         );
+        p50s.push((n, replay.p50, fresh.p50));
+    }
+    if p50s.len() > 1 {
+        for (what, pick) in [
+            (
+                "replay",
+                (|r: &(usize, Duration, Duration)| r.1) as fn(&_) -> Duration,
+            ),
+            ("new-key cycle", |r| r.2),
+        ] {
+            let ps: Vec<Duration> = p50s.iter().map(pick).collect();
+            let (lo, hi) = (
+                ps.iter().min().copied().unwrap_or_default(),
+                ps.iter().max().copied().unwrap_or_default(),
+            );
+            let spread = hi.as_secs_f64() / lo.as_secs_f64().max(1e-12);
+            targets.check(
+                format!(
+                    "{kind}: {what} p50 flat within 1.5× from {} to {} live keys",
+                    sizes[0],
+                    sizes[sizes.len() - 1]
+                ),
+                format!("{spread:.2}× ({} … {})", fmt_latency(lo), fmt_latency(hi)),
+                spread <= 1.5,
+            );
+        }
     }
     Ok(())
+}
+
+fn machine() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_owned())
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    let load = std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "?".into());
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    format!("{cores} cores, {cpu}, load average {load}")
 }
 
 fn main() {
@@ -333,28 +650,37 @@ fn main() {
             std::process::exit(2);
         }
     };
+    if let Some(workload) = &args.profile {
+        if let Err(e) = profile::run(workload, args.ops) {
+            eprintln!("error: {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .expect("tokio runtime");
     let result: Result<(), BoxError> = rt.block_on(async {
         println!(
-            "# idempotency-bench: {} ops or {:?} per measurement, clients {:?}, {} cores",
+            "# idempotency-bench: {} ops or {:?} per measurement, clients {:?}\n\nmachine: {}",
             args.ops,
             args.duration,
             args.clients,
-            std::thread::available_parallelism()
-                .map(|n| n.get())
-                .unwrap_or(1)
+            machine()
         );
+        let mut targets = Targets::default();
+        let max_clients = args.clients.iter().copied().max().unwrap_or(1);
         for name in &args.backends {
-            for (backend, _guard) in make_backends(name).await? {
-                bench_backend(&backend, &args).await?;
+            for (backend, _guard) in make_backends(name, max_clients).await? {
+                bench_backend(&backend, &args, &mut targets).await?;
             }
-            if name == "memory" || name == "sqlite" {
-                scaling(name, &args).await?;
+            if name != "redis" {
+                scaling(name, &args, &mut targets).await?;
             }
         }
+        targets.print();
+        println!("\nload average at the end: {}", machine());
         Ok(())
     });
     if let Err(e) = result {

@@ -168,7 +168,6 @@ impl Idempotency {
         F: FnOnce(WorkContext) -> Fut + Send,
         Fut: Future<Output = R> + Send,
     {
-        let id = RecordId::new(scope.clone(), key.clone());
         let span = tracing::info_span!(
             "idempotency.run",
             scope = %scope,
@@ -176,7 +175,11 @@ impl Idempotency {
             decision = tracing::field::Empty,
         );
         async move {
-            let lease = match self.begin(&id, fingerprint).await? {
+            // The request owns the record's address, which then moves into the lease: one
+            // copy of the scope and key per call.
+            let request =
+                self.claim_request(RecordId::new(scope.clone(), key.clone()), fingerprint);
+            let lease = match self.begin_request(request).await? {
                 Begin::Replay(record) => return decode_replay(&record).map(Outcome::Replayed),
                 Begin::Execute(lease) => lease,
             };
@@ -220,27 +223,41 @@ impl Idempotency {
     /// This is the low-level entry point for callers that store their own outcome format (the
     /// HTTP layer) or complete inside their own database transaction.
     pub async fn begin(&self, id: &RecordId, fingerprint: &Fingerprint) -> Result<Begin, Error> {
+        self.begin_request(self.claim_request(id.clone(), fingerprint))
+            .await
+    }
+
+    fn claim_request(&self, id: RecordId, fingerprint: &Fingerprint) -> ClaimRequest {
+        ClaimRequest {
+            id,
+            fingerprint: *fingerprint,
+            lease: self.policy.lease,
+            ttl: self.policy.ttl,
+        }
+    }
+
+    /// [`Idempotency::begin`] on a prepared request, whose address moves into the lease.
+    async fn begin_request(&self, request: ClaimRequest) -> Result<Begin, Error> {
         let started = Instant::now();
+        // Store calls go to the `dyn` store itself (here and in `Lease`): method lookup on the
+        // `Arc` would pick the forwarding `impl IdempotencyStore for Arc<T>`, one more boxed
+        // future and virtual call per operation.
+        let store = self.store.as_ref();
+        let (id, fingerprint) = (&request.id, &request.fingerprint);
         let mut backoff = match self.policy.in_flight {
             InFlight::Wait {
                 initial_backoff, ..
             } => initial_backoff,
             InFlight::Reject => Duration::ZERO,
         };
-        let request = ClaimRequest {
-            id: id.clone(),
-            fingerprint: *fingerprint,
-            lease: self.policy.lease,
-            ttl: self.policy.ttl,
-        };
         let mut last_retry_after = self.policy.lease;
         let mut rounds = 0;
         while rounds < MAX_ROUNDS {
             rounds += 1;
-            let (record, now) = match self.store.claim(&request).await? {
+            let (record, now) = match store.claim(&request).await? {
                 Claim::Claimed { token, .. } => {
                     emit(Event::Claim);
-                    return Ok(Begin::Execute(self.lease(id.clone(), token)));
+                    return Ok(Begin::Execute(self.lease(request.id, token)));
                 }
                 Claim::Existing { record, now } => (record, now),
             };
@@ -260,8 +277,7 @@ impl Idempotency {
                     return Err(Error::Mismatch);
                 }
                 Decision::Reclaim { expected } => {
-                    match self
-                        .store
+                    match store
                         .reclaim(
                             id,
                             expected,
@@ -273,7 +289,7 @@ impl Idempotency {
                     {
                         Reclaim::Reclaimed { token, .. } => {
                             emit(Event::Reclaim);
-                            return Ok(Begin::Execute(self.lease(id.clone(), token)));
+                            return Ok(Begin::Execute(self.lease(request.id, token)));
                         }
                         Reclaim::Lost => continue,
                     }
@@ -302,7 +318,7 @@ impl Idempotency {
                         }
                         tokio::time::sleep(backoff.min(max_wait - waited)).await;
                         backoff = (backoff * 2).min(max_backoff);
-                        match self.store.get(id).await? {
+                        match store.get(id).await? {
                             Some(r)
                                 if r.status == RecordStatus::Pending
                                     && r.token == record.token
@@ -416,6 +432,7 @@ impl Lease {
                 tokio::time::sleep(every).await;
                 match self
                     .store
+                    .as_ref()
                     .extend(&self.id, self.token, self.policy.lease)
                     .await
                 {
@@ -443,6 +460,7 @@ impl Lease {
     pub async fn complete(mut self, outcome: &[u8]) -> Result<(), Error> {
         let cas = self
             .store
+            .as_ref()
             .complete(&self.id, self.token, outcome, self.policy.ttl)
             .await;
         self.settle(cas)
@@ -452,6 +470,7 @@ impl Lease {
     pub async fn fail(mut self, failure: Failure) -> Result<(), Error> {
         let cas = self
             .store
+            .as_ref()
             .fail(&self.id, self.token, &failure, self.policy.ttl)
             .await;
         self.settle(cas)
@@ -494,7 +513,7 @@ impl Drop for Lease {
             );
             handle.spawn(async move {
                 let failure = Failure::retryable("abandoned: the work was cancelled or panicked");
-                if let Err(e) = store.fail(&id, token, &failure, ttl).await {
+                if let Err(e) = store.as_ref().fail(&id, token, &failure, ttl).await {
                     tracing::warn!(error = %e, "could not release an abandoned key; its lease will pass");
                 }
             });

@@ -140,6 +140,7 @@ impl SqliteStoreBuilder {
                 table: self.table,
                 path: self.path,
                 clock: self.clock,
+                synchronous: self.synchronous,
             }),
         })
     }
@@ -224,6 +225,7 @@ struct Inner {
     table: String,
     path: PathBuf,
     clock: Arc<dyn Clock>,
+    synchronous: Synchronous,
 }
 
 impl SqliteStore {
@@ -336,6 +338,25 @@ impl SqliteStore {
 impl IdempotencyStore for SqliteStore {
     async fn claim(&self, request: &ClaimRequest) -> Result<Claim, Error> {
         let request = request.clone();
+        if self.inner.synchronous == Synchronous::Full {
+            // Read first: a claim of a live record (a replay, a duplicate) only counts a hit,
+            // which is committed without a sync (see `count_hit`).
+            let inner = self.inner.clone();
+            let (request, hit) = self
+                .inner
+                .exec
+                .run(move |conn| {
+                    let hit = inner.count_hit(conn, &request);
+                    (request, hit)
+                })
+                .await?;
+            if let Some(claim) = hit? {
+                return Ok(claim);
+            }
+            return self
+                .write(move |inner, tx, now| inner.claim(tx, &request, now))
+                .await;
+        }
         self.write(move |inner, tx, now| inner.claim(tx, &request, now))
             .await
     }
@@ -576,6 +597,81 @@ impl Inner {
         Ok(Claim::Existing { record, now })
     }
 
+    /// The claim of a live record, whose only write is `hits + 1`, committed without a sync:
+    /// a replay must not cost a durable write.
+    ///
+    /// A plain `SELECT` (no lock) looks for a live record; when there is one, the increment
+    /// runs in its own `BEGIN IMMEDIATE` transaction with `PRAGMA synchronous = NORMAL` for
+    /// that transaction alone (the pragma cannot change inside a transaction, so it is set
+    /// around it and always put back). In WAL mode NORMAL appends the commit to the log
+    /// without an fsync, and still syncs before and after a checkpoint, so it cannot expose
+    /// earlier synced commits to loss. A power loss or OS crash (not an application crash)
+    /// may forget the last hit counts; a claim, completion or failure is always synced,
+    /// and its sync also covers every hit appended before it.
+    ///
+    /// Returns `None` when there is no live record (or it expired or was purged between the
+    /// read and the lock): the caller then claims under `synchronous = FULL`, and that
+    /// statement still decides between a new claim and an observation.
+    fn count_hit(&self, conn: &Connection, req: &ClaimRequest) -> Result<Option<Claim>, Error> {
+        let id = &req.id;
+        let live = conn
+            .prepare_cached(&self.sql.live)
+            .and_then(|mut s| {
+                s.exists(params![
+                    id.scope.as_str(),
+                    id.key.as_str(),
+                    self.clock.now().as_millis()
+                ])
+            })
+            .map_err(|e| self.sql_error(e))?;
+        if !live {
+            return Ok(None);
+        }
+        conn.pragma_update(None, "synchronous", Synchronous::Normal.pragma())
+            .map_err(|e| self.sql_error(e))?;
+        // Puts FULL back if what follows panics (the executor keeps the connection).
+        struct Restore<'c>(&'c Connection);
+        impl Drop for Restore<'_> {
+            fn drop(&mut self) {
+                let _ = self
+                    .0
+                    .pragma_update(None, "synchronous", Synchronous::Full.pragma());
+            }
+        }
+        let guard = Restore(conn);
+        let hit = (|| -> Result<Option<Claim>, Error> {
+            let tx = Transaction::new_unchecked(conn, TransactionBehavior::Immediate)
+                .map_err(|e| self.sql_error(e))?;
+            let now = self.clock.now();
+            let record = {
+                let mut stmt = tx
+                    .prepare_cached(&self.sql.hit)
+                    .map_err(|e| self.sql_error(e))?;
+                let mut rows = stmt
+                    .query(params![id.scope.as_str(), id.key.as_str(), now.as_millis()])
+                    .map_err(|e| self.sql_error(e))?;
+                match rows.next().map_err(|e| self.sql_error(e))? {
+                    Some(row) => Some(decode_record(row)?),
+                    None => None,
+                }
+            };
+            match record {
+                Some(record) => {
+                    tx.commit().map_err(|e| self.sql_error(e))?;
+                    Ok(Some(Claim::Existing { record, now }))
+                }
+                // Nothing was written; dropping the transaction rolls it back.
+                None => Ok(None),
+            }
+        })();
+        // Put FULL back here, where a failure can be reported; the guard is then not needed.
+        let restored = conn.pragma_update(None, "synchronous", Synchronous::Full.pragma());
+        std::mem::forget(guard);
+        let hit = hit?;
+        restored.map_err(|e| self.sql_error(e))?;
+        Ok(hit)
+    }
+
     fn complete_cas(
         &self,
         tx: &Transaction<'_>,
@@ -617,6 +713,8 @@ struct Sql {
     reclaim: String,
     get: String,
     purge: String,
+    live: String,
+    hit: String,
 }
 
 impl Sql {
@@ -679,6 +777,17 @@ impl Sql {
             purge: format!(
                 r#"DELETE FROM "{table}" WHERE rowid IN (
                      SELECT rowid FROM "{table}" WHERE expires_at <= ?1 ORDER BY expires_at LIMIT ?2)"#
+            ),
+            // ?3 now
+            live: format!(
+                r#"SELECT 1 FROM "{table}" WHERE scope = ?1 AND key = ?2 AND expires_at > ?3"#
+            ),
+            // The observation half of the claim: only hits change (a corrupt negative count
+            // becomes NULL, which the NOT NULL constraint refuses, as in the claim).
+            hit: format!(
+                r#"UPDATE "{table}" SET hits = CASE WHEN hits >= 0 THEN hits + 1 END
+                   WHERE scope = ?1 AND key = ?2 AND expires_at > ?3
+                   RETURNING {COLUMNS}"#
             ),
         }
     }

@@ -249,3 +249,65 @@ impl NowMs for idempotency_core::ManualClock {
         idempotency_core::Clock::now(self).as_millis()
     }
 }
+
+/// A replay only counts a hit, committed with `synchronous = NORMAL` for that one transaction:
+/// every connection is back at FULL afterwards (so the next claim or completion is synced), and
+/// the hits are counted and readable, in both connection modes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replays_count_hits_and_leave_every_connection_at_synchronous_full() {
+    for mode in [
+        ConnectionMode::DedicatedThread,
+        ConnectionMode::BlockingPool { connections: 3 },
+    ] {
+        let (store, _clock, _dir) = manual_store(mode).await;
+        let id = id("replay-sync");
+        let r = req(&id, b"one", 10 * S, 60 * S);
+        let Claim::Claimed { token, .. } = store.claim(&r).await.unwrap() else {
+            panic!("first claim must win");
+        };
+        store.complete(&id, token, b"done", 60 * S).await.unwrap();
+        let mut tasks = Vec::new();
+        for _ in 0..24 {
+            let (store, r) = (store.clone(), r.clone());
+            tasks.push(tokio::spawn(async move { store.claim(&r).await.unwrap() }));
+        }
+        let mut seen = Vec::new();
+        for t in tasks {
+            let Claim::Existing { record, .. } = t.await.unwrap() else {
+                panic!("{mode:?}: a completed record was claimed again");
+            };
+            assert_eq!(record.outcome.as_deref(), Some(&b"done"[..]));
+            seen.push(record.hits);
+        }
+        seen.sort_unstable();
+        assert_eq!(
+            seen,
+            (1..=24).collect::<Vec<u64>>(),
+            "{mode:?}: each hit counted once"
+        );
+        assert_eq!(store.get(&id).await.unwrap().unwrap().hits, 24);
+        // Ask every connection of the pool (each call takes whichever is free; enough
+        // concurrent calls reach all of them).
+        let mut checks = Vec::new();
+        for _ in 0..12 {
+            let store = store.clone();
+            checks.push(tokio::spawn(async move {
+                store
+                    .call(|conn| {
+                        std::thread::sleep(Duration::from_millis(20));
+                        conn.query_row("PRAGMA synchronous", [], |row| row.get::<_, i64>(0))
+                    })
+                    .await
+                    .unwrap()
+                    .unwrap()
+            }));
+        }
+        for c in checks {
+            assert_eq!(
+                c.await.unwrap(),
+                2,
+                "{mode:?}: synchronous must be FULL (2)"
+            );
+        }
+    }
+}

@@ -1,0 +1,278 @@
+//! The Redis backend and its raw baseline on the same multiplexed connection: `SET NX PX` then
+//! `SET`, and `GET` for replay. Keys carry a prefix of their own, deleted at the end.
+//!
+//! Round trips come from `INFO commandstats` deltas on a Redis server the harness starts for
+//! counting alone (on a free loopback port, no persistence), so other clients of the shared
+//! server cannot add to them.
+
+use crate::harness::{Backend, Cleanup, Counted, RawBaseline, RoundTripCounter};
+use async_trait::async_trait;
+use idempotency_core::BoxError;
+use idempotency_redis::redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use idempotency_redis::redis::{self, AsyncCommands};
+use idempotency_redis::RedisStore;
+use std::collections::BTreeMap;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The server: `IDEMPOTENCY_BENCH_REDIS_URL`, or the local default.
+pub fn url() -> String {
+    std::env::var("IDEMPOTENCY_BENCH_REDIS_URL")
+        .unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
+}
+
+/// Commands the store's Lua scripts run inside `EVALSHA`: `INFO commandstats` counts them too,
+/// but they are not round trips.
+const SCRIPT_INTERNAL: &[&str] = &[
+    "del",
+    "hdel",
+    "hgetall",
+    "hincrby",
+    "hset",
+    "pexpireat",
+    "time",
+    "type",
+];
+
+/// A connection manager with the settings `RedisStore::connect` uses.
+async fn manager(url: &str) -> Result<ConnectionManager, BoxError> {
+    let client = redis::Client::open(url)?;
+    let config = ConnectionManagerConfig::new()
+        .set_connection_timeout(Duration::from_secs(5))
+        .set_response_timeout(Duration::from_secs(5))
+        .set_factor(2)
+        .set_max_delay(500)
+        .set_number_of_retries(2);
+    ConnectionManager::new_with_config(client, config)
+        .await
+        .map_err(|e| {
+            format!(
+                "cannot reach Redis at {url} ({e}). Start it with `bash .ci/services`, or \
+                 point IDEMPOTENCY_BENCH_REDIS_URL at a server you can write to."
+            )
+            .into()
+        })
+}
+
+pub struct RawRedis {
+    conn: ConnectionManager,
+    prefix: String,
+}
+
+#[async_trait]
+impl RawBaseline for RawRedis {
+    async fn new_key_cycle(&self, key: &str, outcome: &[u8]) -> Result<(), BoxError> {
+        let key = format!("{}{key}", self.prefix);
+        let mut c = self.conn.clone();
+        let set: Option<String> = redis::cmd("SET")
+            .arg(&key)
+            .arg("pending")
+            .arg("NX")
+            .arg("PX")
+            .arg(30_000)
+            .query_async(&mut c)
+            .await?;
+        if set.is_none() {
+            return Err("raw SET NX found the key taken".into());
+        }
+        let () = redis::cmd("SET")
+            .arg(&key)
+            .arg(outcome)
+            .arg("PX")
+            .arg(3_600_000)
+            .query_async(&mut c)
+            .await?;
+        Ok(())
+    }
+
+    async fn replay(&self, key: &str) -> Result<Option<Vec<u8>>, BoxError> {
+        let mut c = self.conn.clone();
+        Ok(c.get(format!("{}{key}", self.prefix)).await?)
+    }
+}
+
+/// Deletes every key under `prefix` (SCAN + UNLINK).
+async fn delete_prefix(url: String, prefix: String) -> Result<(), BoxError> {
+    let client = redis::Client::open(url)?;
+    let mut c = client.get_multiplexed_async_connection().await?;
+    let pattern = format!("{prefix}*");
+    let mut cursor: u64 = 0;
+    loop {
+        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(&pattern)
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(&mut c)
+            .await?;
+        if !keys.is_empty() {
+            let _: i64 = redis::cmd("UNLINK").arg(&keys).query_async(&mut c).await?;
+        }
+        if next == 0 {
+            return Ok(());
+        }
+        cursor = next;
+    }
+}
+
+/// A redis-server on a free loopback port in a temporary directory, stopped when dropped.
+struct PrivateServer {
+    child: Child,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl PrivateServer {
+    async fn start() -> Result<Self, BoxError> {
+        let dir = tempfile::tempdir()?;
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let child = Command::new("redis-server")
+            .args(["--bind", "127.0.0.1", "--port", &port.to_string()])
+            .args(["--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| {
+                format!("cannot start redis-server ({e}); install it with `bash .ci/services`")
+            })?;
+        let server = Self {
+            child,
+            port,
+            _dir: dir,
+        };
+        for _ in 0..100 {
+            if let Ok(client) = redis::Client::open(server.url()) {
+                if let Ok(mut c) = client.get_multiplexed_async_connection().await {
+                    let pong: Result<String, _> = redis::cmd("PING").query_async(&mut c).await;
+                    if pong.is_ok() {
+                        return Ok(server);
+                    }
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Err("the private redis-server did not answer within 5 s".into())
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for PrivateServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+struct CommandStats {
+    conn: ConnectionManager,
+    _server: PrivateServer,
+}
+
+impl CommandStats {
+    /// Calls per command so far, minus the `INFO` this call is.
+    async fn calls(&self) -> Result<BTreeMap<String, u64>, BoxError> {
+        let mut c = self.conn.clone();
+        let info: String = redis::cmd("INFO")
+            .arg("commandstats")
+            .query_async(&mut c)
+            .await?;
+        let mut out = BTreeMap::new();
+        for line in info.lines() {
+            let Some(rest) = line.strip_prefix("cmdstat_") else {
+                continue;
+            };
+            let Some((name, fields)) = rest.split_once(':') else {
+                continue;
+            };
+            let calls = fields
+                .split(',')
+                .find_map(|f| f.strip_prefix("calls="))
+                .and_then(|v| v.parse::<u64>().ok())
+                .ok_or_else(|| format!("unreadable commandstats line {line:?}"))?;
+            out.insert(name.to_owned(), calls);
+        }
+        // The server counts an INFO once it has answered it: the ones before this one are in
+        // `info`, this one is not. Every INFO comes from this counter.
+        out.remove("info");
+        Ok(out)
+    }
+}
+
+#[async_trait]
+impl RoundTripCounter for CommandStats {
+    async fn count(&self) -> Result<u64, BoxError> {
+        let calls = self.calls().await?;
+        Ok(calls
+            .iter()
+            .filter(|(name, _)| !SCRIPT_INTERNAL.contains(&name.as_str()))
+            .map(|(_, n)| n)
+            .sum())
+    }
+
+    async fn detail(&self) -> Result<Vec<(String, u64)>, BoxError> {
+        let calls = self.calls().await?;
+        Ok(calls
+            .into_iter()
+            .map(|(name, n)| {
+                let label = if SCRIPT_INTERNAL.contains(&name.as_str()) {
+                    format!("{name} (inside scripts)")
+                } else {
+                    name
+                };
+                (label, n)
+            })
+            .collect())
+    }
+}
+
+/// The measured backend on the shared server and a counted twin on a private one.
+pub async fn backend() -> Result<(Backend, Cleanup), BoxError> {
+    let url = url();
+    let prefix = format!("idem-bench-{}:", uuid::Uuid::new_v4().simple());
+    let conn = manager(&url).await?;
+    let store = RedisStore::from_connection_manager(conn.clone()).with_prefix(prefix.clone())?;
+    let raw = RawRedis {
+        conn,
+        prefix: format!("{prefix}raw:"),
+    };
+    let cleanup = {
+        let (url, prefix) = (url.clone(), prefix.clone());
+        Cleanup::new(move || delete_prefix(url, prefix))
+    };
+
+    let server = PrivateServer::start().await?;
+    let counted_conn = manager(&server.url()).await?;
+    let counted_store =
+        RedisStore::from_connection_manager(counted_conn.clone()).with_prefix(prefix.clone())?;
+    let counted_raw = RawRedis {
+        conn: counted_conn.clone(),
+        prefix: format!("{prefix}raw:"),
+    };
+    Ok((
+        Backend {
+            name: "redis",
+            store: Arc::new(store),
+            raw: Arc::new(raw),
+            round_trips: Some(Counted {
+                store: Arc::new(counted_store),
+                raw: Arc::new(counted_raw),
+                counter: Arc::new(CommandStats {
+                    conn: counted_conn,
+                    _server: server,
+                }),
+                method: "INFO commandstats deltas on a redis-server of the harness's own (the \
+                         INFO calls and the commands scripts run inside EVALSHA excluded)",
+            }),
+        },
+        cleanup,
+    ))
+}
