@@ -290,6 +290,32 @@ mod tests {
         assert!(Fingerprint::from_json_slice(b"{\"a\":").is_err());
     }
 
+    /// Found by the `fingerprint_text` fuzz target: with serde_json's default best-effort
+    /// float parsing, `40201e200` read as 4.0200999999999997e204, whose canonical text read
+    /// back as 4.0201e204, so one number written two ways had two fingerprints. The workspace
+    /// enables serde_json's `float_roundtrip`, which parses every float exactly.
+    #[test]
+    fn floats_parse_exactly_so_canonical_text_is_a_fixed_point() {
+        for (a, b) in [
+            (&b"40201e200"[..], &b"4.0201e204"[..]),
+            (b"2.670434942875878e-306", b"0.2670434942875878e-305"),
+            (b"[1.5, 0.1]", b"[15e-1, 1e-1]"),
+        ] {
+            assert_eq!(
+                Fingerprint::from_json_slice(a).unwrap(),
+                Fingerprint::from_json_slice(b).unwrap(),
+                "{} and {}",
+                String::from_utf8_lossy(a),
+                String::from_utf8_lossy(b)
+            );
+            let v: serde_json::Value = serde_json::from_slice(a).unwrap();
+            let c = canonical_json(&v);
+            let again: serde_json::Value = serde_json::from_str(&c).unwrap();
+            assert_eq!(again, v);
+            assert_eq!(canonical_json(&again), c);
+        }
+    }
+
     #[test]
     fn builder_covers_every_part() {
         let base = || {
