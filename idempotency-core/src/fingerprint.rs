@@ -96,7 +96,7 @@ impl fmt::Display for Fingerprint {
 
 /// Writes the canonical JSON text of `value`: objects with keys sorted by their UTF-8 bytes at
 /// every depth, arrays in order, strings escaped as `serde_json` escapes them, numbers as
-/// `serde_json` prints them.
+/// `serde_json` prints them (except that a float zero is always `0.0`, never `-0.0`).
 pub fn canonical_json(value: &serde_json::Value) -> String {
     let mut out = StringWriter(String::new());
     write_canonical(value, &mut out);
@@ -133,6 +133,9 @@ fn write_canonical(value: &serde_json::Value, out: &mut dyn Sink) {
         Value::Null => out.put("null"),
         Value::Bool(true) => out.put("true"),
         Value::Bool(false) => out.put("false"),
+        // -0.0 and 0.0 are equal numbers (and equal `Value`s): one text for both, as in
+        // RFC 8785.
+        Value::Number(n) if n.is_f64() && n.as_f64() == Some(0.0) => out.put("0.0"),
         Value::Number(n) => out.put(&n.to_string()),
         Value::String(s) => write_string(s, out),
         Value::Array(items) => {
@@ -314,6 +317,26 @@ mod tests {
             assert_eq!(again, v);
             assert_eq!(canonical_json(&again), c);
         }
+    }
+
+    /// Found by the `fingerprint_value` fuzz target: `-0.0` and `0.0` are equal values but
+    /// were written as two canonical texts, so they had two fingerprints.
+    #[test]
+    fn signed_zeros_are_one_value() {
+        let neg: serde_json::Value = serde_json::from_str("-0.0").unwrap();
+        let pos: serde_json::Value = serde_json::from_str("0.0").unwrap();
+        assert_eq!(neg, pos);
+        assert_eq!(canonical_json(&neg), "0.0");
+        assert_eq!(Fingerprint::from_json(&neg), Fingerprint::from_json(&pos));
+        assert_eq!(
+            Fingerprint::from_json_slice(br#"{"a":[-0.0, -0e3]}"#).unwrap(),
+            Fingerprint::from_json_slice(br#"{"a":[0.0, 0e0]}"#).unwrap()
+        );
+        // An integer zero is another value than a float zero, as serde_json compares them.
+        assert_ne!(
+            Fingerprint::from_json_slice(b"0").unwrap(),
+            Fingerprint::from_json_slice(b"0.0").unwrap()
+        );
     }
 
     #[test]
