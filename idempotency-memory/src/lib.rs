@@ -292,3 +292,8 @@ impl IdempotencyStore for MemoryStore {
         Ok(removed as u64)
     }
 }
+
+/// The root README's Rust examples, compiled and run as doctests so the quickstart stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+struct RootReadme;

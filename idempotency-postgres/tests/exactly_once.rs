@@ -251,21 +251,33 @@ async fn dropped_after_completion(engine: PgIdempotency, orders: Arc<str>) {
     let Begin::Execute(lease) = engine.engine().begin(&id, &fingerprint()).await.unwrap() else {
         panic!("a fresh key is executed");
     };
-    let mut tx = engine.store().pool().begin().await.unwrap();
-    insert_order(&mut tx, &orders, &key, "dropped")
-        .await
-        .unwrap();
-    engine
-        .store()
-        .complete_in(
-            &mut tx,
-            lease.id(),
-            lease.token(),
-            b"{\"Ok\":1}",
-            lease.ttl(),
-        )
-        .await
-        .expect("the holder's completion applies inside its transaction");
+    // At SERIALIZABLE the other cases' concurrent transactions can make SSI cancel this one
+    // (40001, reported as retryable); like any caller, run the whole transaction again.
+    let mut attempt = 0;
+    let tx = loop {
+        attempt += 1;
+        let mut tx = engine.store().pool().begin().await.unwrap();
+        let applied = match insert_order(&mut tx, &orders, &key, "dropped").await {
+            Ok(()) => {
+                engine
+                    .store()
+                    .complete_in(
+                        &mut tx,
+                        lease.id(),
+                        lease.token(),
+                        b"{\"Ok\":1}",
+                        lease.ttl(),
+                    )
+                    .await
+            }
+            Err(e) => Err(idempotency_core::Error::backend(e.contains("40001"), e)),
+        };
+        match applied {
+            Ok(()) => break tx,
+            Err(e) if e.is_retryable() && attempt < 20 => drop(tx),
+            Err(e) => panic!("the holder's completion applies inside its transaction: {e:?}"),
+        }
+    };
     drop(tx);
     drop(lease);
     retry_runs_once(&engine, &orders, &key).await;

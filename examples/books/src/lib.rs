@@ -1,0 +1,513 @@
+#![doc = include_str!("../README.md")]
+
+pub mod book;
+pub mod repo;
+
+use axum::body::Bytes;
+use axum::extract::{Path, Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use book::{validate, Book, Issue};
+use idempotency_core::{is_json_media_type, Idempotency, IdempotencyStore, Policy};
+use idempotency_tower::IdempotencyLayer;
+use repo::{BookRepo, RepoError, Update};
+use serde_json::{json, Value};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Where the API's problem types live; the idempotency layer's refusals use the same base.
+pub const PROBLEM_BASE: &str = "urn:books-api:problem:";
+
+/// The media type of a JSON Merge Patch.
+pub const MERGE_PATCH: &str = "application/merge-patch+json";
+
+/// The patch formats PATCH accepts, as `Accept-Patch` lists them.
+pub const ACCEPT_PATCH: &str = "application/merge-patch+json, application/json";
+
+/// The key prefix of the service's records when they live in Redis.
+pub const REDIS_PREFIX: &str = "books-api:";
+
+/// Which idempotency store records the keys.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StoreChoice {
+    /// The `idempotency_records` table in the books' SQLite file (the default).
+    Sqlite,
+    /// In process; keys are forgotten on restart.
+    Memory,
+    /// A Postgres server at this URL (records in `idempotency_records`, migrated at start).
+    Postgres(String),
+    /// A Redis server at this URL (records under the `books-api:` key prefix).
+    Redis(String),
+}
+
+/// How the service is set up.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// The SQLite file holding the books table.
+    pub database: PathBuf,
+    /// The idempotency store.
+    pub store: StoreChoice,
+    /// The engine policy (lease, retention, in-flight behaviour).
+    pub policy: Policy,
+}
+
+/// A configuration error, with what to set.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct ConfigError(String);
+
+impl Config {
+    /// Reads `BOOKS_DATABASE` (default: `books-api.sqlite3` in the temp directory),
+    /// `BOOKS_STORE` (`sqlite`, the default, `postgres`, `redis` or `memory`) and, for
+    /// Postgres, `BOOKS_POSTGRES_URL` (default `postgres://postgres@127.0.0.1:5432/test`), for
+    /// Redis, `BOOKS_REDIS_URL` (default `redis://127.0.0.1:6379`).
+    pub fn from_env() -> Result<Self, ConfigError> {
+        let database = std::env::var_os("BOOKS_DATABASE")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| std::env::temp_dir().join("books-api.sqlite3"));
+        let store = match std::env::var("BOOKS_STORE").as_deref() {
+            Err(_) | Ok("sqlite") => StoreChoice::Sqlite,
+            Ok("memory") => StoreChoice::Memory,
+            Ok("postgres") => StoreChoice::Postgres(
+                std::env::var("BOOKS_POSTGRES_URL")
+                    .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned()),
+            ),
+            Ok("redis") => StoreChoice::Redis(
+                std::env::var("BOOKS_REDIS_URL")
+                    .unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned()),
+            ),
+            Ok(other) => {
+                return Err(ConfigError(format!(
+                    "BOOKS_STORE={other} is not supported (use: sqlite, postgres, redis, memory)"
+                )))
+            }
+        };
+        Ok(Self {
+            database,
+            store,
+            policy: Policy::default(),
+        })
+    }
+}
+
+/// Faults the tests inject: a slow create and failing creates.
+#[derive(Debug, Default)]
+pub struct Faults {
+    create_delay_ms: AtomicU64,
+    fail_next_creates: AtomicU32,
+}
+
+impl Faults {
+    /// Every create sleeps `d` before writing.
+    pub fn set_create_delay(&self, d: Duration) {
+        self.create_delay_ms
+            .store(d.as_millis() as u64, Ordering::SeqCst);
+    }
+    /// The next `n` creates answer 500 without writing.
+    pub fn fail_next_creates(&self, n: u32) {
+        self.fail_next_creates.store(n, Ordering::SeqCst);
+    }
+}
+
+/// What the handlers share.
+#[derive(Debug)]
+pub struct AppState {
+    /// The books table.
+    pub books: BookRepo,
+    /// Injected faults (tests only).
+    pub faults: Faults,
+}
+
+/// A failure while building the service.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BuildError {
+    /// The books table could not be opened.
+    #[error(transparent)]
+    Books(#[from] RepoError),
+    /// The idempotency engine could not be set up.
+    #[error(transparent)]
+    Idempotency(#[from] idempotency_core::Error),
+    /// The SQLite idempotency store could not be opened or migrated.
+    #[error(transparent)]
+    Sqlite(#[from] idempotency_sqlite::SqliteError),
+    /// The Postgres idempotency store could not be reached or migrated.
+    #[error(transparent)]
+    Postgres(#[from] idempotency_postgres::PostgresError),
+}
+
+/// The caller identity, from `Authorization: Bearer <token>`. The example accepts any token:
+/// it stands for whatever your authentication establishes.
+#[derive(Clone, Debug)]
+pub struct Caller(pub String);
+
+async fn authenticate(mut req: Request, next: Next) -> Response {
+    let caller = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .map(|t| Caller(t.to_owned()));
+    if let Some(caller) = caller {
+        req.extensions_mut().insert(caller);
+    }
+    next.run(req).await
+}
+
+/// The idempotency store `config` names.
+pub async fn store(config: &Config) -> Result<Arc<dyn IdempotencyStore>, BuildError> {
+    match config.store {
+        StoreChoice::Sqlite => {
+            let store = idempotency_sqlite::SqliteStore::open(&config.database).await?;
+            store.migrate().await?;
+            Ok(Arc::new(store))
+        }
+        StoreChoice::Memory => Ok(Arc::new(idempotency_memory::MemoryStore::new())),
+        StoreChoice::Postgres(ref url) => {
+            let store = idempotency_postgres::PostgresStore::connect(url).await?;
+            store.migrate().await?;
+            Ok(Arc::new(store))
+        }
+        StoreChoice::Redis(ref url) => {
+            let store = idempotency_redis::RedisStore::connect(url.as_str())
+                .await?
+                .with_prefix(REDIS_PREFIX)?;
+            Ok(Arc::new(store))
+        }
+    }
+}
+
+/// Builds the router and its state.
+pub async fn build(config: &Config) -> Result<(Router, Arc<AppState>), BuildError> {
+    let books = BookRepo::open(&config.database)?;
+    let engine = Idempotency::new(store(config).await?, config.policy.clone())?;
+    let state = Arc::new(AppState {
+        books,
+        faults: Faults::default(),
+    });
+    let idempotency = IdempotencyLayer::new(engine)
+        .required(true)
+        .problem_type_base(PROBLEM_BASE)
+        .scope(|req| req.extensions.get::<Caller>().map(|c| c.0.clone()));
+    let router = Router::new()
+        .route("/books", post(create).route_layer(idempotency).get(list))
+        .route("/books/:id", get(show).patch(update))
+        .with_state(state.clone())
+        .layer(middleware::from_fn(authenticate));
+    Ok((router, state))
+}
+
+fn problem(status: StatusCode, slug: &str, title: &str, detail: Option<String>) -> Response {
+    let mut doc = json!({
+        "type": format!("{PROBLEM_BASE}{slug}"),
+        "title": title,
+        "status": status.as_u16(),
+    });
+    if let Some(detail) = detail {
+        doc["detail"] = detail.into();
+    }
+    problem_doc(status, doc)
+}
+
+fn problem_doc(status: StatusCode, doc: Value) -> Response {
+    (
+        status,
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        )],
+        doc.to_string(),
+    )
+        .into_response()
+}
+
+fn validation_failed(issues: Vec<Issue>) -> Response {
+    problem_doc(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        json!({
+            "type": format!("{PROBLEM_BASE}validation-failed"),
+            "title": "The request failed validation",
+            "status": 422,
+            "errors": issues,
+        }),
+    )
+}
+
+fn internal(e: impl std::fmt::Display) -> Response {
+    tracing::error!(error = %e, "request failed");
+    problem(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "internal",
+        "The request failed on the server",
+        None,
+    )
+}
+
+fn not_found() -> Response {
+    problem(
+        StatusCode::NOT_FOUND,
+        "not-found",
+        "The resource does not exist",
+        Some("No book has that id.".into()),
+    )
+}
+
+fn book_response(status: StatusCode, book: &Book) -> Response {
+    let mut resp = (status, axum::Json(book.representation())).into_response();
+    let h = resp.headers_mut();
+    if let Ok(tag) = HeaderValue::from_str(&book.etag()) {
+        h.insert(header::ETAG, tag);
+    }
+    h.insert(
+        header::CACHE_CONTROL,
+        HeaderValue::from_static("private, no-cache"),
+    );
+    resp
+}
+
+fn bad_json(e: serde_json::Error) -> Response {
+    problem(
+        StatusCode::BAD_REQUEST,
+        "bad-request",
+        "The request is malformed",
+        Some(format!("the body is not valid JSON: {e}")),
+    )
+}
+
+fn content_type(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+}
+
+fn media_essence(content_type: &str) -> String {
+    content_type
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase()
+}
+
+async fn create(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    if !content_type(&headers).is_some_and(is_json_media_type) {
+        let mut resp = problem(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported-media-type",
+            "The request body's media type is not accepted",
+            Some("send the book as application/json".into()),
+        );
+        resp.headers_mut()
+            .insert("accept-post", HeaderValue::from_static("application/json"));
+        return resp;
+    }
+    let value: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => return bad_json(e),
+    };
+    let input = match validate(&value) {
+        Ok(input) => input,
+        Err(issues) => return validation_failed(issues),
+    };
+    let delay = state.faults.create_delay_ms.load(Ordering::SeqCst);
+    if delay > 0 {
+        tokio::time::sleep(Duration::from_millis(delay)).await;
+    }
+    let failing =
+        state
+            .faults
+            .fail_next_creates
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+    if failing.is_ok() {
+        return internal("injected create failure");
+    }
+    match state.books.create(input).await {
+        Ok(book) => {
+            let mut resp = book_response(StatusCode::CREATED, &book);
+            if let Ok(loc) = HeaderValue::from_str(&format!("/books/{}", book.id)) {
+                resp.headers_mut().insert(header::LOCATION, loc);
+            }
+            resp
+        }
+        Err(e) => internal(e),
+    }
+}
+
+async fn list(State(state): State<Arc<AppState>>) -> Response {
+    match state.books.list().await {
+        Ok(books) => {
+            let books: Vec<Value> = books
+                .iter()
+                .map(|b| b.representation()["book"].clone())
+                .collect();
+            axum::Json(json!({ "books": books })).into_response()
+        }
+        Err(e) => internal(e),
+    }
+}
+
+/// The entity tags of an `If-Match`/`If-None-Match` list; `None` for `*`.
+fn tags(value: &str) -> Option<Vec<&str>> {
+    if value.trim() == "*" {
+        return None;
+    }
+    Some(
+        value
+            .split(',')
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+            .collect(),
+    )
+}
+
+/// Weak comparison (RFC 9110 §8.8.3.2), as `If-None-Match` uses.
+fn none_match(headers: &HeaderMap, current: &str) -> bool {
+    let Some(value) = headers
+        .get(header::IF_NONE_MATCH)
+        .and_then(|v| v.to_str().ok())
+    else {
+        return false;
+    };
+    match tags(value) {
+        None => true,
+        Some(list) => list
+            .iter()
+            .any(|t| t.strip_prefix("W/").unwrap_or(t) == current),
+    }
+}
+
+/// Strong comparison, as `If-Match` uses: `None` when the header is absent, else whether it
+/// matches.
+fn if_match(headers: &HeaderMap, current: &str) -> Option<bool> {
+    let value = headers.get(header::IF_MATCH)?;
+    let Ok(value) = value.to_str() else {
+        return Some(false);
+    };
+    Some(match tags(value) {
+        None => true,
+        Some(list) => list.iter().any(|t| !t.starts_with("W/") && *t == current),
+    })
+}
+
+async fn show(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    let book = match state.books.get(&id).await {
+        Ok(Some(book)) => book,
+        Ok(None) => return not_found(),
+        Err(e) => return internal(e),
+    };
+    let tag = book.etag();
+    if none_match(&headers, &tag) {
+        let mut resp = StatusCode::NOT_MODIFIED.into_response();
+        if let Ok(v) = HeaderValue::from_str(&tag) {
+            resp.headers_mut().insert(header::ETAG, v);
+        }
+        resp.headers_mut().insert(
+            header::CACHE_CONTROL,
+            HeaderValue::from_static("private, no-cache"),
+        );
+        return resp;
+    }
+    book_response(StatusCode::OK, &book)
+}
+
+fn precondition_failed() -> Response {
+    problem(
+        StatusCode::PRECONDITION_FAILED,
+        "precondition-failed",
+        "The resource changed after you read it",
+        Some("If-Match does not hold the book's current ETag; read it again".into()),
+    )
+}
+
+async fn update(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    // A request without If-Match still never overwrites a write it did not see: the write is
+    // conditional on the tag read here, and a lost race reads again (a few times).
+    for _ in 0..5 {
+        let book = match state.books.get(&id).await {
+            Ok(Some(book)) => book,
+            Ok(None) => return not_found(),
+            Err(e) => return internal(e),
+        };
+        let current = book.etag();
+        let conditional = match if_match(&headers, &current) {
+            Some(false) => return precondition_failed(),
+            Some(true) => true,
+            None => false,
+        };
+        let essence = content_type(&headers).map(media_essence);
+        if !matches!(
+            essence.as_deref(),
+            Some(MERGE_PATCH) | Some("application/json")
+        ) {
+            let mut resp = problem(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "unsupported-media-type",
+                "The request body's media type is not accepted",
+                Some(format!("send a JSON Merge Patch ({MERGE_PATCH})")),
+            );
+            resp.headers_mut()
+                .insert("accept-patch", HeaderValue::from_static(ACCEPT_PATCH));
+            return resp;
+        }
+        let patch: Value = match serde_json::from_slice(&body) {
+            Ok(v) => v,
+            Err(e) => return bad_json(e),
+        };
+        let mut target = Value::Object(book.writable());
+        json_patch::merge(&mut target, &patch);
+        let input = match validate(&target) {
+            Ok(input) => input,
+            Err(issues) => return validation_failed(issues),
+        };
+        match state.books.update_if(&id, &current, input).await {
+            Ok(Update::Updated(book)) => return book_response(StatusCode::OK, &book),
+            Ok(Update::NotFound) => return not_found(),
+            Ok(Update::Stale) if conditional => return precondition_failed(),
+            Ok(Update::Stale) => continue,
+            Err(e) => return internal(e),
+        }
+    }
+    problem(
+        StatusCode::CONFLICT,
+        "conflict",
+        "The book is being changed by others",
+        Some("the book kept changing while this patch was applied; retry".into()),
+    )
+}
+
+/// A running service, for tests and `main`.
+#[derive(Debug)]
+pub struct Running {
+    /// `http://127.0.0.1:PORT`.
+    pub url: String,
+    /// The shared state (faults for tests).
+    pub state: Arc<AppState>,
+    /// The server task.
+    pub task: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+/// Builds the service and serves it on `127.0.0.1:port` (0 for an ephemeral port).
+pub async fn start(config: &Config, port: u16) -> Result<Running, Box<dyn std::error::Error>> {
+    let (router, state) = build(config).await?;
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    let task = tokio::spawn(async move { axum::serve(listener, router).await });
+    Ok(Running { url, state, task })
+}

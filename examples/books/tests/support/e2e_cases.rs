@@ -1,0 +1,650 @@
+// End-to-end cases, included by `e2e.rs` (store from `BOOKS_TEST_STORE`, default SQLite) and
+// `e2e_postgres.rs` (Postgres): the service on a loopback port, the books table in a real
+// SQLite file, a real HTTP client.
+
+use books_api::{start, AppState, Config, StoreChoice};
+use idempotency_core::Policy;
+use reqwest::{Client, RequestBuilder, Response, StatusCode};
+use serde_json::{json, Value};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+struct Svc {
+    token: String,
+    url: String,
+    state: Arc<AppState>,
+    client: Client,
+    _dir: tempfile::TempDir,
+}
+
+/// The store the tests run on: `BOOKS_TEST_STORE` (default `sqlite`, as the service;
+/// `postgres` uses `IDEMPOTENCY_TEST_POSTGRES_URL`, default the local server).
+fn store_choice() -> StoreChoice {
+    let chosen = FORCED_STORE
+        .map(str::to_owned)
+        .ok_or(())
+        .or_else(|()| std::env::var("BOOKS_TEST_STORE"));
+    match chosen.as_deref() {
+        Ok("memory") => StoreChoice::Memory,
+        Err(_) | Ok("sqlite") => StoreChoice::Sqlite,
+        Ok("postgres") => StoreChoice::Postgres(
+            std::env::var("IDEMPOTENCY_TEST_POSTGRES_URL")
+                .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned()),
+        ),
+        Ok("redis") => StoreChoice::Redis(
+            std::env::var("IDEMPOTENCY_TEST_REDIS_URL")
+                .unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned()),
+        ),
+        Ok(other) => panic!("BOOKS_TEST_STORE={other} is not a store (sqlite, postgres, redis, memory)"),
+    }
+}
+
+async fn svc() -> Svc {
+    let dir = tempfile::tempdir().unwrap();
+    let config = Config {
+        database: dir.path().join("books.sqlite3"),
+        store: store_choice(),
+        policy: Policy::default(),
+    };
+    let running = start(&config, 0).await.unwrap_or_else(|e| {
+        panic!(
+            "cannot start the books service on {:?}: {e}\n\
+             For Postgres, start the local server with `bash .ci/services` (127.0.0.1:5432, \
+             database `test`) or set IDEMPOTENCY_TEST_POSTGRES_URL.",
+            config.store
+        )
+    });
+    Svc {
+        // One caller per service: records in a shared store never cross test runs.
+        token: format!("Bearer {}", uuid::Uuid::new_v4()),
+        url: running.url,
+        state: running.state,
+        client: Client::builder().no_proxy().build().unwrap(),
+        _dir: dir,
+    }
+}
+
+const TOKEN: &str = "Bearer reader-1";
+
+fn kindred() -> Value {
+    json!({"title": "Kindred", "author": "Octavia E. Butler", "year": 1979})
+}
+
+impl Svc {
+    fn create(&self, key: &str, body: &Value) -> RequestBuilder {
+        self.client
+            .post(format!("{}/books", self.url))
+            .header("authorization", &self.token)
+            .header("idempotency-key", key)
+            .header("content-type", "application/json")
+            .body(body.to_string())
+    }
+    async fn count(&self) -> usize {
+        let list: Value = self
+            .client
+            .get(format!("{}/books", self.url))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        list["books"].as_array().unwrap().len()
+    }
+    fn book_url(&self, id: &str) -> String {
+        format!("{}/books/{id}", self.url)
+    }
+    async fn created(&self, key: &str) -> (String, String) {
+        let r = self.create(key, &kindred()).send().await.unwrap();
+        assert_eq!(r.status(), StatusCode::CREATED);
+        let etag = r.headers()["etag"].to_str().unwrap().to_owned();
+        let body: Value = r.json().await.unwrap();
+        (body["book"]["id"].as_str().unwrap().to_owned(), etag)
+    }
+}
+
+fn replayed(r: &Response) -> bool {
+    r.headers()
+        .get("idempotent-replayed")
+        .is_some_and(|v| v == "true")
+}
+
+async fn problem(r: Response, status: u16, slug: &str) -> Value {
+    assert_eq!(r.status().as_u16(), status);
+    assert_eq!(r.headers()["content-type"], "application/problem+json");
+    let doc: Value = r.json().await.unwrap();
+    assert!(
+        doc["type"].as_str().unwrap().ends_with(slug),
+        "{doc} is not {slug}"
+    );
+    assert_eq!(doc["status"], status);
+    doc
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn create_then_replay_carries_idempotent_replayed() {
+    let s = svc().await;
+    let first = s.create("k1", &kindred()).send().await.unwrap();
+    assert_eq!(first.status(), StatusCode::CREATED);
+    assert!(!replayed(&first));
+    let location = first.headers()["location"].clone();
+    let etag = first.headers()["etag"].clone();
+    let body = first.bytes().await.unwrap();
+    let again = s.create("k1", &kindred()).send().await.unwrap();
+    assert_eq!(again.status(), StatusCode::CREATED);
+    assert!(replayed(&again));
+    assert_eq!(again.headers()["location"], location);
+    assert_eq!(again.headers()["etag"], etag);
+    assert_eq!(again.bytes().await.unwrap(), body);
+    assert_eq!(s.count().await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_after_a_client_timeout_returns_the_same_book() {
+    let s = svc().await;
+    s.state.faults.set_create_delay(Duration::from_millis(500));
+    let timed_out = s
+        .create("slow", &kindred())
+        .timeout(Duration::from_millis(100))
+        .send()
+        .await;
+    assert!(timed_out.is_err_and(|e| e.is_timeout()));
+    s.state.faults.set_create_delay(Duration::ZERO);
+    // The client retries as told: while the first attempt runs it gets 409 + Retry-After.
+    let start = Instant::now();
+    let retry = loop {
+        let r = s.create("slow", &kindred()).send().await.unwrap();
+        if r.status() != StatusCode::CONFLICT {
+            break r;
+        }
+        assert!(r.headers().contains_key("retry-after"));
+        assert!(start.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(retry.status(), StatusCode::CREATED);
+    assert!(replayed(&retry));
+    let book: Value = retry.json().await.unwrap();
+    let list: Value = s
+        .client
+        .get(format!("{}/books", s.url))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(list["books"].as_array().unwrap().len(), 1);
+    assert_eq!(list["books"][0]["id"], book["book"]["id"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixty_four_concurrent_posts_with_one_key_create_one_book() {
+    let s = Arc::new(svc().await);
+    s.state.faults.set_create_delay(Duration::from_millis(150));
+    let tasks: Vec<_> = (0..64)
+        .map(|_| {
+            let s = s.clone();
+            tokio::spawn(async move {
+                let r = s.create("race", &kindred()).send().await.unwrap();
+                let status = r.status();
+                let was_replayed = replayed(&r);
+                let body = r.bytes().await.unwrap();
+                (status, was_replayed, body)
+            })
+        })
+        .collect();
+    let mut fresh = Vec::new();
+    let (mut conflicts, mut replays) = (0, 0);
+    let mut replay_bodies = Vec::new();
+    for t in tasks {
+        let (status, was_replayed, body) = t.await.unwrap();
+        match (status, was_replayed) {
+            (StatusCode::CREATED, false) => fresh.push(body),
+            (StatusCode::CREATED, true) => {
+                replays += 1;
+                replay_bodies.push(body);
+            }
+            (StatusCode::CONFLICT, _) => conflicts += 1,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(fresh.len(), 1);
+    assert_eq!(conflicts + replays, 63);
+    assert!(replay_bodies.iter().all(|b| *b == fresh[0]));
+    assert_eq!(s.count().await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn changed_body_gets_422_and_creates_nothing() {
+    let s = svc().await;
+    s.created("reuse").await;
+    let mut other = kindred();
+    other["year"] = json!(1980);
+    let r = s.create("reuse", &other).send().await.unwrap();
+    let doc = problem(r, 422, "idempotency-key-reused").await;
+    assert_eq!(doc["code"], "IDEMPOTENCY_KEY_REUSED_WITH_DIFFERENT_PAYLOAD");
+    assert!(doc["type"]
+        .as_str()
+        .unwrap()
+        .starts_with("urn:books-api:problem:"));
+    assert_eq!(s.count().await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_key_gets_400_and_unknown_caller_401() {
+    let s = svc().await;
+    let r = s
+        .client
+        .post(format!("{}/books", s.url))
+        .header("authorization", &s.token)
+        .json(&kindred())
+        .send()
+        .await
+        .unwrap();
+    let doc = problem(r, 400, "idempotency-key-required").await;
+    assert!(doc["detail"]
+        .as_str()
+        .unwrap()
+        .contains("Idempotency-Key header is required"));
+    let anonymous = s
+        .client
+        .post(format!("{}/books", s.url))
+        .header("idempotency-key", "anon")
+        .json(&kindred())
+        .send()
+        .await
+        .unwrap();
+    problem(anonymous, 401, "idempotency-caller-unidentified").await;
+    assert_eq!(s.count().await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_500_is_not_stored_and_the_retry_runs() {
+    let s = svc().await;
+    s.state.faults.fail_next_creates(1);
+    let failed = s.create("flaky", &kindred()).send().await.unwrap();
+    problem(failed, 500, "internal").await;
+    assert_eq!(s.count().await, 0);
+    let retry = s.create("flaky", &kindred()).send().await.unwrap();
+    assert_eq!(retry.status(), StatusCode::CREATED);
+    assert!(!replayed(&retry));
+    let again = s.create("flaky", &kindred()).send().await.unwrap();
+    assert!(replayed(&again));
+    assert_eq!(s.count().await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn get_has_a_strong_etag_and_304() {
+    let s = svc().await;
+    let (id, etag) = s.created("g").await;
+    assert!(etag.starts_with('"') && !etag.starts_with("W/"));
+    let r = s.client.get(s.book_url(&id)).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    assert_eq!(r.headers()["etag"], etag.as_str());
+    let cached = s
+        .client
+        .get(s.book_url(&id))
+        .header("if-none-match", &etag)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(cached.status(), StatusCode::NOT_MODIFIED);
+    assert_eq!(cached.headers()["etag"], etag.as_str());
+    assert!(cached.bytes().await.unwrap().is_empty());
+    let weak = s
+        .client
+        .get(s.book_url(&id))
+        .header("if-none-match", format!("\"other\", W/{etag}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(weak.status(), StatusCode::NOT_MODIFIED);
+    let stale = s
+        .client
+        .get(s.book_url(&id))
+        .header("if-none-match", "\"nope\"")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(stale.status(), StatusCode::OK);
+    let missing = s.client.get(s.book_url("nope")).send().await.unwrap();
+    problem(missing, 404, "not-found").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn merge_patch_updates_removes_and_changes_the_etag() {
+    let s = svc().await;
+    let (id, etag) = s.created("p").await;
+    let r = s
+        .client
+        .patch(s.book_url(&id))
+        .header("content-type", "application/merge-patch+json")
+        .header("if-match", &etag)
+        .body(r#"{"summary": "A time-travel novel", "year": 1979}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    let etag2 = r.headers()["etag"].to_str().unwrap().to_owned();
+    assert_ne!(etag2, etag);
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["book"]["summary"], "A time-travel novel");
+    assert_eq!(body["book"]["title"], "Kindred");
+    // null removes a member; application/json is accepted too; no If-Match passes.
+    let r = s
+        .client
+        .patch(s.book_url(&id))
+        .header("content-type", "application/json; charset=utf-8")
+        .body(r#"{"summary": null, "title": "Kindred (2nd ed.)"}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    let body: Value = r.json().await.unwrap();
+    assert!(body["book"].get("summary").is_none());
+    assert_eq!(body["book"]["title"], "Kindred (2nd ed.)");
+    let read: Value = s
+        .client
+        .get(s.book_url(&id))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(read, body);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_if_match_gets_412_and_concurrent_patches_have_one_winner() {
+    let s = Arc::new(svc().await);
+    let (id, etag) = s.created("c").await;
+    let patch = |year: i32, tag: String| {
+        s.client
+            .patch(s.book_url(&id))
+            .header("content-type", "application/merge-patch+json")
+            .header("if-match", tag)
+            .body(json!({ "year": year }).to_string())
+            .send()
+    };
+    let first = patch(1980, etag.clone()).await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    let stale = patch(1981, etag.clone()).await.unwrap();
+    problem(stale, 412, "precondition-failed").await;
+    let weak = patch(
+        1981,
+        format!("W/{}", first.headers()["etag"].to_str().unwrap()),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        weak.status(),
+        StatusCode::PRECONDITION_FAILED,
+        "If-Match compares strongly"
+    );
+
+    // Many writers holding the same tag: the check and the write are one statement, so exactly
+    // one lands; every other gets 412. Repeated to give a check-then-write race room to show.
+    for round in 0..10 {
+        let current = s
+            .client
+            .get(s.book_url(&id))
+            .send()
+            .await
+            .unwrap()
+            .headers()["etag"]
+            .to_str()
+            .unwrap()
+            .to_owned();
+        let writers: Vec<_> = (0..16)
+            .map(|i| {
+                let (s, id, tag) = (s.clone(), id.clone(), current.clone());
+                tokio::spawn(async move {
+                    s.client
+                        .patch(s.book_url(&id))
+                        .header("content-type", "application/merge-patch+json")
+                        .header("if-match", tag)
+                        .body(json!({ "year": 1000 + round * 100 + i }).to_string())
+                        .send()
+                        .await
+                        .unwrap()
+                        .status()
+                })
+            })
+            .collect();
+        let mut ok = 0;
+        for w in writers {
+            match w.await.unwrap() {
+                StatusCode::OK => ok += 1,
+                StatusCode::PRECONDITION_FAILED => {}
+                other => panic!("unexpected {other}"),
+            }
+        }
+        assert_eq!(ok, 1, "round {round}: exactly one conditional write lands");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unsupported_patch_media_type_gets_415_with_accept_patch() {
+    let s = svc().await;
+    let (id, _) = s.created("m").await;
+    for ct in [
+        Some("application/json-patch+json"),
+        Some("text/plain"),
+        None,
+    ] {
+        let mut req = s.client.patch(s.book_url(&id)).body(r#"{"year": 1}"#);
+        if let Some(ct) = ct {
+            req = req.header("content-type", ct);
+        }
+        let r = req.send().await.unwrap();
+        assert_eq!(
+            r.headers()["accept-patch"],
+            "application/merge-patch+json, application/json"
+        );
+        problem(r, 415, "unsupported-media-type").await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn patched_book_is_validated_with_the_create_rules() {
+    let s = svc().await;
+    let (id, etag) = s.created("v").await;
+    let r = s
+        .client
+        .patch(s.book_url(&id))
+        .header("content-type", "application/merge-patch+json")
+        .body(r#"{"title": null, "year": 99999, "isbn": "x"}"#)
+        .send()
+        .await
+        .unwrap();
+    let doc = problem(r, 422, "validation-failed").await;
+    let paths: Vec<&str> = doc["errors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["path"].as_str().unwrap())
+        .collect();
+    assert!(paths.contains(&"/title"), "{doc}");
+    assert!(paths.contains(&"/isbn"), "{doc}");
+    let r = s
+        .client
+        .patch(s.book_url(&id))
+        .header("content-type", "application/merge-patch+json")
+        .body(r#"{"year": 99999, "author": ""}"#)
+        .send()
+        .await
+        .unwrap();
+    let doc = problem(r, 422, "validation-failed").await;
+    let paths: Vec<&str> = doc["errors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["path"].as_str().unwrap())
+        .collect();
+    assert!(
+        paths.contains(&"/year") && paths.contains(&"/author"),
+        "{doc}"
+    );
+    // Create uses the same rules.
+    let r = s
+        .create(
+            "bad-create",
+            &json!({"title": "", "author": "A", "year": "x"}),
+        )
+        .send()
+        .await
+        .unwrap();
+    problem(r, 422, "validation-failed").await;
+    // Nothing changed.
+    let r = s.client.get(s.book_url(&id)).send().await.unwrap();
+    assert_eq!(r.headers()["etag"], etag.as_str());
+    let missing = s
+        .client
+        .patch(s.book_url("nope"))
+        .header("content-type", "application/merge-patch+json")
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    problem(missing, 404, "not-found").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_keys_get_400_and_create_nothing() {
+    let s = svc().await;
+    let overlong = "k".repeat(256);
+    let cases: Vec<Vec<u8>> = vec![
+        b"".to_vec(),
+        overlong.into_bytes(),
+        b"ctl\tkey".to_vec(),
+        "c1\u{9b}x".as_bytes().to_vec(),
+        b"\"unterminated".to_vec(),
+    ];
+    for key in cases {
+        let r = s
+            .client
+            .post(format!("{}/books", s.url))
+            .header("authorization", &s.token)
+            .header(
+                "idempotency-key",
+                reqwest::header::HeaderValue::from_bytes(&key).unwrap(),
+            )
+            .json(&kindred())
+            .send()
+            .await
+            .unwrap();
+        problem(r, 400, "idempotency-key-invalid").await;
+    }
+    let dup = s
+        .client
+        .post(format!("{}/books", s.url))
+        .header("authorization", &s.token)
+        .header("idempotency-key", "a")
+        .header("idempotency-key", "b")
+        .json(&kindred())
+        .send()
+        .await
+        .unwrap();
+    let doc = problem(dup, 400, "idempotency-key-invalid").await;
+    assert!(doc["detail"].as_str().unwrap().contains("2 times"), "{doc}");
+    assert_eq!(s.count().await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn truncated_or_invalid_json_gets_400() {
+    let s = svc().await;
+    for (key, raw) in [
+        ("t1", r#"{"title": "Kindred", "author": "Octavia"#),
+        ("t2", "not json"),
+        ("t3", ""),
+    ] {
+        let r = s
+            .client
+            .post(format!("{}/books", s.url))
+            .header("authorization", &s.token)
+            .header("idempotency-key", key)
+            .header("content-type", "application/json")
+            .body(raw)
+            .send()
+            .await
+            .unwrap();
+        problem(r, 400, "bad-request").await;
+    }
+    // A 400 is a deterministic answer: it is stored and replayed for the same request.
+    let again = s
+        .client
+        .post(format!("{}/books", s.url))
+        .header("authorization", &s.token)
+        .header("idempotency-key", "t2")
+        .header("content-type", "application/json")
+        .body("not json")
+        .send()
+        .await
+        .unwrap();
+    assert!(replayed(&again));
+    assert_eq!(again.status(), StatusCode::BAD_REQUEST);
+    let (id, _) = s.created("ok").await;
+    let patch = s
+        .client
+        .patch(s.book_url(&id))
+        .header("content-type", "application/merge-patch+json")
+        .body(r#"{"year": 19"#)
+        .send()
+        .await
+        .unwrap();
+    problem(patch, 400, "bad-request").await;
+    assert_eq!(s.count().await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_body_gets_413() {
+    let s = svc().await;
+    let mut big = kindred();
+    big["summary"] = json!("x".repeat(1024 * 1024 + 1));
+    let r = s.create("big", &big).send().await.unwrap();
+    problem(r, 413, "request-body-too-large").await;
+    assert_eq!(s.count().await, 0);
+}
+
+/// `cargo run -p books-api` prints the URL it listens on, and the service answers there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_prints_its_url_and_serves() {
+    use tokio::io::AsyncBufReadExt;
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_books-api"))
+        .env("BOOKS_DATABASE", dir.path().join("books.sqlite3"))
+        .env_remove("BOOKS_PORT")
+        .env_remove("BOOKS_STORE")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let mut lines = tokio::io::BufReader::new(stdout).lines();
+    let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
+        .await
+        .expect("the binary prints its URL")
+        .unwrap()
+        .unwrap();
+    let url = line
+        .strip_prefix("books API listening on ")
+        .expect("the URL line")
+        .to_owned();
+    assert!(url.starts_with("http://127.0.0.1:"), "{url}");
+    let client = Client::builder().no_proxy().build().unwrap();
+    let r = client
+        .post(format!("{url}/books"))
+        .header("authorization", TOKEN)
+        .header("idempotency-key", "bin")
+        .json(&kindred())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::CREATED);
+    let location = r.headers()["location"].to_str().unwrap().to_owned();
+    let got = client.get(format!("{url}{location}")).send().await.unwrap();
+    assert_eq!(got.status(), StatusCode::OK);
+    child.kill().await.unwrap();
+}

@@ -1,0 +1,79 @@
+#![doc = include_str!("../README.md")]
+
+pub mod cases;
+pub mod server;
+
+pub use idempotency_conformance::{run_case, TestStore};
+
+/// Calls `$callback!(case, case, …)` with every case name. The single list of cases.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __with_http_case_list {
+    (($($callback:tt)*) $(, $arg:tt)*) => {
+        $($callback)*!($($arg,)*
+            first_request_runs_then_replays,
+            replay_omits_credentials_cookies_and_unlisted_headers,
+            quoted_and_bare_keys_are_one_key,
+            in_flight_duplicate_gets_409_with_retry_after,
+            in_flight_wait_policy_replays,
+            different_request_gets_422,
+            json_key_order_is_the_same_request,
+            missing_key_passes_through_or_400_when_required,
+            malformed_keys_get_400,
+            oversized_body_gets_413,
+            uncovered_methods_pass_through,
+            server_errors_408_429_release_the_key,
+            streaming_and_oversized_responses_are_not_stored,
+            handler_panic_releases_the_key,
+            store_outage_fails_closed_or_open,
+            concurrent_duplicates_run_once,
+            scopes_isolate_callers,
+            refusals_are_pluggable,
+            corrupt_stored_response_is_500,
+            client_timeout_then_retry_gets_the_same_response,
+            released_key_accepts_corrected_request,
+        );
+    };
+}
+
+/// A boxed case, as [`all_cases`] lists them.
+pub type CaseFn = fn(TestStore) -> futures::future::BoxFuture<'static, ()>;
+
+macro_rules! list_cases {
+    ($($case:ident),* $(,)?) => {
+        /// Every case with its name, for running the suite by hand.
+        pub fn all_cases() -> Vec<(&'static str, CaseFn)> {
+            vec![$((stringify!($case), |s| Box::pin(cases::$case(s)))),*]
+        }
+    };
+}
+__with_http_case_list!((list_cases));
+
+/// Expands to one `#[test]` per HTTP case, each on a fresh tokio runtime with a fresh store
+/// from `$factory` (an `async fn() -> idempotency_conformance::TestStore`, the same factory a
+/// backend gives the store conformance kit).
+///
+/// ```ignore
+/// async fn factory() -> idempotency_conformance::TestStore { /* build an isolated store */ }
+/// idempotency_http_conformance::http_conformance_tests!(factory);
+/// ```
+#[macro_export]
+macro_rules! http_conformance_tests {
+    ($factory:path) => {
+        $crate::__with_http_case_list!(($crate::__idempotency_http_conformance_expand), $factory);
+    };
+}
+
+/// Implementation detail of [`http_conformance_tests!`].
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __idempotency_http_conformance_expand {
+    ($factory:path, $($case:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $case() {
+                $crate::run_case($factory, $crate::cases::$case);
+            }
+        )*
+    };
+}

@@ -1,0 +1,300 @@
+//! Refusals and how they are written: RFC 9457 problem documents by default, or your format.
+
+use crate::KeyHeaderError;
+use bytes::Bytes;
+use http::{header, HeaderValue, Response, StatusCode};
+use std::fmt;
+use std::time::Duration;
+
+/// The media type of RFC 9457 problem documents.
+pub const PROBLEM_JSON: &str = "application/problem+json";
+
+/// Why the layer answered instead of the handler (or in place of the handler's outcome).
+///
+/// Each refusal has an HTTP status, a stable type slug clients can match on, and a code in the
+/// style of the seeds (`IDEMPOTENCY_KEY_REUSED_WITH_DIFFERENT_PAYLOAD`). Neither changes
+/// between releases.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Refusal {
+    /// The layer is `required` and the request had no `Idempotency-Key`. 400.
+    KeyRequired,
+    /// The `Idempotency-Key` header is malformed. 400.
+    KeyInvalid(KeyHeaderError),
+    /// The scope function found no caller identity for this request. 401.
+    CallerUnidentified,
+    /// The scope built from the caller, method and route is not a valid scope. 400.
+    ScopeInvalid(String),
+    /// The request body is larger than the buffer limit. 413.
+    BodyTooLarge {
+        /// The limit in bytes.
+        limit: usize,
+    },
+    /// The request body could not be read. 400.
+    BodyUnreadable(String),
+    /// Another request with this key is still running. 409, with `Retry-After`.
+    InProgress {
+        /// When the other attempt's lease passes.
+        retry_after: Duration,
+    },
+    /// The key was used before with a different request. 422.
+    Mismatch,
+    /// The idempotency store could not be reached or failed. 503 (fail closed).
+    StoreUnavailable(String),
+    /// The stored response for this key could not be decoded. 500.
+    StoredResponseUnreadable(String),
+    /// The handler failed without a response (it panicked or returned an error). 500.
+    HandlerFailed,
+}
+
+impl Refusal {
+    /// The HTTP status.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Self::KeyRequired
+            | Self::KeyInvalid(_)
+            | Self::ScopeInvalid(_)
+            | Self::BodyUnreadable(_) => StatusCode::BAD_REQUEST,
+            Self::CallerUnidentified => StatusCode::UNAUTHORIZED,
+            Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::InProgress { .. } => StatusCode::CONFLICT,
+            Self::Mismatch => StatusCode::UNPROCESSABLE_ENTITY,
+            Self::StoreUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Self::StoredResponseUnreadable(_) | Self::HandlerFailed => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
+        }
+    }
+
+    /// The stable type slug, appended to the problem type base.
+    pub fn slug(&self) -> &'static str {
+        match self {
+            Self::KeyRequired => "idempotency-key-required",
+            Self::KeyInvalid(_) => "idempotency-key-invalid",
+            Self::CallerUnidentified => "idempotency-caller-unidentified",
+            Self::ScopeInvalid(_) => "idempotency-scope-invalid",
+            Self::BodyTooLarge { .. } => "request-body-too-large",
+            Self::BodyUnreadable(_) => "request-body-unreadable",
+            Self::InProgress { .. } => "idempotency-key-in-progress",
+            Self::Mismatch => "idempotency-key-reused",
+            Self::StoreUnavailable(_) => "idempotency-store-unavailable",
+            Self::StoredResponseUnreadable(_) => "idempotency-stored-response-unreadable",
+            Self::HandlerFailed => "handler-failed",
+        }
+    }
+
+    /// The stable code, for clients that match on codes rather than types.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Self::KeyRequired => "IDEMPOTENCY_KEY_REQUIRED",
+            Self::KeyInvalid(_) => "IDEMPOTENCY_KEY_INVALID",
+            Self::CallerUnidentified => "IDEMPOTENCY_CALLER_UNIDENTIFIED",
+            Self::ScopeInvalid(_) => "IDEMPOTENCY_SCOPE_INVALID",
+            Self::BodyTooLarge { .. } => "REQUEST_BODY_TOO_LARGE",
+            Self::BodyUnreadable(_) => "REQUEST_BODY_UNREADABLE",
+            Self::InProgress { .. } => "IDEMPOTENCY_KEY_IN_PROGRESS",
+            Self::Mismatch => "IDEMPOTENCY_KEY_REUSED_WITH_DIFFERENT_PAYLOAD",
+            Self::StoreUnavailable(_) => "IDEMPOTENCY_STORE_UNAVAILABLE",
+            Self::StoredResponseUnreadable(_) => "IDEMPOTENCY_STORED_RESPONSE_UNREADABLE",
+            Self::HandlerFailed => "HANDLER_FAILED",
+        }
+    }
+
+    /// A short, fixed summary of the problem type.
+    pub fn title(&self) -> &'static str {
+        match self {
+            Self::KeyRequired => "Idempotency-Key header is required",
+            Self::KeyInvalid(_) => "The Idempotency-Key header is malformed",
+            Self::CallerUnidentified => "The caller could not be identified",
+            Self::ScopeInvalid(_) => "The idempotency scope is invalid",
+            Self::BodyTooLarge { .. } => "The request body is too large",
+            Self::BodyUnreadable(_) => "The request body could not be read",
+            Self::InProgress { .. } => "A request with this Idempotency-Key is still in progress",
+            Self::Mismatch => "This Idempotency-Key was used with a different request",
+            Self::StoreUnavailable(_) => "The idempotency store is unavailable",
+            Self::StoredResponseUnreadable(_) => "The stored response could not be read",
+            Self::HandlerFailed => "The request failed on the server",
+        }
+    }
+
+    /// What happened in this occurrence, safe to show to the client (no store internals).
+    pub fn detail(&self) -> String {
+        match self {
+            Self::KeyRequired => {
+                "Idempotency-Key header is required: send one unique key per operation and reuse it on every retry".into()
+            }
+            Self::KeyInvalid(e) => e.to_string(),
+            Self::CallerUnidentified => {
+                "idempotent requests need an authenticated caller to scope the key to".into()
+            }
+            Self::ScopeInvalid(_) => "the caller identity and route do not form a valid idempotency scope".into(),
+            Self::BodyTooLarge { limit } => {
+                format!("the request body is larger than the {limit}-byte limit for idempotent requests")
+            }
+            Self::BodyUnreadable(_) => "the request body could not be read to the end".into(),
+            Self::InProgress { retry_after } => format!(
+                "the first request with this key has not finished; retry after {} s",
+                retry_after_secs(*retry_after)
+            ),
+            Self::Mismatch => "the key was already used with a different method, path, query, content type or body; use a new key for a new operation".into(),
+            Self::StoreUnavailable(_) => "the request was not run because its key could not be recorded; retry later".into(),
+            Self::StoredResponseUnreadable(_) => "the outcome stored for this key cannot be replayed".into(),
+            Self::HandlerFailed => "the request failed before producing a response; it may be retried with the same key".into(),
+        }
+    }
+
+    /// Whether sending the same request again may succeed.
+    pub fn is_retryable(&self) -> bool {
+        matches!(
+            self,
+            Self::InProgress { .. } | Self::StoreUnavailable(_) | Self::HandlerFailed
+        )
+    }
+}
+
+impl fmt::Display for Refusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} ({}): {}", self.status(), self.slug(), self.detail())
+    }
+}
+
+/// `Retry-After` in whole seconds: rounded up, at least 1.
+pub fn retry_after_secs(d: Duration) -> u64 {
+    let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
+    secs.max(1)
+}
+
+/// Writes refusals as responses. Implement it (or pass a closure
+/// `Fn(&Refusal) -> Response<Bytes>`) to answer in your API's own error format.
+///
+/// The layer adds `Retry-After` to an [`Refusal::InProgress`] answer when the responder did
+/// not set it.
+pub trait RefusalResponder: Send + Sync + 'static {
+    /// The response for `refusal`.
+    fn respond(&self, refusal: &Refusal) -> Response<Bytes>;
+}
+
+impl<F> RefusalResponder for F
+where
+    F: Fn(&Refusal) -> Response<Bytes> + Send + Sync + 'static,
+{
+    fn respond(&self, refusal: &Refusal) -> Response<Bytes> {
+        self(refusal)
+    }
+}
+
+/// The default responder: an RFC 9457 `application/problem+json` document whose `type` is
+/// `type_base` followed by the refusal's slug, with `code` as an extension member.
+///
+/// ```
+/// use idempotency_tower::{ProblemJson, Refusal, RefusalResponder};
+///
+/// let r = ProblemJson::new("https://api.example.com/problems/").respond(&Refusal::Mismatch);
+/// assert_eq!(r.status(), 422);
+/// let doc: serde_json::Value = serde_json::from_slice(r.body()).unwrap();
+/// assert_eq!(doc["type"], "https://api.example.com/problems/idempotency-key-reused");
+/// assert_eq!(doc["code"], "IDEMPOTENCY_KEY_REUSED_WITH_DIFFERENT_PAYLOAD");
+/// ```
+#[derive(Debug, Clone)]
+pub struct ProblemJson {
+    type_base: String,
+}
+
+impl ProblemJson {
+    /// The default type base, a URN so that no documentation host is implied.
+    pub const DEFAULT_TYPE_BASE: &'static str = "urn:idempotency:problem:";
+
+    /// Problem types under `type_base` (for example your API's error documentation URL).
+    pub fn new(type_base: impl Into<String>) -> Self {
+        Self {
+            type_base: type_base.into(),
+        }
+    }
+}
+
+impl Default for ProblemJson {
+    fn default() -> Self {
+        Self::new(Self::DEFAULT_TYPE_BASE)
+    }
+}
+
+impl RefusalResponder for ProblemJson {
+    fn respond(&self, refusal: &Refusal) -> Response<Bytes> {
+        let status = refusal.status();
+        let mut doc = serde_json::json!({
+            "type": format!("{}{}", self.type_base, refusal.slug()),
+            "title": refusal.title(),
+            "status": status.as_u16(),
+            "detail": refusal.detail(),
+            "code": refusal.code(),
+        });
+        if let Refusal::InProgress { retry_after } = refusal {
+            doc["retry_after"] = retry_after_secs(*retry_after).into();
+        }
+        if let Refusal::BodyTooLarge { limit } = refusal {
+            doc["limit"] = (*limit).into();
+        }
+        let body = serde_json::to_vec(&doc).unwrap_or_default();
+        let mut response = Response::new(Bytes::from(body));
+        *response.status_mut() = status;
+        response
+            .headers_mut()
+            .insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+        response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_rounds_up_to_at_least_one() {
+        assert_eq!(retry_after_secs(Duration::ZERO), 1);
+        assert_eq!(retry_after_secs(Duration::from_millis(1)), 1);
+        assert_eq!(retry_after_secs(Duration::from_millis(1000)), 1);
+        assert_eq!(retry_after_secs(Duration::from_millis(1001)), 2);
+        assert_eq!(retry_after_secs(Duration::from_secs(30)), 30);
+    }
+
+    #[test]
+    fn every_refusal_is_a_problem_document() {
+        let all = [
+            Refusal::KeyRequired,
+            Refusal::KeyInvalid(KeyHeaderError::AmbiguousComma),
+            Refusal::CallerUnidentified,
+            Refusal::ScopeInvalid("internal-42".into()),
+            Refusal::BodyTooLarge { limit: 10 },
+            Refusal::BodyUnreadable("internal-42".into()),
+            Refusal::InProgress {
+                retry_after: Duration::from_millis(1500),
+            },
+            Refusal::Mismatch,
+            Refusal::StoreUnavailable("internal-42".into()),
+            Refusal::StoredResponseUnreadable("internal-42".into()),
+            Refusal::HandlerFailed,
+        ];
+        let mut slugs = std::collections::HashSet::new();
+        for r in &all {
+            let resp = ProblemJson::default().respond(r);
+            assert_eq!(resp.status(), r.status());
+            assert_eq!(resp.headers()[header::CONTENT_TYPE], PROBLEM_JSON);
+            let doc: serde_json::Value = serde_json::from_slice(resp.body()).unwrap();
+            assert_eq!(doc["status"], r.status().as_u16());
+            assert_eq!(
+                doc["type"],
+                format!("{}{}", ProblemJson::DEFAULT_TYPE_BASE, r.slug())
+            );
+            assert!(!doc["title"].as_str().unwrap().is_empty());
+            assert!(!doc["detail"].as_str().unwrap().is_empty());
+            assert!(slugs.insert(r.slug()), "duplicate slug {}", r.slug());
+            // Internal messages never reach the client.
+            if let Refusal::StoreUnavailable(m) | Refusal::StoredResponseUnreadable(m) = r {
+                assert!(!doc["detail"].as_str().unwrap().contains(m.as_str()));
+            }
+        }
+        let resp = ProblemJson::default().respond(&all[6]);
+        let doc: serde_json::Value = serde_json::from_slice(resp.body()).unwrap();
+        assert_eq!(doc["retry_after"], 2);
+    }
+}

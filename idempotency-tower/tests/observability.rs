@@ -1,0 +1,114 @@
+//! The `idempotency.http` span carries the decision, and keys can be hashed in logs.
+#![allow(clippy::unwrap_used)]
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body_util::{BodyExt, Full};
+use idempotency_core::{Idempotency, Policy};
+use idempotency_memory::MemoryStore;
+use idempotency_tower::{IdempotencyLayer, RequestBody};
+use std::convert::Infallible;
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+use tower::{Service, ServiceBuilder, ServiceExt};
+
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Captured {
+    fn text(&self) -> String {
+        String::from_utf8(self.0.lock().unwrap().clone()).unwrap()
+    }
+}
+
+async fn call<S>(svc: &mut S, key: &str) -> u16
+where
+    S: Service<
+        Request<Full<Bytes>>,
+        Response = Response<idempotency_tower::ResponseBody<Full<Bytes>>>,
+        Error = Infallible,
+    >,
+{
+    let req = Request::post("/orders")
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from_static(b"{\"a\":1}")))
+        .unwrap();
+    let resp = svc.ready().await.unwrap().call(req).await.unwrap();
+    let status = resp.status().as_u16();
+    let _ = resp.into_body().collect().await.unwrap();
+    status
+}
+
+fn service(
+    hash: bool,
+) -> impl Service<
+    Request<Full<Bytes>>,
+    Response = Response<idempotency_tower::ResponseBody<Full<Bytes>>>,
+    Error = Infallible,
+> + Clone {
+    let policy = Policy::default().hash_keys_in_logs(hash);
+    let engine = Idempotency::new(Arc::new(MemoryStore::new()), policy).unwrap();
+    ServiceBuilder::new()
+        .layer(IdempotencyLayer::new(engine))
+        .service_fn(|_req: Request<RequestBody<Full<Bytes>>>| async {
+            Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"done"))))
+        })
+}
+
+fn capture(hash: bool) -> String {
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::DEBUG)
+        .with_ansi(false)
+        .with_span_events(tracing_subscriber::fmt::format::FmtSpan::CLOSE)
+        .with_writer(move || writer.clone())
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut svc = service(hash);
+        assert_eq!(call(&mut svc, "secret-key-1").await, 200);
+        assert_eq!(call(&mut svc, "secret-key-1").await, 200);
+        assert_eq!(call(&mut svc, "").await, 400);
+    });
+    captured.text()
+}
+
+#[test]
+fn spans_carry_the_decision_and_outcome() {
+    let logs = capture(false);
+    assert!(
+        logs.contains("decision=\"executed\"") || logs.contains("decision=executed"),
+        "{logs}"
+    );
+    assert!(logs.contains("replayed"), "{logs}");
+    assert!(logs.contains("refused"), "{logs}");
+    assert!(logs.contains("stored"), "{logs}");
+    assert!(
+        logs.contains("secret-key-1"),
+        "keys are logged in clear by default: {logs}"
+    );
+}
+
+#[test]
+fn keys_can_be_hashed_in_logs() {
+    let logs = capture(true);
+    assert!(!logs.contains("secret-key-1"), "the key leaked: {logs}");
+    assert!(logs.contains(r#"key="sha256:"#), "{logs}");
+    assert!(logs.contains(r#"http_decision="replayed""#), "{logs}");
+}
