@@ -96,7 +96,7 @@ impl fmt::Display for Fingerprint {
 
 /// Writes the canonical JSON text of `value`: objects with keys sorted by their UTF-8 bytes at
 /// every depth, arrays in order, strings escaped as `serde_json` escapes them, numbers as
-/// `serde_json` prints them.
+/// `serde_json` prints them (except that a float zero is always `0.0`, never `-0.0`).
 pub fn canonical_json(value: &serde_json::Value) -> String {
     let mut out = StringWriter(String::new());
     write_canonical(value, &mut out);
@@ -133,6 +133,9 @@ fn write_canonical(value: &serde_json::Value, out: &mut dyn Sink) {
         Value::Null => out.put("null"),
         Value::Bool(true) => out.put("true"),
         Value::Bool(false) => out.put("false"),
+        // -0.0 and 0.0 are equal numbers (and equal `Value`s): one text for both, as in
+        // RFC 8785.
+        Value::Number(n) if n.is_f64() && n.as_f64() == Some(0.0) => out.put("0.0"),
         Value::Number(n) => out.put(&n.to_string()),
         Value::String(s) => write_string(s, out),
         Value::Array(items) => {
@@ -288,6 +291,52 @@ mod tests {
         assert_ne!(a, b);
         assert_ne!(c, d);
         assert!(Fingerprint::from_json_slice(b"{\"a\":").is_err());
+    }
+
+    /// Found by the `fingerprint_text` fuzz target: with serde_json's default best-effort
+    /// float parsing, `40201e200` read as 4.0200999999999997e204, whose canonical text read
+    /// back as 4.0201e204, so one number written two ways had two fingerprints. The workspace
+    /// enables serde_json's `float_roundtrip`, which parses every float exactly.
+    #[test]
+    fn floats_parse_exactly_so_canonical_text_is_a_fixed_point() {
+        for (a, b) in [
+            (&b"40201e200"[..], &b"4.0201e204"[..]),
+            (b"2.670434942875878e-306", b"0.2670434942875878e-305"),
+            (b"[1.5, 0.1]", b"[15e-1, 1e-1]"),
+        ] {
+            assert_eq!(
+                Fingerprint::from_json_slice(a).unwrap(),
+                Fingerprint::from_json_slice(b).unwrap(),
+                "{} and {}",
+                String::from_utf8_lossy(a),
+                String::from_utf8_lossy(b)
+            );
+            let v: serde_json::Value = serde_json::from_slice(a).unwrap();
+            let c = canonical_json(&v);
+            let again: serde_json::Value = serde_json::from_str(&c).unwrap();
+            assert_eq!(again, v);
+            assert_eq!(canonical_json(&again), c);
+        }
+    }
+
+    /// Found by the `fingerprint_value` fuzz target: `-0.0` and `0.0` are equal values but
+    /// were written as two canonical texts, so they had two fingerprints.
+    #[test]
+    fn signed_zeros_are_one_value() {
+        let neg: serde_json::Value = serde_json::from_str("-0.0").unwrap();
+        let pos: serde_json::Value = serde_json::from_str("0.0").unwrap();
+        assert_eq!(neg, pos);
+        assert_eq!(canonical_json(&neg), "0.0");
+        assert_eq!(Fingerprint::from_json(&neg), Fingerprint::from_json(&pos));
+        assert_eq!(
+            Fingerprint::from_json_slice(br#"{"a":[-0.0, -0e3]}"#).unwrap(),
+            Fingerprint::from_json_slice(br#"{"a":[0.0, 0e0]}"#).unwrap()
+        );
+        // An integer zero is another value than a float zero, as serde_json compares them.
+        assert_ne!(
+            Fingerprint::from_json_slice(b"0").unwrap(),
+            Fingerprint::from_json_slice(b"0.0").unwrap()
+        );
     }
 
     #[test]

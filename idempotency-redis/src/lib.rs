@@ -298,6 +298,75 @@ fn read_error(e: Error) -> Error {
     }
 }
 
+fn claim_reply(value: Value, id: &RecordId) -> Result<Claim, Error> {
+    let reply = Reply::parse(value)?;
+    match reply.tag.as_str() {
+        "claimed" => Ok(Claim::Claimed {
+            token: reply.token(0)?,
+            lease_until: reply.millis(1, "lease deadline")?,
+        }),
+        "record" => Ok(Claim::Existing {
+            now: reply.millis(0, "server time")?,
+            record: reply.record(1, id)?,
+        }),
+        _ => Err(reply.unexpected_tag("claim")),
+    }
+}
+
+fn reclaim_reply(value: Value) -> Result<Reclaim, Error> {
+    let reply = Reply::parse(value)?;
+    match reply.tag.as_str() {
+        "reclaimed" => Ok(Reclaim::Reclaimed {
+            token: reply.token(0)?,
+            lease_until: reply.millis(1, "lease deadline")?,
+        }),
+        "lost" => Ok(Reclaim::Lost),
+        _ => Err(reply.unexpected_tag("reclaim")),
+    }
+}
+
+fn get_reply(value: Value, id: &RecordId) -> Result<Option<Record>, Error> {
+    let reply = Reply::parse(value)?;
+    match reply.tag.as_str() {
+        "record" => reply.record(1, id).map(Some),
+        "none" => Ok(None),
+        _ => Err(reply.unexpected_tag("get")),
+    }
+}
+
+/// The pure decoders of script replies and stored record hashes, reachable from the fuzz
+/// targets in `fuzz/`. Not part of the API: they may change at any time.
+#[doc(hidden)]
+pub mod __fuzz {
+    use idempotency_core::{Cas, Claim, Error, Reclaim, Record, RecordId};
+    use redis::Value;
+
+    /// Decodes an `HGETALL`-style field/value array into a record.
+    pub fn decode_record(id: &RecordId, flat: &[Value]) -> Result<Record, Error> {
+        crate::decode::decode_record(id, flat)
+    }
+
+    /// Decodes the claim script's reply.
+    pub fn claim_reply(value: Value, id: &RecordId) -> Result<Claim, Error> {
+        crate::claim_reply(value, id)
+    }
+
+    /// Decodes the reclaim script's reply.
+    pub fn reclaim_reply(value: Value) -> Result<Reclaim, Error> {
+        crate::reclaim_reply(value)
+    }
+
+    /// Decodes the get script's reply.
+    pub fn get_reply(value: Value, id: &RecordId) -> Result<Option<Record>, Error> {
+        crate::get_reply(value, id)
+    }
+
+    /// Decodes the reply of the complete, fail and extend scripts.
+    pub fn cas_reply(value: Value) -> Result<Cas, Error> {
+        crate::cas_reply(value, "complete")
+    }
+}
+
 fn cas_reply(value: Value, op: &str) -> Result<Cas, Error> {
     let reply = Reply::parse(value)?;
     match reply.tag.as_str() {
@@ -325,18 +394,7 @@ impl IdempotencyStore for RedisStore {
                 ],
             )
             .await?;
-        let reply = Reply::parse(value)?;
-        match reply.tag.as_str() {
-            "claimed" => Ok(Claim::Claimed {
-                token: reply.token(0)?,
-                lease_until: reply.millis(1, "lease deadline")?,
-            }),
-            "record" => Ok(Claim::Existing {
-                now: reply.millis(0, "server time")?,
-                record: reply.record(1, &request.id)?,
-            }),
-            _ => Err(reply.unexpected_tag("claim")),
-        }
+        claim_reply(value, &request.id)
     }
 
     async fn complete(
@@ -425,15 +483,7 @@ impl IdempotencyStore for RedisStore {
                 ],
             )
             .await?;
-        let reply = Reply::parse(value)?;
-        match reply.tag.as_str() {
-            "reclaimed" => Ok(Reclaim::Reclaimed {
-                token: reply.token(0)?,
-                lease_until: reply.millis(1, "lease deadline")?,
-            }),
-            "lost" => Ok(Reclaim::Lost),
-            _ => Err(reply.unexpected_tag("reclaim")),
-        }
+        reclaim_reply(value)
     }
 
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
@@ -441,12 +491,7 @@ impl IdempotencyStore for RedisStore {
             .eval(&self.scripts.get, id, &[])
             .await
             .map_err(read_error)?;
-        let reply = Reply::parse(value)?;
-        match reply.tag.as_str() {
-            "record" => reply.record(1, id).map(Some),
-            "none" => Ok(None),
-            _ => Err(reply.unexpected_tag("get")),
-        }
+        get_reply(value, id)
     }
 
     /// Redis evicts records by itself (each key's TTL is its `expires_at` plus the expired

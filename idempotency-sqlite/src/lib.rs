@@ -802,6 +802,21 @@ fn non_negative<T: TryFrom<i64>>(v: i64, name: &str) -> Result<T, Error> {
     T::try_from(v).map_err(|_| Error::corrupt(format!("{name} is out of range: {v}")))
 }
 
+/// The row decoder, reachable from the fuzz targets in `fuzz/`. Not part of the API: it may
+/// change at any time.
+#[doc(hidden)]
+pub mod __fuzz {
+    use idempotency_core::{Error, Record};
+
+    /// The columns [`decode_record`] reads, in order.
+    pub const COLUMNS: &str = super::COLUMNS;
+
+    /// Decodes one row whose columns are [`COLUMNS`] in order, as every read of the store does.
+    pub fn decode_record(row: &rusqlite::Row<'_>) -> Result<Record, Error> {
+        super::decode_record(row)
+    }
+}
+
 /// Decodes one row in [`COLUMNS`] order, refusing anything the store could not have written.
 fn decode_record(row: &Row<'_>) -> Result<Record, Error> {
     let scope: String = column(row, 0, "scope")?;
