@@ -44,7 +44,8 @@ impl Fingerprint {
     /// insignificant whitespace), so key order does not change the fingerprint.
     pub fn from_json(value: &serde_json::Value) -> Self {
         let mut hasher = Sha256::new();
-        write_canonical(value, &mut HashWriter(&mut hasher));
+        // Hashing cannot fail.
+        let _ = write_canonical(value, &mut HashWriter(&mut hasher));
         Self(hasher.finalize().into())
     }
 
@@ -98,71 +99,67 @@ impl fmt::Display for Fingerprint {
 /// every depth, arrays in order, strings escaped as `serde_json` escapes them, numbers as
 /// `serde_json` prints them (except that a float zero is always `0.0`, never `-0.0`).
 pub fn canonical_json(value: &serde_json::Value) -> String {
-    let mut out = StringWriter(String::new());
-    write_canonical(value, &mut out);
-    out.0
+    let mut out = Vec::new();
+    // Writing into a Vec cannot fail.
+    let _ = write_canonical(value, &mut out);
+    // Only valid UTF-8 is written: serde_json's string escapes, numbers and punctuation.
+    String::from_utf8(out).unwrap_or_default()
 }
 
-trait Sink {
-    fn put(&mut self, s: &str);
-}
-
+/// SHA-256 as an `io::Write` sink, so the canonical text is hashed as it is produced, with no
+/// intermediate buffer.
 struct HashWriter<'a>(&'a mut Sha256);
-impl Sink for HashWriter<'_> {
-    fn put(&mut self, s: &str) {
-        self.0.update(s.as_bytes());
+
+impl std::io::Write for HashWriter<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.update(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 
-struct StringWriter(String);
-impl Sink for StringWriter {
-    fn put(&mut self, s: &str) {
-        self.0.push_str(s);
-    }
-}
-
-fn write_string(s: &str, out: &mut dyn Sink) {
-    // serde_json's string escaping is canonical for a given string.
-    let quoted = serde_json::Value::String(s.to_owned()).to_string();
-    out.put(&quoted);
-}
-
-fn write_canonical(value: &serde_json::Value, out: &mut dyn Sink) {
+fn write_canonical<W: std::io::Write>(
+    value: &serde_json::Value,
+    out: &mut W,
+) -> std::io::Result<()> {
     use serde_json::Value;
     match value {
-        Value::Null => out.put("null"),
-        Value::Bool(true) => out.put("true"),
-        Value::Bool(false) => out.put("false"),
+        Value::Null => out.write_all(b"null"),
+        Value::Bool(true) => out.write_all(b"true"),
+        Value::Bool(false) => out.write_all(b"false"),
         // -0.0 and 0.0 are equal numbers (and equal `Value`s): one text for both, as in
         // RFC 8785.
-        Value::Number(n) if n.is_f64() && n.as_f64() == Some(0.0) => out.put("0.0"),
-        Value::Number(n) => out.put(&n.to_string()),
-        Value::String(s) => write_string(s, out),
+        Value::Number(n) if n.is_f64() && n.as_f64() == Some(0.0) => out.write_all(b"0.0"),
+        Value::Number(n) => write!(out, "{n}"),
+        // serde_json's string escaping is canonical for a given string.
+        Value::String(s) => serde_json::to_writer(&mut *out, s).map_err(std::io::Error::other),
         Value::Array(items) => {
-            out.put("[");
+            out.write_all(b"[")?;
             for (i, item) in items.iter().enumerate() {
                 if i > 0 {
-                    out.put(",");
+                    out.write_all(b",")?;
                 }
-                write_canonical(item, out);
+                write_canonical(item, out)?;
             }
-            out.put("]");
+            out.write_all(b"]")
         }
         Value::Object(map) => {
             // Sort explicitly: serde_json's map keeps insertion order when another crate in
             // the build enables its `preserve_order` feature.
             let mut entries: Vec<_> = map.iter().collect();
-            entries.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
-            out.put("{");
+            entries.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+            out.write_all(b"{")?;
             for (i, (k, v)) in entries.into_iter().enumerate() {
                 if i > 0 {
-                    out.put(",");
+                    out.write_all(b",")?;
                 }
-                write_string(k, out);
-                out.put(":");
-                write_canonical(v, out);
+                serde_json::to_writer(&mut *out, k).map_err(std::io::Error::other)?;
+                out.write_all(b":")?;
+                write_canonical(v, out)?;
             }
-            out.put("}");
+            out.write_all(b"}")
         }
     }
 }
@@ -207,38 +204,29 @@ impl FingerprintBuilder {
         self
     }
 
-    /// Computes the digest.
+    /// Computes the digest. A JSON body contributes `J` and the SHA-256 of its canonical
+    /// text (hashed as it is written, never buffered); any other body `R` and its bytes.
     pub fn finish(self) -> Fingerprint {
         let mut h = Sha256::new();
-        h.update(b"idempotency-fingerprint-v1");
-        let is_json = self.content_type.as_deref().is_some_and(is_json_media_type);
-        let body: Option<Vec<u8>> = self.body.map(|b| {
-            if is_json {
-                match serde_json::from_slice::<serde_json::Value>(&b) {
-                    Ok(v) => {
-                        let mut c = canonical_json(&v).into_bytes();
-                        c.insert(0, b'J');
-                        c
-                    }
-                    Err(_) => raw_body(b),
-                }
-            } else {
-                raw_body(b)
-            }
-        });
-        for part in [
-            self.method.as_deref().map(str::as_bytes),
-            self.path.as_deref().map(str::as_bytes),
-            self.query.as_deref().map(str::as_bytes),
-            self.content_type.as_deref().map(str::as_bytes),
-            body.as_deref(),
-        ] {
-            match part {
+        h.update(b"idempotency-fingerprint-v2");
+        for field in [&self.method, &self.path, &self.query, &self.content_type] {
+            match field {
+                Some(s) => hash_part(&mut h, &[s.as_bytes()]),
                 None => h.update([0u8]),
-                Some(bytes) => {
-                    h.update([1u8]);
-                    h.update((bytes.len() as u64).to_be_bytes());
-                    h.update(bytes);
+            }
+        }
+        let is_json = self.content_type.as_deref().is_some_and(is_json_media_type);
+        match &self.body {
+            None => h.update([0u8]),
+            Some(body) => {
+                let json = is_json
+                    .then(|| serde_json::from_slice::<serde_json::Value>(body).ok())
+                    .flatten();
+                match json {
+                    Some(value) => {
+                        hash_part(&mut h, &[b"J", Fingerprint::from_json(&value).as_bytes()])
+                    }
+                    None => hash_part(&mut h, &[b"R", body]),
                 }
             }
         }
@@ -246,9 +234,14 @@ impl FingerprintBuilder {
     }
 }
 
-fn raw_body(mut b: Vec<u8>) -> Vec<u8> {
-    b.insert(0, b'R');
-    b
+/// Hashes one present part: a marker, its length, then its chunks.
+fn hash_part(h: &mut Sha256, chunks: &[&[u8]]) {
+    let len: usize = chunks.iter().map(|c| c.len()).sum();
+    h.update([1u8]);
+    h.update((len as u64).to_be_bytes());
+    for c in chunks {
+        h.update(c);
+    }
 }
 
 /// Whether a `Content-Type` value names JSON: `application/json` or a `+json` suffix type,
