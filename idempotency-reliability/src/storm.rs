@@ -42,6 +42,29 @@ fn unexpected(result: &RunResult) -> Option<String> {
 /// `workers` tasks make `calls` calls over `keys` keys, each under a timeout drawn from
 /// `0..max_deadline` (one in ten instead runs in a task aborted after that delay). The work
 /// itself takes 0–2 ms, so the drops land before, during and after it.
+/// How long `runner` takes per call here and now: the median of `samples` sequential calls on
+/// fresh keys of `scope`, without timeouts. Storms draw their deadlines around it, so that a
+/// fast disk or an idle machine still sees calls cut at every stage.
+pub async fn calibrate(runner: &Arc<dyn Runner>, scope: &Scope, samples: usize) -> Duration {
+    let mut took = Vec::with_capacity(samples);
+    for i in 0..samples {
+        let key = IdempotencyKey::random();
+        let work = Work::new(1_000_000 + i as u64, WorkFault::None, Duration::ZERO);
+        let started = std::time::Instant::now();
+        let result = runner
+            .run(key.clone(), scope.clone(), fingerprint(&key), work)
+            .await;
+        took.push(started.elapsed());
+        if let Some(problem) = unexpected(&result) {
+            panic!("calibration call failed: {problem}");
+        }
+    }
+    took.sort_unstable();
+    took.get(took.len() / 2)
+        .copied()
+        .unwrap_or(Duration::from_millis(1))
+}
+
 pub async fn cancellation_storm(
     runner: Arc<dyn Runner>,
     scope: &Scope,

@@ -11,7 +11,7 @@ use idempotency_core::{
 };
 use idempotency_reliability::soak::{soak_policy, EngineRunner, RunResult, Runner, Work};
 use idempotency_reliability::storm::{
-    cancellation_storm, next_calls_succeed, storm_key, storm_keys_settle,
+    calibrate, cancellation_storm, next_calls_succeed, storm_key, storm_keys_settle,
 };
 use idempotency_sqlite::rusqlite::{self, params};
 use idempotency_sqlite::{ConnectionMode, SqliteStore};
@@ -140,12 +140,19 @@ async fn storm(mode: ConnectionMode, connections: usize, deadline: Duration) {
         Scope::new("storm|plain").expect("scope"),
         Scope::new("storm|tx").expect("scope"),
     );
+    // Deadlines are drawn up to `deadline` or, where calls are slower, up to a few times the
+    // measured median call, so the storm cuts calls at every stage whatever the disk's speed.
+    let calibration = Scope::new("storm|calibration").expect("scope");
+    let median = calibrate(&plain, &calibration, 30)
+        .await
+        .max(calibrate(&transactional, &calibration, 30).await);
+    let deadline = deadline.min(median * 4).max(Duration::from_micros(200));
     let (a, b) = tokio::join!(
         cancellation_storm(plain.clone(), &plain_scope, 8, 1_500, 40, deadline),
         cancellation_storm(transactional.clone(), &tx_scope, 8, 1_500, 40, deadline),
     );
     eprintln!(
-        "sqlite {mode:?} storm: plain {} calls ({} interrupted), run_exactly_once {} calls ({} interrupted)",
+        "sqlite {mode:?} storm (median call {median:?}, deadlines up to {deadline:?}): plain {} calls ({} interrupted), run_exactly_once {} calls ({} interrupted)",
         a.calls, a.interrupted, b.calls, b.interrupted
     );
     assert!(a.errors.is_empty(), "{:?}", a.errors);
