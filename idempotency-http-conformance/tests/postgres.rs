@@ -7,62 +7,17 @@ use idempotency_core::{Idempotency, Policy};
 use idempotency_http_conformance::cases::{assert_problem, send};
 use idempotency_http_conformance::server::TestServer;
 use idempotency_postgres::sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use idempotency_postgres::sqlx::{Connection, Executor, PgConnection};
 use idempotency_postgres::PostgresStore;
+use idempotency_testing::postgres::{pool, Isolation, SchemaGuard};
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-fn url() -> String {
-    std::env::var("IDEMPOTENCY_TEST_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
-}
-
-fn unreachable(e: impl std::fmt::Display) -> ! {
-    panic!(
-        "cannot reach PostgreSQL at {} ({e}).\n\
-         Start it with `bash .ci/services` (PostgreSQL on 127.0.0.1:5432, trust auth, database \
-         `test`), or point IDEMPOTENCY_TEST_POSTGRES_URL at a server you can write to.",
-        url()
-    )
-}
-
-/// Drops its schema, and everything in it, when dropped.
-struct SchemaGuard(String);
-
-impl Drop for SchemaGuard {
-    fn drop(&mut self) {
-        let schema = self.0.clone();
-        // Drop may run inside or outside a runtime: clean up on a thread of its own.
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            rt.block_on(async move {
-                let options = PgConnectOptions::from_str(&url()).ok()?;
-                let mut conn = PgConnection::connect_with(&options).await.ok()?;
-                conn.execute(format!(r#"DROP SCHEMA IF EXISTS "{schema}" CASCADE"#).as_str())
-                    .await
-                    .ok()?;
-                conn.close().await.ok()
-            })
-        })
-        .join();
-    }
-}
-
 async fn factory() -> TestStore {
-    let options = PgConnectOptions::from_str(&url()).unwrap_or_else(|e| unreachable(e));
-    let pool = PgPoolOptions::new()
-        .max_connections(8)
-        .acquire_timeout(Duration::from_secs(30))
-        .connect_with(options)
-        .await
-        .unwrap_or_else(|e| unreachable(e));
-    let guard = SchemaGuard(format!("idem_http_{}", uuid::Uuid::new_v4().simple()));
+    let pool = pool(Isolation::ReadCommitted, 8).await;
+    let guard = SchemaGuard::new();
     let store = PostgresStore::builder()
-        .schema(&guard.0)
+        .schema(&guard.schema)
         .build(pool)
         .expect("valid names");
     store.migrate().await.expect("migrate");
