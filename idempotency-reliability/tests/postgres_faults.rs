@@ -11,7 +11,9 @@ use idempotency_postgres::sqlx::{self, Connection, PgPool};
 use idempotency_postgres::{PgIdempotency, PostgresStore};
 use idempotency_reliability::postgres::PgTransactionalRunner;
 use idempotency_reliability::soak::{EngineRunner, Runner};
-use idempotency_reliability::storm::{cancellation_storm, next_calls_succeed, storm_keys_settle};
+use idempotency_reliability::storm::{
+    calibrate, cancellation_storm, next_calls_succeed, storm_keys_settle,
+};
 use idempotency_testing::postgres::{self as pg, Isolation, SchemaGuard};
 use rand::Rng;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -329,7 +331,15 @@ async fn cancellation_storm_leaves_no_connection_in_a_transaction() {
         Scope::new("storm|plain").expect("scope"),
         Scope::new("storm|tx").expect("scope"),
     );
-    let deadline = Duration::from_millis(60);
+    // Deadlines up to 60 ms or a few times the measured median call, whichever is shorter,
+    // so an idle machine's fast calls are still cut at every stage.
+    let calibration = Scope::new("storm|calibration").expect("scope");
+    let median = calibrate(&plain, &calibration, 30)
+        .await
+        .max(calibrate(&tx_runner, &calibration, 30).await);
+    let deadline = Duration::from_millis(60)
+        .min(median * 4)
+        .max(Duration::from_micros(200));
     let (a, b) = tokio::join!(
         cancellation_storm(plain.clone(), &plain_scope, 8, 1_500, 40, deadline),
         cancellation_storm(tx_runner.clone(), &tx_scope, 8, 1_500, 40, deadline),

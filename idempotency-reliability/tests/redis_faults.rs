@@ -4,7 +4,9 @@
 use idempotency_core::Scope;
 use idempotency_redis::RedisStore;
 use idempotency_reliability::soak::{soak, EngineRunner, Report, Runner, SoakConfig};
-use idempotency_reliability::storm::{cancellation_storm, next_calls_succeed, storm_keys_settle};
+use idempotency_reliability::storm::{
+    calibrate, cancellation_storm, next_calls_succeed, storm_keys_settle,
+};
 use idempotency_testing::redis_server::{free_port, RedisServer};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -113,15 +115,13 @@ async fn cancellation_storm_then_every_call_succeeds() {
     let lease = Duration::from_millis(300);
     let runner: Arc<dyn Runner> = Arc::new(EngineRunner::new(Arc::new(store), lease));
     let scope = Scope::new("storm|redis").expect("scope");
-    let report = cancellation_storm(
-        runner.clone(),
-        &scope,
-        16,
-        3_000,
-        40,
-        Duration::from_millis(8),
-    )
-    .await;
+    // Deadlines up to 8 ms or a few times the measured median call, whichever is shorter.
+    let calibration = Scope::new("storm|calibration").expect("scope");
+    let median = calibrate(&runner, &calibration, 30).await;
+    let deadline = Duration::from_millis(8)
+        .min(median * 4)
+        .max(Duration::from_micros(100));
+    let report = cancellation_storm(runner.clone(), &scope, 16, 3_000, 40, deadline).await;
     eprintln!(
         "redis storm: {} calls, {} interrupted, {} answered",
         report.calls, report.interrupted, report.answered
