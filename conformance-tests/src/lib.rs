@@ -1,8 +1,10 @@
 #![doc = include_str!("../README.md")]
 
 pub mod cases;
+mod flaky;
 mod harness;
 
+pub use flaky::{Fault, FlakyOp, FlakyStore};
 pub use harness::{run_case, Capabilities, TestStore, TimeControl};
 
 /// The name of every case, in the order the macro expands them.
@@ -51,7 +53,11 @@ macro_rules! __with_case_list {
             model_based_random_sequences,
             engine_concurrent_runs_execute_once,
             engine_panic_releases_key,
-            engine_dropped_work_releases_key,
+            engine_abandoned_work_holds_key_until_lease,
+            engine_failed_completion_holds_key,
+            engine_fenced_heartbeat_loses_completion,
+            engine_wait_policy_takes_over_and_gives_up,
+            engine_each_request_counts_one_hit,
             engine_error_not_stored,
             engine_wait_policy_replays,
             engine_mismatch,

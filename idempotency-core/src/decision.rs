@@ -22,6 +22,12 @@ pub enum Decision {
         /// The token read, to compare-and-swap against.
         expected: FencingToken,
     },
+    /// The last attempt with this fingerprint failed permanently ([`crate::Failure`] with
+    /// `retryable = false`): the same request would fail the same way, or its work may have
+    /// acted without a storable outcome, so it is not run again while the record lives. A
+    /// request with another fingerprint (a corrected one) may still reclaim the key when
+    /// [`DecisionOptions::reclaim_failed_with_different_fingerprint`] allows it.
+    FailedPermanently,
 }
 
 /// Options of the decision that come from the engine's policy.
@@ -74,6 +80,7 @@ pub fn decide(
                 expected: record.token,
             },
         },
+        RecordStatus::Failed if same && is_permanent(record) => Decision::FailedPermanently,
         RecordStatus::Failed if same || options.reclaim_failed_with_different_fingerprint => {
             Decision::Reclaim {
                 expected: record.token,
@@ -83,16 +90,31 @@ pub fn decide(
     }
 }
 
+/// Whether a Failed record's failure says that retrying the same request is pointless.
+fn is_permanent(record: &Record) -> bool {
+    record.failure.as_ref().is_some_and(|f| !f.retryable)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{IdempotencyKey, RecordId, Scope};
+    use crate::{Failure, IdempotencyKey, RecordId, Scope};
 
     fn record(
         status: RecordStatus,
         fp: Fingerprint,
         lease_until: Option<Timestamp>,
         expires_at: Timestamp,
+    ) -> Record {
+        record_with_failure(status, fp, lease_until, expires_at, true)
+    }
+
+    fn record_with_failure(
+        status: RecordStatus,
+        fp: Fingerprint,
+        lease_until: Option<Timestamp>,
+        expires_at: Timestamp,
+        retryable: bool,
     ) -> Record {
         Record {
             id: RecordId::new(Scope::new("s").unwrap(), IdempotencyKey::new("k").unwrap()),
@@ -102,7 +124,10 @@ mod tests {
             lease_until,
             outcome: (status == RecordStatus::Completed).then(Vec::new),
             attempts: 1,
-            failure: None,
+            failure: (status == RecordStatus::Failed).then(|| Failure {
+                retryable,
+                message: "m".into(),
+            }),
             hits: 0,
             created_at: Timestamp::from_millis(0),
             updated_at: Timestamp::from_millis(0),
@@ -111,7 +136,8 @@ mod tests {
     }
 
     /// Every status × same/different fingerprint × lease live/passed × expired or not ×
-    /// both settings of the failed-reclaim option, against the table in DESIGN.md.
+    /// both settings of the failed-reclaim option × retryable or permanent failure, against
+    /// the state machine's table.
     #[test]
     fn exhaustive_table() {
         let now = Timestamp::from_millis(10_000);
@@ -126,7 +152,9 @@ mod tests {
             for same in [true, false] {
                 for lease_live in [true, false] {
                     for expired in [true, false] {
-                        for reclaim_other in [true, false] {
+                        for (reclaim_other, retryable) in
+                            [(true, true), (true, false), (false, true), (false, false)]
+                        {
                             cases += 1;
                             let lease_until = match status {
                                 RecordStatus::Pending if lease_live => {
@@ -138,11 +166,12 @@ mod tests {
                             };
                             let expires_at =
                                 Timestamp::from_millis(if expired { 10_000 } else { 60_000 });
-                            let r = record(
+                            let r = record_with_failure(
                                 status,
                                 if same { fp } else { other },
                                 lease_until,
                                 expires_at,
+                                retryable,
                             );
                             let opts = DecisionOptions {
                                 reclaim_failed_with_different_fingerprint: reclaim_other,
@@ -163,6 +192,9 @@ mod tests {
                                     (RecordStatus::Pending, true) => Decision::Reclaim {
                                         expected: FencingToken(7),
                                     },
+                                    (RecordStatus::Failed, true) if !retryable => {
+                                        Decision::FailedPermanently
+                                    }
                                     (RecordStatus::Failed, true) => Decision::Reclaim {
                                         expected: FencingToken(7),
                                     },
@@ -174,13 +206,13 @@ mod tests {
                                     (RecordStatus::Failed, false) => Decision::Mismatch,
                                 }
                             };
-                            assert_eq!(got, want, "{status:?} same={same} lease_live={lease_live} expired={expired} reclaim_other={reclaim_other}");
+                            assert_eq!(got, want, "{status:?} same={same} lease_live={lease_live} expired={expired} reclaim_other={reclaim_other} retryable={retryable}");
                         }
                     }
                 }
             }
         }
-        assert_eq!(cases, 48);
+        assert_eq!(cases, 96);
         assert_eq!(
             decide(None, &fp, now, DecisionOptions::default()),
             Decision::Claim

@@ -4,7 +4,7 @@ use crate::observe::{emit, loggable_key, Event};
 use crate::{
     decide, Cas, Claim, ClaimRequest, Decision, Error, ErrorOutcomes, Failure, FencingToken,
     Fingerprint, IdempotencyKey, IdempotencyStore, InFlight, Policy, Reclaim, Record, RecordId,
-    RecordStatus, Scope,
+    RecordStatus, Scope, Timestamp,
 };
 use futures::FutureExt;
 use serde::{de::DeserializeOwned, Serialize};
@@ -237,6 +237,12 @@ impl Idempotency {
     }
 
     /// [`Idempotency::begin`] on a prepared request, whose address moves into the lease.
+    ///
+    /// One request counts one hit: it claims once, and every later look (after a lost
+    /// reclaim, while waiting) is a `get`, decided against the store's `now` from that claim
+    /// plus the time elapsed since. That estimate only steers the next step: a reclaim is
+    /// still decided by the store's clock, and a record the estimate thinks expired is
+    /// claimed again, which the store decides.
     async fn begin_request(&self, request: ClaimRequest) -> Result<Begin, Error> {
         let started = Instant::now();
         // Store calls go to the `dyn` store itself (here and in `Lease`): method lookup on the
@@ -251,23 +257,40 @@ impl Idempotency {
             InFlight::Reject => Duration::ZERO,
         };
         let mut last_retry_after = self.policy.lease;
+        // The store's clock at the last claim, and when that was on ours.
+        let mut store_clock: Option<(Timestamp, Instant)> = None;
+        let mut reread = false;
         let mut rounds = 0;
         while rounds < MAX_ROUNDS {
             rounds += 1;
-            let (record, now) = match store.claim(&request).await? {
-                Claim::Claimed { token, .. } => {
-                    emit(Event::Claim);
-                    return Ok(Begin::Execute(self.lease(request.id, token)));
-                }
-                Claim::Existing { record, now } => (record, now),
+            let observed = match store_clock {
+                Some((then, at)) if reread => store
+                    .get(id)
+                    .await?
+                    .map(|record| (record, then.saturating_add(at.elapsed()))),
+                _ => None,
             };
+            let (record, now) = match observed {
+                Some(seen) => seen,
+                None => match store.claim(&request).await? {
+                    Claim::Claimed { token, .. } => {
+                        emit(Event::Claim);
+                        return Ok(Begin::Execute(self.lease(request.id, token)));
+                    }
+                    Claim::Existing { record, now } => {
+                        store_clock = Some((now, Instant::now()));
+                        (record, now)
+                    }
+                },
+            };
+            reread = true;
             match decide(
                 Some(&record),
                 fingerprint,
                 now,
                 self.policy.decision_options(),
             ) {
-                Decision::Claim => continue,
+                Decision::Claim => reread = false,
                 Decision::Replay => {
                     emit(Event::Replay);
                     return Ok(Begin::Replay(record));
@@ -275,6 +298,12 @@ impl Idempotency {
                 Decision::Mismatch => {
                     emit(Event::Mismatch);
                     return Err(Error::Mismatch);
+                }
+                Decision::FailedPermanently => {
+                    emit(Event::FailedPermanently);
+                    return Err(Error::FailedPermanently {
+                        message: record.failure.map(|f| f.message).unwrap_or_default(),
+                    });
                 }
                 Decision::Reclaim { expected } => {
                     match store
@@ -291,7 +320,8 @@ impl Idempotency {
                             emit(Event::Reclaim);
                             return Ok(Begin::Execute(self.lease(request.id, token)));
                         }
-                        Reclaim::Lost => continue,
+                        // Someone else moved the record on: look again (a `get`).
+                        Reclaim::Lost => {}
                     }
                 }
                 Decision::InProgress { retry_after } => {
@@ -306,9 +336,8 @@ impl Idempotency {
                     };
                     // Waiting is bounded by `max_wait`, not by rounds.
                     rounds = 0;
-                    // Poll with `get` (no hit counted) until the holder settles, or until its
-                    // lease may have passed; then claim again, which decides on the store's
-                    // clock.
+                    // Poll with `get` until the holder settles, or until its lease may have
+                    // passed; then decide again.
                     let wait_started = Instant::now();
                     loop {
                         let waited = started.elapsed();
@@ -317,7 +346,7 @@ impl Idempotency {
                             return Err(Error::InProgress { retry_after });
                         }
                         tokio::time::sleep(backoff.min(max_wait - waited)).await;
-                        backoff = (backoff * 2).min(max_backoff);
+                        backoff = backoff.saturating_mul(2).min(max_backoff);
                         match store.get(id).await? {
                             Some(r)
                                 if r.status == RecordStatus::Pending
@@ -354,16 +383,32 @@ pub fn decode_replay<R: DeserializeOwned>(record: &Record) -> Result<R, Error> {
 /// Settle it with [`Lease::complete`] or [`Lease::fail`], or with
 /// [`Lease::settled_externally`] after committing the completion inside your own transaction.
 /// Run the work inside [`Lease::with_heartbeat`] to extend the lease while it runs (per
-/// [`Policy::heartbeat`]); [`Idempotency::run`] does this for you. Dropping a lease unsettled
-/// (the work panicked or its future was cancelled) records a retryable failure in the
-/// background, so the key is released at once; if that write cannot be made, the lease simply
-/// passes and a retry reclaims the key.
+/// [`Policy::heartbeat`], for at most [`Policy::max_work_time`]); [`Idempotency::run`] does
+/// this for you.
+///
+/// # When the key is released
+///
+/// The key is released at once (the record becomes Failed and a retry runs) only when the
+/// work is known not to have acted, or the policy says its failure is to be retried: the
+/// work returned an outcome the policy releases, or it panicked ([`Idempotency::run`] calls
+/// [`Lease::fail`] for both). Everything else holds the key until the lease passes, because
+/// the work may have acted:
+/// - a lease dropped unsettled (the work's future was cancelled by a timeout, an abort or a
+///   client that went away, or a caller of [`Idempotency::begin`] returned early): nothing
+///   is written, the heartbeat stops with the future, and a retry is told
+///   [`Error::InProgress`] until the lease passes, then takes the key over;
+/// - a completion the store refused with errors through every try of
+///   [`Policy::settle_retry`]: the caller gets [`Error::OutcomeUnknown`] and the record stays
+///   Pending until the lease passes.
+///
+/// Call [`Lease::fail`] yourself to release a key whose work you know did nothing.
 #[derive(Debug)]
 pub struct Lease {
     store: Arc<dyn IdempotencyStore>,
     policy: Arc<Policy>,
     id: RecordId,
     token: FencingToken,
+    claimed_at: Instant,
     lost: AtomicBool,
     settled: bool,
 }
@@ -380,6 +425,7 @@ impl Lease {
             policy,
             id,
             token,
+            claimed_at: Instant::now(),
             lost: AtomicBool::new(false),
             settled: false,
         }
@@ -414,10 +460,13 @@ impl Lease {
     }
 
     /// Runs `work` to completion while extending the lease every `fraction × lease` (per
-    /// [`Policy::heartbeat`]). The heartbeat is polled in the caller's task, so nothing is
-    /// spawned and short work costs no more than a timer. If an extension is fenced the lease
-    /// is marked lost ([`Lease::is_lost`]) and the work still runs to its end; its completion
-    /// will then be refused with [`Error::LeaseLost`].
+    /// [`Policy::heartbeat`]), until [`Policy::max_work_time`] after the claim: a work that
+    /// hangs then stops being extended, its lease passes, and a retry may take the key over
+    /// (this work's completion is then fenced). The heartbeat is polled in the caller's
+    /// task, so nothing is spawned and short work costs no more than a timer; dropping the
+    /// returned future stops it. If an extension is fenced the lease is marked lost
+    /// ([`Lease::is_lost`]) and the work still runs to its end; its completion will then be
+    /// refused with [`Error::LeaseLost`].
     pub async fn with_heartbeat<F: Future>(&self, work: F) -> F::Output {
         let Some(fraction) = self.policy.heartbeat else {
             return work.await;
@@ -430,10 +479,25 @@ impl Lease {
         let beat = async {
             loop {
                 tokio::time::sleep(every).await;
+                let worked = self.claimed_at.elapsed();
+                if worked >= self.policy.max_work_time {
+                    tracing::warn!(
+                        record = %self.id,
+                        worked = ?worked,
+                        "the work outlived max_work_time; its lease is no longer extended"
+                    );
+                    return;
+                }
+                // Never extend past the end of the maximum work time.
+                let lease = self
+                    .policy
+                    .lease
+                    .min(self.policy.max_work_time - worked)
+                    .max(Duration::from_millis(1));
                 match self
                     .store
                     .as_ref()
-                    .extend(&self.id, self.token, self.policy.lease)
+                    .extend(&self.id, self.token, lease)
                     .await
                 {
                     Ok(Cas::Applied) => {}
@@ -457,23 +521,101 @@ impl Lease {
     }
 
     /// Stores the outcome. [`Error::LeaseLost`] if the token was fenced.
+    ///
+    /// A store error is retried per [`Policy::settle_retry`] (the write is a compare-and-swap
+    /// on the token, and a write that was applied although its answer was lost is recognised
+    /// on the next try). If every try fails the key is **not** released: the record stays
+    /// Pending until its lease passes and the result is [`Error::OutcomeUnknown`].
     pub async fn complete(mut self, outcome: &[u8]) -> Result<(), Error> {
+        let (store, id, token, ttl) = (self.store.clone(), self.id.clone(), self.token, self.ttl());
         let cas = self
-            .store
-            .as_ref()
-            .complete(&self.id, self.token, outcome, self.policy.ttl)
+            .settle_with_retries(RecordStatus::Completed, || {
+                store.as_ref().complete(&id, token, outcome, ttl)
+            })
             .await;
-        self.settle(cas)
+        match cas {
+            Err(e) => {
+                // The work ran: never release the key because its outcome could not be stored.
+                self.settled = true;
+                emit(Event::OutcomeNotStored);
+                tracing::error!(
+                    record = %self.id,
+                    error = %e,
+                    "the outcome could not be stored; the key stays pending until its lease passes"
+                );
+                Err(match e {
+                    e @ Error::OutcomeUnknown { .. } => e,
+                    e => Error::OutcomeUnknown {
+                        source: Box::new(e),
+                    },
+                })
+            }
+            cas => self.settle(cas),
+        }
     }
 
     /// Records a failure and releases the key. [`Error::LeaseLost`] if the token was fenced.
+    ///
+    /// A store error is retried per [`Policy::settle_retry`]; if every try fails, the error
+    /// is returned and the key stays Pending until its lease passes.
     pub async fn fail(mut self, failure: Failure) -> Result<(), Error> {
+        let (store, id, token, ttl) = (self.store.clone(), self.id.clone(), self.token, self.ttl());
         let cas = self
-            .store
-            .as_ref()
-            .fail(&self.id, self.token, &failure, self.policy.ttl)
+            .settle_with_retries(RecordStatus::Failed, || {
+                store.as_ref().fail(&id, token, &failure, ttl)
+            })
             .await;
+        if cas.is_err() {
+            // Nothing is released; the lease passes on its own.
+            self.settled = true;
+        }
         self.settle(cas)
+    }
+
+    /// Tries `write` per the settle policy. A `Fenced` answer after a failed try is checked
+    /// with a read: if the record is in `status` with this token, an earlier try was applied
+    /// and only its answer was lost.
+    async fn settle_with_retries<'a, W, Fut>(
+        &self,
+        status: RecordStatus,
+        write: W,
+    ) -> Result<Cas, Error>
+    where
+        W: Fn() -> Fut,
+        Fut: Future<Output = Result<Cas, Error>> + 'a,
+    {
+        let retry = self.policy.settle_retry;
+        let mut backoff = retry.initial_backoff;
+        let mut failed_before = false;
+        let mut attempt = 1;
+        loop {
+            match write().await {
+                Ok(Cas::Applied) => return Ok(Cas::Applied),
+                Ok(Cas::Fenced) if failed_before => {
+                    return match self.store.as_ref().get(&self.id).await {
+                        Ok(Some(r)) if r.status == status && r.token == self.token => {
+                            Ok(Cas::Applied)
+                        }
+                        Ok(_) => Ok(Cas::Fenced),
+                        Err(e) => Err(e),
+                    };
+                }
+                Ok(Cas::Fenced) => return Ok(Cas::Fenced),
+                Err(e) if attempt >= retry.attempts => return Err(e),
+                Err(e) => {
+                    tracing::warn!(
+                        record = %self.id,
+                        error = %e,
+                        attempt,
+                        "settling the lease failed; trying again"
+                    );
+                    failed_before = true;
+                    attempt += 1;
+                    tokio::time::sleep(backoff).await;
+                    backoff = backoff.saturating_mul(2).min(retry.max_backoff);
+                }
+            }
+        }
     }
 
     /// Marks the lease settled without writing: the caller committed the completion CAS in
@@ -504,19 +646,13 @@ impl Drop for Lease {
         if self.settled {
             return;
         }
-        if let Ok(handle) = tokio::runtime::Handle::try_current() {
-            let (store, id, token, ttl) = (
-                self.store.clone(),
-                self.id.clone(),
-                self.token,
-                self.policy.ttl,
-            );
-            handle.spawn(async move {
-                let failure = Failure::retryable("abandoned: the work was cancelled or panicked");
-                if let Err(e) = store.as_ref().fail(&id, token, &failure, ttl).await {
-                    tracing::warn!(error = %e, "could not release an abandoned key; its lease will pass");
-                }
-            });
-        }
+        // The work may have acted before it was dropped: writing a failure would let a retry
+        // run it again at once. Leave the record Pending; its lease passes on its own.
+        emit(Event::Abandoned);
+        tracing::warn!(
+            record = %self.id,
+            token = %self.token,
+            "a lease was dropped unsettled; the key stays pending until its lease passes"
+        );
     }
 }

@@ -39,6 +39,14 @@ pub enum Error {
         /// The token that was refused.
         token: FencingToken,
     },
+    /// The last attempt with this key and payload failed permanently (a failure recorded with
+    /// `retryable = false`), so the work is not run again while the record is kept. A
+    /// corrected request (another payload) may still run, per the policy.
+    #[error("the request with this idempotency key failed permanently: {message}")]
+    FailedPermanently {
+        /// The failure's message, for operators (not meant for clients).
+        message: String,
+    },
     /// A stored record could not be decoded.
     #[error("corrupt stored record: {reason}")]
     CorruptRecord {
@@ -66,7 +74,10 @@ pub enum Error {
         source: BoxError,
     },
     /// The store may or may not have applied a write: the connection died after the request
-    /// was sent. Read the record again before assuming anything.
+    /// was sent, or the work ran and its outcome could not be stored after the retries of
+    /// [`crate::Policy::settle_retry`]. The key is not released: it stays Pending until its
+    /// lease passes, so retries are told [`Error::InProgress`] until then and never replay
+    /// an outcome that was not stored. Read the record again before assuming anything.
     #[error("outcome unknown: the store may or may not have applied the write: {source}")]
     OutcomeUnknown {
         /// The transport error.
@@ -114,6 +125,7 @@ impl Error {
             Self::InvalidKey(_)
             | Self::InvalidScope(_)
             | Self::Mismatch
+            | Self::FailedPermanently { .. }
             | Self::CorruptRecord { .. }
             | Self::Codec { .. }
             | Self::Config(_) => false,

@@ -20,7 +20,7 @@ pub use error::{BoxError, Error};
 pub use fingerprint::{canonical_json, is_json_media_type, Fingerprint, FingerprintBuilder};
 pub use key::{IdempotencyKey, KeyError};
 pub use observe::{loggable_key, Event};
-pub use policy::{ErrorOutcomes, InFlight, Policy};
+pub use policy::{ErrorOutcomes, InFlight, Policy, SettleRetry};
 pub use record::{
     Cas, Claim, ClaimRequest, Failure, FencingToken, Reclaim, Record, RecordId, RecordStatus,
 };

@@ -19,6 +19,13 @@ pub enum Event {
     Reclaim,
     /// A holder's completion, failure or heartbeat was fenced.
     LeaseLost,
+    /// A request found its last attempt failed permanently and was not run.
+    FailedPermanently,
+    /// A work ran but its outcome could not be stored: the key is held until its lease passes.
+    OutcomeNotStored,
+    /// A lease was dropped unsettled (the work was cancelled): the key is held until its
+    /// lease passes.
+    Abandoned,
 }
 
 impl Event {
@@ -31,6 +38,9 @@ impl Event {
             Self::InProgress => "idempotency_in_progress_total",
             Self::Reclaim => "idempotency_reclaims_total",
             Self::LeaseLost => "idempotency_lease_lost_total",
+            Self::FailedPermanently => "idempotency_failed_permanently_total",
+            Self::OutcomeNotStored => "idempotency_outcomes_not_stored_total",
+            Self::Abandoned => "idempotency_abandoned_total",
         }
     }
 
@@ -43,6 +53,9 @@ impl Event {
             Self::InProgress => "in_progress",
             Self::Reclaim => "reclaim",
             Self::LeaseLost => "lease_lost",
+            Self::FailedPermanently => "failed_permanently",
+            Self::OutcomeNotStored => "outcome_not_stored",
+            Self::Abandoned => "abandoned",
         }
     }
 }

@@ -46,6 +46,32 @@ impl InFlight {
     }
 }
 
+/// How a holder retries a store write that settles its lease ([`crate::Lease::complete`],
+/// [`crate::Lease::fail`]) when the store answers an error.
+///
+/// Both writes are compare-and-swaps on the holder's fencing token, so trying again is safe:
+/// a write that was applied although its answer was lost is recognised on the next attempt.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct SettleRetry {
+    /// How many times the write is tried in all (at least 1).
+    pub attempts: u32,
+    /// The pause after the first failed try; it doubles up to `max_backoff`.
+    pub initial_backoff: Duration,
+    /// The longest pause between tries.
+    pub max_backoff: Duration,
+}
+
+impl Default for SettleRetry {
+    /// 5 tries, 25 ms apart at first, doubling up to 400 ms: about 0.75 s in all.
+    fn default() -> Self {
+        Self {
+            attempts: 5,
+            initial_backoff: Duration::from_millis(25),
+            max_backoff: Duration::from_millis(400),
+        }
+    }
+}
+
 /// How the engine treats a key: lease, retention, what is stored, in-flight behaviour and the
 /// lease heartbeat.
 ///
@@ -76,6 +102,13 @@ pub struct Policy {
     /// Extend the lease every `fraction × lease` while the work runs; `None` turns the
     /// heartbeat off. Default `Some(1/3)`.
     pub heartbeat: Option<f64>,
+    /// The longest a work is kept leased by the heartbeat, counted from the claim. After it
+    /// the heartbeat stops, so a work (or HTTP handler) that hangs holds its key for at most
+    /// `max_work_time + lease`; then a retry may take the key over, and the hung holder's
+    /// completion is fenced. Default 10 minutes.
+    pub max_work_time: Duration,
+    /// How a failed completion or failure write is retried. Default: [`SettleRetry::default`].
+    pub settle_retry: SettleRetry,
     /// Log keys as a short SHA-256 prefix instead of in clear. Default `false`.
     pub hash_keys_in_logs: bool,
 }
@@ -89,6 +122,8 @@ impl Default for Policy {
             reclaim_failed_with_different_fingerprint: true,
             in_flight: InFlight::default(),
             heartbeat: Some(1.0 / 3.0),
+            max_work_time: Duration::from_secs(600),
+            settle_retry: SettleRetry::default(),
             hash_keys_in_logs: false,
         }
     }
@@ -125,15 +160,40 @@ impl Policy {
         self.heartbeat = fraction;
         self
     }
+    /// Sets the longest time the heartbeat keeps a work leased.
+    pub fn max_work_time(mut self, max: Duration) -> Self {
+        self.max_work_time = max;
+        self
+    }
+    /// Sets how failed completions are retried.
+    pub fn settle_retry(mut self, retry: SettleRetry) -> Self {
+        self.settle_retry = retry;
+        self
+    }
     /// Sets whether keys are hashed in logs.
     pub fn hash_keys_in_logs(mut self, hash: bool) -> Self {
         self.hash_keys_in_logs = hash;
         self
     }
 
-    /// Checks the policy: a non-zero lease and TTL, a heartbeat fraction in (0, 1), and
-    /// non-zero backoffs.
+    /// Checks the policy: a non-zero lease, TTL and maximum work time, a heartbeat fraction in
+    /// (0, 1), non-zero backoffs, and at least one settle attempt.
     pub fn validate(&self) -> Result<(), Error> {
+        if self.max_work_time.is_zero() {
+            return Err(Error::Config(
+                "max_work_time must be greater than zero".into(),
+            ));
+        }
+        let retry = self.settle_retry;
+        if retry.attempts == 0
+            || retry.initial_backoff.is_zero()
+            || retry.max_backoff < retry.initial_backoff
+        {
+            return Err(Error::Config(
+                "settle_retry needs attempts >= 1, a non-zero backoff and max_backoff >= initial_backoff"
+                    .into(),
+            ));
+        }
         if self.lease.is_zero() {
             return Err(Error::Config("lease must be greater than zero".into()));
         }
@@ -193,5 +253,39 @@ mod tests {
             })
             .validate()
             .is_err());
+        assert!(Policy::default()
+            .max_work_time(Duration::ZERO)
+            .validate()
+            .is_err());
+        for bad in [
+            SettleRetry {
+                attempts: 0,
+                ..SettleRetry::default()
+            },
+            SettleRetry {
+                initial_backoff: Duration::ZERO,
+                ..SettleRetry::default()
+            },
+            SettleRetry {
+                max_backoff: Duration::from_millis(1),
+                ..SettleRetry::default()
+            },
+        ] {
+            assert!(
+                Policy::default().settle_retry(bad).validate().is_err(),
+                "{bad:?}"
+            );
+        }
+        // Extreme but meaningful settings are accepted (the engine saturates, never
+        // overflows).
+        assert!(Policy::default()
+            .max_work_time(Duration::MAX)
+            .in_flight(InFlight::Wait {
+                max_wait: Duration::MAX,
+                initial_backoff: Duration::MAX,
+                max_backoff: Duration::MAX,
+            })
+            .validate()
+            .is_ok());
     }
 }

@@ -4,7 +4,7 @@
 use crate::server::{control, Outage, Principal, TestServer};
 use bytes::Bytes;
 use http::{HeaderName, Method, StatusCode};
-use idempotency_conformance::TestStore;
+use idempotency_conformance::{Fault, FlakyOp, FlakyStore, TestStore};
 use idempotency_core::{ClaimRequest, Fingerprint, IdempotencyKey, InFlight, Policy, RecordId};
 use idempotency_tower::{http_scope, Refusal};
 use reqwest::header::HeaderMap;
@@ -791,4 +791,69 @@ async fn retry_while_409(make: impl Fn() -> reqwest::RequestBuilder) -> Reply {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// A handler that runs longer than its lease is not run a second time by a retry: the layer
+/// extends the lease while the handler runs. (300 ms lease, 1.5 s handler, retry at 700 ms:
+/// 409, then the replay.)
+pub async fn handler_outliving_its_lease_runs_once(store: TestStore) {
+    let policy = Policy::default()
+        .lease(Duration::from_millis(300))
+        .ttl(store.long());
+    let s = Arc::new(TestServer::with_store(store.store.clone(), policy, |l| l).await);
+    let c = client();
+    let body = json!({"slow": true});
+    let first = {
+        let (c, s, body) = (c.clone(), s.clone(), body.clone());
+        tokio::spawn(async move {
+            send(post(&c, &s, "/items", "slow", &body).header(control::DELAY_MS, "1500")).await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    // Time passes on the store's clock too (a manual clock only moves when told).
+    store.advance(Duration::from_millis(400)).await;
+    let retry = send(post(&c, &s, "/items", "slow", &body)).await;
+    assert_eq!(
+        retry.status,
+        StatusCode::CONFLICT,
+        "a retry while a handler outlives its lease must get 409, got {retry:?}"
+    );
+    let first = first.await.expect("first request");
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    assert!(!first.replayed());
+    let after = send(post(&c, &s, "/items", "slow", &body)).await;
+    assert_eq!(after.status, StatusCode::CREATED, "{after:?}");
+    assert!(
+        after.replayed(),
+        "the retry after the slow handler: {after:?}"
+    );
+    assert_eq!(s.executions(), 1, "the slow handler ran twice");
+}
+
+/// The handler ran but its response cannot be stored (every completion fails): the client
+/// still gets the response, and a retry is told 409 until the lease passes instead of running
+/// the handler again.
+pub async fn failed_completion_does_not_rerun_handler(store: TestStore) {
+    let flaky = FlakyStore::new(store.store.clone(), Fault::Refused);
+    flaky.inject(FlakyOp::Complete, u64::MAX / 2);
+    let policy = Policy::default().lease(store.long()).ttl(store.long());
+    let s = TestServer::with_store(Arc::new(flaky.clone()), policy, |l| l).await;
+    let c = client();
+    let body = json!({"charge": 1});
+    let first = send(post(&c, &s, "/items", "unstored", &body)).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    assert!(flaky.injected() > 0, "no completion was attempted");
+    flaky.heal(FlakyOp::Complete);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let retry = send(post(&c, &s, "/items", "unstored", &body)).await;
+    assert_eq!(
+        retry.status,
+        StatusCode::CONFLICT,
+        "a retry after a failed completion must wait for the lease, got {retry:?}"
+    );
+    assert_eq!(
+        s.executions(),
+        1,
+        "the handler ran again after a failed completion"
+    );
 }

@@ -32,6 +32,8 @@ macro_rules! __with_http_case_list {
             corrupt_stored_response_is_500,
             client_timeout_then_retry_gets_the_same_response,
             released_key_accepts_corrected_request,
+            handler_outliving_its_lease_runs_once,
+            failed_completion_does_not_rerun_handler,
         );
     };
 }

@@ -1,12 +1,14 @@
 //! Exactly-once effects: the completion CAS commits or rolls back with the business writes.
 
 use crate::SqliteStore;
+use futures::FutureExt;
 use idempotency_core::{
     decode_replay, Begin, Error, ErrorOutcomes, Failure, Fingerprint, Idempotency, IdempotencyKey,
     Outcome, RecordId, Scope, WorkContext,
 };
 use rusqlite::{Transaction, TransactionBehavior};
 use serde::{de::DeserializeOwned, Serialize};
+use std::panic::AssertUnwindSafe;
 
 /// What happened inside the connection's transaction.
 enum Step<T, E> {
@@ -79,11 +81,22 @@ impl SqliteStore {
         });
         // The heartbeat keeps the lease while the call waits its turn on the connection; an
         // extension queued behind the transaction finds it settled and changes nothing.
-        let step = lease
-            .with_heartbeat(in_tx)
+        let step = match lease
+            .with_heartbeat(AssertUnwindSafe(in_tx).catch_unwind())
             .await
-            .map_err(Error::from)
-            .and_then(|r| r);
+        {
+            Ok(step) => step.map_err(Error::from).and_then(|r| r),
+            Err(panic) => {
+                // The work panicked inside its transaction, which rolled back: nothing took
+                // effect, so the key is released at once (a dropped lease would hold it).
+                let _ = lease
+                    .fail(Failure::retryable(
+                        "the work panicked; its transaction rolled back",
+                    ))
+                    .await;
+                std::panic::resume_unwind(panic);
+            }
+        };
         match step {
             Ok(Step::Committed(result)) => {
                 lease.settled_externally();

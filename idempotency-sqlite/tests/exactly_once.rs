@@ -385,7 +385,7 @@ async fn case2_panic_after_the_business_write_rolls_back_and_releases_the_key() 
     .await;
     assert!(crashed.unwrap_err().is_panic());
     assert!(orders_for(&store, key.as_str()).await.is_empty());
-    // The dropped lease records a retryable failure in the background.
+    // The panic was caught, the transaction rolled back, and the key released.
     let id = RecordId::new(scope(), key.clone());
     let mut released = false;
     for _ in 0..200 {

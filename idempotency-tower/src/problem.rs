@@ -39,6 +39,8 @@ pub enum Refusal {
     },
     /// The key was used before with a different request. 422.
     Mismatch,
+    /// The earlier request with this key failed permanently and is not run again. 422.
+    FailedPermanently,
     /// The idempotency store could not be reached or failed. 503 (fail closed).
     StoreUnavailable(String),
     /// The stored response for this key could not be decoded. 500.
@@ -58,7 +60,7 @@ impl Refusal {
             Self::CallerUnidentified => StatusCode::UNAUTHORIZED,
             Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::InProgress { .. } => StatusCode::CONFLICT,
-            Self::Mismatch => StatusCode::UNPROCESSABLE_ENTITY,
+            Self::Mismatch | Self::FailedPermanently => StatusCode::UNPROCESSABLE_ENTITY,
             Self::StoreUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             Self::StoredResponseUnreadable(_) | Self::HandlerFailed => {
                 StatusCode::INTERNAL_SERVER_ERROR
@@ -77,6 +79,7 @@ impl Refusal {
             Self::BodyUnreadable(_) => "request-body-unreadable",
             Self::InProgress { .. } => "idempotency-key-in-progress",
             Self::Mismatch => "idempotency-key-reused",
+            Self::FailedPermanently => "idempotency-key-failed-permanently",
             Self::StoreUnavailable(_) => "idempotency-store-unavailable",
             Self::StoredResponseUnreadable(_) => "idempotency-stored-response-unreadable",
             Self::HandlerFailed => "handler-failed",
@@ -94,6 +97,7 @@ impl Refusal {
             Self::BodyUnreadable(_) => "REQUEST_BODY_UNREADABLE",
             Self::InProgress { .. } => "IDEMPOTENCY_KEY_IN_PROGRESS",
             Self::Mismatch => "IDEMPOTENCY_KEY_REUSED_WITH_DIFFERENT_PAYLOAD",
+            Self::FailedPermanently => "IDEMPOTENCY_KEY_FAILED_PERMANENTLY",
             Self::StoreUnavailable(_) => "IDEMPOTENCY_STORE_UNAVAILABLE",
             Self::StoredResponseUnreadable(_) => "IDEMPOTENCY_STORED_RESPONSE_UNREADABLE",
             Self::HandlerFailed => "HANDLER_FAILED",
@@ -111,6 +115,7 @@ impl Refusal {
             Self::BodyUnreadable(_) => "The request body could not be read",
             Self::InProgress { .. } => "A request with this Idempotency-Key is still in progress",
             Self::Mismatch => "This Idempotency-Key was used with a different request",
+            Self::FailedPermanently => "The request with this Idempotency-Key failed permanently",
             Self::StoreUnavailable(_) => "The idempotency store is unavailable",
             Self::StoredResponseUnreadable(_) => "The stored response could not be read",
             Self::HandlerFailed => "The request failed on the server",
@@ -137,6 +142,7 @@ impl Refusal {
                 retry_after_secs(*retry_after)
             ),
             Self::Mismatch => "the key was already used with a different method, path, query, content type or body; use a new key for a new operation".into(),
+            Self::FailedPermanently => "the first request with this key failed in a way that retrying will not fix; it is not run again under this key".into(),
             Self::StoreUnavailable(_) => "the request was not run because its key could not be recorded; retry later".into(),
             Self::StoredResponseUnreadable(_) => "the outcome stored for this key cannot be replayed".into(),
             Self::HandlerFailed => "the request failed before producing a response; it may be retried with the same key".into(),

@@ -5,6 +5,7 @@ use crate::problem::Refusal;
 use crate::stored::StoredResponse;
 use crate::{read_key, RequestBody, ResponseBody};
 use bytes::Bytes;
+use futures::FutureExt;
 use http::{header, HeaderValue, Request, Response};
 use http_body::Body;
 use http_body_util::{BodyExt, Either, Full, LengthLimitError, Limited};
@@ -13,6 +14,7 @@ use idempotency_core::{
 };
 use std::fmt;
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -278,6 +280,10 @@ where
             record(HttpDecision::InProgress);
             Ok(refuse(&config, Refusal::InProgress { retry_after }))
         }
+        Err(Error::FailedPermanently { .. }) => {
+            record(HttpDecision::Refused);
+            Ok(refuse(&config, Refusal::FailedPermanently))
+        }
         Err(e @ (Error::CorruptRecord { .. } | Error::Codec { .. })) => {
             record(HttpDecision::Unreadable);
             tracing::error!(error = %e, "stored record cannot be decoded");
@@ -360,7 +366,8 @@ fn replay<B>(stored: StoredResponse) -> Answer<B> {
 
 /// Runs the handler on a task of its own, so that a client that disconnects (or times out)
 /// does not cancel the work half-way: the outcome is still stored, and the client's retry gets
-/// it instead of running the work again.
+/// it instead of running the work again. The lease is extended by the engine's heartbeat while
+/// the handler runs and its body is read (for at most the policy's `max_work_time`).
 async fn execute<S, ReqB, ResB>(
     inner: S,
     config: Arc<Config>,
@@ -381,8 +388,9 @@ where
     match task.await {
         Ok(result) => result,
         Err(e) => {
-            // The handler panicked; unwinding dropped the lease, which releases the key.
-            tracing::error!(error = %e, "handler panicked");
+            // The handler panicked (its key was released) or the runtime is shutting down
+            // (the dropped lease holds the key until it passes).
+            tracing::error!(error = %e, "handler task failed");
             record_outcome("handler_panicked");
             Ok(refuse(&config, Refusal::HandlerFailed))
         }
@@ -396,6 +404,19 @@ async fn release(lease: Lease, why: &'static str) {
     }
 }
 
+/// What the handler gave, read while the heartbeat runs.
+enum Handled<B, E> {
+    /// The handler's error.
+    Error(E),
+    /// A response that is not stored (per the status policy, streaming or too large), with
+    /// why.
+    Unstored(Response<B>, &'static str),
+    /// A response whose body failed while being read.
+    BodyFailed(BoxError),
+    /// A response read whole, to store.
+    Whole(http::response::Parts, Bytes),
+}
+
 async fn run_and_store<S, ReqB, ResB>(
     mut inner: S,
     config: Arc<Config>,
@@ -407,36 +428,53 @@ where
     ResB: Body<Data = Bytes>,
     ResB::Error: Into<BoxError>,
 {
-    let resp = match inner.call(req).await {
-        Ok(resp) => resp,
-        Err(e) => {
+    let handled = async {
+        let resp = match inner.call(req).await {
+            Ok(resp) => resp,
+            Err(e) => return Handled::Error(e),
+        };
+        if !(config.store_status)(resp.status()) {
+            return Handled::Unstored(resp, "released_status");
+        }
+        match resp.body().size_hint().exact() {
+            None => return Handled::Unstored(resp, "released_streaming"),
+            Some(n) if n > config.response_limit as u64 => {
+                return Handled::Unstored(resp, "released_too_large")
+            }
+            Some(_) => {}
+        }
+        let (parts, body) = resp.into_parts();
+        match Limited::new(body, config.response_limit).collect().await {
+            Ok(collected) => Handled::Whole(parts, collected.to_bytes()),
+            Err(e) => Handled::BodyFailed(e),
+        }
+    };
+    let handled = match lease
+        .with_heartbeat(AssertUnwindSafe(handled).catch_unwind())
+        .await
+    {
+        Ok(handled) => handled,
+        Err(panic) => {
+            // A panic counts as a failed attempt: release the key, then let the task panic.
+            release(lease, "handler_panicked").await;
+            std::panic::resume_unwind(panic);
+        }
+    };
+    let (parts, body) = match handled {
+        Handled::Error(e) => {
             release(lease, "handler_error").await;
             return Err(e);
         }
-    };
-    if !(config.store_status)(resp.status()) {
-        release(lease, "released_status").await;
-        return Ok(resp.map(Either::Right));
-    }
-    match resp.body().size_hint().exact() {
-        None => {
-            release(lease, "released_streaming").await;
+        Handled::Unstored(resp, why) => {
+            release(lease, why).await;
             return Ok(resp.map(Either::Right));
         }
-        Some(n) if n > config.response_limit as u64 => {
-            release(lease, "released_too_large").await;
-            return Ok(resp.map(Either::Right));
-        }
-        Some(_) => {}
-    }
-    let (parts, body) = resp.into_parts();
-    let body = match Limited::new(body, config.response_limit).collect().await {
-        Ok(collected) => collected.to_bytes(),
-        Err(e) => {
+        Handled::BodyFailed(e) => {
             tracing::error!(error = %e, "the handler's response body failed");
             release(lease, "response_body_failed").await;
             return Ok(refuse(&config, Refusal::HandlerFailed));
         }
+        Handled::Whole(parts, body) => (parts, body),
     };
     let stored = StoredResponse {
         status: parts.status,
@@ -451,8 +489,9 @@ where
     match lease.complete(&stored.encode()).await {
         Ok(()) => record_outcome("stored"),
         Err(e) => {
-            // The work ran; its response is delivered. A retry sees the key pending until the
-            // lease passes, then runs again: the store could not record the outcome.
+            // The work ran; its response is delivered. The engine retried the write and left
+            // the key Pending: a retry is told 409 until the lease passes (then it runs
+            // again), never given the key at once.
             record_outcome("store_failed");
             tracing::error!(error = %e, "could not store the response");
         }

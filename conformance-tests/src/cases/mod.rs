@@ -6,12 +6,14 @@
 
 mod basic;
 mod engine;
+mod engine_faults;
 mod model;
 mod races;
 mod time;
 
 pub use basic::*;
 pub use engine::*;
+pub use engine_faults::*;
 pub use model::*;
 pub use races::*;
 pub use time::*;

@@ -1,0 +1,413 @@
+//! The engine under adverse timing and a failing store: the work must never run twice
+//! because storing its outcome failed, a fenced heartbeat must lose the completion, and
+//! every dropped or abandoned work must follow the documented release rule.
+
+use super::{fp, present};
+use crate::{Fault, FlakyOp, FlakyStore, TestStore};
+use idempotency_core::{
+    Begin, Error, Failure, Idempotency, IdempotencyKey, IdempotencyStore, InFlight, Outcome,
+    Policy, Reclaim, RecordId, RecordStatus, Scope,
+};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::{oneshot, Barrier};
+
+type Run = Result<Outcome<Result<String, String>>, Error>;
+
+fn address(label: &str) -> (IdempotencyKey, Scope, RecordId) {
+    let key = IdempotencyKey::random();
+    let scope = Scope::from_parts(["conformance-engine-faults", label]).expect("valid scope");
+    let id = RecordId::new(scope.clone(), key.clone());
+    (key, scope, id)
+}
+
+fn engine_on(store: Arc<dyn IdempotencyStore>, policy: Policy) -> Idempotency {
+    Idempotency::new(store, policy).expect("valid policy")
+}
+
+/// Runs a work that counts its executions and returns `Ok(value)`.
+async fn counted(
+    e: &Idempotency,
+    key: &IdempotencyKey,
+    scope: &Scope,
+    runs: &Arc<AtomicUsize>,
+    value: &str,
+) -> Run {
+    let (runs, value) = (runs.clone(), value.to_string());
+    e.run(key, scope, &fp("f"), move |_| async move {
+        runs.fetch_add(1, Ordering::SeqCst);
+        Ok::<_, String>(value)
+    })
+    .await
+}
+
+/// A store error on `complete` after the work ran never lets a retry run it again. A
+/// transient error is retried and the outcome stored; a lost answer (the write applied) is
+/// recognised; a store that keeps failing leaves the record Pending, the caller gets
+/// `OutcomeUnknown`, and a retry 100 ms later is told `InProgress` (one-hour lease), not
+/// given the key.
+pub async fn engine_failed_completion_holds_key(t: TestStore) {
+    let policy = Policy::default().lease(t.long()).ttl(t.long());
+    for fault in [Fault::Refused, Fault::AckLost] {
+        // One failed completion: the engine tries again and the outcome is stored.
+        let flaky = FlakyStore::new(t.store.clone(), fault);
+        let e = engine_on(Arc::new(flaky.clone()), policy.clone());
+        let (key, scope, id) = address("complete-once");
+        let runs = Arc::new(AtomicUsize::new(0));
+        flaky.inject(FlakyOp::Complete, 1);
+        match counted(&e, &key, &scope, &runs, "paid").await {
+            Ok(Outcome::Fresh(Ok(v))) => assert_eq!(v, "paid"),
+            other => panic!(
+                "{fault:?}: one failed completion must be retried and the outcome stored, got \
+                 {other:?}"
+            ),
+        }
+        assert_eq!(flaky.injected(), 1, "{fault:?}: the fault was not injected");
+        let r = present(&t, &id).await;
+        assert_eq!(r.status, RecordStatus::Completed, "{fault:?}: {r:?}");
+        match counted(&e, &key, &scope, &runs, "again").await {
+            Ok(Outcome::Replayed(Ok(v))) => assert_eq!(v, "paid"),
+            other => panic!("{fault:?}: the retry got {other:?}, expected the replay"),
+        }
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            1,
+            "{fault:?}: the work ran twice"
+        );
+    }
+
+    // Completion keeps failing: no release, the retry waits for the lease.
+    let flaky = FlakyStore::new(t.store.clone(), Fault::Refused);
+    let e = engine_on(Arc::new(flaky.clone()), policy.clone());
+    let (key, scope, id) = address("complete-down");
+    let runs = Arc::new(AtomicUsize::new(0));
+    flaky.inject(FlakyOp::Complete, u64::MAX / 2);
+    flaky.inject(FlakyOp::Fail, u64::MAX / 2);
+    match counted(&e, &key, &scope, &runs, "charged").await {
+        Err(Error::OutcomeUnknown { .. }) => {}
+        other => panic!(
+            "a work whose outcome cannot be stored must report OutcomeUnknown, got {other:?}"
+        ),
+    }
+    flaky.heal(FlakyOp::Complete);
+    flaky.heal(FlakyOp::Fail);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let r = present(&t, &id).await;
+    assert_eq!(
+        r.status,
+        RecordStatus::Pending,
+        "after the work ran, a failed completion released the key: {r:?}"
+    );
+    match counted(&e, &key, &scope, &runs, "second charge").await {
+        Err(Error::InProgress { .. }) => {}
+        other => panic!(
+            "a retry 100 ms after a failed completion got {other:?}: it must wait for the \
+             lease, not run the work again"
+        ),
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the work ran twice");
+}
+
+/// The heartbeat finds the lease taken over mid-work: the lease is marked lost, and the
+/// completion is refused with `LeaseLost`, leaving the new holder's record untouched (no
+/// outcome stored under its token).
+pub async fn engine_fenced_heartbeat_loses_completion(t: TestStore) {
+    let lease = Duration::from_millis(300);
+    let e = engine_on(
+        t.store.clone(),
+        Policy::default()
+            .lease(lease)
+            .ttl(t.long())
+            .heartbeat(Some(0.2)),
+    );
+    let long = t.long();
+    let (_, _, id) = address("fenced");
+    let Begin::Execute(lease_held) = e.begin(&id, &fp("f")).await.expect("begin") else {
+        panic!("a fresh key replayed");
+    };
+    let old = lease_held.token();
+    // Someone takes the key over while the work runs (an operator, a reclaimer after a
+    // pause): fail it with the holder's token, then reclaim it.
+    let store = t.store.clone();
+    let taken = {
+        let id = id.clone();
+        async move {
+            store
+                .fail(&id, old, &Failure::retryable("taken over"), long)
+                .await
+                .expect("fail");
+            match store
+                .reclaim(&id, old, &fp("f"), long, long)
+                .await
+                .expect("reclaim")
+            {
+                Reclaim::Reclaimed { token, .. } => token,
+                Reclaim::Lost => panic!("the takeover's reclaim was lost"),
+            }
+        }
+    };
+    let work = async {
+        let new = taken.await;
+        // Give the heartbeat (every 60 ms) several beats to find the takeover.
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        new
+    };
+    let new = lease_held.with_heartbeat(work).await;
+    assert!(
+        lease_held.is_lost(),
+        "the heartbeat's extend was fenced, but the lease does not say it is lost"
+    );
+    match lease_held.complete(b"stale outcome").await {
+        Err(Error::LeaseLost { token }) => assert_eq!(token, old),
+        other => panic!("a fenced holder's completion got {other:?}, expected LeaseLost"),
+    }
+    let r = present(&t, &id).await;
+    assert_eq!(r.status, RecordStatus::Pending, "{r:?}");
+    assert_eq!(r.token, new, "the new holder's token was replaced: {r:?}");
+    assert_eq!(r.outcome, None, "the fenced holder's outcome was stored");
+
+    // The same through `run`: the outcome is not stored and the caller learns it.
+    let (key, scope, id) = address("fenced-run");
+    let store = t.store.clone();
+    let got: Run = e
+        .run(&key, &scope, &fp("f"), move |ctx| async move {
+            store
+                .fail(&ctx.id, ctx.token, &Failure::retryable("taken over"), long)
+                .await
+                .expect("fail");
+            store
+                .reclaim(&ctx.id, ctx.token, &fp("f"), long, long)
+                .await
+                .expect("reclaim");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            Ok("stale".to_string())
+        })
+        .await;
+    assert!(
+        matches!(got, Err(Error::LeaseLost { .. })),
+        "run after a takeover got {got:?}"
+    );
+    let r = present(&t, &id).await;
+    assert_eq!(r.outcome, None, "the fenced run stored its outcome: {r:?}");
+}
+
+/// With `InFlight::Wait`: a waiter takes the key over when the holder fails, and runs its own
+/// work once; a waiter gives up with `InProgress` once `max_wait` has passed; and one waiting
+/// request counts one hit however many times it polls.
+pub async fn engine_wait_policy_takes_over_and_gives_up(t: TestStore) {
+    let waiting = |max_wait| {
+        Policy::default()
+            .lease(t.long())
+            .ttl(t.long())
+            .in_flight(InFlight::Wait {
+                max_wait,
+                initial_backoff: Duration::from_millis(5),
+                max_backoff: Duration::from_millis(40),
+            })
+    };
+    // The holder fails: the waiter takes over.
+    let e = engine_on(t.store.clone(), waiting(Duration::from_secs(20)));
+    let (key, scope, id) = address("wait-takeover");
+    let Begin::Execute(holder) = e.begin(&id, &fp("f")).await.expect("begin") else {
+        panic!("a fresh key replayed");
+    };
+    let runs = Arc::new(AtomicUsize::new(0));
+    let waiter = {
+        let (e, key, scope, runs) = (e.clone(), key.clone(), scope.clone(), runs.clone());
+        tokio::spawn(async move { counted(&e, &key, &scope, &runs, "waiter ran").await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "the waiter ran while held");
+    holder
+        .fail(Failure::retryable("holder failed"))
+        .await
+        .expect("fail");
+    match waiter.await.expect("waiter task") {
+        Ok(Outcome::Fresh(Ok(v))) => assert_eq!(v, "waiter ran"),
+        other => panic!("a waiter whose holder failed got {other:?}, expected to run"),
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    let r = present(&t, &id).await;
+    assert_eq!(r.hits, 1, "one waiting request counted {} hits", r.hits);
+
+    // The holder never settles: the waiter gives up at max_wait.
+    let max_wait = Duration::from_millis(400);
+    let e = engine_on(t.store.clone(), waiting(max_wait));
+    let (key, scope, id) = address("wait-give-up");
+    let Begin::Execute(holder) = e.begin(&id, &fp("f")).await.expect("begin") else {
+        panic!("a fresh key replayed");
+    };
+    let started = Instant::now();
+    match counted(&e, &key, &scope, &runs, "never").await {
+        Err(Error::InProgress { retry_after }) => {
+            assert!(
+                !retry_after.is_zero(),
+                "retry_after of a live lease is zero"
+            )
+        }
+        other => panic!("a waiter past max_wait got {other:?}, expected InProgress"),
+    }
+    let waited = started.elapsed();
+    assert!(
+        waited >= max_wait,
+        "the waiter gave up after {waited:?}, before max_wait {max_wait:?}"
+    );
+    assert!(
+        waited < max_wait + Duration::from_secs(3),
+        "the waiter kept waiting for {waited:?} with max_wait {max_wait:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the give-up waiter ran");
+    let r = present(&t, &id).await;
+    assert_eq!(r.hits, 1, "one waiting request counted {} hits", r.hits);
+    holder.fail(Failure::retryable("done")).await.expect("fail");
+}
+
+/// Concurrent requests for a key whose lease passed: one reclaims, the others lose the CAS;
+/// each request counts exactly one hit (a lost reclaim re-reads, it does not claim again).
+pub async fn engine_each_request_counts_one_hit(t: TestStore) {
+    let e = engine_on(
+        t.store.clone(),
+        Policy::default().lease(t.short_lease()).ttl(t.long()),
+    );
+    let (key, scope, id) = address("hits");
+    let Begin::Execute(stalled) = e.begin(&id, &fp("f")).await.expect("begin") else {
+        panic!("a fresh key replayed");
+    };
+    t.advance(t.short_lease()).await;
+    let n = 16;
+    let barrier = Arc::new(Barrier::new(n));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let tasks: Vec<_> = (0..n)
+        .map(|_| {
+            let (e, key, scope, runs, barrier) = (
+                e.clone(),
+                key.clone(),
+                scope.clone(),
+                runs.clone(),
+                barrier.clone(),
+            );
+            tokio::spawn(async move {
+                barrier.wait().await;
+                let (runs2, e2) = (runs.clone(), e.clone());
+                e2.run(&key, &scope, &fp("f"), move |_| async move {
+                    runs2.fetch_add(1, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    Ok::<_, String>("taken over".to_string())
+                })
+                .await
+            })
+        })
+        .collect();
+    for task in tasks {
+        match task.await.expect("task") {
+            Ok(Outcome::Fresh(Ok(_)) | Outcome::Replayed(Ok(_)))
+            | Err(Error::InProgress { .. }) => {}
+            other => panic!("a concurrent taker got {other:?}"),
+        }
+    }
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "the work ran more than once"
+    );
+    let r = present(&t, &id).await;
+    assert_eq!(
+        r.hits, n as u64,
+        "{n} requests counted {} hits (a lost reclaim claimed again?)",
+        r.hits
+    );
+    drop(stalled);
+}
+
+/// The release rule, case by case. Released at once: the work returned an error the policy
+/// releases (see `engine_error_not_stored`) or panicked. Held until the lease passes: the
+/// work's future was dropped part-way (it may have acted), a lease from `begin` was dropped
+/// unsettled, and a completion that could not be stored.
+pub async fn engine_abandoned_work_holds_key_until_lease(t: TestStore) {
+    let e = engine_on(
+        t.store.clone(),
+        Policy::default().lease(t.short_lease()).ttl(t.long()),
+    );
+    let runs = Arc::new(AtomicUsize::new(0));
+
+    // Dropped part-way by a timeout, after its side effect.
+    let (key, scope, id) = address("timeout");
+    let effects = Arc::new(AtomicUsize::new(0));
+    let timed_out = {
+        let effects = effects.clone();
+        tokio::time::timeout(
+            Duration::from_millis(100),
+            e.run(&key, &scope, &fp("f"), move |_| async move {
+                effects.fetch_add(1, Ordering::SeqCst);
+                futures::future::pending::<()>().await;
+                Ok::<String, String>("never".into())
+            }),
+        )
+        .await
+    };
+    assert!(timed_out.is_err(), "the never-ending work finished");
+    assert_eq!(effects.load(Ordering::SeqCst), 1);
+    held_then_runs(&t, &e, &key, &scope, &id, &runs, "a work dropped part-way").await;
+
+    // Aborted while running.
+    let (key, scope, id) = address("abort");
+    let (started_tx, started_rx) = oneshot::channel();
+    let task = {
+        let (e, key, scope) = (e.clone(), key.clone(), scope.clone());
+        tokio::spawn(async move {
+            e.run(&key, &scope, &fp("f"), move |_| async move {
+                let _ = started_tx.send(());
+                futures::future::pending::<()>().await;
+                Ok::<String, String>("never".into())
+            })
+            .await
+        })
+    };
+    started_rx.await.expect("the work started");
+    task.abort();
+    assert!(
+        task.await.expect_err("aborted").is_cancelled(),
+        "the task was not cancelled"
+    );
+    held_then_runs(&t, &e, &key, &scope, &id, &runs, "an aborted work").await;
+
+    // A lease from `begin`, dropped without being settled.
+    let (key, scope, id) = address("dropped-lease");
+    let Begin::Execute(lease) = e.begin(&id, &fp("f")).await.expect("begin") else {
+        panic!("a fresh key replayed");
+    };
+    drop(lease);
+    held_then_runs(&t, &e, &key, &scope, &id, &runs, "a dropped lease").await;
+}
+
+/// Asserts that the key stays Pending with a live lease (a retry is told `InProgress` and
+/// does not run), then that a retry runs once the lease has passed.
+async fn held_then_runs(
+    t: &TestStore,
+    e: &Idempotency,
+    key: &IdempotencyKey,
+    scope: &Scope,
+    id: &RecordId,
+    runs: &Arc<AtomicUsize>,
+    what: &str,
+) {
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let before = runs.load(Ordering::SeqCst);
+    let r = present(t, id).await;
+    assert_eq!(
+        r.status,
+        RecordStatus::Pending,
+        "{what} released the key at once (it may have acted): {r:?}"
+    );
+    match counted(e, key, scope, runs, "retry").await {
+        Err(Error::InProgress { .. }) => {}
+        other => panic!("a retry right after {what} got {other:?}, expected InProgress"),
+    }
+    t.advance(e.policy().lease).await;
+    match counted(e, key, scope, runs, "retry").await {
+        Ok(Outcome::Fresh(Ok(v))) => assert_eq!(v, "retry"),
+        other => panic!("a retry after the lease of {what} passed got {other:?}"),
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), before + 1);
+}
