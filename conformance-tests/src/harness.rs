@@ -1,20 +1,33 @@
 //! What a factory hands each case, and how time is moved.
 
-use idempotency_core::{IdempotencyStore, ManualClock};
+use futures::future::BoxFuture;
+use idempotency_core::{Clock, IdempotencyStore, ManualClock, Timestamp};
 use std::any::Any;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Optional behaviours a store may or may not have; cases that need one check it.
+/// Reads the store's own clock from outside the store (for example `SELECT now()` on the
+/// server, or Redis `TIME`), for cases that check the store uses that clock.
+pub type ServerClock = Arc<dyn Fn() -> BoxFuture<'static, Timestamp> + Send + Sync>;
+
+/// A [`ServerClock`] that reads the process clock, for real-time stores that use it (an
+/// in-process store on the system clock, SQLite on its default clock).
+pub fn process_clock() -> ServerClock {
+    Arc::new(|| Box::pin(async { Timestamp::now() }))
+}
+
+/// Optional behaviours a store may or may not have. A case that needs one is registered by
+/// [`crate::conformance_tests!`] only when the store declares it, and shows as ignored (not
+/// run) under its own name otherwise; it never passes a weaker version.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Capabilities {
-    /// `purge_expired` deletes expired records and reports how many, and until then the
-    /// store keeps them (so a claim that replaces one gets a higher token). Stores whose
-    /// records expire by themselves (Redis TTLs) set this to `false`: the purge case then only
-    /// checks that nothing live is removed and expired records read as absent, and a claim
-    /// after expiry may start the key's token again at 1 (the record is gone).
+    /// `purge_expired` deletes expired records and reports how many. Stores whose records
+    /// expire by themselves (Redis TTLs) set this to `false`, and the case that counts
+    /// deletions (`purge_counts_deletions_in_batches`) is not run; every other case, including
+    /// the ones that race purges with claims and that check tokens keep growing after a
+    /// record is gone, runs on every store.
     pub purge_reports_deletions: bool,
 }
 
@@ -52,6 +65,7 @@ pub struct TestStore {
     pub time: TimeControl,
     /// What optional behaviour it has.
     pub capabilities: Capabilities,
+    server_clock: Option<ServerClock>,
     guard: Option<Box<dyn Any + Send + Sync>>,
 }
 
@@ -72,6 +86,7 @@ impl TestStore {
             store,
             time: TimeControl::Real,
             capabilities: Capabilities::default(),
+            server_clock: None,
             guard: None,
         }
     }
@@ -82,6 +97,7 @@ impl TestStore {
             store,
             time: TimeControl::Manual(clock),
             capabilities: Capabilities::default(),
+            server_clock: None,
             guard: None,
         }
     }
@@ -90,6 +106,27 @@ impl TestStore {
     pub fn with_guard(mut self, guard: impl Any + Send + Sync) -> Self {
         self.guard = Some(Box::new(guard));
         self
+    }
+
+    /// Gives the kit a way to read the store's clock from outside the store. A manual-time
+    /// store's clock is its [`ManualClock`], read without this; a real-time store needs it for
+    /// `deadlines_follow_the_store_clock` (declare `server_clock = false` in
+    /// [`crate::conformance_tests!`] otherwise).
+    pub fn with_server_clock(mut self, read: ServerClock) -> Self {
+        self.server_clock = Some(read);
+        self
+    }
+
+    /// Reads the store's clock: the manual clock, or the reader given to
+    /// [`TestStore::with_server_clock`]. `None` for a real-time store without one.
+    pub async fn server_now(&self) -> Option<Timestamp> {
+        if let Some(read) = &self.server_clock {
+            return Some(read().await);
+        }
+        match &self.time {
+            TimeControl::Manual(clock) => Some(clock.now()),
+            TimeControl::Real => None,
+        }
     }
 
     /// Sets the capabilities.

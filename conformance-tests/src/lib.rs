@@ -5,7 +5,7 @@ mod flaky;
 mod harness;
 
 pub use flaky::{Fault, FlakyOp, FlakyStore};
-pub use harness::{run_case, Capabilities, TestStore, TimeControl};
+pub use harness::{process_clock, run_case, Capabilities, ServerClock, TestStore, TimeControl};
 
 /// The name of every case, in the order the macro expands them.
 ///
@@ -20,10 +20,19 @@ pub type CaseFn = fn(TestStore) -> futures::future::BoxFuture<'static, ()>;
 
 macro_rules! list_cases {
     ($($case:ident),* $(,)?) => {
-        /// Every case with its name, for running the suite by hand (the kit's own self-test
-        /// runs it against deliberately broken stores this way).
+        /// Every case with its name, the capability-gated ones included, for running the
+        /// suite by hand (the kit's own self-test runs it against deliberately broken stores
+        /// this way).
         pub fn all_cases() -> Vec<(&'static str, CaseFn)> {
-            vec![$((stringify!($case), |s| Box::pin(cases::$case(s)))),*]
+            let mut all: Vec<(&'static str, CaseFn)> =
+                vec![$((stringify!($case), |s| Box::pin(cases::$case(s)))),*];
+            all.push(("purge_counts_deletions_in_batches", |s| {
+                Box::pin(cases::purge_counts_deletions_in_batches(s))
+            }));
+            all.push(("deadlines_follow_the_store_clock", |s| {
+                Box::pin(cases::deadlines_follow_the_store_clock(s))
+            }));
+            all
         }
     };
 }
@@ -62,12 +71,27 @@ macro_rules! __with_case_list {
             engine_wait_policy_replays,
             engine_mismatch,
             engine_heartbeat_keeps_long_work_leased,
+            tokens_grow_across_purge_and_expiry,
+            concurrent_claims_of_expired_record_one_winner,
+            settling_races_takers_after_lease,
+            purge_races_fresh_claims,
+            extreme_durations_and_tokens,
+            long_keys_and_scopes_are_not_truncated,
         );
     };
 }
 
 /// Expands to one `#[test]` per conformance case, each running on a fresh tokio runtime with a
 /// fresh store from `$factory`, an `async fn() -> TestStore`.
+///
+/// Cases that need an optional capability are gated here, at registration: declare what the
+/// store lacks, and those cases are registered as ignored tests under their own names (shown
+/// as not run), never as a weaker case that passes. Both flags default to `true`:
+/// - `purge_reports_deletions = false`: the store's records expire by themselves and
+///   `purge_expired` does not count deletions (Redis); skips
+///   `purge_counts_deletions_in_batches`. Also set [`Capabilities::purge_reports_deletions`].
+/// - `server_clock = false`: a real-time store whose clock the kit cannot read (no
+///   [`TestStore::with_server_clock`]); skips `deadlines_follow_the_store_clock`.
 ///
 /// ```
 /// use idempotency_conformance::TestStore;
@@ -82,12 +106,47 @@ macro_rules! __with_case_list {
 /// }
 ///
 /// idempotency_conformance::conformance_tests!(factory);
+/// // A store without those capabilities would say so:
+/// // idempotency_conformance::conformance_tests!(factory, purge_reports_deletions = false, server_clock = false);
 /// # fn main() {}
 /// ```
 #[macro_export]
 macro_rules! conformance_tests {
     ($factory:path) => {
+        $crate::conformance_tests!(
+            $factory,
+            purge_reports_deletions = true,
+            server_clock = true
+        );
+    };
+    ($factory:path, purge_reports_deletions = $purge:tt) => {
+        $crate::conformance_tests!(
+            $factory,
+            purge_reports_deletions = $purge,
+            server_clock = true
+        );
+    };
+    ($factory:path, server_clock = $clock:tt) => {
+        $crate::conformance_tests!(
+            $factory,
+            purge_reports_deletions = true,
+            server_clock = $clock
+        );
+    };
+    ($factory:path, purge_reports_deletions = $purge:tt, server_clock = $clock:tt) => {
         $crate::__with_case_list!(($crate::__idempotency_conformance_expand), $factory);
+        $crate::__idempotency_conformance_gated!(
+            $purge,
+            "purge_reports_deletions",
+            $factory,
+            purge_counts_deletions_in_batches
+        );
+        $crate::__idempotency_conformance_gated!(
+            $clock,
+            "server_clock",
+            $factory,
+            deadlines_follow_the_store_clock
+        );
     };
 }
 
@@ -102,5 +161,23 @@ macro_rules! __idempotency_conformance_expand {
                 $crate::run_case($factory, $crate::cases::$case);
             }
         )*
+    };
+}
+
+/// Implementation detail of [`conformance_tests!`]: a case registered only when the store has
+/// the capability, and ignored under its own name when it does not.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __idempotency_conformance_gated {
+    (true, $cap:literal, $factory:path, $case:ident) => {
+        #[test]
+        fn $case() {
+            $crate::run_case($factory, $crate::cases::$case);
+        }
+    };
+    (false, $cap:literal, $factory:path, $case:ident) => {
+        #[test]
+        #[ignore = concat!("not run: the store does not declare the capability ", $cap)]
+        fn $case() {}
     };
 }

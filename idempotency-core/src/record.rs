@@ -26,8 +26,19 @@ impl fmt::Display for RecordId {
     }
 }
 
-/// A fencing token: bumped at every claim and reclaim of a key, so a holder that lost its
-/// lease can be told apart from the current one.
+/// A fencing token: it grows at every claim and reclaim of a key, over the key's whole
+/// history, so a holder that lost its lease can be told apart from every later one.
+///
+/// # What a token guarantees
+///
+/// A holder's complete, fail and extend apply only while the record holds its token. Tokens
+/// never repeat for a key, even when its record was purged, evicted or lost (a Redis restart
+/// without AOF): a fresh record's token is at least the store's clock in microseconds since
+/// the Unix epoch, and more than the token of the expired record it replaces; a reclaim adds
+/// one. A holder that stalls past its record's expiry therefore cannot complete a newer record
+/// of the same key. This holds as long as the store's clock does not step back past the time
+/// the old token was issued, and no key is reclaimed more than once per microsecond on
+/// average over its record's life.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
 pub struct FencingToken(pub u64);
 
@@ -35,6 +46,26 @@ impl FencingToken {
     /// The token after this one.
     pub fn next(self) -> Self {
         Self(self.0.saturating_add(1))
+    }
+
+    /// The token of a fresh record claimed at `now` on the store's clock, replacing the
+    /// expired record holding `replaced` (if any): `max(replaced + 1, now in µs)`, at least 1.
+    ///
+    /// ```
+    /// use idempotency_core::{FencingToken, Timestamp};
+    ///
+    /// let now = Timestamp::from_millis(1_700_000_000_000);
+    /// assert_eq!(FencingToken::fresh(now, None), FencingToken(1_700_000_000_000_000));
+    /// // A record reclaimed often holds a token ahead of the clock: the next one is higher.
+    /// let ahead = FencingToken(1_700_000_000_000_005);
+    /// assert_eq!(FencingToken::fresh(now, Some(ahead)), FencingToken(1_700_000_000_000_006));
+    /// ```
+    pub fn fresh(now: Timestamp, replaced: Option<FencingToken>) -> Self {
+        let micros = u64::try_from(now.as_millis())
+            .unwrap_or(0)
+            .saturating_mul(1_000);
+        let after = replaced.map_or(0, |t| t.0.saturating_add(1));
+        Self(micros.max(after).max(1))
     }
 }
 

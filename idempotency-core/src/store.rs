@@ -27,8 +27,10 @@ pub trait IdempotencyStore: Send + Sync + Debug + 'static {
     /// # Behavior
     /// - No record, or an expired one: atomically writes a `Pending` record with the request's
     ///   fingerprint, `attempts = 1`, `hits = 0`, `lease_until = now + lease`,
-    ///   `expires_at = now + max(lease, ttl)`, and a token greater than any token the replaced
-    ///   record had (1 for a fresh key), and returns [`Claim::Claimed`].
+    ///   `expires_at = now + max(lease, ttl)`, and a token greater than any token the key
+    ///   has ever had in this store, even if its record was purged, evicted or lost (see
+    ///   [`FencingToken`]; [`FencingToken::fresh`] derives one from the store's clock), and
+    ///   returns [`Claim::Claimed`].
     /// - A live record: increments its `hits` in the same atomic step and returns
     ///   [`Claim::Existing`] with the record as it stands after the increment and the store's
     ///   `now`. Nothing else changes: a live record is never overwritten, whatever its status.
@@ -81,7 +83,7 @@ pub trait IdempotencyStore: Send + Sync + Debug + 'static {
     /// the caller read), and is either `Failed` or `Pending` with `lease_until <= now`. Then
     /// sets `Pending`, a new token `expected + 1`, the given fingerprint, `attempts + 1`,
     /// `lease_until = now + lease`, `expires_at = now + max(lease, ttl)`, and clears any stored
-    /// outcome, returning [`Reclaim::Reclaimed`]. A stale snapshot (the holder completed after
+    /// outcome and the previous attempt's failure, returning [`Reclaim::Reclaimed`]. A stale snapshot (the holder completed after
     /// the caller read it) never overwrites the record: the result is [`Reclaim::Lost`].
     async fn reclaim(
         &self,

@@ -171,13 +171,16 @@ impl IdempotencyStore for MemoryStore {
                 });
             }
             Some(expired) => {
-                let token = expired.token.next();
+                let token = FencingToken::fresh(now, Some(expired.token));
                 *expired = fresh(token);
                 token
             }
             None => {
-                shard.insert(request.id.clone(), fresh(FencingToken(1)));
-                FencingToken(1)
+                // Derived from the clock, so a key whose record was purged never gets a
+                // token back that an old holder may still have.
+                let token = FencingToken::fresh(now, None);
+                shard.insert(request.id.clone(), fresh(token));
+                token
             }
         };
         Ok(Claim::Claimed { token, lease_until })
@@ -256,6 +259,7 @@ impl IdempotencyStore for MemoryStore {
         r.attempts = r.attempts.saturating_add(1);
         r.lease_until = Some(lease_until);
         r.outcome = None;
+        r.failure = None;
         r.updated_at = now;
         r.expires_at = now.saturating_add(hold_for(lease, ttl));
         Ok(Reclaim::Reclaimed { token, lease_until })

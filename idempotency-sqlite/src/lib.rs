@@ -368,6 +368,10 @@ impl IdempotencyStore for SqliteStore {
         outcome: &[u8],
         ttl: Duration,
     ) -> Result<Cas, Error> {
+        // A token above i64::MAX cannot be stored, so no record holds it.
+        let Some(stored_token) = token_param(token) else {
+            return Ok(Cas::Fenced);
+        };
         let (id, outcome) = (id.clone(), outcome.to_vec());
         self.write(move |inner, tx, now| {
             let n = inner.exec_cached(
@@ -376,7 +380,7 @@ impl IdempotencyStore for SqliteStore {
                 params![
                     id.scope.as_str(),
                     id.key.as_str(),
-                    token_param(token)?,
+                    stored_token,
                     now.as_millis(),
                     outcome,
                     now.saturating_add(ttl).as_millis()
@@ -394,6 +398,10 @@ impl IdempotencyStore for SqliteStore {
         failure: &Failure,
         ttl: Duration,
     ) -> Result<Cas, Error> {
+        // A token above i64::MAX cannot be stored, so no record holds it.
+        let Some(stored_token) = token_param(token) else {
+            return Ok(Cas::Fenced);
+        };
         let (id, failure) = (id.clone(), failure.clone());
         self.write(move |inner, tx, now| {
             let n = inner.exec_cached(
@@ -402,7 +410,7 @@ impl IdempotencyStore for SqliteStore {
                 params![
                     id.scope.as_str(),
                     id.key.as_str(),
-                    token_param(token)?,
+                    stored_token,
                     now.as_millis(),
                     failure.retryable,
                     failure.message,
@@ -420,6 +428,10 @@ impl IdempotencyStore for SqliteStore {
         token: FencingToken,
         lease: Duration,
     ) -> Result<Cas, Error> {
+        // A token above i64::MAX cannot be stored, so no record holds it.
+        let Some(stored_token) = token_param(token) else {
+            return Ok(Cas::Fenced);
+        };
         let id = id.clone();
         self.write(move |inner, tx, now| {
             let n = inner.exec_cached(
@@ -428,7 +440,7 @@ impl IdempotencyStore for SqliteStore {
                 params![
                     id.scope.as_str(),
                     id.key.as_str(),
-                    token_param(token)?,
+                    stored_token,
                     now.as_millis(),
                     now.saturating_add(lease).as_millis()
                 ],
@@ -446,6 +458,10 @@ impl IdempotencyStore for SqliteStore {
         lease: Duration,
         ttl: Duration,
     ) -> Result<Reclaim, Error> {
+        // A token above i64::MAX cannot be stored, so no record holds it.
+        let Some(stored_token) = token_param(expected) else {
+            return Ok(Reclaim::Lost);
+        };
         let (id, fingerprint) = (id.clone(), *fingerprint);
         self.write(move |inner, tx, now| {
             let lease_until = now.saturating_add(lease);
@@ -455,7 +471,7 @@ impl IdempotencyStore for SqliteStore {
                 params![
                     id.scope.as_str(),
                     id.key.as_str(),
-                    token_param(expected)?,
+                    stored_token,
                     now.as_millis(),
                     fingerprint.as_bytes().as_slice(),
                     lease_until.as_millis(),
@@ -511,9 +527,17 @@ fn cas(changed: usize) -> Cas {
     }
 }
 
-fn token_param(token: FencingToken) -> Result<i64, Error> {
-    // A token above i64::MAX cannot be stored, so it cannot be the holder of any record.
-    i64::try_from(token.0).map_err(|_| Error::LeaseLost { token })
+/// The token of a record claimed fresh at `now`: the clock in microseconds, so a key whose row
+/// was purged never gets back a token an old holder may still have (the statement also keeps
+/// it above the token of an expired row it replaces).
+fn fresh_token(now: Timestamp) -> i64 {
+    i64::try_from(FencingToken::fresh(now, None).0).unwrap_or(i64::MAX)
+}
+
+/// The token as the table stores it; `None` for a token above `i64::MAX`, which no record can
+/// hold.
+fn token_param(token: FencingToken) -> Option<i64> {
+    i64::try_from(token.0).ok()
 }
 
 impl Inner {
@@ -571,7 +595,8 @@ impl Inner {
                 req.fingerprint.as_bytes().as_slice(),
                 lease_until.as_millis(),
                 now.as_millis(),
-                expires_at.as_millis()
+                expires_at.as_millis(),
+                fresh_token(now)
             ])
             .map_err(|e| self.sql_error(e))?;
         let row = rows
@@ -681,13 +706,14 @@ impl Inner {
         ttl: Duration,
     ) -> Result<(), Error> {
         let now = self.clock.now();
+        let stored_token = token_param(token).ok_or(Error::LeaseLost { token })?;
         let n = self.exec_cached(
             tx,
             &self.sql.complete,
             params![
                 id.scope.as_str(),
                 id.key.as_str(),
-                token_param(token)?,
+                stored_token,
                 now.as_millis(),
                 outcome,
                 now.saturating_add(ttl).as_millis()
@@ -727,11 +753,11 @@ impl Sql {
         Self {
             claim: format!(
                 r#"INSERT INTO "{table}" ({COLUMNS})
-                   VALUES (?1, ?2, ?3, 'pending', 1, ?4, NULL, 1, NULL, NULL, 0, ?5, ?5, ?6)
+                   VALUES (?1, ?2, ?3, 'pending', ?7, ?4, NULL, 1, NULL, NULL, 0, ?5, ?5, ?6)
                    ON CONFLICT (scope, key) DO UPDATE SET
                      fingerprint       = CASE WHEN {fresh} THEN excluded.fingerprint ELSE fingerprint END,
                      status            = CASE WHEN {fresh} THEN 'pending' ELSE status END,
-                     token             = CASE WHEN {fresh} THEN token + 1 ELSE token END,
+                     token             = CASE WHEN {fresh} THEN max(token + 1, ?7) ELSE token END,
                      lease_until       = CASE WHEN {fresh} THEN excluded.lease_until ELSE lease_until END,
                      outcome           = CASE WHEN {fresh} THEN NULL ELSE outcome END,
                      attempts          = CASE WHEN {fresh} THEN 1 ELSE attempts END,
@@ -766,6 +792,7 @@ impl Sql {
             reclaim: format!(
                 r#"UPDATE "{table}" SET status = 'pending', token = token + 1, fingerprint = ?5,
                      attempts = attempts + 1, lease_until = ?6, outcome = NULL,
+                     failure_retryable = NULL, failure_message = NULL,
                      updated_at = ?4, expires_at = ?7
                    WHERE {held}
                      AND (status = 'failed'

@@ -49,7 +49,9 @@ mod real_clock {
             .await
             .expect("open the database");
         store.migrate().await.expect("migrate");
-        TestStore::real_time(Arc::new(store)).with_guard(dir)
+        TestStore::real_time(Arc::new(store))
+            .with_server_clock(idempotency_conformance::process_clock())
+            .with_guard(dir)
     }
 
     idempotency_conformance::conformance_tests!(factory);

@@ -7,6 +7,7 @@
 mod basic;
 mod engine;
 mod engine_faults;
+mod history;
 mod model;
 mod races;
 mod time;
@@ -14,6 +15,7 @@ mod time;
 pub use basic::*;
 pub use engine::*;
 pub use engine_faults::*;
+pub use history::*;
 pub use model::*;
 pub use races::*;
 pub use time::*;

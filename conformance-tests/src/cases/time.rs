@@ -38,8 +38,8 @@ async fn make(
 
 /// Retention: a record is present before `expires_at` and treated as absent after it, for
 /// every status. After expiry `get` returns `None`, the old holder's writes and reclaims are
-/// refused, and a claim gets a fresh `Pending` record (with a higher token when the store
-/// keeps expired records until purged).
+/// refused (a `fail` does not revive it as Failed), and a claim gets a fresh `Pending` record
+/// with a higher token, which the old holder cannot complete, fail or extend.
 pub async fn ttl_expiry(t: TestStore) {
     let ttl = t.short_ttl();
     let mut short = Vec::new();
@@ -95,6 +95,15 @@ pub async fn ttl_expiry(t: TestStore) {
         );
         assert_eq!(
             t.store
+                .fail(&req.id, *token, &Failure::retryable("late"), t.long())
+                .await
+                .expect("fail"),
+            Cas::Fenced,
+            "fail of an expired {status} record was applied (it revives the record as Failed)"
+        );
+        absent(&t, &req.id).await;
+        assert_eq!(
+            t.store
                 .reclaim(&req.id, *token, &fp("a"), t.long(), t.long())
                 .await
                 .expect("reclaim"),
@@ -106,13 +115,11 @@ pub async fn ttl_expiry(t: TestStore) {
         // A new claim with another fingerprint: the expired record is gone for good.
         let again = request(&req.id, fp("b"), t.long(), t.long());
         let (new_token, lease_until) = must_claim_with_lease(&t, &again).await;
-        if t.capabilities.purge_reports_deletions {
-            assert!(
-                new_token > *token,
-                "the claim replacing an expired {status} record got token {new_token}, not \
-                 greater than the replaced record's {token}"
-            );
-        }
+        assert!(
+            new_token > *token,
+            "the claim replacing an expired {status} record got token {new_token}, not \
+             greater than the replaced record's {token}"
+        );
         let r = present(&t, &req.id).await;
         assert_eq!(r.status, RecordStatus::Pending);
         assert_eq!(r.token, new_token);
@@ -121,16 +128,36 @@ pub async fn ttl_expiry(t: TestStore) {
         assert_eq!(r.hits, 0, "a replacing claim starts at hits = 0");
         assert_eq!(r.outcome, None);
         assert_eq!(r.lease_until, Some(lease_until));
-        if new_token != *token {
-            assert_eq!(
-                t.store
-                    .complete(&req.id, *token, b"stale", t.long())
-                    .await
-                    .expect("complete"),
-                Cas::Fenced,
-                "the expired record's holder completed the new record"
-            );
-        }
+        let before = present(&t, &req.id).await;
+        assert_eq!(
+            t.store
+                .complete(&req.id, *token, b"stale", t.long())
+                .await
+                .expect("complete"),
+            Cas::Fenced,
+            "the expired record's holder completed the new record"
+        );
+        assert_eq!(
+            t.store
+                .fail(&req.id, *token, &Failure::retryable("stale"), t.long())
+                .await
+                .expect("fail"),
+            Cas::Fenced,
+            "the expired record's holder failed the new record"
+        );
+        assert_eq!(
+            t.store
+                .extend(&req.id, *token, t.long())
+                .await
+                .expect("extend"),
+            Cas::Fenced,
+            "the expired record's holder extended the new record"
+        );
+        assert_eq!(
+            present(&t, &req.id).await,
+            before,
+            "a stale holder changed the new record"
+        );
     }
     let r = present(&t, &keep_id).await;
     assert_eq!(
@@ -186,26 +213,7 @@ pub async fn purge_removes_only_expired(t: TestStore) {
     }
 
     t.advance(ttl).await;
-    if t.capabilities.purge_reports_deletions {
-        // The store is isolated per case, so exactly our five records are expired.
-        assert_eq!(
-            t.store.purge_expired(2).await.expect("purge"),
-            2,
-            "purge(2) of 5 expired"
-        );
-        assert_eq!(
-            t.store.purge_expired(100).await.expect("purge"),
-            3,
-            "purge of the last 3 expired"
-        );
-        assert_eq!(
-            t.store.purge_expired(100).await.expect("purge"),
-            0,
-            "nothing left to purge"
-        );
-    } else {
-        t.store.purge_expired(100).await.expect("purge");
-    }
+    t.store.purge_expired(100).await.expect("purge");
     for (id, b) in live.iter().zip(&before) {
         assert_eq!(
             &present(&t, id).await,
@@ -218,13 +226,70 @@ pub async fn purge_removes_only_expired(t: TestStore) {
         absent(&t, id).await;
         must_claim(&t, &request(id, fp("p"), t.long(), t.long())).await;
     }
-    if t.capabilities.purge_reports_deletions {
-        assert_eq!(
-            t.store.purge_expired(100).await.expect("purge"),
-            0,
-            "purge removed a re-claimed record"
-        );
+}
+
+/// `purge_expired` reports what it deleted and honours its batch size: of five expired
+/// records, `purge(2)` deletes 2, the next purge the other 3, then nothing is left; a record
+/// claimed again after expiry is not purged. (Needs `purge_reports_deletions`.)
+pub async fn purge_counts_deletions_in_batches(t: TestStore) {
+    assert!(
+        t.capabilities.purge_reports_deletions,
+        "purge_counts_deletions_in_batches runs only on stores that report purged records"
+    );
+    let ttl = t.short_ttl();
+    let mut expiring = Vec::new();
+    for status in [
+        RecordStatus::Completed,
+        RecordStatus::Completed,
+        RecordStatus::Failed,
+        RecordStatus::Pending,
+        RecordStatus::Pending,
+    ] {
+        let id = unique_id("purge-count");
+        make(
+            &t,
+            &request(&id, fp("p"), t.short_lease(), ttl),
+            status,
+            ttl,
+        )
+        .await;
+        expiring.push(id);
     }
+    let keep = unique_id("purge-count-live");
+    make(
+        &t,
+        &request(&keep, fp("p"), t.long(), t.long()),
+        RecordStatus::Completed,
+        t.long(),
+    )
+    .await;
+    t.advance(ttl).await;
+    // The store is isolated per case, so exactly our five records are expired.
+    assert_eq!(
+        t.store.purge_expired(2).await.expect("purge"),
+        2,
+        "purge(2) of 5 expired"
+    );
+    assert_eq!(
+        t.store.purge_expired(100).await.expect("purge"),
+        3,
+        "purge of the last 3 expired"
+    );
+    assert_eq!(
+        t.store.purge_expired(100).await.expect("purge"),
+        0,
+        "nothing left to purge"
+    );
+    for id in &expiring {
+        absent(&t, id).await;
+        must_claim(&t, &request(id, fp("p"), t.long(), t.long())).await;
+    }
+    assert_eq!(
+        t.store.purge_expired(100).await.expect("purge"),
+        0,
+        "purge removed a re-claimed record"
+    );
+    present(&t, &keep).await;
 }
 
 /// `extend` moves the holder's lease to `now + lease` (and the retention to at least that):
