@@ -202,11 +202,11 @@ impl RedisStore {
     /// Sets how long a record is kept after its `expires_at` before Redis evicts it (default
     /// [`DEFAULT_EXPIRED_RETENTION`]).
     ///
-    /// An expired record reads as absent at once; keeping it a while lets the next claim of
-    /// its key continue its fencing token (token + 1) instead of starting again at 1. A holder
-    /// that stalls for longer than its record's lifetime plus this retention could otherwise
-    /// hold the same token as a new claimer. Choose at least the longest pause you expect a
-    /// worker to survive; zero evicts records as soon as they expire.
+    /// An expired record reads as absent at once. Fencing does not depend on this retention:
+    /// a fresh record's token comes from the server clock (in microseconds, and above the
+    /// token of an expired record still kept), so a key whose record was evicted, or lost in
+    /// a restart without AOF, never hands out a token an old holder still has. Zero evicts
+    /// records as soon as they expire.
     pub fn with_expired_retention(mut self, retention: Duration) -> Self {
         self.retention_ms = clamp_ms(retention);
         self

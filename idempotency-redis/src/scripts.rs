@@ -26,13 +26,31 @@
 
 /// Shared helpers, prepended to every script.
 ///
-/// Numbers are limited to 15 decimal digits so that Lua's doubles hold them exactly; they are
-/// formatted with `%d` because `tostring` would switch to exponent notation.
+/// Numbers are limited to 15 decimal digits (tokens to 16 digits below 2^53) so that Lua's
+/// doubles hold them exactly; they are formatted with `%d` because `tostring` would switch to
+/// exponent notation.
 const PRELUDE: &str = r#"
 local key = KEYS[1]
+local clock = redis.call('TIME')
 local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  return tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+end
+-- The server clock in microseconds: the least token a fresh record gets, so that a key whose
+-- record was evicted, expired away or lost with the dataset never reuses a token.
+local function now_us()
+  return tonumber(clock[1]) * 1000000 + tonumber(clock[2])
+end
+-- A fencing token: at most 16 digits and below 2^53 (exact in a double); nil otherwise, and a
+-- token that cannot be stored is held by no record.
+local function token(v)
+  if type(v) ~= 'string' or #v == 0 or #v > 16 or not string.find(v, '^%d+$') then
+    return nil
+  end
+  local n = tonumber(v)
+  if n >= 9007199254740992 then
+    return nil
+  end
+  return n
 end
 local function int(n)
   return string.format('%d', n)
@@ -59,7 +77,11 @@ local function load_record()
     f[flat[i]] = flat[i + 1]
   end
   local r = { flat = flat, raw = f }
-  for _, name in ipairs({ 'tok', 'att', 'hits', 'ca', 'ua', 'exp' }) do
+  r.tok = token(f['tok'])
+  if r.tok == nil then
+    return false, 'field tok is missing or not a non-negative integer below 2^53'
+  end
+  for _, name in ipairs({ 'att', 'hits', 'ca', 'ua', 'exp' }) do
     if f[name] == nil then
       return false, 'missing field ' .. name
     end
@@ -105,11 +127,11 @@ if r == false then
   return { 'corrupt', err }
 end
 if r == nil or r.exp <= now then
-  -- Absent or expired: a new Pending record. An expired record that Redis has not evicted yet
-  -- (it is kept for the retention period) passes its token on, so the token keeps growing.
-  local tok = 1
+  -- Absent or expired: a new Pending record, with a token from the server clock, above the
+  -- token of an expired record Redis has not evicted yet.
+  local tok = now_us()
   if r then
-    tok = r.tok + 1
+    tok = math.max(tok, r.tok + 1)
     redis.call('DEL', key)
   end
   local lease_until = now + lease
@@ -136,7 +158,7 @@ local r, err = load_record()
 if r == false then
   return { 'corrupt', err }
 end
-if r == nil or r.exp <= now or r.st ~= 'pending' or r.tok ~= tonumber(ARGV[1]) then
+if r == nil or r.exp <= now or r.st ~= 'pending' or r.tok ~= token(ARGV[1]) then
   return { 'fenced' }
 end
 "#;
@@ -179,7 +201,7 @@ local r, err = load_record()
 if r == false then
   return { 'corrupt', err }
 end
-if r == nil or r.exp <= now or r.tok ~= tonumber(ARGV[1]) then
+if r == nil or r.exp <= now or r.tok ~= token(ARGV[1]) then
   return { 'lost' }
 end
 local takeable = r.st == 'failed' or (r.st == 'pending' and (r.lease == nil or r.lease <= now))
@@ -189,7 +211,7 @@ end
 local tok = r.tok + 1
 local lease_until = now + lease
 local exp = now + math.max(lease, ttl)
-redis.call('HDEL', key, 'out')
+redis.call('HDEL', key, 'out', 'fr', 'fm')
 redis.call('HSET', key, 'st', 'pending', 'tok', int(tok), 'fp', fp, 'att', int(r.att + 1),
   'lease', int(lease_until), 'ua', int(now), 'exp', int(exp))
 keep_until(exp, retention)

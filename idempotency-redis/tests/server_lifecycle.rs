@@ -108,6 +108,53 @@ async fn restart_without_aof_reconnects_and_loses_records() {
     );
 }
 
+/// A holder whose record was lost with the dataset (a restart without AOF) cannot complete,
+/// fail or extend the record a new claim makes after the restart: the new token comes from
+/// the server clock, above every token issued before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_keep_growing_after_the_dataset_is_lost() {
+    let extra = ["--appendonly", "no"];
+    let dir = tempfile::tempdir().expect("temp dir");
+    let server = RedisServer::start(free_port(), dir.path(), &extra, false)
+        .expect("start redis-server on a free port");
+    let store = RedisStore::connect(server.url()).await.expect("connect");
+    let key = id();
+    let Claim::Claimed { token: old, .. } = store.claim(&req(&key)).await.expect("claim") else {
+        panic!("fresh key observed");
+    };
+    let (_server, _) = crash_and_restart(server, &store, &extra).await;
+    assert_eq!(
+        store.get(&key).await.expect("get"),
+        None,
+        "the record survived"
+    );
+    let Claim::Claimed { token: new, .. } = store.claim(&req(&key)).await.expect("claim") else {
+        panic!("a lost record was observed");
+    };
+    assert!(
+        new > old,
+        "after the dataset was lost the key got token {new}, not above {old}"
+    );
+    let failure = idempotency_core::Failure::retryable("stale");
+    assert_eq!(
+        store
+            .complete(&key, old, b"stale", HOUR)
+            .await
+            .expect("complete"),
+        Cas::Fenced
+    );
+    assert_eq!(
+        store.fail(&key, old, &failure, HOUR).await.expect("fail"),
+        Cas::Fenced
+    );
+    assert_eq!(
+        store.extend(&key, old, HOUR).await.expect("extend"),
+        Cas::Fenced
+    );
+    let r = store.get(&key).await.expect("get").expect("the new record");
+    assert_eq!((r.status, r.token), (RecordStatus::Pending, new));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restart_with_aof_always_keeps_records_and_their_ttl() {
     let extra = ["--appendonly", "yes", "--appendfsync", "always"];

@@ -5,7 +5,8 @@
 
 pub mod scenarios;
 
-use idempotency_conformance::{Capabilities, TestStore};
+use idempotency_conformance::{Capabilities, ServerClock, TestStore};
+use idempotency_core::Timestamp;
 use idempotency_redis::RedisStore;
 pub use idempotency_testing::redis_server::*;
 use std::sync::Arc;
@@ -77,8 +78,25 @@ pub struct Harness {
 impl Harness {
     /// Wraps the store for the conformance kit.
     pub fn into_test_store(self) -> TestStore {
+        let node = self.topology.nodes()[0].clone();
+        // The server's clock, read with TIME on a node of its own (every node of the test
+        // cluster runs on this machine's clock).
+        let server_clock: ServerClock = Arc::new(move || {
+            let node = node.clone();
+            Box::pin(async move {
+                let mut c = redis::Client::open(node.as_str())
+                    .expect("url")
+                    .get_multiplexed_async_connection()
+                    .await
+                    .unwrap_or_else(|e| unreachable_server(&node, &e));
+                let (secs, micros): (i64, i64) =
+                    redis::cmd("TIME").query_async(&mut c).await.expect("TIME");
+                Timestamp::from_millis(secs * 1000 + micros / 1000)
+            })
+        });
         TestStore::real_time(Arc::new(self.store))
             .with_capabilities(Capabilities::default().purge_reports_deletions(false))
+            .with_server_clock(server_clock)
             .with_guard(self.guard)
     }
 }
