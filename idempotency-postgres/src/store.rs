@@ -18,7 +18,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// Durations are capped at this many milliseconds (100 years) before they reach SQL, so a huge
-/// lease or TTL cannot overflow PostgreSQL's timestamp range.
+/// lease or TTL (`Duration::MAX`) cannot overflow PostgreSQL's timestamp range: its deadline
+/// saturates a century from now and the record is, in effect, eternal.
 const MAX_DURATION_MS: i64 = 100 * 366 * 24 * 3600 * 1000;
 
 fn millis(d: Duration) -> i64 {
