@@ -6,7 +6,9 @@
 //! Time: `now` is `statement_timestamp()` truncated to milliseconds (the unit of
 //! [`idempotency_core::Timestamp`]), evaluated once per statement. It is the database's clock,
 //! so app servers with skewed clocks agree; unlike `now()` it is not frozen at the start of a
-//! caller's transaction, which matters for [`crate::PostgresStore::complete_in`].
+//! caller's transaction, which matters for [`crate::PostgresStore::complete_in`]. `now_us` is
+//! the same instant in whole microseconds since the Unix epoch, untruncated: the clock part of
+//! a fresh record's fencing token.
 
 use crate::TableName;
 
@@ -34,7 +36,8 @@ fn record_columns() -> String {
     .join(", ")
 }
 
-const NOW_CTE: &str = "WITH c AS (SELECT date_trunc('milliseconds', statement_timestamp()) AS now)";
+const NOW_CTE: &str = "WITH c AS (SELECT date_trunc('milliseconds', statement_timestamp()) AS now, \
+                      (extract(epoch from statement_timestamp()) * 1000000)::int8 AS now_us)";
 
 /// The statements of one store.
 #[derive(Debug)]
@@ -53,9 +56,18 @@ impl Statements {
         let t = name.qualified();
         let cols = record_columns();
         // Claim-or-observe. One INSERT … ON CONFLICT DO UPDATE:
-        // - no row: inserts a Pending record with token 1;
-        // - an expired row (expires_at <= now): replaces every field, token + 1, hits 0;
+        // - no row: inserts a Pending record whose token is the clock, `now_us`;
+        // - an expired row (expires_at <= now): replaces every field, token
+        //   greatest(token + 1, now_us), hits 0;
         // - a live row: only hits + 1 (every other column is set to itself).
+        // Fencing tokens grow over the key's whole history, not only over one row's life. Once
+        // a purge has deleted the row nothing remembers its token, but that token was the
+        // clock (µs) at the row's claim plus one per reclaim since, each reclaim a write of its
+        // own taking far more than a microsecond; and a fresh claim reads the same clock later
+        // (the row had to expire first, at least a millisecond after its last write). So the
+        // stalled holder of a purged record is fenced from the new one. Only a database clock
+        // stepping back past the purged row's claim could reuse a token; while a row exists,
+        // greatest(token + 1, …) keeps tokens growing whatever the clock does.
         // A claim leaves hits = 0 and created_at = now, an observation adds one to hits, which
         // tells the decoder which happened.
         //
@@ -72,14 +84,14 @@ up AS (
     INSERT INTO {t} AS r (scope, key, fingerprint, status, token, lease_until, outcome,
                           attempts, failure_retryable, failure_message, hits,
                           created_at, updated_at, expires_at)
-    SELECT $1, $2, $3, 'pending', 1, c.now + $4 * interval '1 millisecond', NULL,
+    SELECT $1, $2, $3, 'pending', greatest(1, c.now_us), c.now + $4 * interval '1 millisecond', NULL,
            1, NULL, NULL, 0,
            c.now, c.now, c.now + $5 * interval '1 millisecond'
     FROM c
     ON CONFLICT (scope, key) DO UPDATE SET
         fingerprint = CASE WHEN {expired} THEN excluded.fingerprint ELSE r.fingerprint END,
         status = CASE WHEN {expired} THEN excluded.status ELSE r.status END,
-        token = CASE WHEN {expired} THEN r.token + 1 ELSE r.token END,
+        token = CASE WHEN {expired} THEN greatest(r.token + 1, excluded.token) ELSE r.token END,
         lease_until = CASE WHEN {expired} THEN excluded.lease_until ELSE r.lease_until END,
         outcome = CASE WHEN {expired} THEN NULL ELSE r.outcome END,
         attempts = CASE WHEN {expired} THEN 1 ELSE r.attempts END,

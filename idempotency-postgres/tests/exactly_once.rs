@@ -14,7 +14,7 @@ use idempotency_core::{
 use idempotency_postgres::sqlx::{self, Connection, PgConnection};
 use idempotency_postgres::{PgIdempotency, PostgresStore};
 use rand::Rng;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Notify;
@@ -97,16 +97,24 @@ async fn lease_takeover(level: Isolation) {
 async fn takeover_pair(engine: PgIdempotency, orders: Arc<str>) {
     let key = IdempotencyKey::random();
     let started = Arc::new(Notify::new());
+    let stale_token = Arc::new(AtomicU64::new(0));
     let stale = {
-        let (engine, orders, key, started) =
-            (engine.clone(), orders.clone(), key.clone(), started.clone());
+        let (engine, orders, key, started, stale_token) = (
+            engine.clone(),
+            orders.clone(),
+            key.clone(),
+            started.clone(),
+            stale_token.clone(),
+        );
         tokio::spawn(async move {
             let k = key.clone();
             engine
                 .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, ctx| {
-                    let (orders, key, started) = (orders.clone(), k.clone(), started.clone());
+                    let (orders, key, started, stale_token) =
+                        (orders.clone(), k.clone(), started.clone(), stale_token.clone());
                     Box::pin(async move {
                         insert_order(tx, &orders, &key, "stale").await?;
+                        stale_token.store(ctx.token.0, Ordering::SeqCst);
                         started.notify_one();
                         // Stall well past the 300 ms lease, transaction open.
                         tokio::time::sleep(Duration::from_millis(800)).await;
@@ -117,6 +125,7 @@ async fn takeover_pair(engine: PgIdempotency, orders: Arc<str>) {
         })
     };
     started.notified().await;
+    let stale_token = FencingToken(stale_token.load(Ordering::SeqCst));
     tokio::time::sleep(Duration::from_millis(450)).await;
     let k = key.clone();
     let o = orders.clone();
@@ -132,17 +141,12 @@ async fn takeover_pair(engine: PgIdempotency, orders: Arc<str>) {
         .expect("the retry runs");
     assert_eq!(
         fresh,
-        Outcome::Fresh(Ok(2)),
-        "the retry reclaimed with token 2"
+        Outcome::Fresh(Ok(stale_token.next().0)),
+        "the retry reclaimed with the stale holder's token + 1"
     );
     let stale = stale.await.expect("task");
     assert!(
-        matches!(
-            stale,
-            Err(Error::LeaseLost {
-                token: FencingToken(1)
-            })
-        ),
+        matches!(stale, Err(Error::LeaseLost { token }) if token == stale_token),
         "the stale holder must be fenced, got {stale:?}"
     );
     assert_eq!(
@@ -157,14 +161,17 @@ async fn takeover_pair(engine: PgIdempotency, orders: Arc<str>) {
         .unwrap()
         .unwrap();
     assert_eq!(record.status, RecordStatus::Completed);
-    assert_eq!(record.token, FencingToken(2));
+    assert_eq!(record.token, stale_token.next());
     let replay = engine
         .run_in_transaction(&key, &scope(), &fingerprint(), |_tx, _ctx| {
             Box::pin(async { panic!("a completed key must not run again") })
         })
         .await
         .expect("replay");
-    assert_eq!(replay, Outcome::<Result<u64, String>>::Replayed(Ok(2)));
+    assert_eq!(
+        replay,
+        Outcome::<Result<u64, String>>::Replayed(Ok(stale_token.next().0))
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -215,20 +222,24 @@ async fn dropped_transaction(level: Isolation) {
 async fn dropped_during_work(engine: PgIdempotency, orders: Arc<str>) {
     let key = IdempotencyKey::random();
     let inserted = Arc::new(Notify::new());
+    let token = Arc::new(AtomicU64::new(0));
     let first = {
-        let (engine, orders, key, inserted) = (
+        let (engine, orders, key, inserted, token) = (
             engine.clone(),
             orders.clone(),
             key.clone(),
             inserted.clone(),
+            token.clone(),
         );
         tokio::spawn(async move {
             let k = key.clone();
             engine
-                .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, _ctx| {
-                    let (orders, key, inserted) = (orders.clone(), k.clone(), inserted.clone());
+                .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, ctx| {
+                    let (orders, key, inserted, token) =
+                        (orders.clone(), k.clone(), inserted.clone(), token.clone());
                     Box::pin(async move {
                         insert_order(tx, &orders, &key, "dropped").await?;
+                        token.store(ctx.token.0, Ordering::SeqCst);
                         inserted.notify_one();
                         std::future::pending::<()>().await;
                         Ok::<u64, String>(0)
@@ -240,7 +251,8 @@ async fn dropped_during_work(engine: PgIdempotency, orders: Arc<str>) {
     inserted.notified().await;
     first.abort();
     assert!(first.await.expect_err("aborted").is_cancelled());
-    retry_runs_once(&engine, &orders, &key).await;
+    let token = FencingToken(token.load(Ordering::SeqCst));
+    retry_runs_once(&engine, &orders, &key, token).await;
 }
 
 /// The completion CAS ran in the transaction, then the transaction and the lease were dropped
@@ -278,12 +290,20 @@ async fn dropped_after_completion(engine: PgIdempotency, orders: Arc<str>) {
             Err(e) => panic!("the holder's completion applies inside its transaction: {e:?}"),
         }
     };
+    let token = lease.token();
     drop(tx);
     drop(lease);
-    retry_runs_once(&engine, &orders, &key).await;
+    retry_runs_once(&engine, &orders, &key, token).await;
 }
 
-async fn retry_runs_once(engine: &PgIdempotency, orders: &Arc<str>, key: &IdempotencyKey) {
+/// A retry of `key`, released or left by the holder of `first`, reclaims it with the next
+/// token and commits the one order.
+async fn retry_runs_once(
+    engine: &PgIdempotency,
+    orders: &Arc<str>,
+    key: &IdempotencyKey,
+    first: FencingToken,
+) {
     let (o, k) = (orders.clone(), key.clone());
     let retry = engine
         .run_in_transaction(key, &scope(), &fingerprint(), move |tx, ctx| {
@@ -297,7 +317,7 @@ async fn retry_runs_once(engine: &PgIdempotency, orders: &Arc<str>, key: &Idempo
         .expect("the retry runs");
     assert_eq!(
         retry,
-        Outcome::Fresh(Ok(2)),
+        Outcome::Fresh(Ok(first.next().0)),
         "the retry reclaimed the released key"
     );
     assert_eq!(
@@ -607,6 +627,12 @@ async fn killed_connection_through_engine_helper() {
             "expected the work's error, got {first:?}"
         );
         assert!(orders_for(&store, &orders, &key).await.is_empty());
-        retry_runs_once(&engine, &orders, &key).await;
+        let token = store
+            .get(&RecordId::new(scope(), key.clone()))
+            .await
+            .unwrap()
+            .expect("the released record")
+            .token;
+        retry_runs_once(&engine, &orders, &key, token).await;
     }
 }

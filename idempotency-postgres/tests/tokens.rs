@@ -8,6 +8,7 @@ use idempotency_core::{
     Cas, Claim, ClaimRequest, Error, Failure, FencingToken, Fingerprint, IdempotencyKey,
     IdempotencyStore, Outcome, Policy, Reclaim, Record, RecordId, RecordStatus, Scope,
 };
+use idempotency_postgres::sqlx;
 use idempotency_postgres::{PgIdempotency, PostgresStore};
 use std::time::Duration;
 
@@ -29,6 +30,15 @@ async fn must_claim(store: &PostgresStore, req: &ClaimRequest) -> FencingToken {
 
 async fn record(store: &PostgresStore, id: &RecordId) -> Record {
     store.get(id).await.expect("get").expect("the record is live")
+}
+
+/// The database clock in microseconds since the Unix epoch.
+async fn db_clock_us() -> i64 {
+    let mut conn = common::admin().await;
+    sqlx::query_scalar("SELECT (extract(epoch from clock_timestamp()) * 1000000)::int8")
+        .fetch_one(&mut conn)
+        .await
+        .unwrap()
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -54,6 +64,97 @@ impl StaleOp {
         }
         .expect("a stale CAS is an answer, not an error")
     }
+}
+
+/// Regression: a purge deleted the record, a fresh claim started again at token 1, and the
+/// stalled holder of the purged record (also token 1) could complete, fail or extend the new
+/// record. A fresh record's token now comes from the database clock, so it is greater than
+/// any token the key had before the purge.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_grow_across_a_purge() {
+    let short = Duration::from_millis(40);
+    for level in Isolation::ALL {
+        let (store, _guard) = common::store(level).await;
+        for op in StaleOp::ALL {
+            let req = request(short, short);
+            let old = must_claim(&store, &req).await;
+            // The holder stalls; its record expires and a purge deletes it.
+            tokio::time::sleep(Duration::from_millis(150)).await;
+            assert!(store.get(&req.id).await.unwrap().is_none(), "expired");
+            assert_eq!(store.purge_expired(100).await.unwrap(), 1, "purged");
+            let req = ClaimRequest {
+                lease: Duration::from_secs(60),
+                ttl: Duration::from_secs(3600),
+                ..req
+            };
+            let new = must_claim(&store, &req).await;
+            let before = record(&store, &req.id).await;
+            let cas = op.run(&store, &req.id, old).await;
+            let after = record(&store, &req.id).await;
+            assert!(
+                new > old && cas == Cas::Fenced && after == before,
+                "{level:?}: the claim after the purge got token {new} (the purged record's \
+                 holder has {old}); the stale holder's {op:?} answered {cas:?}; \
+                 record before {before:?}, after {after:?}"
+            );
+            assert_eq!(after.status, RecordStatus::Pending);
+            assert_eq!(after.token, new);
+        }
+    }
+}
+
+/// A fresh record's token is the database clock in microseconds; replacing an expired record
+/// takes `max(previous + 1, clock)`, so a previous token ahead of the clock (a clock that
+/// stepped back) still grows by one; a reclaim stays `expected + 1`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fresh_tokens_come_from_the_database_clock() {
+    let (store, guard) = common::store(Isolation::ReadCommitted).await;
+    let table = format!(r#""{}".records"#, guard.schema);
+    let req = request(Duration::from_secs(60), Duration::from_secs(3600));
+    let before = db_clock_us().await;
+    let token = must_claim(&store, &req).await;
+    let after = db_clock_us().await;
+    let token_us = i64::try_from(token.0).expect("a token fits BIGINT");
+    assert!(
+        before <= token_us && token_us <= after,
+        "fresh token {token_us} outside the database clock [{before}, {after}] µs"
+    );
+    assert_eq!(record(&store, &req.id).await.token, token);
+
+    // A reclaim is expected + 1.
+    store
+        .fail(&req.id, token, &Failure::retryable("x"), req.ttl)
+        .await
+        .unwrap();
+    let Reclaim::Reclaimed { token: reclaimed, .. } = store
+        .reclaim(&req.id, token, &req.fingerprint, req.lease, req.ttl)
+        .await
+        .unwrap()
+    else {
+        panic!("a failed record is reclaimable")
+    };
+    assert_eq!(reclaimed, token.next());
+
+    // An expired record whose token is behind the clock: the replacement takes the clock.
+    common::exec(&format!(
+        "UPDATE {table} SET expires_at = now() - interval '1 second', \
+         lease_until = now() - interval '2 seconds'"
+    ))
+    .await;
+    let before = db_clock_us().await;
+    let replaced = must_claim(&store, &req).await;
+    assert!(replaced > reclaimed);
+    assert!(i64::try_from(replaced.0).unwrap() >= before);
+
+    // An expired record whose token is ahead of the clock: the replacement is token + 1.
+    let ahead = i64::try_from(replaced.0).unwrap() + 3_600_000_000_000;
+    common::exec(&format!(
+        "UPDATE {table} SET token = {ahead}, expires_at = now() - interval '1 second', \
+         lease_until = now() - interval '2 seconds'"
+    ))
+    .await;
+    let next = must_claim(&store, &req).await;
+    assert_eq!(next, FencingToken(ahead as u64 + 1));
 }
 
 /// Tokens at or above 2^63 fit no BIGINT, so no record holds one: every CAS with such a token
