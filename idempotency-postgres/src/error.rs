@@ -168,9 +168,7 @@ fn shape_problem(e: &sqlx::Error) -> Option<String> {
             // violation (extra or stricter columns), wrong object type (a view…), a number out
             // of range (a column narrower than the values written: a fencing token, the clock
             // in microseconds, does not fit an `integer` token column).
-            Some(
-                "42703" | "42804" | "42883" | "42P10" | "23502" | "23514" | "42809" | "22003",
-            ) => {
+            Some("42703" | "42804" | "42883" | "42P10" | "23502" | "23514" | "42809" | "22003") => {
                 Some(db_message(db.as_ref()))
             }
             _ => None,

@@ -36,7 +36,8 @@ fn record_columns() -> String {
     .join(", ")
 }
 
-const NOW_CTE: &str = "WITH c AS (SELECT date_trunc('milliseconds', statement_timestamp()) AS now, \
+const NOW_CTE: &str =
+    "WITH c AS (SELECT date_trunc('milliseconds', statement_timestamp()) AS now, \
                       (extract(epoch from statement_timestamp()) * 1000000)::int8 AS now_us)";
 
 /// The statements of one store.
@@ -49,6 +50,7 @@ pub(crate) struct Statements {
     pub reclaim: String,
     pub get: String,
     pub purge: String,
+    pub hold: String,
 }
 
 impl Statements {
@@ -114,13 +116,15 @@ FROM up, c",
         // The CAS on a live Pending record holding the token; shared by complete, fail, extend.
         let held = "r.scope = $1 AND r.key = $2 AND r.token = $3 AND r.status = 'pending' \
                     AND r.expires_at > c.now";
+        // The isolation level tells `PgIdempotency` how the caller's sessions run (the
+        // completion also runs inside the caller's transaction, `complete_in`).
         let complete = format!(
             "{NOW_CTE}
 UPDATE {t} AS r SET status = 'completed', outcome = $4, lease_until = NULL,
     failure_retryable = NULL, failure_message = NULL, updated_at = c.now,
     expires_at = c.now + $5 * interval '1 millisecond'
 FROM c WHERE {held}
-RETURNING r.token"
+RETURNING r.token, current_setting('transaction_isolation') AS isolation"
         );
         let fail = format!(
             "{NOW_CTE}
@@ -171,6 +175,29 @@ doomed AS (
 DELETE FROM {t} AS r USING doomed, c
 WHERE r.scope = doomed.scope AND r.key = doomed.key AND r.expires_at <= c.now"
         );
+        // The first statement of `PgIdempotency`'s transaction. It reports the transaction's
+        // isolation level and, at REPEATABLE READ or SERIALIZABLE, locks the record row if it
+        // is still a live Pending record held by $3, returning how much of its lease is left.
+        // Holding that lock until the commit is what lets long work complete at those levels:
+        // nobody else can write the row meanwhile (a heartbeat's extend on another connection
+        // would make the completion fail to serialize), and a reclaimer, a duplicate claim or
+        // another completion waits for the transaction to end instead of taking the key. At
+        // READ COMMITTED it locks nothing (the heartbeat extends the lease from another
+        // connection, as for the plain engine).
+        let hold = format!(
+            "{NOW_CTE},
+held AS (
+    SELECT r.lease_until FROM {t} AS r, c
+    WHERE {held}
+      AND current_setting('transaction_isolation') NOT IN ('read committed', 'read uncommitted')
+    FOR NO KEY UPDATE OF r
+)
+SELECT current_setting('transaction_isolation') AS isolation,
+       (SELECT {lease} - {now} FROM held) AS lease_left_ms
+FROM c",
+            lease = ms("held.lease_until"),
+            now = ms("c.now"),
+        );
         Self {
             claim,
             complete,
@@ -179,6 +206,7 @@ WHERE r.scope = doomed.scope AND r.key = doomed.key AND r.expires_at <= c.now"
             reclaim,
             get,
             purge,
+            hold,
         }
     }
 }

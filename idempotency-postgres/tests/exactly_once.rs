@@ -110,8 +110,12 @@ async fn takeover_pair(engine: PgIdempotency, orders: Arc<str>) {
             let k = key.clone();
             engine
                 .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, ctx| {
-                    let (orders, key, started, stale_token) =
-                        (orders.clone(), k.clone(), started.clone(), stale_token.clone());
+                    let (orders, key, started, stale_token) = (
+                        orders.clone(),
+                        k.clone(),
+                        started.clone(),
+                        stale_token.clone(),
+                    );
                     Box::pin(async move {
                         insert_order(tx, &orders, &key, "stale").await?;
                         stale_token.store(ctx.token.0, Ordering::SeqCst);
@@ -635,4 +639,136 @@ async fn killed_connection_through_engine_helper() {
             .token;
         retry_runs_once(&engine, &orders, &key, token).await;
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Long work: the work takes several heartbeat intervals (lease 300 ms, heartbeat every 100 ms,
+// work 1.2 s) with its transaction open. It must commit on its first run at every isolation
+// level, while a reclaimer and a duplicate request that arrive long after the claim's own lease
+// would have passed never take the key.
+
+const LONG_LEASE: Duration = Duration::from_millis(300);
+const LONG_WORK: Duration = Duration::from_millis(1200);
+
+async fn long_work(level: Isolation) {
+    let (store, _guard, orders) = setup(level, 8).await;
+    let policy = Policy::default().lease(LONG_LEASE);
+    let engine = PgIdempotency::new(store.clone(), policy).unwrap();
+    let key = IdempotencyKey::random();
+    let id = RecordId::new(scope(), key.clone());
+    let runs = Arc::new(AtomicUsize::new(0));
+    let token = Arc::new(AtomicU64::new(0));
+    let inserted = Arc::new(Notify::new());
+    let holder = {
+        let (engine, orders, key, runs, token, inserted) = (
+            engine.clone(),
+            orders.clone(),
+            key.clone(),
+            runs.clone(),
+            token.clone(),
+            inserted.clone(),
+        );
+        tokio::spawn(async move {
+            let k = key.clone();
+            engine
+                .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, ctx| {
+                    let (orders, key, runs, token, inserted) = (
+                        orders.clone(),
+                        k.clone(),
+                        runs.clone(),
+                        token.clone(),
+                        inserted.clone(),
+                    );
+                    Box::pin(async move {
+                        runs.fetch_add(1, Ordering::SeqCst);
+                        insert_order(tx, &orders, &key, "long").await?;
+                        token.store(ctx.token.0, Ordering::SeqCst);
+                        inserted.notify_one();
+                        tokio::time::sleep(LONG_WORK).await;
+                        Ok::<u64, String>(ctx.token.0)
+                    })
+                })
+                .await
+        })
+    };
+    inserted.notified().await;
+    let token = FencingToken(token.load(Ordering::SeqCst));
+    // More than two leases into the work.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let reclaim = {
+        let (store, id) = (store.clone(), id.clone());
+        tokio::spawn(async move {
+            store
+                .reclaim(
+                    &id,
+                    token,
+                    &fingerprint(),
+                    LONG_LEASE,
+                    Duration::from_secs(3600),
+                )
+                .await
+        })
+    };
+    let duplicate = {
+        let (engine, key, runs) = (engine.clone(), key.clone(), runs.clone());
+        tokio::spawn(async move {
+            engine
+                .run_in_transaction(&key, &scope(), &fingerprint(), move |_tx, _ctx| {
+                    let runs = runs.clone();
+                    Box::pin(async move {
+                        runs.fetch_add(1, Ordering::SeqCst);
+                        Ok::<u64, String>(0)
+                    })
+                })
+                .await
+        })
+    };
+    let out = holder.await.expect("holder task");
+    let reclaim = reclaim.await.expect("reclaim task");
+    let duplicate = duplicate.await.expect("duplicate task");
+    let placed = orders_for(&store, &orders, &key).await;
+    let record = store.get(&id).await.unwrap().expect("the record");
+    let runs = runs.load(Ordering::SeqCst);
+    assert!(
+        matches!(&out, Ok(Outcome::Fresh(Ok(t))) if *t == token.0)
+            && runs == 1
+            && placed == vec!["long".to_owned()]
+            && record.status == RecordStatus::Completed
+            && record.token == token,
+        "{level:?}: long work must commit on its first run: result {out:?}, work runs {runs}, \
+         orders {placed:?}, record {record:?}"
+    );
+    assert!(
+        matches!(reclaim, Ok(Reclaim::Lost)),
+        "{level:?}: a reclaim while the holder works must not take the key: {reclaim:?}"
+    );
+    // At READ COMMITTED the heartbeat keeps the lease alive and the duplicate is told the key
+    // is in progress; at the snapshot levels the holder's row lock makes it wait for the
+    // holder's commit, then replay.
+    if level == Isolation::ReadCommitted {
+        assert!(
+            matches!(&duplicate, Err(Error::InProgress { .. })),
+            "{level:?}: a duplicate while the holder works is in progress: {duplicate:?}"
+        );
+    } else {
+        assert!(
+            matches!(&duplicate, Ok(Outcome::Replayed(Ok(t))) if *t == token.0),
+            "{level:?}: a duplicate while the holder works waits and replays: {duplicate:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn long_work_read_committed() {
+    long_work(Isolation::ReadCommitted).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn long_work_repeatable_read() {
+    long_work(Isolation::RepeatableRead).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn long_work_serializable() {
+    long_work(Isolation::Serializable).await;
 }
