@@ -772,3 +772,253 @@ async fn long_work_repeatable_read() {
 async fn long_work_serializable() {
     long_work(Isolation::Serializable).await;
 }
+
+// ---------------------------------------------------------------------------------------------
+// The connection is lost at the business transaction's COMMIT: a loopback proxy between the
+// pool and the server either forwards the COMMIT, lets the server apply it and then cuts the
+// connection before the answer (the commit applied, the client cannot know), or cuts the
+// connection instead of forwarding it (nothing applied). Either way the caller gets
+// `OutcomeUnknown`; the key is released only if the writes did not commit (the release is a
+// CAS on the Pending record, which a committed completion has already replaced), so a retry
+// replays the committed outcome or runs the work once more, and there is exactly one order.
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum CommitCut {
+    /// Forward the COMMIT, wait for the server to apply it, then cut before its answer.
+    AfterCommit,
+    /// Cut instead of forwarding the COMMIT.
+    InsteadOfCommit,
+}
+
+/// A loopback proxy that cuts one connection at its next `COMMIT` once armed.
+#[derive(Clone)]
+struct CutProxy {
+    port: u16,
+    armed: Arc<std::sync::Mutex<Option<CommitCut>>>,
+    cuts: Arc<AtomicUsize>,
+}
+
+impl CutProxy {
+    async fn start(upstream: String) -> Self {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let proxy = CutProxy {
+            port: listener.local_addr().unwrap().port(),
+            armed: Arc::default(),
+            cuts: Arc::default(),
+        };
+        let p = proxy.clone();
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
+                    continue;
+                };
+                let (mut client_rd, client_wr) = client.into_split();
+                let (mut server_rd, mut server_wr) = server.into_split();
+                // The client's write half is shared: the cutter drops it to close the socket.
+                let client_wr = Arc::new(tokio::sync::Mutex::new(Some(client_wr)));
+                let silenced = Arc::new(std::sync::atomic::AtomicBool::new(false));
+                {
+                    let (client_wr, silenced) = (client_wr.clone(), silenced.clone());
+                    tokio::spawn(async move {
+                        let mut buf = vec![0u8; 16384];
+                        loop {
+                            let n = match server_rd.read(&mut buf).await {
+                                Ok(0) | Err(_) => break,
+                                Ok(n) => n,
+                            };
+                            if silenced.load(Ordering::SeqCst) {
+                                break;
+                            }
+                            let mut w = client_wr.lock().await;
+                            let Some(w) = w.as_mut() else { break };
+                            if w.write_all(&buf[..n]).await.is_err() {
+                                break;
+                            }
+                        }
+                        client_wr.lock().await.take();
+                    });
+                }
+                let p = p.clone();
+                tokio::spawn(async move {
+                    // Startup: untyped messages (SSL/GSS requests, then the startup message).
+                    loop {
+                        let Ok(len) = client_rd.read_u32().await else {
+                            return;
+                        };
+                        let mut body = vec![0; (len as usize).saturating_sub(4)];
+                        if client_rd.read_exact(&mut body).await.is_err() {
+                            return;
+                        }
+                        let _ = server_wr.write_all(&len.to_be_bytes()).await;
+                        let _ = server_wr.write_all(&body).await;
+                        let code = body
+                            .get(..4)
+                            .map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
+                            .unwrap_or(0);
+                        if code != 80_877_103 && code != 80_877_104 {
+                            break;
+                        }
+                    }
+                    loop {
+                        let Ok(kind) = client_rd.read_u8().await else {
+                            break;
+                        };
+                        let Ok(len) = client_rd.read_u32().await else {
+                            break;
+                        };
+                        let mut body = vec![0; (len as usize).saturating_sub(4)];
+                        if client_rd.read_exact(&mut body).await.is_err() {
+                            break;
+                        }
+                        let cut = if kind == b'Q' && body.starts_with(b"COMMIT") {
+                            p.armed.lock().unwrap().take()
+                        } else {
+                            None
+                        };
+                        if cut.is_some() {
+                            silenced.store(true, Ordering::SeqCst);
+                            p.cuts.fetch_add(1, Ordering::SeqCst);
+                        }
+                        if cut != Some(CommitCut::InsteadOfCommit) {
+                            let mut msg = vec![kind];
+                            msg.extend_from_slice(&len.to_be_bytes());
+                            msg.extend_from_slice(&body);
+                            if server_wr.write_all(&msg).await.is_err() {
+                                break;
+                            }
+                        }
+                        if cut.is_some() {
+                            if cut == Some(CommitCut::AfterCommit) {
+                                // Let the server apply the commit before the cut.
+                                tokio::time::sleep(Duration::from_millis(300)).await;
+                            }
+                            break;
+                        }
+                    }
+                    // Close both sides: the client sees its connection die, the server ends
+                    // the session (rolling back whatever it had not committed).
+                    client_wr.lock().await.take();
+                    let _ = server_wr.shutdown().await;
+                });
+            }
+        });
+        proxy
+    }
+
+    fn arm(&self, cut: CommitCut) {
+        *self.armed.lock().unwrap() = Some(cut);
+    }
+}
+
+async fn commit_cut(level: Isolation, cut: CommitCut) {
+    use idempotency_postgres::sqlx::postgres::{PgConnectOptions, PgSslMode};
+    use std::str::FromStr;
+    let options = PgConnectOptions::from_str(&common::url()).unwrap();
+    let proxy = CutProxy::start(format!("{}:{}", options.get_host(), options.get_port())).await;
+    let options = options
+        .host("127.0.0.1")
+        .port(proxy.port)
+        .ssl_mode(PgSslMode::Disable);
+    let pool = idempotency_testing::postgres::pool_with(options, level, 4).await;
+    let guard = SchemaGuard::new();
+    let store = PostgresStore::builder()
+        .schema(&guard.schema)
+        .table("records")
+        .build(pool)
+        .unwrap();
+    store.migrate().await.unwrap();
+    let orders = format!(r#""{}".orders"#, guard.schema);
+    common::exec(&format!(
+        "CREATE TABLE {orders} (id bigserial PRIMARY KEY, ref text NOT NULL, placed_by text NOT NULL)"
+    ))
+    .await;
+    let policy = Policy::default()
+        .lease(Duration::from_secs(5))
+        .in_flight(InFlight::wait(Duration::from_secs(20)));
+    let engine = PgIdempotency::new(store.clone(), policy).unwrap();
+    let key = IdempotencyKey::random();
+    let id = RecordId::new(scope(), key.clone());
+    let runs = Arc::new(AtomicUsize::new(0));
+    let orders: Arc<str> = orders.into();
+    let work = |placed_by| counted_insert(orders.clone(), key.clone(), runs.clone(), placed_by);
+
+    proxy.arm(cut);
+    let first = engine
+        .run_in_transaction(&key, &scope(), &fingerprint(), work("first"))
+        .await;
+    assert_eq!(proxy.cuts.load(Ordering::SeqCst), 1, "the COMMIT was cut");
+    assert!(
+        matches!(first, Err(Error::OutcomeUnknown { .. })),
+        "{level:?} {cut:?}: a connection lost at COMMIT is an unknown outcome: {first:?}"
+    );
+    let holder = store.get(&id).await.unwrap().expect("the record").token;
+    // Give the dropped lease's background release time to run (or to be fenced).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let record = store
+        .get(&id)
+        .await
+        .unwrap()
+        .expect("the record is never lost");
+    let placed = orders_for(&store, &orders, &key).await;
+    match cut {
+        CommitCut::AfterCommit => assert!(
+            record.status == RecordStatus::Completed && placed == vec!["first".to_owned()],
+            "{level:?}: the commit applied: Completed with one order, never released; \
+             record {record:?}, orders {placed:?}"
+        ),
+        CommitCut::InsteadOfCommit => assert!(
+            record.status != RecordStatus::Completed && placed.is_empty(),
+            "{level:?}: the commit never reached the server: nothing written, not \
+             Completed; record {record:?}, orders {placed:?}"
+        ),
+    }
+    assert_eq!(record.token, holder, "nobody else took the key");
+
+    let retry = engine
+        .run_in_transaction(&key, &scope(), &fingerprint(), work("retry"))
+        .await
+        .expect("the retry");
+    let placed = orders_for(&store, &orders, &key).await;
+    let runs = runs.load(Ordering::SeqCst);
+    match cut {
+        CommitCut::AfterCommit => {
+            assert_eq!(retry, Outcome::Replayed(Ok(holder.0)));
+            assert_eq!((runs, placed), (1, vec!["first".to_owned()]));
+        }
+        CommitCut::InsteadOfCommit => {
+            assert_eq!(retry, Outcome::Fresh(Ok(holder.next().0)));
+            assert_eq!((runs, placed), (2, vec!["retry".to_owned()]));
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn connection_lost_at_commit() {
+    for level in Isolation::ALL {
+        for cut in [CommitCut::AfterCommit, CommitCut::InsteadOfCommit] {
+            commit_cut(level, cut).await;
+        }
+    }
+}
+
+/// Work that counts its runs and inserts one order, returning its token.
+fn counted_insert(
+    orders: Arc<str>,
+    key: IdempotencyKey,
+    runs: Arc<AtomicUsize>,
+    placed_by: &'static str,
+) -> impl for<'c> FnMut(
+    &'c mut PgConnection,
+    idempotency_core::WorkContext,
+) -> futures::future::BoxFuture<'c, Result<u64, String>>
+       + Send {
+    move |tx, ctx| {
+        let (orders, key, runs) = (orders.clone(), key.clone(), runs.clone());
+        Box::pin(async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            insert_order(tx, &orders, &key, placed_by).await?;
+            Ok::<u64, String>(ctx.token.0)
+        })
+    }
+}

@@ -29,7 +29,11 @@ async fn must_claim(store: &PostgresStore, req: &ClaimRequest) -> FencingToken {
 }
 
 async fn record(store: &PostgresStore, id: &RecordId) -> Record {
-    store.get(id).await.expect("get").expect("the record is live")
+    store
+        .get(id)
+        .await
+        .expect("get")
+        .expect("the record is live")
 }
 
 /// The database clock in microseconds since the Unix epoch.
@@ -126,7 +130,9 @@ async fn fresh_tokens_come_from_the_database_clock() {
         .fail(&req.id, token, &Failure::retryable("x"), req.ttl)
         .await
         .unwrap();
-    let Reclaim::Reclaimed { token: reclaimed, .. } = store
+    let Reclaim::Reclaimed {
+        token: reclaimed, ..
+    } = store
         .reclaim(&req.id, token, &req.fingerprint, req.lease, req.ttl)
         .await
         .unwrap()
@@ -226,10 +232,7 @@ async fn tokens_beyond_bigint_are_fenced() {
             Cas::Applied
         );
         let done = record(&store, &pending.id).await;
-        assert_eq!(
-            (done.status, done.token),
-            (RecordStatus::Completed, max)
-        );
+        assert_eq!((done.status, done.token), (RecordStatus::Completed, max));
     }
 }
 
@@ -306,15 +309,17 @@ async fn extreme_durations_clamp() {
             tx.commit().await.unwrap();
             let r = record(&store, &req.id).await;
             assert_eq!(r.status, RecordStatus::Completed);
-            far(r.expires_at.as_millis(), "completed-in-transaction expires_at");
+            far(
+                r.expires_at.as_millis(),
+                "completed-in-transaction expires_at",
+            );
 
             // Never purged.
             assert_eq!(store.purge_expired(100).await.unwrap(), 0);
 
             // Through the transactional engine with a policy of huge lease and TTL.
             let engine =
-                PgIdempotency::new(store.clone(), Policy::default().lease(huge).ttl(huge))
-                    .unwrap();
+                PgIdempotency::new(store.clone(), Policy::default().lease(huge).ttl(huge)).unwrap();
             let (key, scope, fp) = (
                 IdempotencyKey::random(),
                 Scope::new("tokens").unwrap(),
