@@ -860,10 +860,7 @@ impl CutProxy {
                             break;
                         }
                     }
-                    loop {
-                        let Ok(kind) = client_rd.read_u8().await else {
-                            break;
-                        };
+                    while let Ok(kind) = client_rd.read_u8().await {
                         let Ok(len) = client_rd.read_u32().await else {
                             break;
                         };
