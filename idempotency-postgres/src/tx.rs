@@ -161,8 +161,9 @@ impl PgIdempotency {
         loop {
             attempt += 1;
             if held_lock {
-                // The previous attempt kept the lease in the process only, so the record's
-                // lease may have passed: renew it before the row is unlocked for long.
+                // The previous attempt (rolled back) kept the lease in the process while it
+                // held the row, so the record's own lease may have passed: renew it before
+                // running again (fenced if a waiting duplicate took the key meanwhile).
                 match self
                     .store
                     .extend(lease.id(), lease.token(), policy.lease)
@@ -200,7 +201,8 @@ impl PgIdempotency {
                         if let Error::LeaseLost { .. } = e {
                             lease.settled_externally();
                         }
-                        // The work has not run: releasing the key is right.
+                        // The work has not run in this attempt and no earlier attempt
+                        // committed: releasing the key is right.
                         return Err(e);
                     }
                 };
