@@ -165,8 +165,10 @@ fn shape_problem(e: &sqlx::Error) -> Option<String> {
         sqlx::Error::Database(db) => match db.code().as_deref() {
             // undefined column, datatype mismatch, undefined function/operator (a column of
             // another type), no unique constraint matching ON CONFLICT, not-null or check
-            // violation (extra or stricter columns), wrong object type (a view…).
-            Some("42703" | "42804" | "42883" | "42P10" | "23502" | "23514" | "42809") => {
+            // violation (extra or stricter columns), wrong object type (a view…), a number out
+            // of range (a column narrower than the values written: a fencing token, the clock
+            // in microseconds, does not fit an `integer` token column).
+            Some("42703" | "42804" | "42883" | "42P10" | "23502" | "23514" | "42809" | "22003") => {
                 Some(db_message(db.as_ref()))
             }
             _ => None,

@@ -6,7 +6,9 @@
 //! Time: `now` is `statement_timestamp()` truncated to milliseconds (the unit of
 //! [`idempotency_core::Timestamp`]), evaluated once per statement. It is the database's clock,
 //! so app servers with skewed clocks agree; unlike `now()` it is not frozen at the start of a
-//! caller's transaction, which matters for [`crate::PostgresStore::complete_in`].
+//! caller's transaction, which matters for [`crate::PostgresStore::complete_in`]. `now_us` is
+//! the same instant in whole microseconds since the Unix epoch, untruncated: the clock part of
+//! a fresh record's fencing token.
 
 use crate::TableName;
 
@@ -34,7 +36,9 @@ fn record_columns() -> String {
     .join(", ")
 }
 
-const NOW_CTE: &str = "WITH c AS (SELECT date_trunc('milliseconds', statement_timestamp()) AS now)";
+const NOW_CTE: &str =
+    "WITH c AS (SELECT date_trunc('milliseconds', statement_timestamp()) AS now, \
+                      (extract(epoch from statement_timestamp()) * 1000000)::int8 AS now_us)";
 
 /// The statements of one store.
 #[derive(Debug)]
@@ -46,6 +50,7 @@ pub(crate) struct Statements {
     pub reclaim: String,
     pub get: String,
     pub purge: String,
+    pub hold: String,
 }
 
 impl Statements {
@@ -53,9 +58,18 @@ impl Statements {
         let t = name.qualified();
         let cols = record_columns();
         // Claim-or-observe. One INSERT … ON CONFLICT DO UPDATE:
-        // - no row: inserts a Pending record with token 1;
-        // - an expired row (expires_at <= now): replaces every field, token + 1, hits 0;
+        // - no row: inserts a Pending record whose token is the clock, `now_us`;
+        // - an expired row (expires_at <= now): replaces every field, token
+        //   greatest(token + 1, now_us), hits 0;
         // - a live row: only hits + 1 (every other column is set to itself).
+        // Fencing tokens grow over the key's whole history, not only over one row's life. Once
+        // a purge has deleted the row nothing remembers its token, but that token was the
+        // clock (µs) at the row's claim plus one per reclaim since, each reclaim a write of its
+        // own taking far more than a microsecond; and a fresh claim reads the same clock later
+        // (the row had to expire first, at least a millisecond after its last write). So the
+        // stalled holder of a purged record is fenced from the new one. Only a database clock
+        // stepping back past the purged row's claim could reuse a token; while a row exists,
+        // greatest(token + 1, …) keeps tokens growing whatever the clock does.
         // A claim leaves hits = 0 and created_at = now, an observation adds one to hits, which
         // tells the decoder which happened.
         //
@@ -72,14 +86,14 @@ up AS (
     INSERT INTO {t} AS r (scope, key, fingerprint, status, token, lease_until, outcome,
                           attempts, failure_retryable, failure_message, hits,
                           created_at, updated_at, expires_at)
-    SELECT $1, $2, $3, 'pending', 1, c.now + $4 * interval '1 millisecond', NULL,
+    SELECT $1, $2, $3, 'pending', greatest(1, c.now_us), c.now + $4 * interval '1 millisecond', NULL,
            1, NULL, NULL, 0,
            c.now, c.now, c.now + $5 * interval '1 millisecond'
     FROM c
     ON CONFLICT (scope, key) DO UPDATE SET
         fingerprint = CASE WHEN {expired} THEN excluded.fingerprint ELSE r.fingerprint END,
         status = CASE WHEN {expired} THEN excluded.status ELSE r.status END,
-        token = CASE WHEN {expired} THEN r.token + 1 ELSE r.token END,
+        token = CASE WHEN {expired} THEN greatest(r.token + 1, excluded.token) ELSE r.token END,
         lease_until = CASE WHEN {expired} THEN excluded.lease_until ELSE r.lease_until END,
         outcome = CASE WHEN {expired} THEN NULL ELSE r.outcome END,
         attempts = CASE WHEN {expired} THEN 1 ELSE r.attempts END,
@@ -102,13 +116,15 @@ FROM up, c",
         // The CAS on a live Pending record holding the token; shared by complete, fail, extend.
         let held = "r.scope = $1 AND r.key = $2 AND r.token = $3 AND r.status = 'pending' \
                     AND r.expires_at > c.now";
+        // The isolation level tells `PgIdempotency` how the caller's sessions run (the
+        // completion also runs inside the caller's transaction, `complete_in`).
         let complete = format!(
             "{NOW_CTE}
 UPDATE {t} AS r SET status = 'completed', outcome = $4, lease_until = NULL,
     failure_retryable = NULL, failure_message = NULL, updated_at = c.now,
     expires_at = c.now + $5 * interval '1 millisecond'
 FROM c WHERE {held}
-RETURNING r.token"
+RETURNING r.token, current_setting('transaction_isolation') AS isolation"
         );
         let fail = format!(
             "{NOW_CTE}
@@ -159,6 +175,29 @@ doomed AS (
 DELETE FROM {t} AS r USING doomed, c
 WHERE r.scope = doomed.scope AND r.key = doomed.key AND r.expires_at <= c.now"
         );
+        // The first statement of `PgIdempotency`'s transaction. It reports the transaction's
+        // isolation level and, at REPEATABLE READ or SERIALIZABLE, locks the record row if it
+        // is still a live Pending record held by $3, returning how much of its lease is left.
+        // Holding that lock until the commit is what lets long work complete at those levels:
+        // nobody else can write the row meanwhile (a heartbeat's extend on another connection
+        // would make the completion fail to serialize), and a reclaimer, a duplicate claim or
+        // another completion waits for the transaction to end instead of taking the key. At
+        // READ COMMITTED it locks nothing (the heartbeat extends the lease from another
+        // connection, as for the plain engine).
+        let hold = format!(
+            "{NOW_CTE},
+held AS (
+    SELECT r.lease_until FROM {t} AS r, c
+    WHERE {held}
+      AND current_setting('transaction_isolation') NOT IN ('read committed', 'read uncommitted')
+    FOR NO KEY UPDATE OF r
+)
+SELECT current_setting('transaction_isolation') AS isolation,
+       (SELECT {lease} - {now} FROM held) AS lease_left_ms
+FROM c",
+            lease = ms("held.lease_until"),
+            now = ms("c.now"),
+        );
         Self {
             claim,
             complete,
@@ -167,6 +206,7 @@ WHERE r.scope = doomed.scope AND r.key = doomed.key AND r.expires_at <= c.now"
             reclaim,
             get,
             purge,
+            hold,
         }
     }
 }

@@ -18,7 +18,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// Durations are capped at this many milliseconds (100 years) before they reach SQL, so a huge
-/// lease or TTL cannot overflow PostgreSQL's timestamp range.
+/// lease or TTL (`Duration::MAX`) cannot overflow PostgreSQL's timestamp range: its deadline
+/// saturates a century from now and the record is, in effect, eternal.
 const MAX_DURATION_MS: i64 = 100 * 366 * 24 * 3600 * 1000;
 
 fn millis(d: Duration) -> i64 {
@@ -264,6 +265,20 @@ impl PostgresStore {
         outcome: &[u8],
         ttl: Duration,
     ) -> Result<(), Error> {
+        self.complete_in_reporting(tx, id, token, outcome, ttl)
+            .await
+            .map(|_| ())
+    }
+
+    /// [`PostgresStore::complete_in`], also reporting the transaction's isolation level.
+    pub(crate) async fn complete_in_reporting(
+        &self,
+        tx: &mut PgConnection,
+        id: &RecordId,
+        token: FencingToken,
+        outcome: &[u8],
+        ttl: Duration,
+    ) -> Result<Level, Error> {
         let Ok(t) = i64::try_from(token.0) else {
             return Err(Error::LeaseLost { token });
         };
@@ -278,9 +293,41 @@ impl PostgresStore {
             // Nothing commits until the caller commits: a lost connection applied nothing.
             .map_err(|e| map_sqlx(e, &self.qualified, Effect::None))?;
         match row {
-            Some(_) => Ok(()),
+            Some(row) => Ok(Level::parse(&get::<String>(
+                &row,
+                "isolation",
+                &self.qualified,
+            )?)),
             None => Err(Error::LeaseLost { token }),
         }
+    }
+
+    /// The first statement of [`crate::PgIdempotency`]'s transaction (see `sql::hold`): the
+    /// transaction's isolation level and, at REPEATABLE READ or SERIALIZABLE, the record row
+    /// locked until the transaction ends, with the lease left on the database clock
+    /// (`None`: the record is no longer a live Pending record held by `token`).
+    pub(crate) async fn hold_in(
+        &self,
+        tx: &mut PgConnection,
+        id: &RecordId,
+        token: FencingToken,
+    ) -> Result<Hold, Error> {
+        let Ok(t) = i64::try_from(token.0) else {
+            return Err(Error::LeaseLost { token });
+        };
+        let row = sqlx::query(&self.sql.hold)
+            .bind(id.scope.as_str())
+            .bind(id.key.as_str())
+            .bind(t)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(|e| map_sqlx(e, &self.qualified, Effect::None))?;
+        let level = Level::parse(&get::<String>(&row, "isolation", &self.qualified)?);
+        let left: Option<i64> = get(&row, "lease_left_ms", &self.qualified)?;
+        Ok(Hold {
+            level,
+            lease_left: left.map(|ms| Duration::from_millis(u64::try_from(ms).unwrap_or(0))),
+        })
     }
 
     /// Runs one statement, re-running it after serialization failures and deadlocks (the
@@ -336,6 +383,37 @@ impl PostgresStore {
             Cas::Fenced
         })
     }
+}
+
+/// How a transaction's isolation level matters to [`crate::PgIdempotency`].
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Level {
+    /// READ COMMITTED (or READ UNCOMMITTED, which PostgreSQL runs as READ COMMITTED): each
+    /// statement sees the latest committed row, so the completion is not disturbed by
+    /// heartbeats committed meanwhile.
+    ReadCommitted,
+    /// REPEATABLE READ or SERIALIZABLE: one snapshot for the whole transaction, so a row
+    /// another session changed after it was taken cannot be updated (40001).
+    Snapshot,
+}
+
+impl Level {
+    fn parse(setting: &str) -> Self {
+        match setting {
+            "read committed" | "read uncommitted" => Self::ReadCommitted,
+            _ => Self::Snapshot,
+        }
+    }
+}
+
+/// What [`PostgresStore::hold_in`] found.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Hold {
+    /// The transaction's isolation level.
+    pub level: Level,
+    /// At [`Level::Snapshot`]: the lease left on the locked record; `None` when the record is
+    /// no longer held by the token (or, at [`Level::ReadCommitted`], always: nothing locked).
+    pub lease_left: Option<Duration>,
 }
 
 struct CasBinds<'a> {

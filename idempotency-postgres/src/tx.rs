@@ -1,16 +1,20 @@
 //! The engine helper that completes inside the business transaction.
 
 use crate::error::{map_sqlx, Effect};
+use crate::store::Level;
 use crate::PostgresStore;
 use futures::future::BoxFuture;
 use idempotency_core::{
-    decode_replay, Begin, Error, ErrorOutcomes, Failure, Fingerprint, Idempotency, IdempotencyKey,
-    Outcome, Policy, RecordId, Scope, WorkContext,
+    decode_replay, Begin, Cas, Error, ErrorOutcomes, Failure, Fingerprint, Idempotency,
+    IdempotencyKey, IdempotencyStore, Outcome, Policy, RecordId, Scope, WorkContext,
 };
 use serde::{de::DeserializeOwned, Serialize};
 use sqlx::PgConnection;
 use std::fmt::Display;
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// How many times the transaction is run again after a serialization failure or deadlock in
 /// the completion or the commit.
@@ -51,13 +55,18 @@ const MAX_TRANSACTION_ATTEMPTS: u32 = 8;
 pub struct PgIdempotency {
     engine: Idempotency,
     store: PostgresStore,
+    level: Arc<LevelCache>,
 }
 
 impl PgIdempotency {
     /// An engine over `store` with `policy`.
     pub fn new(store: PostgresStore, policy: Policy) -> Result<Self, Error> {
         let engine = Idempotency::new(Arc::new(store.clone()), policy)?;
-        Ok(Self { engine, store })
+        Ok(Self {
+            engine,
+            store,
+            level: Arc::default(),
+        })
     }
 
     /// The plain engine, for work that does not write to this database.
@@ -84,8 +93,47 @@ impl PgIdempotency {
     /// - A serialization failure or deadlock in the completion or the commit re-runs the
     ///   transaction (up to 8 times), so `work` must only act through the connection it is
     ///   given. Errors inside `work` are `work`'s to return.
-    /// - If the connection dies during the commit, the result is [`Error::OutcomeUnknown`];
-    ///   a retry finds either the Completed record or a released key with nothing written.
+    /// - If the connection dies during the completion or the commit, the result is an error
+    ///   ([`Error::OutcomeUnknown`] for the commit) and the dropped lease releases the key in
+    ///   the background, by a compare-and-swap on the Pending record: if the commit applied,
+    ///   the record is already Completed and the release is fenced, so a retry replays the
+    ///   committed outcome; if it did not, nothing was written and a retry runs the work again.
+    ///   Either way the key ends with one committed execution. The key is never released
+    ///   while the work's writes may still commit.
+    ///
+    /// # Isolation levels
+    ///
+    /// The transaction runs at the level the pool's sessions run at (their
+    /// `default_transaction_isolation`, set for example in the pool's `after_connect` or with
+    /// `ALTER ROLE … SET`); do not issue `SET TRANSACTION` inside `work`, which runs after
+    /// this method's first statement. The level is learned from the first statement of the
+    /// transaction (or from the last completion: sessions at READ COMMITTED then cost no extra
+    /// statement) and decides how the lease is kept while the work runs:
+    ///
+    /// - **READ COMMITTED**: the heartbeat ([`Policy::heartbeat`]) extends the lease from
+    ///   another pooled connection, as in [`Idempotency::run`]. A duplicate request is told
+    ///   at once that the key is in progress; a holder that stalls past its lease (no
+    ///   heartbeat reached the database) can be taken over, and its completion is then fenced
+    ///   and everything it wrote rolls back.
+    /// - **REPEATABLE READ and SERIALIZABLE**: a heartbeat committed on another connection
+    ///   would make the completion fail to serialize, so instead the transaction's first
+    ///   statement locks the record row (`SELECT … FOR NO KEY UPDATE`, checking it is still
+    ///   Pending with this holder's token and its lease has not passed) and holds it until
+    ///   the commit. Nobody else can change the record meanwhile: a reclaimer, a duplicate
+    ///   request's claim, a purge or another completion waits for the transaction to end (or
+    ///   skips the row), then finds the record Completed (a replay) or, after a rollback,
+    ///   as it was. The lease is kept in the process: every heartbeat interval renews it, and
+    ///   if it passes without one (the heartbeat is off and the work outlives the lease, or
+    ///   the process stalled), the work is cancelled, the transaction rolls back and the
+    ///   result is [`Error::LeaseLost`], leaving the record to be reclaimed. Duplicates
+    ///   therefore wait for a running holder instead of getting
+    ///   [`Error::InProgress`] at once, each holding a pooled connection while it waits.
+    ///   After a serialization failure the lease is extended before the transaction runs
+    ///   again; a duplicate that was waiting may have taken the key over first if the work
+    ///   outlived the lease, and then the re-run is fenced (nothing was committed).
+    ///
+    /// A work that never returns holds the key as long as the heartbeat runs, at every level
+    /// (and at REPEATABLE READ and SERIALIZABLE keeps the row locked).
     pub async fn run_in_transaction<T, E, F>(
         &self,
         key: &IdempotencyKey,
@@ -103,12 +151,31 @@ impl PgIdempotency {
             Begin::Replay(record) => return decode_replay(&record).map(Outcome::Replayed),
             Begin::Execute(lease) => lease,
         };
+        let token = lease.token();
         let table = self.store.table_name().qualified();
+        let policy = self.engine.policy();
         let mut attempt = 0;
+        let mut held_lock = false;
         // Any early return below drops `lease` unsettled, which releases the key in the
         // background (or is fenced, if the record moved on).
         loop {
             attempt += 1;
+            if held_lock {
+                // The previous attempt (rolled back) kept the lease in the process while it
+                // held the row, so the record's own lease may have passed: renew it before
+                // running again (fenced if a waiting duplicate took the key meanwhile).
+                match self
+                    .store
+                    .extend(lease.id(), lease.token(), policy.lease)
+                    .await?
+                {
+                    Cas::Applied => {}
+                    Cas::Fenced => {
+                        lease.settled_externally();
+                        return Err(Error::LeaseLost { token });
+                    }
+                }
+            }
             // BEGIN runs in a task of its own. sqlx 0.8 leaks an open transaction into the
             // pool when the future of `Pool::begin` is dropped after BEGIN was sent but before
             // its answer (its rollback guard sees depth 0 and queues nothing): the next user
@@ -120,13 +187,59 @@ impl PgIdempotency {
                 .await
                 .map_err(|e| Error::backend(true, e))?
                 .map_err(|e| map_sqlx(e, &table, Effect::None))?;
-            // The heartbeat extends the lease while the work runs (per the policy).
-            let value = match lease.with_heartbeat(work(&mut tx, lease.context())).await {
+            // How the lease is kept while the work runs: see the isolation levels above.
+            let locked_until = if self.level.get() == Some(Level::ReadCommitted) {
+                None
+            } else {
+                let hold = match self.store.hold_in(&mut tx, lease.id(), lease.token()).await {
+                    Ok(hold) => hold,
+                    Err(e) => {
+                        let _ = tx.rollback().await;
+                        if is_serialization_failure(&e) && attempt < MAX_TRANSACTION_ATTEMPTS {
+                            continue;
+                        }
+                        if let Error::LeaseLost { .. } = e {
+                            lease.settled_externally();
+                        }
+                        // The work has not run in this attempt and no earlier attempt
+                        // committed: releasing the key is right.
+                        return Err(e);
+                    }
+                };
+                self.level.set(hold.level);
+                match (hold.level, hold.lease_left) {
+                    (Level::ReadCommitted, _) => None,
+                    (Level::Snapshot, Some(left)) if !left.is_zero() => {
+                        Some(later(Instant::now(), left))
+                    }
+                    (Level::Snapshot, _) => {
+                        // Reclaimed, settled or expired, or the lease passed before the work
+                        // could start: the key is not ours to run.
+                        let _ = tx.rollback().await;
+                        lease.settled_externally();
+                        return Err(Error::LeaseLost { token });
+                    }
+                }
+            };
+            held_lock = locked_until.is_some();
+            let ran = match locked_until {
+                None => Some(lease.with_heartbeat(work(&mut tx, lease.context())).await),
+                Some(until) => keep_alive(policy, until, work(&mut tx, lease.context())).await,
+            };
+            let Some(ran) = ran else {
+                // The lease passed without a heartbeat while the row was locked: the work was
+                // cancelled; roll back (nothing it did commits) and leave the record, whose
+                // lease has passed, to whoever reclaims it.
+                let _ = tx.rollback().await;
+                lease.settled_externally();
+                return Err(Error::LeaseLost { token });
+            };
+            let value = match ran {
                 Ok(value) => value,
                 Err(e) => {
                     let _ = tx.rollback().await;
                     let result: Result<T, E> = Err(e);
-                    match self.engine.policy().errors {
+                    match policy.errors {
                         ErrorOutcomes::Store => lease.complete(&encode(&result)?).await?,
                         ErrorOutcomes::RecordFailure => {
                             let message = match &result {
@@ -150,10 +263,10 @@ impl PgIdempotency {
             };
             match self
                 .store
-                .complete_in(&mut tx, lease.id(), lease.token(), &bytes, lease.ttl())
+                .complete_in_reporting(&mut tx, lease.id(), lease.token(), &bytes, lease.ttl())
                 .await
             {
-                Ok(()) => {}
+                Ok(level) => self.level.set(level),
                 Err(e) => {
                     let _ = tx.rollback().await;
                     if let Error::LeaseLost { .. } = e {
@@ -161,9 +274,18 @@ impl PgIdempotency {
                         lease.settled_externally();
                         return Err(e);
                     }
-                    if is_serialization_failure(&e) && attempt < MAX_TRANSACTION_ATTEMPTS {
-                        continue;
+                    if is_serialization_failure(&e) {
+                        if !held_lock {
+                            // A serialization failure cannot happen at READ COMMITTED: the
+                            // sessions run at another level; ask again next time.
+                            self.level.forget();
+                        }
+                        if attempt < MAX_TRANSACTION_ATTEMPTS {
+                            continue;
+                        }
                     }
+                    // Nothing committed (the transaction never got to COMMIT): releasing the
+                    // key, as the dropped lease does, is right.
                     return Err(e);
                 }
             }
@@ -178,9 +300,92 @@ impl PgIdempotency {
                 {
                     continue
                 }
+                // A lost connection is `OutcomeUnknown`. The dropped lease's release is a CAS
+                // on the Pending record this transaction completed: if the commit applied it
+                // is fenced (the record is Completed); if not, nothing was written and the key
+                // is rightly released. While the server still runs the commit, the release
+                // waits for the row lock the completion holds.
                 Err(e) => return Err(map_sqlx(e, &table, Effect::Write)),
             }
         }
+    }
+}
+
+/// `now + d`, saturating far in the future instead of overflowing.
+fn later(now: Instant, d: Duration) -> Instant {
+    now.checked_add(d)
+        .unwrap_or_else(|| now + Duration::from_secs(100 * 366 * 24 * 3600))
+}
+
+/// Runs `work` while the record row is locked, keeping the lease in the process: every
+/// heartbeat interval (per [`Policy::heartbeat`]) renews it for a lease's length. Returns
+/// `None`, dropping (cancelling) the work, once the lease passes without a renewal: the
+/// heartbeat is off and the work outlived the lease, or the task was not polled for a whole
+/// lease (the process stalled). A work that ends after its lease passed also gets `None`.
+async fn keep_alive<F: Future>(policy: &Policy, until: Instant, work: F) -> Option<F::Output> {
+    let every = policy
+        .heartbeat
+        .map(|fraction| policy.lease.mul_f64(fraction).max(Duration::from_millis(1)));
+    // The deadline, as microseconds after `base` (an atomic, so the future stays `Send`).
+    let base = Instant::now();
+    let micros = |t: Instant| u64::try_from(t.saturating_duration_since(base).as_micros());
+    let deadline = AtomicU64::new(micros(until).unwrap_or(u64::MAX));
+    let deadline_at = || {
+        base.checked_add(Duration::from_micros(deadline.load(Ordering::Relaxed)))
+            .unwrap_or_else(|| later(base, Duration::MAX))
+    };
+    let beat = async {
+        loop {
+            let next = match every {
+                Some(every) => later(Instant::now(), every).min(deadline_at()),
+                None => deadline_at(),
+            };
+            tokio::time::sleep_until(next.into()).await;
+            let now = Instant::now();
+            if now >= deadline_at() {
+                return;
+            }
+            if every.is_some() {
+                let renewed = micros(later(now, policy.lease)).unwrap_or(u64::MAX);
+                deadline.store(renewed, Ordering::Relaxed);
+            }
+        }
+    };
+    let work = std::pin::pin!(work);
+    let beat = std::pin::pin!(beat);
+    match futures::future::select(work, beat).await {
+        futures::future::Either::Left((out, _)) => (Instant::now() < deadline_at()).then_some(out),
+        futures::future::Either::Right(((), _work)) => None,
+    }
+}
+
+/// What `PgIdempotency` knows of its sessions' isolation level, shared by its clones.
+#[derive(Debug, Default)]
+struct LevelCache(AtomicU8);
+
+impl LevelCache {
+    const UNKNOWN: u8 = 0;
+    const READ_COMMITTED: u8 = 1;
+    const SNAPSHOT: u8 = 2;
+
+    fn get(&self) -> Option<Level> {
+        match self.0.load(Ordering::Relaxed) {
+            Self::READ_COMMITTED => Some(Level::ReadCommitted),
+            Self::SNAPSHOT => Some(Level::Snapshot),
+            _ => None,
+        }
+    }
+
+    fn set(&self, level: Level) {
+        let v = match level {
+            Level::ReadCommitted => Self::READ_COMMITTED,
+            Level::Snapshot => Self::SNAPSHOT,
+        };
+        self.0.store(v, Ordering::Relaxed);
+    }
+
+    fn forget(&self) {
+        self.0.store(Self::UNKNOWN, Ordering::Relaxed);
     }
 }
 

@@ -260,7 +260,8 @@ async fn table_of_another_shape() {
             if detail.contains("token is integer")),
         "{err}"
     );
-    // The claim inserts fine into an int4 token; reading it back is the shape error.
+    // A fresh token (the clock in microseconds) does not fit an int4 token: the claim's
+    // insert is the shape error.
     assert_shape(&narrow.claim(&req).await.unwrap_err());
 
     let unkeyed = store_for("unkeyed");

@@ -277,6 +277,7 @@ async fn transactional_engine_releases_on_error() {
         Scope::new("tenant|orders").unwrap(),
         Fingerprint::from_bytes(b"order"),
     );
+    let mut failed_token = None;
     for (attempt, fails) in [(1, true), (2, false)] {
         let insert = format!("INSERT INTO {orders} (ref) VALUES ('{key}')");
         let out = engine
@@ -311,8 +312,12 @@ async fn transactional_engine_releases_on_error() {
                 "attempt {attempt}: the failed work's insert rolled back"
             );
             assert_eq!(record.status, RecordStatus::Failed);
+            failed_token = Some(record.token);
         } else {
-            assert_eq!(out, Outcome::Fresh(Ok(2)));
+            // The retry reclaimed the failed record: its token plus one.
+            let reclaimed = failed_token.expect("the first attempt failed").next();
+            assert_eq!(out, Outcome::Fresh(Ok(reclaimed.0)));
+            assert_eq!(record.token, reclaimed);
             assert_eq!(count, 1);
             assert_eq!(record.status, RecordStatus::Completed);
             assert_eq!(record.attempts, 2);

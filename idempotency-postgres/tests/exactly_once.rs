@@ -14,7 +14,7 @@ use idempotency_core::{
 use idempotency_postgres::sqlx::{self, Connection, PgConnection};
 use idempotency_postgres::{PgIdempotency, PostgresStore};
 use rand::Rng;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Notify;
@@ -97,16 +97,28 @@ async fn lease_takeover(level: Isolation) {
 async fn takeover_pair(engine: PgIdempotency, orders: Arc<str>) {
     let key = IdempotencyKey::random();
     let started = Arc::new(Notify::new());
+    let stale_token = Arc::new(AtomicU64::new(0));
     let stale = {
-        let (engine, orders, key, started) =
-            (engine.clone(), orders.clone(), key.clone(), started.clone());
+        let (engine, orders, key, started, stale_token) = (
+            engine.clone(),
+            orders.clone(),
+            key.clone(),
+            started.clone(),
+            stale_token.clone(),
+        );
         tokio::spawn(async move {
             let k = key.clone();
             engine
                 .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, ctx| {
-                    let (orders, key, started) = (orders.clone(), k.clone(), started.clone());
+                    let (orders, key, started, stale_token) = (
+                        orders.clone(),
+                        k.clone(),
+                        started.clone(),
+                        stale_token.clone(),
+                    );
                     Box::pin(async move {
                         insert_order(tx, &orders, &key, "stale").await?;
+                        stale_token.store(ctx.token.0, Ordering::SeqCst);
                         started.notify_one();
                         // Stall well past the 300 ms lease, transaction open.
                         tokio::time::sleep(Duration::from_millis(800)).await;
@@ -117,6 +129,7 @@ async fn takeover_pair(engine: PgIdempotency, orders: Arc<str>) {
         })
     };
     started.notified().await;
+    let stale_token = FencingToken(stale_token.load(Ordering::SeqCst));
     tokio::time::sleep(Duration::from_millis(450)).await;
     let k = key.clone();
     let o = orders.clone();
@@ -132,17 +145,12 @@ async fn takeover_pair(engine: PgIdempotency, orders: Arc<str>) {
         .expect("the retry runs");
     assert_eq!(
         fresh,
-        Outcome::Fresh(Ok(2)),
-        "the retry reclaimed with token 2"
+        Outcome::Fresh(Ok(stale_token.next().0)),
+        "the retry reclaimed with the stale holder's token + 1"
     );
     let stale = stale.await.expect("task");
     assert!(
-        matches!(
-            stale,
-            Err(Error::LeaseLost {
-                token: FencingToken(1)
-            })
-        ),
+        matches!(stale, Err(Error::LeaseLost { token }) if token == stale_token),
         "the stale holder must be fenced, got {stale:?}"
     );
     assert_eq!(
@@ -157,14 +165,17 @@ async fn takeover_pair(engine: PgIdempotency, orders: Arc<str>) {
         .unwrap()
         .unwrap();
     assert_eq!(record.status, RecordStatus::Completed);
-    assert_eq!(record.token, FencingToken(2));
+    assert_eq!(record.token, stale_token.next());
     let replay = engine
         .run_in_transaction(&key, &scope(), &fingerprint(), |_tx, _ctx| {
             Box::pin(async { panic!("a completed key must not run again") })
         })
         .await
         .expect("replay");
-    assert_eq!(replay, Outcome::<Result<u64, String>>::Replayed(Ok(2)));
+    assert_eq!(
+        replay,
+        Outcome::<Result<u64, String>>::Replayed(Ok(stale_token.next().0))
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -215,20 +226,24 @@ async fn dropped_transaction(level: Isolation) {
 async fn dropped_during_work(engine: PgIdempotency, orders: Arc<str>) {
     let key = IdempotencyKey::random();
     let inserted = Arc::new(Notify::new());
+    let token = Arc::new(AtomicU64::new(0));
     let first = {
-        let (engine, orders, key, inserted) = (
+        let (engine, orders, key, inserted, token) = (
             engine.clone(),
             orders.clone(),
             key.clone(),
             inserted.clone(),
+            token.clone(),
         );
         tokio::spawn(async move {
             let k = key.clone();
             engine
-                .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, _ctx| {
-                    let (orders, key, inserted) = (orders.clone(), k.clone(), inserted.clone());
+                .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, ctx| {
+                    let (orders, key, inserted, token) =
+                        (orders.clone(), k.clone(), inserted.clone(), token.clone());
                     Box::pin(async move {
                         insert_order(tx, &orders, &key, "dropped").await?;
+                        token.store(ctx.token.0, Ordering::SeqCst);
                         inserted.notify_one();
                         std::future::pending::<()>().await;
                         Ok::<u64, String>(0)
@@ -240,7 +255,8 @@ async fn dropped_during_work(engine: PgIdempotency, orders: Arc<str>) {
     inserted.notified().await;
     first.abort();
     assert!(first.await.expect_err("aborted").is_cancelled());
-    retry_runs_once(&engine, &orders, &key).await;
+    let token = FencingToken(token.load(Ordering::SeqCst));
+    retry_runs_once(&engine, &orders, &key, token).await;
 }
 
 /// The completion CAS ran in the transaction, then the transaction and the lease were dropped
@@ -278,12 +294,20 @@ async fn dropped_after_completion(engine: PgIdempotency, orders: Arc<str>) {
             Err(e) => panic!("the holder's completion applies inside its transaction: {e:?}"),
         }
     };
+    let token = lease.token();
     drop(tx);
     drop(lease);
-    retry_runs_once(&engine, &orders, &key).await;
+    retry_runs_once(&engine, &orders, &key, token).await;
 }
 
-async fn retry_runs_once(engine: &PgIdempotency, orders: &Arc<str>, key: &IdempotencyKey) {
+/// A retry of `key`, released or left by the holder of `first`, reclaims it with the next
+/// token and commits the one order.
+async fn retry_runs_once(
+    engine: &PgIdempotency,
+    orders: &Arc<str>,
+    key: &IdempotencyKey,
+    first: FencingToken,
+) {
     let (o, k) = (orders.clone(), key.clone());
     let retry = engine
         .run_in_transaction(key, &scope(), &fingerprint(), move |tx, ctx| {
@@ -297,7 +321,7 @@ async fn retry_runs_once(engine: &PgIdempotency, orders: &Arc<str>, key: &Idempo
         .expect("the retry runs");
     assert_eq!(
         retry,
-        Outcome::Fresh(Ok(2)),
+        Outcome::Fresh(Ok(first.next().0)),
         "the retry reclaimed the released key"
     );
     assert_eq!(
@@ -607,6 +631,391 @@ async fn killed_connection_through_engine_helper() {
             "expected the work's error, got {first:?}"
         );
         assert!(orders_for(&store, &orders, &key).await.is_empty());
-        retry_runs_once(&engine, &orders, &key).await;
+        let token = store
+            .get(&RecordId::new(scope(), key.clone()))
+            .await
+            .unwrap()
+            .expect("the released record")
+            .token;
+        retry_runs_once(&engine, &orders, &key, token).await;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Long work: the work takes several heartbeat intervals (lease 300 ms, heartbeat every 100 ms,
+// work 1.2 s) with its transaction open. It must commit on its first run at every isolation
+// level, while a reclaimer and a duplicate request that arrive long after the claim's own lease
+// would have passed never take the key.
+
+const LONG_LEASE: Duration = Duration::from_millis(300);
+const LONG_WORK: Duration = Duration::from_millis(1200);
+
+async fn long_work(level: Isolation) {
+    let (store, _guard, orders) = setup(level, 8).await;
+    let policy = Policy::default().lease(LONG_LEASE);
+    let engine = PgIdempotency::new(store.clone(), policy).unwrap();
+    let key = IdempotencyKey::random();
+    let id = RecordId::new(scope(), key.clone());
+    let runs = Arc::new(AtomicUsize::new(0));
+    let token = Arc::new(AtomicU64::new(0));
+    let inserted = Arc::new(Notify::new());
+    let holder = {
+        let (engine, orders, key, runs, token, inserted) = (
+            engine.clone(),
+            orders.clone(),
+            key.clone(),
+            runs.clone(),
+            token.clone(),
+            inserted.clone(),
+        );
+        tokio::spawn(async move {
+            let k = key.clone();
+            engine
+                .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, ctx| {
+                    let (orders, key, runs, token, inserted) = (
+                        orders.clone(),
+                        k.clone(),
+                        runs.clone(),
+                        token.clone(),
+                        inserted.clone(),
+                    );
+                    Box::pin(async move {
+                        runs.fetch_add(1, Ordering::SeqCst);
+                        insert_order(tx, &orders, &key, "long").await?;
+                        token.store(ctx.token.0, Ordering::SeqCst);
+                        inserted.notify_one();
+                        tokio::time::sleep(LONG_WORK).await;
+                        Ok::<u64, String>(ctx.token.0)
+                    })
+                })
+                .await
+        })
+    };
+    inserted.notified().await;
+    let token = FencingToken(token.load(Ordering::SeqCst));
+    // More than two leases into the work.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let reclaim = {
+        let (store, id) = (store.clone(), id.clone());
+        tokio::spawn(async move {
+            store
+                .reclaim(
+                    &id,
+                    token,
+                    &fingerprint(),
+                    LONG_LEASE,
+                    Duration::from_secs(3600),
+                )
+                .await
+        })
+    };
+    let duplicate = {
+        let (engine, key, runs) = (engine.clone(), key.clone(), runs.clone());
+        tokio::spawn(async move {
+            engine
+                .run_in_transaction(&key, &scope(), &fingerprint(), move |_tx, _ctx| {
+                    let runs = runs.clone();
+                    Box::pin(async move {
+                        runs.fetch_add(1, Ordering::SeqCst);
+                        Ok::<u64, String>(0)
+                    })
+                })
+                .await
+        })
+    };
+    let out = holder.await.expect("holder task");
+    let reclaim = reclaim.await.expect("reclaim task");
+    let duplicate = duplicate.await.expect("duplicate task");
+    let placed = orders_for(&store, &orders, &key).await;
+    let record = store.get(&id).await.unwrap().expect("the record");
+    let runs = runs.load(Ordering::SeqCst);
+    assert!(
+        matches!(&out, Ok(Outcome::Fresh(Ok(t))) if *t == token.0)
+            && runs == 1
+            && placed == vec!["long".to_owned()]
+            && record.status == RecordStatus::Completed
+            && record.token == token,
+        "{level:?}: long work must commit on its first run: result {out:?}, work runs {runs}, \
+         orders {placed:?}, record {record:?}"
+    );
+    assert!(
+        matches!(reclaim, Ok(Reclaim::Lost)),
+        "{level:?}: a reclaim while the holder works must not take the key: {reclaim:?}"
+    );
+    // At READ COMMITTED the heartbeat keeps the lease alive and the duplicate is told the key
+    // is in progress; at the snapshot levels the holder's row lock makes it wait for the
+    // holder's commit, then replay.
+    if level == Isolation::ReadCommitted {
+        assert!(
+            matches!(&duplicate, Err(Error::InProgress { .. })),
+            "{level:?}: a duplicate while the holder works is in progress: {duplicate:?}"
+        );
+    } else {
+        assert!(
+            matches!(&duplicate, Ok(Outcome::Replayed(Ok(t))) if *t == token.0),
+            "{level:?}: a duplicate while the holder works waits and replays: {duplicate:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn long_work_read_committed() {
+    long_work(Isolation::ReadCommitted).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn long_work_repeatable_read() {
+    long_work(Isolation::RepeatableRead).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn long_work_serializable() {
+    long_work(Isolation::Serializable).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The connection is lost at the business transaction's COMMIT: a loopback proxy between the
+// pool and the server either forwards the COMMIT, lets the server apply it and then cuts the
+// connection before the answer (the commit applied, the client cannot know), or cuts the
+// connection instead of forwarding it (nothing applied). Either way the caller gets
+// `OutcomeUnknown`; the key is released only if the writes did not commit (the release is a
+// CAS on the Pending record, which a committed completion has already replaced), so a retry
+// replays the committed outcome or runs the work once more, and there is exactly one order.
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum CommitCut {
+    /// Forward the COMMIT, wait for the server to apply it, then cut before its answer.
+    AfterCommit,
+    /// Cut instead of forwarding the COMMIT.
+    InsteadOfCommit,
+}
+
+/// A loopback proxy that cuts one connection at its next `COMMIT` once armed.
+#[derive(Clone)]
+struct CutProxy {
+    port: u16,
+    armed: Arc<std::sync::Mutex<Option<CommitCut>>>,
+    cuts: Arc<AtomicUsize>,
+}
+
+impl CutProxy {
+    async fn start(upstream: String) -> Self {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let proxy = CutProxy {
+            port: listener.local_addr().unwrap().port(),
+            armed: Arc::default(),
+            cuts: Arc::default(),
+        };
+        let p = proxy.clone();
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
+                    continue;
+                };
+                let (mut client_rd, client_wr) = client.into_split();
+                let (mut server_rd, mut server_wr) = server.into_split();
+                // The client's write half is shared: the cutter drops it to close the socket.
+                let client_wr = Arc::new(tokio::sync::Mutex::new(Some(client_wr)));
+                let silenced = Arc::new(std::sync::atomic::AtomicBool::new(false));
+                {
+                    let (client_wr, silenced) = (client_wr.clone(), silenced.clone());
+                    tokio::spawn(async move {
+                        let mut buf = vec![0u8; 16384];
+                        loop {
+                            let n = match server_rd.read(&mut buf).await {
+                                Ok(0) | Err(_) => break,
+                                Ok(n) => n,
+                            };
+                            if silenced.load(Ordering::SeqCst) {
+                                break;
+                            }
+                            let mut w = client_wr.lock().await;
+                            let Some(w) = w.as_mut() else { break };
+                            if w.write_all(&buf[..n]).await.is_err() {
+                                break;
+                            }
+                        }
+                        client_wr.lock().await.take();
+                    });
+                }
+                let p = p.clone();
+                tokio::spawn(async move {
+                    // Startup: untyped messages (SSL/GSS requests, then the startup message).
+                    loop {
+                        let Ok(len) = client_rd.read_u32().await else {
+                            return;
+                        };
+                        let mut body = vec![0; (len as usize).saturating_sub(4)];
+                        if client_rd.read_exact(&mut body).await.is_err() {
+                            return;
+                        }
+                        let _ = server_wr.write_all(&len.to_be_bytes()).await;
+                        let _ = server_wr.write_all(&body).await;
+                        let code = body
+                            .get(..4)
+                            .map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
+                            .unwrap_or(0);
+                        if code != 80_877_103 && code != 80_877_104 {
+                            break;
+                        }
+                    }
+                    while let Ok(kind) = client_rd.read_u8().await {
+                        let Ok(len) = client_rd.read_u32().await else {
+                            break;
+                        };
+                        let mut body = vec![0; (len as usize).saturating_sub(4)];
+                        if client_rd.read_exact(&mut body).await.is_err() {
+                            break;
+                        }
+                        let cut = if kind == b'Q' && body.starts_with(b"COMMIT") {
+                            p.armed.lock().unwrap().take()
+                        } else {
+                            None
+                        };
+                        if cut.is_some() {
+                            silenced.store(true, Ordering::SeqCst);
+                            p.cuts.fetch_add(1, Ordering::SeqCst);
+                        }
+                        if cut != Some(CommitCut::InsteadOfCommit) {
+                            let mut msg = vec![kind];
+                            msg.extend_from_slice(&len.to_be_bytes());
+                            msg.extend_from_slice(&body);
+                            if server_wr.write_all(&msg).await.is_err() {
+                                break;
+                            }
+                        }
+                        if cut.is_some() {
+                            if cut == Some(CommitCut::AfterCommit) {
+                                // Let the server apply the commit before the cut.
+                                tokio::time::sleep(Duration::from_millis(300)).await;
+                            }
+                            break;
+                        }
+                    }
+                    // Close both sides: the client sees its connection die, the server ends
+                    // the session (rolling back whatever it had not committed).
+                    client_wr.lock().await.take();
+                    let _ = server_wr.shutdown().await;
+                });
+            }
+        });
+        proxy
+    }
+
+    fn arm(&self, cut: CommitCut) {
+        *self.armed.lock().unwrap() = Some(cut);
+    }
+}
+
+async fn commit_cut(level: Isolation, cut: CommitCut) {
+    use idempotency_postgres::sqlx::postgres::{PgConnectOptions, PgSslMode};
+    use std::str::FromStr;
+    let options = PgConnectOptions::from_str(&common::url()).unwrap();
+    let proxy = CutProxy::start(format!("{}:{}", options.get_host(), options.get_port())).await;
+    let options = options
+        .host("127.0.0.1")
+        .port(proxy.port)
+        .ssl_mode(PgSslMode::Disable);
+    let pool = idempotency_testing::postgres::pool_with(options, level, 4).await;
+    let guard = SchemaGuard::new();
+    let store = PostgresStore::builder()
+        .schema(&guard.schema)
+        .table("records")
+        .build(pool)
+        .unwrap();
+    store.migrate().await.unwrap();
+    let orders = format!(r#""{}".orders"#, guard.schema);
+    common::exec(&format!(
+        "CREATE TABLE {orders} (id bigserial PRIMARY KEY, ref text NOT NULL, placed_by text NOT NULL)"
+    ))
+    .await;
+    let policy = Policy::default()
+        .lease(Duration::from_secs(5))
+        .in_flight(InFlight::wait(Duration::from_secs(20)));
+    let engine = PgIdempotency::new(store.clone(), policy).unwrap();
+    let key = IdempotencyKey::random();
+    let id = RecordId::new(scope(), key.clone());
+    let runs = Arc::new(AtomicUsize::new(0));
+    let orders: Arc<str> = orders.into();
+    let work = |placed_by| counted_insert(orders.clone(), key.clone(), runs.clone(), placed_by);
+
+    proxy.arm(cut);
+    let first = engine
+        .run_in_transaction(&key, &scope(), &fingerprint(), work("first"))
+        .await;
+    assert_eq!(proxy.cuts.load(Ordering::SeqCst), 1, "the COMMIT was cut");
+    assert!(
+        matches!(first, Err(Error::OutcomeUnknown { .. })),
+        "{level:?} {cut:?}: a connection lost at COMMIT is an unknown outcome: {first:?}"
+    );
+    let holder = store.get(&id).await.unwrap().expect("the record").token;
+    // Give the dropped lease's background release time to run (or to be fenced).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let record = store
+        .get(&id)
+        .await
+        .unwrap()
+        .expect("the record is never lost");
+    let placed = orders_for(&store, &orders, &key).await;
+    match cut {
+        CommitCut::AfterCommit => assert!(
+            record.status == RecordStatus::Completed && placed == vec!["first".to_owned()],
+            "{level:?}: the commit applied: Completed with one order, never released; \
+             record {record:?}, orders {placed:?}"
+        ),
+        CommitCut::InsteadOfCommit => assert!(
+            record.status != RecordStatus::Completed && placed.is_empty(),
+            "{level:?}: the commit never reached the server: nothing written, not \
+             Completed; record {record:?}, orders {placed:?}"
+        ),
+    }
+    assert_eq!(record.token, holder, "nobody else took the key");
+
+    let retry = engine
+        .run_in_transaction(&key, &scope(), &fingerprint(), work("retry"))
+        .await
+        .expect("the retry");
+    let placed = orders_for(&store, &orders, &key).await;
+    let runs = runs.load(Ordering::SeqCst);
+    match cut {
+        CommitCut::AfterCommit => {
+            assert_eq!(retry, Outcome::Replayed(Ok(holder.0)));
+            assert_eq!((runs, placed), (1, vec!["first".to_owned()]));
+        }
+        CommitCut::InsteadOfCommit => {
+            assert_eq!(retry, Outcome::Fresh(Ok(holder.next().0)));
+            assert_eq!((runs, placed), (2, vec!["retry".to_owned()]));
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn connection_lost_at_commit() {
+    for level in Isolation::ALL {
+        for cut in [CommitCut::AfterCommit, CommitCut::InsteadOfCommit] {
+            commit_cut(level, cut).await;
+        }
+    }
+}
+
+/// Work that counts its runs and inserts one order, returning its token.
+fn counted_insert(
+    orders: Arc<str>,
+    key: IdempotencyKey,
+    runs: Arc<AtomicUsize>,
+    placed_by: &'static str,
+) -> impl for<'c> FnMut(
+    &'c mut PgConnection,
+    idempotency_core::WorkContext,
+) -> futures::future::BoxFuture<'c, Result<u64, String>>
+       + Send {
+    move |tx, ctx| {
+        let (orders, key, runs) = (orders.clone(), key.clone(), runs.clone());
+        Box::pin(async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            insert_order(tx, &orders, &key, placed_by).await?;
+            Ok::<u64, String>(ctx.token.0)
+        })
     }
 }
