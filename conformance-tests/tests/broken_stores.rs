@@ -3,10 +3,10 @@
 //!
 //! Each broken store wraps a correct `MemoryStore` and breaks one primitive.
 
-use idempotency_conformance::{all_cases, run_case, CaseFn, TestStore};
+use idempotency_conformance::{all_cases, process_clock, run_case, CaseFn, TestStore};
 use idempotency_core::{
-    async_trait, Cas, Claim, ClaimRequest, Error, Failure, FencingToken, Fingerprint,
-    IdempotencyStore, ManualClock, Reclaim, Record, RecordId, RecordStatus,
+    async_trait, Cas, Claim, ClaimRequest, Clock, Error, Failure, FencingToken, Fingerprint,
+    IdempotencyStore, ManualClock, Reclaim, Record, RecordId, RecordStatus, SystemClock, Timestamp,
 };
 use idempotency_memory::MemoryStore;
 use std::panic::AssertUnwindSafe;
@@ -308,5 +308,484 @@ fn rejects_extend_that_writes_nothing() {
             "model_based_random_sequences",
             "engine_heartbeat_keeps_long_work_leased",
         ],
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Flaws that need a store's insides (which record is absent and which merely expired, what a
+// purge selected, how an address is keyed): a small reference store, correct unless a flaw
+// is switched on.
+
+/// One flaw of [`RefStore`], each a bug a real store could ship.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Flaw {
+    /// None: the reference store is correct.
+    None,
+    /// The claim of an **expired** record reads it, yields, then replaces it: two concurrent
+    /// claimers both win (an absent key is inserted atomically).
+    ExpiredCheckThenReplace,
+    /// complete, fail and extend check the token, yield, then write to whatever record is
+    /// there: a taker who reclaimed in between gets the stale holder's write.
+    ReadThenWriteSettle,
+    /// Purge selects the expired ids, yields, then deletes by id without checking again: a
+    /// record claimed fresh in between is deleted.
+    PurgeWithoutRecheck,
+    /// A fresh key starts at token 1 (and an expired record passes on token + 1): after a
+    /// purge, a new record reuses a token an old holder has.
+    TokenRestartsAfterPurge,
+    /// fail ignores expiry: it revives an expired Pending record as Failed.
+    FailRevivesExpired,
+    /// complete leaves `expires_at` as the claim set it instead of `now + ttl`.
+    CompleteKeepsClaimExpiry,
+    /// extend sets `expires_at = lease_until`, lowering it under a long retention.
+    ExtendLowersExpiry,
+    /// reclaim leaves `expires_at` where it was.
+    ReclaimKeepsExpiry,
+    /// claim sets `expires_at = now + ttl`, ignoring a longer lease.
+    ClaimExpiresAfterTtl,
+    /// The store reads the application's clock (the process's) instead of its own.
+    AppClock,
+    /// Keys are stored truncated to 254 bytes.
+    TruncatesKeys,
+    /// Scopes are keyed by their first 512 bytes (a weak hash of the scope).
+    HashesScopesWeakly,
+    /// Durations beyond 100 years are an error instead of clamping.
+    OverflowingDurations,
+    /// Tokens above `i64::MAX` are an error instead of fenced.
+    TokensNearMaxError,
+    /// reclaim keeps the previous attempt's failure on the new Pending record.
+    ReclaimKeepsFailure,
+}
+
+#[derive(Debug)]
+struct RefStore {
+    records: std::sync::Mutex<std::collections::HashMap<(String, String), Record>>,
+    clock: Arc<dyn Clock>,
+    flaw: Flaw,
+}
+
+type Records<'a> = std::sync::MutexGuard<'a, std::collections::HashMap<(String, String), Record>>;
+
+impl RefStore {
+    fn new(clock: Arc<dyn Clock>, flaw: Flaw) -> Self {
+        Self {
+            records: Default::default(),
+            clock,
+            flaw,
+        }
+    }
+
+    fn lock(&self) -> Records<'_> {
+        self.records.lock().expect("the reference store's lock")
+    }
+
+    fn now(&self) -> Timestamp {
+        match self.flaw {
+            Flaw::AppClock => Timestamp::now(),
+            _ => self.clock.now(),
+        }
+    }
+
+    fn addr(&self, id: &RecordId) -> (String, String) {
+        let (mut scope, mut key) = (id.scope.as_str().to_owned(), id.key.as_str().to_owned());
+        if self.flaw == Flaw::TruncatesKeys {
+            key.truncate(254);
+        }
+        if self.flaw == Flaw::HashesScopesWeakly {
+            scope.truncate(512);
+        }
+        (scope, key)
+    }
+
+    fn checked(&self, d: Duration) -> Result<Duration, Error> {
+        if self.flaw == Flaw::OverflowingDurations && d > Duration::from_secs(100 * 366 * 86_400) {
+            return Err(Error::backend(false, "interval out of range"));
+        }
+        Ok(d)
+    }
+
+    fn token_ok(&self, token: FencingToken) -> Result<(), Error> {
+        if self.flaw == Flaw::TokensNearMaxError && token.0 > i64::MAX as u64 {
+            return Err(Error::backend(false, "bigint out of range"));
+        }
+        Ok(())
+    }
+
+    async fn gap() {
+        tokio::task::yield_now().await;
+        tokio::task::yield_now().await;
+    }
+
+    fn fresh_token(&self, now: Timestamp, replaced: Option<FencingToken>) -> FencingToken {
+        match self.flaw {
+            Flaw::TokenRestartsAfterPurge => replaced.map_or(FencingToken(1), FencingToken::next),
+            _ => FencingToken::fresh(now, replaced),
+        }
+    }
+
+    /// The compare-and-swap of complete, fail and extend.
+    async fn cas(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        ignore_expiry: bool,
+        write: impl FnOnce(&mut Record, Timestamp),
+    ) -> Result<Cas, Error> {
+        self.token_ok(token)?;
+        let now = self.now();
+        let addr = self.addr(id);
+        {
+            let mut records = self.lock();
+            let Some(r) = records.get_mut(&addr) else {
+                return Ok(Cas::Fenced);
+            };
+            let live = ignore_expiry || !r.is_expired(now);
+            if !live || r.status != RecordStatus::Pending || r.token != token {
+                return Ok(Cas::Fenced);
+            }
+            if self.flaw != Flaw::ReadThenWriteSettle {
+                write(r, now);
+                r.updated_at = now;
+                return Ok(Cas::Applied);
+            }
+        }
+        Self::gap().await;
+        if let Some(r) = self.lock().get_mut(&addr) {
+            write(r, now);
+            r.updated_at = now;
+        }
+        Ok(Cas::Applied)
+    }
+}
+
+#[async_trait]
+impl IdempotencyStore for RefStore {
+    async fn claim(&self, request: &ClaimRequest) -> Result<Claim, Error> {
+        let (lease, ttl) = (self.checked(request.lease)?, self.checked(request.ttl)?);
+        let now = self.now();
+        let addr = self.addr(&request.id);
+        let lease_until = now.saturating_add(lease);
+        let retention = match self.flaw {
+            Flaw::ClaimExpiresAfterTtl => ttl,
+            _ => lease.max(ttl),
+        };
+        let fresh = |token| Record {
+            id: request.id.clone(),
+            fingerprint: request.fingerprint,
+            status: RecordStatus::Pending,
+            token,
+            lease_until: Some(lease_until),
+            outcome: None,
+            attempts: 1,
+            failure: None,
+            hits: 0,
+            created_at: now,
+            updated_at: now,
+            expires_at: now.saturating_add(retention),
+        };
+        let replaced = {
+            let mut records = self.lock();
+            match records.get_mut(&addr) {
+                Some(r) if !r.is_expired(now) => {
+                    r.hits += 1;
+                    return Ok(Claim::Existing {
+                        record: r.clone(),
+                        now,
+                    });
+                }
+                Some(r) if self.flaw != Flaw::ExpiredCheckThenReplace => {
+                    let token = self.fresh_token(now, Some(r.token));
+                    *r = fresh(token);
+                    return Ok(Claim::Claimed { token, lease_until });
+                }
+                Some(r) => r.token,
+                None => {
+                    let token = self.fresh_token(now, None);
+                    records.insert(addr, fresh(token));
+                    return Ok(Claim::Claimed { token, lease_until });
+                }
+            }
+        };
+        // Saw an expired record: replace it, whatever happened meanwhile.
+        Self::gap().await;
+        let token = self.fresh_token(now, Some(replaced));
+        self.lock().insert(addr, fresh(token));
+        Ok(Claim::Claimed { token, lease_until })
+    }
+
+    async fn complete(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        outcome: &[u8],
+        ttl: Duration,
+    ) -> Result<Cas, Error> {
+        let ttl = self.checked(ttl)?;
+        let keep = self.flaw == Flaw::CompleteKeepsClaimExpiry;
+        self.cas(id, token, false, |r, now| {
+            r.status = RecordStatus::Completed;
+            r.outcome = Some(outcome.to_vec());
+            r.lease_until = None;
+            r.failure = None;
+            if !keep {
+                r.expires_at = now.saturating_add(ttl);
+            }
+        })
+        .await
+    }
+
+    async fn fail(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        failure: &Failure,
+        ttl: Duration,
+    ) -> Result<Cas, Error> {
+        let ttl = self.checked(ttl)?;
+        self.cas(
+            id,
+            token,
+            self.flaw == Flaw::FailRevivesExpired,
+            |r, now| {
+                r.status = RecordStatus::Failed;
+                r.failure = Some(failure.clone());
+                r.lease_until = None;
+                r.expires_at = now.saturating_add(ttl);
+            },
+        )
+        .await
+    }
+
+    async fn extend(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<Cas, Error> {
+        let lease = self.checked(lease)?;
+        let lowers = self.flaw == Flaw::ExtendLowersExpiry;
+        self.cas(id, token, false, |r, now| {
+            let until = now.saturating_add(lease);
+            r.lease_until = Some(until);
+            r.expires_at = if lowers {
+                until
+            } else {
+                r.expires_at.max(until)
+            };
+        })
+        .await
+    }
+
+    async fn reclaim(
+        &self,
+        id: &RecordId,
+        expected: FencingToken,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Reclaim, Error> {
+        self.token_ok(expected)?;
+        let (lease, ttl) = (self.checked(lease)?, self.checked(ttl)?);
+        let now = self.now();
+        let mut records = self.lock();
+        let Some(r) = records.get_mut(&self.addr(id)) else {
+            return Ok(Reclaim::Lost);
+        };
+        let takeable = match r.status {
+            RecordStatus::Failed => true,
+            RecordStatus::Pending => r.lease_passed(now),
+            RecordStatus::Completed => false,
+        };
+        if r.is_expired(now) || r.token != expected || !takeable {
+            return Ok(Reclaim::Lost);
+        }
+        let lease_until = now.saturating_add(lease);
+        r.status = RecordStatus::Pending;
+        r.token = expected.next();
+        r.fingerprint = *fingerprint;
+        r.attempts += 1;
+        r.lease_until = Some(lease_until);
+        r.outcome = None;
+        if self.flaw != Flaw::ReclaimKeepsFailure {
+            r.failure = None;
+        }
+        r.updated_at = now;
+        if self.flaw != Flaw::ReclaimKeepsExpiry {
+            r.expires_at = now.saturating_add(lease.max(ttl));
+        }
+        Ok(Reclaim::Reclaimed {
+            token: r.token,
+            lease_until,
+        })
+    }
+
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
+        let now = self.now();
+        Ok(self
+            .lock()
+            .get(&self.addr(id))
+            .filter(|r| !r.is_expired(now))
+            .cloned())
+    }
+
+    async fn purge_expired(&self, batch: usize) -> Result<u64, Error> {
+        let now = self.now();
+        let expired: Vec<(String, String)> = {
+            let mut records = self.lock();
+            let expired: Vec<_> = records
+                .iter()
+                .filter(|(_, r)| r.is_expired(now))
+                .map(|(a, _)| a.clone())
+                .take(batch)
+                .collect();
+            if self.flaw != Flaw::PurgeWithoutRecheck {
+                for a in &expired {
+                    records.remove(a);
+                }
+                return Ok(expired.len() as u64);
+            }
+            expired
+        };
+        Self::gap().await;
+        let mut records = self.lock();
+        for a in &expired {
+            records.remove(a);
+        }
+        Ok(expired.len() as u64)
+    }
+}
+
+/// Asserts that the suite rejects the reference store with `flaw`, on a manual clock, and
+/// that `expected` is among the cases that catch it.
+fn assert_flaw_rejected(flaw: Flaw, expected: &[&str]) {
+    let failed = failing_cases(|clock| Arc::new(RefStore::new(Arc::new(clock), flaw)));
+    eprintln!(
+        "{flaw:?}: {} of {} cases fail: {failed:?}",
+        failed.len(),
+        all_cases().len()
+    );
+    assert!(!failed.is_empty(), "the suite passed a store with {flaw:?}");
+    for name in expected {
+        assert!(
+            failed.contains(name),
+            "{name} no longer catches {flaw:?}; failing cases: {failed:?}"
+        );
+    }
+}
+
+/// Asserts that `case` rejects the reference store with `flaw` on a **real** clock (the kit
+/// reads the store's clock from outside, with a tolerance), the way server-backed stores run.
+fn assert_rejected_on_real_clock(flaw: Flaw, case: &str) {
+    let (_, run) = all_cases()
+        .into_iter()
+        .find(|(name, _)| *name == case)
+        .unwrap_or_else(|| panic!("no case {case}"));
+    let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| {
+        run_case(
+            move || async move {
+                TestStore::real_time(Arc::new(RefStore::new(Arc::new(SystemClock), flaw)))
+                    .with_server_clock(process_clock())
+            },
+            move |t| bounded(run, t),
+        )
+    }));
+    assert!(
+        outcome.is_err(),
+        "{case} passed the store with {flaw:?} on a real clock"
+    );
+}
+
+#[test]
+fn reference_store_passes_every_case() {
+    let failed = failing_cases(|clock| Arc::new(RefStore::new(Arc::new(clock), Flaw::None)));
+    assert!(failed.is_empty(), "the reference store fails {failed:?}");
+    // On a real clock too, for the clock-reading case.
+    let (_, run) = all_cases()
+        .into_iter()
+        .find(|(name, _)| *name == "deadlines_follow_the_store_clock")
+        .expect("the case");
+    run_case(
+        || async {
+            TestStore::real_time(Arc::new(RefStore::new(Arc::new(SystemClock), Flaw::None)))
+                .with_server_clock(process_clock())
+        },
+        move |t| bounded(run, t),
+    );
+}
+
+#[test]
+fn rejects_check_then_replace_of_expired_records() {
+    assert_flaw_rejected(
+        Flaw::ExpiredCheckThenReplace,
+        &["concurrent_claims_of_expired_record_one_winner"],
+    );
+}
+
+#[test]
+fn rejects_read_then_write_settling() {
+    assert_flaw_rejected(
+        Flaw::ReadThenWriteSettle,
+        &["settling_races_takers_after_lease"],
+    );
+}
+
+#[test]
+fn rejects_purge_without_recheck() {
+    assert_flaw_rejected(Flaw::PurgeWithoutRecheck, &["purge_races_fresh_claims"]);
+}
+
+#[test]
+fn rejects_tokens_that_restart_after_purge() {
+    assert_flaw_rejected(
+        Flaw::TokenRestartsAfterPurge,
+        &[
+            "tokens_grow_across_purge_and_expiry",
+            "model_based_random_sequences",
+        ],
+    );
+}
+
+#[test]
+fn rejects_fail_reviving_expired_records() {
+    assert_flaw_rejected(Flaw::FailRevivesExpired, &["ttl_expiry"]);
+}
+
+#[test]
+fn rejects_wrong_deadlines_on_both_clocks() {
+    for flaw in [
+        Flaw::CompleteKeepsClaimExpiry,
+        Flaw::ExtendLowersExpiry,
+        Flaw::ReclaimKeepsExpiry,
+        Flaw::ClaimExpiresAfterTtl,
+    ] {
+        assert_flaw_rejected(flaw, &["deadlines_follow_the_store_clock"]);
+        assert_rejected_on_real_clock(flaw, "deadlines_follow_the_store_clock");
+    }
+}
+
+#[test]
+fn rejects_a_store_on_the_application_clock() {
+    assert_flaw_rejected(Flaw::AppClock, &["deadlines_follow_the_store_clock"]);
+}
+
+#[test]
+fn rejects_truncated_keys_and_weakly_hashed_scopes() {
+    for flaw in [Flaw::TruncatesKeys, Flaw::HashesScopesWeakly] {
+        assert_flaw_rejected(flaw, &["long_keys_and_scopes_are_not_truncated"]);
+    }
+}
+
+#[test]
+fn rejects_errors_on_extreme_values() {
+    for flaw in [Flaw::OverflowingDurations, Flaw::TokensNearMaxError] {
+        assert_flaw_rejected(flaw, &["extreme_durations_and_tokens"]);
+    }
+}
+
+#[test]
+fn rejects_reclaim_keeping_the_old_failure() {
+    assert_flaw_rejected(
+        Flaw::ReclaimKeepsFailure,
+        &["model_based_random_sequences", "fail_then_reclaim"],
     );
 }

@@ -459,6 +459,15 @@ impl Lease {
         self.policy.ttl
     }
 
+    /// When the heartbeat stops extending this lease: the claim plus
+    /// [`Policy::max_work_time`]. A caller that keeps the lease alive by other means (the SQL
+    /// stores' exactly-once paths) stops there too.
+    pub fn work_deadline(&self) -> Instant {
+        self.claimed_at
+            .checked_add(self.policy.max_work_time)
+            .unwrap_or_else(|| self.claimed_at + Duration::from_secs(100 * 366 * 24 * 3600))
+    }
+
     /// Runs `work` to completion while extending the lease every `fraction × lease` (per
     /// [`Policy::heartbeat`]), until [`Policy::max_work_time`] after the claim: a work that
     /// hangs then stops being extended, its lease passes, and a retry may take the key over

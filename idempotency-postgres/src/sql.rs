@@ -146,7 +146,7 @@ RETURNING r.token"
             "{NOW_CTE}
 UPDATE {t} AS r SET status = 'pending', token = r.token + 1, fingerprint = $4,
     attempts = r.attempts + 1, lease_until = c.now + $5 * interval '1 millisecond',
-    outcome = NULL, updated_at = c.now,
+    outcome = NULL, failure_retryable = NULL, failure_message = NULL, updated_at = c.now,
     expires_at = c.now + $6 * interval '1 millisecond'
 FROM c
 WHERE r.scope = $1 AND r.key = $2 AND r.token = $3 AND r.expires_at > c.now

@@ -4,6 +4,7 @@ use crate::error::{map_sqlx, Effect};
 use crate::store::Level;
 use crate::PostgresStore;
 use futures::future::BoxFuture;
+use futures::FutureExt;
 use idempotency_core::{
     decode_replay, Begin, Cas, Error, ErrorOutcomes, Failure, Fingerprint, Idempotency,
     IdempotencyKey, IdempotencyStore, Outcome, Policy, RecordId, Scope, WorkContext,
@@ -12,6 +13,7 @@ use serde::{de::DeserializeOwned, Serialize};
 use sqlx::PgConnection;
 use std::fmt::Display;
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -198,11 +200,14 @@ impl PgIdempotency {
                         if is_serialization_failure(&e) && attempt < MAX_TRANSACTION_ATTEMPTS {
                             continue;
                         }
+                        // The work has not run in this attempt and no earlier attempt
+                        // committed: release the key (a dropped lease would hold it), unless
+                        // it belongs to someone else now.
                         if let Error::LeaseLost { .. } = e {
                             lease.settled_externally();
+                        } else {
+                            let _ = lease.fail(Failure::retryable(e.to_string())).await;
                         }
-                        // The work has not run in this attempt and no earlier attempt
-                        // committed: releasing the key is right.
                         return Err(e);
                     }
                 };
@@ -222,9 +227,25 @@ impl PgIdempotency {
                 }
             };
             held_lock = locked_until.is_some();
+            let running = AssertUnwindSafe(work(&mut tx, lease.context())).catch_unwind();
             let ran = match locked_until {
-                None => Some(lease.with_heartbeat(work(&mut tx, lease.context())).await),
-                Some(until) => keep_alive(policy, until, work(&mut tx, lease.context())).await,
+                None => Some(lease.with_heartbeat(running).await),
+                Some(until) => keep_alive(policy, until, lease.work_deadline(), running).await,
+            };
+            let ran = match ran {
+                Some(Ok(ran)) => Some(ran),
+                Some(Err(panic)) => {
+                    // The work panicked inside its transaction, which rolls back: nothing took
+                    // effect, so the key is released at once (a dropped lease would hold it).
+                    let _ = tx.rollback().await;
+                    let _ = lease
+                        .fail(Failure::retryable(
+                            "the work panicked; its transaction rolled back",
+                        ))
+                        .await;
+                    std::panic::resume_unwind(panic);
+                }
+                None => None,
             };
             let Some(ran) = ran else {
                 // The lease passed without a heartbeat while the row was locked: the work was
@@ -284,8 +305,9 @@ impl PgIdempotency {
                             continue;
                         }
                     }
-                    // Nothing committed (the transaction never got to COMMIT): releasing the
-                    // key, as the dropped lease does, is right.
+                    // Nothing committed (the transaction never got to COMMIT), so the work's
+                    // writes are gone: release the key at once.
+                    let _ = lease.fail(Failure::retryable(e.to_string())).await;
                     return Err(e);
                 }
             }
@@ -300,11 +322,10 @@ impl PgIdempotency {
                 {
                     continue
                 }
-                // A lost connection is `OutcomeUnknown`. The dropped lease's release is a CAS
-                // on the Pending record this transaction completed: if the commit applied it
-                // is fenced (the record is Completed); if not, nothing was written and the key
-                // is rightly released. While the server still runs the commit, the release
-                // waits for the row lock the completion holds.
+                // A lost connection is `OutcomeUnknown`: the commit may have applied. The
+                // dropped lease writes nothing, so the key holds until its lease passes; a
+                // retry then finds the Completed record (and replays it) or, if nothing was
+                // committed, reclaims the key and runs the work once.
                 Err(e) => return Err(map_sqlx(e, &table, Effect::Write)),
             }
         }
@@ -322,7 +343,14 @@ fn later(now: Instant, d: Duration) -> Instant {
 /// `None`, dropping (cancelling) the work, once the lease passes without a renewal: the
 /// heartbeat is off and the work outlived the lease, or the task was not polled for a whole
 /// lease (the process stalled). A work that ends after its lease passed also gets `None`.
-async fn keep_alive<F: Future>(policy: &Policy, until: Instant, work: F) -> Option<F::Output> {
+/// Renewals stop at `work_deadline` (the lease's [`idempotency_core::Lease::work_deadline`]),
+/// so a hung work is cancelled then.
+async fn keep_alive<F: Future>(
+    policy: &Policy,
+    until: Instant,
+    work_deadline: Instant,
+    work: F,
+) -> Option<F::Output> {
     let every = policy
         .heartbeat
         .map(|fraction| policy.lease.mul_f64(fraction).max(Duration::from_millis(1)));
@@ -345,9 +373,11 @@ async fn keep_alive<F: Future>(policy: &Policy, until: Instant, work: F) -> Opti
             if now >= deadline_at() {
                 return;
             }
-            if every.is_some() {
-                let renewed = micros(later(now, policy.lease)).unwrap_or(u64::MAX);
-                deadline.store(renewed, Ordering::Relaxed);
+            // Renewed up to the end of the maximum work time, never past it: a work that
+            // hangs loses its lease then, and is cancelled and rolled back.
+            if every.is_some() && now < work_deadline {
+                let renewed = later(now, policy.lease).min(work_deadline);
+                deadline.store(micros(renewed).unwrap_or(u64::MAX), Ordering::Relaxed);
             }
         }
     };

@@ -5,11 +5,19 @@ mod common;
 
 use common::Isolation;
 use idempotency_conformance::TestStore;
+use idempotency_core::Timestamp;
 use std::sync::Arc;
 
 async fn factory(level: Isolation) -> TestStore {
     let (store, guard) = common::store(level).await;
-    TestStore::real_time(Arc::new(store)).with_guard(guard)
+    TestStore::real_time(Arc::new(store))
+        // The kit reads the database's own clock to check every deadline against it.
+        .with_server_clock(Arc::new(|| {
+            Box::pin(async {
+                Timestamp::from_millis(idempotency_testing::postgres::server_now_millis().await)
+            })
+        }))
+        .with_guard(guard)
 }
 
 mod read_committed {

@@ -277,21 +277,27 @@ async fn kill_commit_once(schema: &str, effects: Arc<str>, lease: Duration) -> S
             );
         }
     };
-    // Let the dropped lease's release land.
     tokio::time::sleep(Duration::from_millis(100)).await;
     let record = store.get(&id).await.expect("get").expect("never lost");
+    let held = i64::try_from(record.token.0).expect("small token");
     let outcome = match (&first, killed) {
         // The kill came too late: the commit had answered (the backend was past the point
         // where it could be interrupted, or had already replied).
-        (Ok(Outcome::Fresh(Ok(1))), _) => {
-            assert_eq!(record.status, RecordStatus::Completed);
-            rows(Some(1)).await;
+        (Ok(Outcome::Fresh(Ok(t))), _) => {
+            assert_eq!(
+                (record.status, record.token.0),
+                (RecordStatus::Completed, *t)
+            );
+            rows(Some(held)).await;
             "kill missed the commit: completed, one row".to_owned()
         }
         (Err(Error::OutcomeUnknown { .. }), true) => {
-            assert_eq!(record.token.0, 1, "the holder's token: {record:?}");
+            // The holder's record: nobody else claimed the key, and the dropped lease holds
+            // it Pending (nothing released) unless the commit completed it.
+            assert_eq!(record.attempts, 1, "the holder's record: {record:?}");
+            assert_ne!(record.status, RecordStatus::Failed, "{record:?}");
             if record.status == RecordStatus::Completed {
-                rows(Some(1)).await;
+                rows(Some(held)).await;
                 "killed: OutcomeUnknown, completed with one row".to_owned()
             } else {
                 rows(None).await;

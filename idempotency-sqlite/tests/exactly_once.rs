@@ -159,6 +159,8 @@ async fn case1_lease_takeover_rolls_back_the_stale_holder() {
         let engine_b = Idempotency::new(Arc::new(store_b.clone()), policy()).unwrap();
         let keys: Vec<IdempotencyKey> = (0..KEYS).map(|_| IdempotencyKey::random()).collect();
         let fp = Fingerprint::from_json(&serde_json::json!({"sku": "A1", "qty": 1}));
+        // Every holder claims before the clock moves: its token comes from this reading.
+        let first = FencingToken::fresh(idempotency_core::Clock::now(&clock), None);
 
         let holders: Vec<_> = keys
             .iter()
@@ -193,7 +195,7 @@ async fn case1_lease_takeover_rolls_back_the_stale_holder() {
                     let k = key.to_string();
                     store
                         .run_exactly_once(&engine, &key, &scope(), &fp, move |tx, ctx| {
-                            assert_eq!(ctx.token, FencingToken(2), "the takeover reclaims");
+                            assert_eq!(ctx.token, first.next(), "the takeover reclaims");
                             place_order(tx, &k, "new holder")
                         })
                         .await
@@ -213,9 +215,7 @@ async fn case1_lease_takeover_rolls_back_the_stale_holder() {
             assert!(
                 matches!(
                     r,
-                    Err(Error::LeaseLost {
-                        token: FencingToken(1)
-                    })
+                    Err(Error::LeaseLost { token }) if token == first
                 ),
                 "the stale holder must get LeaseLost: {r:?}"
             );
@@ -233,7 +233,7 @@ async fn case1_lease_takeover_rolls_back_the_stale_holder() {
                 .unwrap()
                 .unwrap();
             assert_eq!(rec.status, RecordStatus::Completed);
-            assert_eq!(rec.token, FencingToken(2));
+            assert_eq!(rec.token, first.next());
             // A later retry replays the new holder's order id.
             let again = store_b
                 .run_exactly_once(
@@ -316,6 +316,7 @@ async fn case2_crash_before_commit_lets_the_retry_run_once() {
             let Begin::Execute(lease) = engine.begin(&id, &fp).await.unwrap() else {
                 panic!("fresh key");
             };
+            let first = lease.token();
             let k = key.to_string();
             let wrote = store
                 .call(move |conn| {
@@ -347,7 +348,7 @@ async fn case2_crash_before_commit_lets_the_retry_run_once() {
             let k = key.to_string();
             let retry = store
                 .run_exactly_once(&engine, &key, &scope(), &fp, move |tx, ctx| {
-                    assert_eq!(ctx.token, FencingToken(2));
+                    assert_eq!(ctx.token, first.next());
                     place_order(tx, &k, "retry")
                 })
                 .await

@@ -21,7 +21,9 @@ async fn expired_record_is_replaced_with_the_next_token_and_live_ones_count_hits
     let Claim::Claimed { token, lease_until } = store.claim(&r1).await.unwrap() else {
         panic!("first claim must win");
     };
-    assert_eq!(token, FencingToken(1));
+    // A fresh key's token comes from the clock (in microseconds).
+    assert_eq!(token, FencingToken(t0 as u64 * 1000));
+    let first = token;
     assert_eq!(lease_until.as_millis(), t0 + 10_000);
 
     for expected_hits in 1..=3u64 {
@@ -29,16 +31,13 @@ async fn expired_record_is_replaced_with_the_next_token_and_live_ones_count_hits
             panic!("a live record must be observed");
         };
         assert_eq!(record.hits, expected_hits);
-        assert_eq!(record.token, FencingToken(1));
+        assert_eq!(record.token, first);
         assert_eq!(record.status, RecordStatus::Pending);
         assert_eq!(now.as_millis(), t0);
         assert_eq!(record.expires_at.as_millis(), t0 + 60_000);
     }
     assert_eq!(
-        store
-            .complete(&id, FencingToken(1), b"done", 30 * S)
-            .await
-            .unwrap(),
+        store.complete(&id, first, b"done", 30 * S).await.unwrap(),
         Cas::Applied
     );
     // A live Completed record is never overwritten, even by another fingerprint.
@@ -51,14 +50,16 @@ async fn expired_record_is_replaced_with_the_next_token_and_live_ones_count_hits
     assert_eq!(record.fingerprint, Fingerprint::from_bytes(b"one"));
     assert_eq!(record.hits, 4);
 
-    // At expires_at exactly the record counts as absent and is replaced, token + 1.
+    // At expires_at exactly the record counts as absent and is replaced, with a token from the
+    // clock above the old one.
     clock.advance(30 * S);
     assert!(store.get(&id).await.unwrap().is_none());
     let t1 = clock.now_ms();
     let Claim::Claimed { token, .. } = store.claim(&other).await.unwrap() else {
         panic!("an expired record must be replaced");
     };
-    assert_eq!(token, FencingToken(2));
+    assert_eq!(token, FencingToken(t1 as u64 * 1000));
+    assert!(token > first);
     let fresh = store.get(&id).await.unwrap().expect("replaced record");
     assert_eq!(fresh.status, RecordStatus::Pending);
     assert_eq!(fresh.fingerprint, Fingerprint::from_bytes(b"two"));
@@ -69,10 +70,7 @@ async fn expired_record_is_replaced_with_the_next_token_and_live_ones_count_hits
     assert_eq!(fresh.expires_at.as_millis(), t1 + 60_000);
     // The old holder is fenced.
     assert_eq!(
-        store
-            .complete(&id, FencingToken(1), b"late", S)
-            .await
-            .unwrap(),
+        store.complete(&id, first, b"late", S).await.unwrap(),
         Cas::Fenced
     );
 }
@@ -86,15 +84,14 @@ async fn reclaim_fail_extend_and_stale_snapshots() {
         let (store, clock, _dir) = manual_store(mode).await;
         let id = id("reclaim");
         let r = req(&id, b"p", 10 * S, 100 * S);
-        assert!(matches!(
-            store.claim(&r).await.unwrap(),
-            Claim::Claimed { .. }
-        ));
+        let Claim::Claimed { token: first, .. } = store.claim(&r).await.unwrap() else {
+            panic!("a fresh key must be claimed");
+        };
         let fp = Fingerprint::from_bytes(b"p");
         // Live lease: no reclaim.
         assert_eq!(
             store
-                .reclaim(&id, FencingToken(1), &fp, 10 * S, 100 * S)
+                .reclaim(&id, first, &fp, 10 * S, 100 * S)
                 .await
                 .unwrap(),
             Reclaim::Lost
@@ -103,7 +100,7 @@ async fn reclaim_fail_extend_and_stale_snapshots() {
         clock.advance(8 * S);
         let before = store.get(&id).await.unwrap().unwrap();
         assert_eq!(
-            store.extend(&id, FencingToken(1), 50 * S).await.unwrap(),
+            store.extend(&id, first, 50 * S).await.unwrap(),
             Cas::Applied
         );
         let rec = store.get(&id).await.unwrap().unwrap();
@@ -113,15 +110,17 @@ async fn reclaim_fail_extend_and_stale_snapshots() {
         );
         assert_eq!(rec.expires_at, before.expires_at);
         let other = common::id("extend-expiry");
-        store
+        let Claim::Claimed {
+            token: other_token, ..
+        } = store
             .claim(&req(&other, b"p", 10 * S, 20 * S))
             .await
-            .unwrap();
+            .unwrap()
+        else {
+            panic!("a fresh key must be claimed");
+        };
         assert_eq!(
-            store
-                .extend(&other, FencingToken(1), 200 * S)
-                .await
-                .unwrap(),
+            store.extend(&other, other_token, 200 * S).await.unwrap(),
             Cas::Applied
         );
         let rec = store.get(&other).await.unwrap().unwrap();
@@ -130,22 +129,22 @@ async fn reclaim_fail_extend_and_stale_snapshots() {
         // Lease passed: the wrong token loses, the right one wins once.
         assert_eq!(
             store
-                .reclaim(&id, FencingToken(7), &fp, 10 * S, 100 * S)
+                .reclaim(&id, FencingToken(first.0 + 7), &fp, 10 * S, 100 * S)
                 .await
                 .unwrap(),
             Reclaim::Lost
         );
         let Reclaim::Reclaimed { token, .. } = store
-            .reclaim(&id, FencingToken(1), &fp, 10 * S, 100 * S)
+            .reclaim(&id, first, &fp, 10 * S, 100 * S)
             .await
             .unwrap()
         else {
             panic!("lease passed: reclaim must win");
         };
-        assert_eq!(token, FencingToken(2));
+        assert_eq!(token, first.next());
         assert_eq!(
             store
-                .reclaim(&id, FencingToken(1), &fp, 10 * S, 100 * S)
+                .reclaim(&id, first, &fp, 10 * S, 100 * S)
                 .await
                 .unwrap(),
             Reclaim::Lost
@@ -153,16 +152,10 @@ async fn reclaim_fail_extend_and_stale_snapshots() {
         // The fenced holder can neither fail nor extend.
         let failure = Failure::retryable("boom");
         assert_eq!(
-            store
-                .fail(&id, FencingToken(1), &failure, 50 * S)
-                .await
-                .unwrap(),
+            store.fail(&id, first, &failure, 50 * S).await.unwrap(),
             Cas::Fenced
         );
-        assert_eq!(
-            store.extend(&id, FencingToken(1), 50 * S).await.unwrap(),
-            Cas::Fenced
-        );
+        assert_eq!(store.extend(&id, first, 50 * S).await.unwrap(), Cas::Fenced);
         assert_eq!(
             store.fail(&id, token, &failure, 50 * S).await.unwrap(),
             Cas::Applied
@@ -180,7 +173,7 @@ async fn reclaim_fail_extend_and_stale_snapshots() {
         else {
             panic!("failed record must be reclaimable");
         };
-        assert_eq!(token, FencingToken(3));
+        assert_eq!(token, FencingToken(first.0 + 2));
         assert_eq!(
             store.complete(&id, token, b"ok", 100 * S).await.unwrap(),
             Cas::Applied

@@ -156,3 +156,13 @@ pub async fn exec(sql: &str) {
         .await
         .unwrap_or_else(|e| panic!("{sql}: {e}"));
 }
+
+/// The server's clock in Unix milliseconds (`clock_timestamp()`, read on a connection of its
+/// own), for checks that a store uses the database's clock.
+pub async fn server_now_millis() -> i64 {
+    let mut conn = admin().await;
+    sqlx::query_scalar("SELECT (extract(epoch from clock_timestamp()) * 1000)::int8")
+        .fetch_one(&mut conn)
+        .await
+        .unwrap_or_else(|e| unreachable(e))
+}

@@ -86,6 +86,10 @@ pub async fn fail_then_reclaim(t: TestStore) {
     assert_eq!(r.attempts, 2, "reclaim increments attempts");
     assert_eq!(r.lease_until, Some(lease_until), "the new lease is stored");
     assert_eq!(r.outcome, None);
+    assert_eq!(
+        r.failure, None,
+        "reclaim must clear the previous attempt's failure from the new Pending record"
+    );
     assert_eq!(r.hits, observed.hits, "reclaim does not change hits");
 
     // The reclaimed token holds the key; the old one is fenced.

@@ -82,6 +82,9 @@ enum Op {
     Get {
         key: usize,
     },
+    /// `purge_expired` over the whole store (other sequences' keys included): it may remove
+    /// only expired records, which the model already treats as absent.
+    Purge,
     Advance(Duration),
 }
 
@@ -244,7 +247,8 @@ impl Sequence {
                 lease: env.lease(rng),
                 ttl: env.ttl(rng),
             },
-            78..=91 => Op::Get { key },
+            78..=88 => Op::Get { key },
+            89..=91 => Op::Purge,
             _ if env.manual.is_some() => Op::Advance(
                 [
                     Duration::from_millis(1),
@@ -517,6 +521,15 @@ impl Sequence {
                         expect_eq("reclaim", got, Reclaim::Lost, model)
                     }
                 }
+            }
+            Op::Purge => {
+                store
+                    .purge_expired(64)
+                    .await
+                    .map_err(|e| format!("purge_expired: {e}"))?;
+                // What a purge removed is checked by the next operations on those keys: a
+                // live record must still be there, a new claim must get a higher token.
+                Ok(())
             }
             Op::Get { key } => {
                 let id = &self.ids[*key];
