@@ -1,6 +1,7 @@
 //! Shared generators for the fuzz targets: JSON values built from fuzz input, and JSON text
 //! that denotes a given value but is written differently (keys permuted, whitespace, string
-//! escapes).
+//! escapes, numbers written in other forms with the same exact value), and the comparisons
+//! the oracles need.
 
 use arbitrary::{Arbitrary, Result, Unstructured};
 use serde_json::{Map, Number, Value};
@@ -71,7 +72,8 @@ fn float(f: f64) -> Value {
 pub fn write_variant(value: &Value, u: &mut Unstructured<'_>, out: &mut String) -> Result<()> {
     ws(u, out)?;
     match value {
-        Value::Null | Value::Bool(_) | Value::Number(_) => out.push_str(&value.to_string()),
+        Value::Null | Value::Bool(_) => out.push_str(&value.to_string()),
+        Value::Number(n) => write_number(&n.to_string(), u, out)?,
         Value::String(s) => write_string(s, u, out)?,
         Value::Array(items) => {
             out.push('[');
@@ -122,6 +124,146 @@ fn ws(u: &mut Unstructured<'_>, out: &mut String) -> Result<()> {
         out.push(*u.choose(&[' ', '\t', '\n', '\r'])?);
     }
     Ok(())
+}
+
+/// Another JSON text for the number serde_json writes as `text`, with the same exact value:
+/// trailing zeros added, the point moved (the exponent making up for it), `e` or `E`, an
+/// optional `+` and leading zeros in the exponent, `-0` for zero. As serde_json wrote it
+/// when `u` runs out.
+fn write_number(text: &str, u: &mut Unstructured<'_>, out: &mut String) -> Result<()> {
+    if u.is_empty() || !u.ratio(1u8, 2u8)? {
+        out.push_str(text);
+        return Ok(());
+    }
+    let (negative, rest) = match text.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, text),
+    };
+    let (mantissa, exp) = match rest.find(['e', 'E']) {
+        Some(at) => (&rest[..at], rest[at + 1..].parse::<i64>().unwrap_or(0)),
+        None => (rest, 0),
+    };
+    let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    // value = digits × 10^exp
+    let mut digits = format!("{int}{frac}").trim_start_matches('0').to_string();
+    let mut exp = exp - frac.len() as i64;
+    if digits.is_empty() {
+        digits.push('0');
+    }
+    let zero = digits == "0";
+    for _ in 0..u.int_in_range(0..=3u8)? {
+        digits.push('0');
+        exp -= 1;
+    }
+    // Digits before the point: none (`0.ddd`), or some, never with a leading zero.
+    let point = if zero {
+        1
+    } else {
+        u.int_in_range(0..=digits.len())?
+    };
+    let (int, frac) = digits.split_at(point);
+    let exp = exp + frac.len() as i64;
+    if negative || (zero && u.ratio(1u8, 2u8)?) {
+        out.push('-');
+    }
+    out.push_str(if int.is_empty() { "0" } else { int });
+    if !frac.is_empty() {
+        out.push('.');
+        out.push_str(frac);
+    }
+    if exp != 0 || u.ratio(1u8, 4u8)? {
+        out.push(*u.choose(&['e', 'E'])?);
+        if exp < 0 {
+            out.push('-');
+        } else if u.ratio(1u8, 2u8)? {
+            out.push('+');
+        }
+        for _ in 0..u.int_in_range(0..=2u8)? {
+            out.push('0');
+        }
+        out.push_str(&exp.unsigned_abs().to_string());
+    }
+    Ok(())
+}
+
+/// Equality of JSON values with numbers compared by the exact value of the text serde_json
+/// writes for them (for a float its shortest round-trip form), which is what the canonical
+/// form keeps: `1` equals `1.0` and `-0.0` equals `0`, while `0.1` and the next float
+/// differ. Independent of the canonical writer: std's `{:e}` writes the significant digits
+/// and the exponent of an integer and of a float (shortest form) alike.
+pub fn exact_eq(a: &Value, b: &Value) -> bool {
+    match (a, b) {
+        (Value::Number(x), Value::Number(y)) => exact_text(x) == exact_text(y),
+        (Value::Array(x), Value::Array(y)) => {
+            x.len() == y.len() && x.iter().zip(y).all(|(x, y)| exact_eq(x, y))
+        }
+        (Value::Object(x), Value::Object(y)) => {
+            x.len() == y.len()
+                && x.iter()
+                    .all(|(k, v)| y.get(k).is_some_and(|w| exact_eq(v, w)))
+        }
+        _ => a == b,
+    }
+}
+
+fn exact_text(n: &Number) -> String {
+    let text = match (n.as_u64(), n.as_i64(), n.as_f64()) {
+        (Some(u), _, _) => format!("{u:e}"),
+        (_, Some(i), _) => format!("{i:e}"),
+        (_, _, Some(f)) => format!("{f:e}"),
+        _ => n.to_string(),
+    };
+    if text == "-0e0" {
+        "0e0".to_string()
+    } else {
+        text
+    }
+}
+
+/// Equality of JSON values with numbers compared as `f64`s: what survives serde_json reading
+/// a text whose numbers have more digits than an `f64` holds (it rounds them correctly, and
+/// so does `as f64`).
+pub fn approx_eq(a: &Value, b: &Value) -> bool {
+    match (a, b) {
+        (Value::Number(x), Value::Number(y)) => x.as_f64() == y.as_f64(),
+        (Value::Array(x), Value::Array(y)) => {
+            x.len() == y.len() && x.iter().zip(y).all(|(x, y)| approx_eq(x, y))
+        }
+        (Value::Object(x), Value::Object(y)) => {
+            x.len() == y.len()
+                && x.iter()
+                    .all(|(k, v)| y.get(k).is_some_and(|w| approx_eq(v, w)))
+        }
+        _ => a == b,
+    }
+}
+
+/// Positions of the digits of `text` (valid JSON) that are in a number's integer or
+/// fraction part, not in a string or an exponent. Changing one of them to another digit
+/// changes that number's exact value.
+pub fn mantissa_digits(text: &[u8]) -> Vec<usize> {
+    let (mut in_string, mut escaped, mut in_exponent) = (false, false, false);
+    let mut out = Vec::new();
+    for (i, &b) in text.iter().enumerate() {
+        if in_string {
+            if escaped {
+                escaped = false;
+            } else if b == b'\\' {
+                escaped = true;
+            } else if b == b'"' {
+                in_string = false;
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'e' | b'E' => in_exponent = true,
+            b'0'..=b'9' if !in_exponent => out.push(i),
+            b'0'..=b'9' | b'+' | b'-' | b'.' => {}
+            _ => in_exponent = false,
+        }
+    }
+    out
 }
 
 /// A JSON string literal for `s`, each character written plainly or as a `\u` escape (with

@@ -1,4 +1,9 @@
 //! Request fingerprints: a SHA-256 digest of what the request asks for.
+//!
+//! JSON is fingerprinted by its canonical text (see [`canonical_json`]), produced by a strict
+//! RFC 8259 parser of our own rather than through `serde_json::Value`: a `Value` holds numbers
+//! as `u64`, `i64` or `f64` and keeps only the last of two members with one name, so it would
+//! merge payloads that differ.
 
 use sha2::{Digest, Sha256};
 use std::fmt;
@@ -15,6 +20,15 @@ use std::fmt;
 /// let a = Fingerprint::from_json_slice(br#"{"a":1,"b":[{"d":1,"c":2}]}"#)?;
 /// let b = Fingerprint::from_json_slice(br#"{"b":[{"c":2,"d":1}],"a":1}"#)?;
 /// assert_eq!(a, b);
+/// // Numbers count by their exact value: every digit, and only the value.
+/// assert_ne!(
+///     Fingerprint::from_json_slice(br#"{"amount":0.1}"#)?,
+///     Fingerprint::from_json_slice(br#"{"amount":0.10000000000000000001}"#)?,
+/// );
+/// assert_eq!(
+///     Fingerprint::from_json_slice(br#"{"amount":1}"#)?,
+///     Fingerprint::from_json_slice(br#"{"amount":1.0}"#)?,
+/// );
 ///
 /// let req = Fingerprint::builder()
 ///     .method("POST")
@@ -40,19 +54,35 @@ impl Fingerprint {
         Self(Sha256::digest(bytes).into())
     }
 
-    /// SHA-256 of the canonical form of a JSON value (object keys sorted at every depth, no
-    /// insignificant whitespace), so key order does not change the fingerprint.
+    /// SHA-256 of the canonical text of an already parsed JSON value (see
+    /// [`canonical_json`]): the same fingerprint as [`Fingerprint::from_json_slice`] of the
+    /// text `serde_json` serialises `value` to.
+    ///
+    /// A `Value` cannot hold what its parser dropped: serde_json (without its
+    /// `arbitrary_precision` feature) reads a number into a `u64`, `i64` or `f64`, so
+    /// `0.10000000000000000001` arrives here as `0.1`, and of two members with one name only
+    /// the last is left. **When the payload arrives as bytes, fingerprint the bytes**
+    /// ([`Fingerprint::from_json_slice`], or [`FingerprintBuilder::body`] with a JSON content
+    /// type): only then is every digit and every member part of the fingerprint.
     pub fn from_json(value: &serde_json::Value) -> Self {
-        let mut hasher = Sha256::new();
-        // Hashing cannot fail.
-        let _ = write_canonical(value, &mut HashWriter(&mut hasher));
-        Self(hasher.finalize().into())
+        let mut hasher = HashSink::default();
+        write_value(value, &mut hasher);
+        Self(hasher.finish())
     }
 
-    /// Parses JSON and fingerprints its canonical form.
+    /// Parses JSON strictly (RFC 8259) and fingerprints its canonical text (see
+    /// [`canonical_json`]): the SHA-256 of [`canonical_json_slice`]'s text, hashed as it is
+    /// written (the text is never held whole). Every digit of every number and every member
+    /// of every object
+    /// counts; key order, whitespace and the way a string is escaped do not.
+    ///
+    /// Fails on text that is not JSON or that nests arrays and objects deeper than 127 levels
+    /// (serde_json's limit); a number outside the `f64` range, such as `1e400`, is JSON and
+    /// is fingerprinted like any other.
     pub fn from_json_slice(bytes: &[u8]) -> Result<Self, serde_json::Error> {
-        let value: serde_json::Value = serde_json::from_slice(bytes)?;
-        Ok(Self::from_json(&value))
+        canonical_digest(bytes)
+            .map(Self)
+            .ok_or_else(|| not_canonicalisable(bytes))
     }
 
     /// Starts a fingerprint over method, path, query, content type and body.
@@ -95,79 +125,863 @@ impl fmt::Display for Fingerprint {
     }
 }
 
-/// Writes the canonical JSON text of `value`: objects with keys sorted by their UTF-8 bytes at
-/// every depth, arrays in order, strings escaped as `serde_json` escapes them, numbers as
-/// `serde_json` prints them (except that a float zero is always `0.0`, never `-0.0`).
+/// The canonical JSON text of `value`: the same text as [`canonical_json_slice`] gives for
+/// the text `serde_json` serialises `value` to (a float is written in its shortest
+/// round-trip form first, as serde_json prints it). See [`Fingerprint::from_json`] for what
+/// a `Value` has already lost.
+///
+/// # The canonical form
+///
+/// Close to RFC 8785 (JCS), but exact for numbers of any size:
+///
+/// - no whitespace outside strings; `null`, `true` and `false` as they are;
+/// - **strings** are decoded (escapes resolved, surrogate pairs joined) and written again
+///   with only `"`, `\` and the control characters U+0000 to U+001F escaped (`\b`, `\t`,
+///   `\n`, `\f`, `\r`, otherwise `\u00xx` in lower-case hex), everything else as UTF-8. So
+///   `"\u00e9"`, `"é"` and `"\u00E9"` are one string, and `"\/"` is `"/"`;
+/// - **arrays** keep their order;
+/// - **objects** have their members sorted by the UTF-8 bytes of their decoded names (RFC
+///   8785 sorts by UTF-16 code units instead), at every depth. Members with the same name
+///   are all kept, in the order they were written: `{"a":1,"a":2}` is neither `{"a":2}` nor
+///   `{"a":2,"a":1}` (parsers disagree on which duplicate wins, so their order is part of the
+///   payload);
+/// - **numbers** are written by their exact decimal value, every digit kept, so two numbers
+///   have one text exactly when they are equal as mathematical values: `1`, `1.0`, `1e0`,
+///   `10e-1` and `0.1e1` are all `1`; `0`, `-0`, `0.0` and `-0e5` are all `0`; while
+///   `0.1` and `0.10000000000000000001`, or `18446744073709551616` and
+///   `18446744073709551617`, or `1e400` and `2e400`, stay apart. Integers and floats are not
+///   told apart: re-serialising a payload (which turns `1.0` into `1` in many languages)
+///   must not turn a retry into a mismatch. The text: with the value written as the digits
+///   `d₁…d_k` (no leading or trailing zeros) times `10^(n−k)`, it is `d₁…d_k` followed by
+///   `n−k` zeros if `k ≤ n ≤ 21`; `d₁…d_n.d_(n+1)…d_k` if `0 < n ≤ 21`; `0.` then `−n`
+///   zeros then `d₁…d_k` if `−6 < n ≤ 0`; otherwise `d₁[.d₂…d_k]e±(n−1)`, with a `-` in front
+///   of negative values. These are ECMAScript's `Number::toString` rules, so for a number
+///   written as the shortest round-trip form of an `f64` (as serde_json and JavaScript write
+///   them) the text is RFC 8785's: `100`, `1.5`, `0.000001`, `1e+21`, `1.5e-7`.
+///
+/// Text that is not JSON (RFC 8259, strictly: no byte order mark, no trailing commas, no
+/// lone surrogates, valid UTF-8) or that nests arrays and objects deeper than 127 levels
+/// (serde_json's limit) has no canonical form.
+///
+/// # Versions
+///
+/// Before this form, numbers were written as serde_json prints a `Value` (integers and
+/// floats apart, `1.0`, `0.0`, `1e+20`), numbers were rounded to an `f64` and duplicate
+/// names were dropped. So [`Fingerprint::from_json`] and [`Fingerprint::from_json_slice`]
+/// of a payload with floats, numbers beyond 64 bits or duplicate names differ from what
+/// older versions computed (integers, strings, `true`, `false`, `null` and the structure
+/// around them are written as before). [`FingerprintBuilder`] marks its format, now
+/// `idempotency-fingerprint-v3`, so every request fingerprint differs from version 2's.
 pub fn canonical_json(value: &serde_json::Value) -> String {
     let mut out = Vec::new();
-    // Writing into a Vec cannot fail.
-    let _ = write_canonical(value, &mut out);
-    // Only valid UTF-8 is written: serde_json's string escapes, numbers and punctuation.
+    write_value(value, &mut out);
+    // Only valid UTF-8 is written: decoded strings, ASCII escapes, numbers and punctuation.
     String::from_utf8(out).unwrap_or_default()
 }
 
-/// SHA-256 as an `io::Write` sink, so the canonical text is hashed as it is produced, with no
-/// intermediate buffer.
-struct HashWriter<'a>(&'a mut Sha256);
-
-impl std::io::Write for HashWriter<'_> {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.update(buf);
-        Ok(buf.len())
+/// Parses JSON text strictly (RFC 8259) and returns its canonical text (described at
+/// [`canonical_json`]), which keeps every digit of every number and every member of every
+/// object. Fails on text that is not JSON or nests deeper than 127 levels.
+///
+/// ```
+/// use idempotency_core::canonical_json_slice;
+///
+/// let text = canonical_json_slice(br#"{ "b": [1.0, -0, 2.50e1], "a": "\u00e9", "a": 1e400 }"#)?;
+/// assert_eq!(text, r#"{"a":"é","a":1e+400,"b":[1,0,25]}"#);
+/// # Ok::<(), serde_json::Error>(())
+/// ```
+pub fn canonical_json_slice(bytes: &[u8]) -> Result<String, serde_json::Error> {
+    let mut out = Vec::with_capacity(bytes.len());
+    if !canonicalise(bytes, &mut out) {
+        return Err(not_canonicalisable(bytes));
     }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
+    // Only valid UTF-8 is written (the input was checked to be UTF-8).
+    String::from_utf8(out).map_err(|_| not_canonicalisable(bytes))
+}
+
+/// The SHA-256 of the canonical text of `bytes`, or `None` when they have none.
+fn canonical_digest(bytes: &[u8]) -> Option<[u8; 32]> {
+    let mut hasher = HashSink::default();
+    canonicalise(bytes, &mut hasher).then(|| hasher.finish())
+}
+
+/// The error for text without a canonical form: serde_json's own when it refuses the text
+/// too (with its position), otherwise one of ours. Only on the failure path.
+fn not_canonicalisable(bytes: &[u8]) -> serde_json::Error {
+    match serde_json::from_slice::<serde_json::Value>(bytes) {
+        Err(e) => e,
+        Ok(_) => {
+            <serde_json::Error as serde::de::Error>::custom("JSON text without a canonical form")
+        }
     }
 }
 
-fn write_canonical<W: std::io::Write>(
-    value: &serde_json::Value,
-    out: &mut W,
-) -> std::io::Result<()> {
+/// Where canonical text goes: a hasher (through a small buffer, so the text is never held
+/// whole) or a byte buffer.
+trait Sink {
+    fn put(&mut self, bytes: &[u8]);
+}
+
+/// SHA-256 behind a small buffer: canonical text comes in many short pieces (a comma, a
+/// quote, a number's digits), and each `update` of the hasher has a cost of its own.
+struct HashSink {
+    hasher: Sha256,
+    buf: [u8; 256],
+    len: usize,
+}
+
+impl Default for HashSink {
+    fn default() -> Self {
+        Self {
+            hasher: Sha256::new(),
+            buf: [0; 256],
+            len: 0,
+        }
+    }
+}
+
+impl HashSink {
+    fn finish(mut self) -> [u8; 32] {
+        self.hasher.update(&self.buf[..self.len]);
+        self.hasher.finalize().into()
+    }
+}
+
+impl Sink for HashSink {
+    #[inline]
+    fn put(&mut self, bytes: &[u8]) {
+        if let Some(room) = self.buf.get_mut(self.len..self.len + bytes.len()) {
+            room.copy_from_slice(bytes);
+            self.len += bytes.len();
+        } else {
+            self.hasher.update(&self.buf[..self.len]);
+            self.len = 0;
+            if bytes.len() < self.buf.len() {
+                self.buf[..bytes.len()].copy_from_slice(bytes);
+                self.len = bytes.len();
+            } else {
+                self.hasher.update(bytes);
+            }
+        }
+    }
+}
+
+impl Sink for Vec<u8> {
+    fn put(&mut self, bytes: &[u8]) {
+        self.extend_from_slice(bytes);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Values
+
+fn write_value<S: Sink>(value: &serde_json::Value, out: &mut S) {
     use serde_json::Value;
     match value {
-        Value::Null => out.write_all(b"null"),
-        Value::Bool(true) => out.write_all(b"true"),
-        Value::Bool(false) => out.write_all(b"false"),
-        // -0.0 and 0.0 are equal numbers (and equal `Value`s): one text for both, as in
-        // RFC 8785.
-        Value::Number(n) if n.is_f64() && n.as_f64() == Some(0.0) => out.write_all(b"0.0"),
-        Value::Number(n) => write!(out, "{n}"),
-        // serde_json's string escaping is canonical for a given string.
-        Value::String(s) => serde_json::to_writer(&mut *out, s).map_err(std::io::Error::other),
+        Value::Null => out.put(b"null"),
+        Value::Bool(true) => out.put(b"true"),
+        Value::Bool(false) => out.put(b"false"),
+        Value::Number(n) => write_value_number(n, out),
+        Value::String(s) => write_string(s.as_bytes(), out),
         Value::Array(items) => {
-            out.write_all(b"[")?;
+            out.put(b"[");
             for (i, item) in items.iter().enumerate() {
                 if i > 0 {
-                    out.write_all(b",")?;
+                    out.put(b",");
                 }
-                write_canonical(item, out)?;
+                write_value(item, out);
             }
-            out.write_all(b"]")
+            out.put(b"]");
         }
         Value::Object(map) => {
             // Sort explicitly: serde_json's map keeps insertion order when another crate in
             // the build enables its `preserve_order` feature.
             let mut entries: Vec<_> = map.iter().collect();
             entries.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
-            out.write_all(b"{")?;
+            out.put(b"{");
             for (i, (k, v)) in entries.into_iter().enumerate() {
                 if i > 0 {
-                    out.write_all(b",")?;
+                    out.put(b",");
                 }
-                serde_json::to_writer(&mut *out, k).map_err(std::io::Error::other)?;
-                out.write_all(b":")?;
-                write_canonical(v, out)?;
+                write_string(k.as_bytes(), out);
+                out.put(b":");
+                write_value(v, out);
             }
-            out.write_all(b"}")
+            out.put(b"}");
+        }
+    }
+}
+
+/// A `Value`'s number, through the text serde_json prints for it (the shortest round-trip
+/// form of a float), so that a value and its serialisation have one canonical text.
+fn write_value_number<S: Sink>(n: &serde_json::Number, out: &mut S) {
+    let mut buf = StackText::default();
+    let owned;
+    let text: &[u8] = if fmt::write(&mut buf, format_args!("{n}")).is_ok() {
+        buf.as_bytes()
+    } else {
+        // Longer than the buffer: only with serde_json's `arbitrary_precision`, which keeps
+        // the number's text as it was read.
+        owned = n.to_string();
+        owned.as_bytes()
+    };
+    match scan_number(text, 0) {
+        Some((number, end)) if end == text.len() => write_number(&number, out),
+        // serde_json prints numbers as JSON numbers; keep its text should that ever change.
+        _ => out.put(text),
+    }
+}
+
+/// A small stack buffer for a number's text.
+struct StackText {
+    buf: [u8; 48],
+    len: usize,
+}
+
+impl Default for StackText {
+    fn default() -> Self {
+        Self {
+            buf: [0; 48],
+            len: 0,
+        }
+    }
+}
+
+impl StackText {
+    fn as_bytes(&self) -> &[u8] {
+        &self.buf[..self.len]
+    }
+}
+
+impl fmt::Write for StackText {
+    fn write_str(&mut self, s: &str) -> fmt::Result {
+        let end = self.len.checked_add(s.len()).ok_or(fmt::Error)?;
+        self.buf
+            .get_mut(self.len..end)
+            .ok_or(fmt::Error)?
+            .copy_from_slice(s.as_bytes());
+        self.len = end;
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Strings
+
+/// Writes a string (valid UTF-8 bytes, escapes already resolved) in canonical form: `"`, `\`
+/// and control characters escaped as serde_json and RFC 8785 escape them, the rest as is.
+fn write_string<S: Sink>(s: &[u8], out: &mut S) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    out.put(b"\"");
+    let mut run = 0;
+    for (i, &b) in s.iter().enumerate() {
+        let escape: &[u8] = match b {
+            b'"' => b"\\\"",
+            b'\\' => b"\\\\",
+            0x08 => b"\\b",
+            0x0c => b"\\f",
+            b'\n' => b"\\n",
+            b'\r' => b"\\r",
+            b'\t' => b"\\t",
+            0x00..=0x1f => &[
+                b'\\',
+                b'u',
+                b'0',
+                b'0',
+                HEX[usize::from(b >> 4)],
+                HEX[usize::from(b & 0xf)],
+            ],
+            _ => continue,
+        };
+        out.put(&s[run..i]);
+        out.put(escape);
+        run = i + 1;
+    }
+    out.put(&s[run..]);
+    out.put(b"\"");
+}
+
+// ---------------------------------------------------------------------------------------
+// Numbers
+
+/// A JSON number as written: `-? int (. frac)? ([eE] [+-]? exp)?`, digits as ASCII.
+#[derive(Debug, Clone, Copy)]
+struct Number<'a> {
+    negative: bool,
+    int: &'a [u8],
+    frac: &'a [u8],
+    exp_negative: bool,
+    exp: &'a [u8],
+}
+
+/// Reads a JSON number (RFC 8259 grammar) starting at `s[i]`; returns it and the index after
+/// it.
+fn scan_number(s: &[u8], mut i: usize) -> Option<(Number<'_>, usize)> {
+    fn digits(s: &[u8], i: usize) -> usize {
+        s.get(i..).map_or(0, |rest| {
+            rest.iter().take_while(|b| b.is_ascii_digit()).count()
+        })
+    }
+    let negative = s.get(i) == Some(&b'-');
+    if negative {
+        i += 1;
+    }
+    let int_len = match s.get(i)? {
+        b'0' => 1,
+        b'1'..=b'9' => digits(s, i),
+        _ => return None,
+    };
+    let int = &s[i..i + int_len];
+    i += int_len;
+    let mut frac: &[u8] = &[];
+    if s.get(i) == Some(&b'.') {
+        let n = digits(s, i + 1);
+        if n == 0 {
+            return None;
+        }
+        frac = &s[i + 1..i + 1 + n];
+        i += 1 + n;
+    }
+    let mut exp_negative = false;
+    let mut exp: &[u8] = &[];
+    if matches!(s.get(i), Some(b'e' | b'E')) {
+        i += 1;
+        match s.get(i) {
+            Some(b'-') => {
+                exp_negative = true;
+                i += 1;
+            }
+            Some(b'+') => i += 1,
+            _ => {}
+        }
+        let n = digits(s, i);
+        if n == 0 {
+            return None;
+        }
+        exp = &s[i..i + n];
+        i += n;
+    }
+    Some((
+        Number {
+            negative,
+            int,
+            frac,
+            exp_negative,
+            exp,
+        },
+        i,
+    ))
+}
+
+/// Exponents with more significant digits than this take the arbitrary-precision path.
+const SMALL_EXP_DIGITS: usize = 36;
+
+/// Writes the canonical text of a number's exact value (rules at [`canonical_json`]).
+fn write_number<S: Sink>(num: &Number<'_>, out: &mut S) {
+    const ZEROS: &[u8; 21] = b"000000000000000000000";
+    let (int, frac) = (num.int, num.frac);
+    let total = int.len() + frac.len();
+    let digit = |i: usize| {
+        if i < int.len() {
+            int[i]
+        } else {
+            frac[i - int.len()]
+        }
+    };
+    // The significant digits are positions `lead..total - trail` of `int ++ frac`.
+    let lead = (0..total).take_while(|&i| digit(i) == b'0').count();
+    if lead == total {
+        out.put(b"0");
+        return;
+    }
+    let trail = (0..total).rev().take_while(|&i| digit(i) == b'0').count();
+    let k = total - lead - trail;
+    let put_digits = |out: &mut S, from: usize, to: usize| {
+        // Positions `from..to` of the significant digits.
+        let (from, to) = (lead + from, lead + to);
+        if from < int.len() {
+            out.put(&int[from..to.min(int.len())]);
+        }
+        if to > int.len() {
+            out.put(&frac[from.max(int.len()) - int.len()..to - int.len()]);
+        }
+    };
+    if num.negative {
+        out.put(b"-");
+    }
+    // value = 0.d₁…d_k × 10^n with n = point + exp.
+    let point = int.len() as i128 - lead as i128;
+    let exp_digits = trim_leading_zeros(num.exp);
+    if exp_digits.len() > SMALL_EXP_DIGITS {
+        // |exp| ≥ 10^36, far outside every fixed-notation range.
+        put_digits(out, 0, 1);
+        if k > 1 {
+            out.put(b".");
+            put_digits(out, 1, k);
+        }
+        write_big_exponent(num.exp_negative, exp_digits, point - 1, out);
+        return;
+    }
+    let exp = exp_digits
+        .iter()
+        .fold(0i128, |acc, d| acc * 10 + i128::from(d - b'0'));
+    let n = point + if num.exp_negative { -exp } else { exp };
+    let k_ = k as i128;
+    if k_ <= n && n <= 21 {
+        put_digits(out, 0, k);
+        out.put(&ZEROS[..(n - k_) as usize]);
+    } else if 0 < n && n <= 21 {
+        put_digits(out, 0, n as usize);
+        out.put(b".");
+        put_digits(out, n as usize, k);
+    } else if -6 < n && n <= 0 {
+        out.put(b"0.");
+        out.put(&ZEROS[..(-n) as usize]);
+        put_digits(out, 0, k);
+    } else {
+        put_digits(out, 0, 1);
+        if k > 1 {
+            out.put(b".");
+            put_digits(out, 1, k);
+        }
+        let e = n - 1;
+        out.put(if e < 0 { b"e-" } else { b"e+" });
+        write_u128(e.unsigned_abs(), out);
+    }
+}
+
+fn trim_leading_zeros(digits: &[u8]) -> &[u8] {
+    let zeros = digits.iter().take_while(|&&d| d == b'0').count();
+    &digits[zeros..]
+}
+
+fn write_u128<S: Sink>(mut v: u128, out: &mut S) {
+    let mut buf = [0u8; 40];
+    let mut i = buf.len();
+    loop {
+        i -= 1;
+        buf[i] = b'0' + (v % 10) as u8;
+        v /= 10;
+        if v == 0 {
+            break;
+        }
+    }
+    out.put(&buf[i..]);
+}
+
+/// Writes `e±|exp + delta|` where `exp` is `±digits` with more than 36 significant digits
+/// and `|delta| < 2^64`, so the sum has the sign of `exp`. The only allocation of the number
+/// path, for exponents no real payload has.
+fn write_big_exponent<S: Sink>(negative: bool, digits: &[u8], delta: i128, out: &mut S) {
+    // |exp + delta| = |exp| + delta·sign(exp).
+    let delta = if negative { -delta } else { delta };
+    let mut magnitude: Vec<u8> = digits.iter().map(|d| d - b'0').collect();
+    let mut carry = delta.unsigned_abs();
+    let adding = delta >= 0;
+    for d in magnitude.iter_mut().rev() {
+        if carry == 0 {
+            break;
+        }
+        let step = (carry % 10) as u8;
+        carry /= 10;
+        if adding {
+            let sum = *d + step;
+            *d = sum % 10;
+            carry += u128::from(sum / 10);
+        } else if *d >= step {
+            *d -= step;
+        } else {
+            *d = *d + 10 - step;
+            carry += 1;
+        }
+    }
+    if adding && carry > 0 {
+        // Cannot happen for |delta| < |exp|, but never lose a digit.
+        let mut high = Vec::new();
+        write_u128(carry, &mut high);
+        magnitude.splice(0..0, high.into_iter().map(|d| d - b'0'));
+    }
+    out.put(if negative { b"e-" } else { b"e+" });
+    let zeros = magnitude.iter().take_while(|&&d| d == 0).count();
+    let text: Vec<u8> = magnitude[zeros..].iter().map(|d| d + b'0').collect();
+    out.put(&text);
+}
+
+// ---------------------------------------------------------------------------------------
+// Text
+
+/// The deepest nesting of arrays and objects that has a canonical form: serde_json's limit
+/// (it refuses a 128th level), which this module had while it parsed through serde_json.
+const MAX_DEPTH: usize = 127;
+
+/// Writes the canonical text of the JSON text `bytes` into `out`; `false` (with part of the
+/// text possibly written) when `bytes` are not JSON or nest too deep.
+///
+/// One pass parses the text into a flat tape (a node per value, no allocation per value),
+/// a second writes it with object members sorted.
+fn canonicalise<S: Sink>(bytes: &[u8], out: &mut S) -> bool {
+    // Outside strings JSON is ASCII, so this checks the UTF-8 of every string at once.
+    if std::str::from_utf8(bytes).is_err() {
+        return false;
+    }
+    let mut parser = Parser {
+        s: bytes,
+        i: 0,
+        tape: Vec::with_capacity(bytes.len() / 8 + 1),
+        arena: Vec::new(),
+    };
+    if parser.document().is_none() {
+        return false;
+    }
+    let mut writer = Writer {
+        s: bytes,
+        tape: &parser.tape,
+        arena: &parser.arena,
+        members: Vec::new(),
+    };
+    writer.value(0, out);
+    true
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Tag {
+    Null,
+    True,
+    False,
+    /// `a..b`: the number's text in the input.
+    Number,
+    /// `a..b`: the string's bytes between the quotes in the input, without escapes (so
+    /// already canonical).
+    Plain,
+    /// `a..b`: the decoded string in the arena.
+    Decoded,
+    /// `b`: the tape index after the array's last node.
+    Array,
+    /// `b`: the tape index after the object's last node; its members are name and value
+    /// nodes in turn.
+    Object,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Node {
+    tag: Tag,
+    a: usize,
+    b: usize,
+}
+
+struct Parser<'a> {
+    s: &'a [u8],
+    i: usize,
+    tape: Vec<Node>,
+    /// Decoded strings that had escapes.
+    arena: Vec<u8>,
+}
+
+impl Parser<'_> {
+    fn document(&mut self) -> Option<()> {
+        self.ws();
+        self.value(0)?;
+        self.ws();
+        (self.i == self.s.len()).then_some(())
+    }
+
+    fn ws(&mut self) {
+        while let Some(b' ' | b'\t' | b'\n' | b'\r') = self.s.get(self.i) {
+            self.i += 1;
+        }
+    }
+
+    fn node(&mut self, tag: Tag, a: usize, b: usize) {
+        self.tape.push(Node { tag, a, b });
+    }
+
+    fn literal(&mut self, text: &[u8], tag: Tag) -> Option<()> {
+        if !self.s.get(self.i..)?.starts_with(text) {
+            return None;
+        }
+        self.i += text.len();
+        self.node(tag, 0, 0);
+        Some(())
+    }
+
+    /// One value at `depth` enclosing arrays and objects.
+    fn value(&mut self, depth: usize) -> Option<()> {
+        match *self.s.get(self.i)? {
+            b'n' => self.literal(b"null", Tag::Null),
+            b't' => self.literal(b"true", Tag::True),
+            b'f' => self.literal(b"false", Tag::False),
+            b'"' => self.string(),
+            b'-' | b'0'..=b'9' => {
+                let (_, end) = scan_number(self.s, self.i)?;
+                self.node(Tag::Number, self.i, end);
+                self.i = end;
+                Some(())
+            }
+            b'[' => {
+                if depth >= MAX_DEPTH {
+                    return None;
+                }
+                let at = self.tape.len();
+                self.node(Tag::Array, 0, 0);
+                self.i += 1;
+                self.ws();
+                if self.s.get(self.i) == Some(&b']') {
+                    self.i += 1;
+                } else {
+                    loop {
+                        self.value(depth + 1)?;
+                        self.ws();
+                        match self.s.get(self.i)? {
+                            b',' => {
+                                self.i += 1;
+                                self.ws();
+                            }
+                            b']' => {
+                                self.i += 1;
+                                break;
+                            }
+                            _ => return None,
+                        }
+                    }
+                }
+                self.tape[at].b = self.tape.len();
+                Some(())
+            }
+            b'{' => {
+                if depth >= MAX_DEPTH {
+                    return None;
+                }
+                let at = self.tape.len();
+                self.node(Tag::Object, 0, 0);
+                self.i += 1;
+                self.ws();
+                if self.s.get(self.i) == Some(&b'}') {
+                    self.i += 1;
+                } else {
+                    loop {
+                        if self.s.get(self.i) != Some(&b'"') {
+                            return None;
+                        }
+                        self.string()?;
+                        self.ws();
+                        if self.s.get(self.i) != Some(&b':') {
+                            return None;
+                        }
+                        self.i += 1;
+                        self.ws();
+                        self.value(depth + 1)?;
+                        self.ws();
+                        match self.s.get(self.i)? {
+                            b',' => {
+                                self.i += 1;
+                                self.ws();
+                            }
+                            b'}' => {
+                                self.i += 1;
+                                break;
+                            }
+                            _ => return None,
+                        }
+                    }
+                }
+                self.tape[at].b = self.tape.len();
+                Some(())
+            }
+            _ => None,
+        }
+    }
+
+    /// A string starting at its opening quote.
+    fn string(&mut self) -> Option<()> {
+        self.i += 1;
+        let start = self.i;
+        self.i += plain_run(self.s.get(self.i..)?);
+        match self.s.get(self.i)? {
+            b'"' => {
+                self.node(Tag::Plain, start, self.i);
+                self.i += 1;
+                return Some(());
+            }
+            b'\\' => {}
+            _ => return None,
+        }
+        // Escapes: decode into the arena.
+        let from = self.arena.len();
+        self.arena.extend_from_slice(&self.s[start..self.i]);
+        loop {
+            match *self.s.get(self.i)? {
+                b'"' => {
+                    self.i += 1;
+                    self.node(Tag::Decoded, from, self.arena.len());
+                    return Some(());
+                }
+                b'\\' => {
+                    self.i += 1;
+                    let decoded = match *self.s.get(self.i)? {
+                        b'"' => b'"',
+                        b'\\' => b'\\',
+                        b'/' => b'/',
+                        b'b' => 0x08,
+                        b'f' => 0x0c,
+                        b'n' => b'\n',
+                        b'r' => b'\r',
+                        b't' => b'\t',
+                        b'u' => {
+                            self.i += 1;
+                            let c = self.unicode_escape()?;
+                            let mut buf = [0u8; 4];
+                            self.arena
+                                .extend_from_slice(c.encode_utf8(&mut buf).as_bytes());
+                            continue;
+                        }
+                        _ => return None,
+                    };
+                    self.arena.push(decoded);
+                    self.i += 1;
+                }
+                0x00..=0x1f => return None,
+                _ => {
+                    let run = plain_run(&self.s[self.i..]);
+                    self.arena.extend_from_slice(&self.s[self.i..self.i + run]);
+                    self.i += run;
+                }
+            }
+        }
+    }
+
+    /// The character of a `\u` escape whose four hex digits start at `self.i`, joining a
+    /// surrogate pair; `None` for a lone surrogate.
+    fn unicode_escape(&mut self) -> Option<char> {
+        let high = self.hex4()?;
+        let code = match high {
+            0xd800..=0xdbff => {
+                if self.s.get(self.i..self.i + 2) != Some(b"\\u") {
+                    return None;
+                }
+                self.i += 2;
+                let low = self.hex4()?;
+                if !(0xdc00..=0xdfff).contains(&low) {
+                    return None;
+                }
+                0x10000 + ((u32::from(high) - 0xd800) << 10) + (u32::from(low) - 0xdc00)
+            }
+            0xdc00..=0xdfff => return None,
+            _ => u32::from(high),
+        };
+        let c = char::from_u32(code)?;
+        Some(c)
+    }
+
+    fn hex4(&mut self) -> Option<u16> {
+        let digits = self.s.get(self.i..self.i + 4)?;
+        let mut v = 0u16;
+        for &d in digits {
+            v = v * 16 + u16::from((d as char).to_digit(16)? as u8);
+        }
+        self.i += 4;
+        Some(v)
+    }
+}
+
+/// The length of the run of string bytes that need no decoding: up to a quote, a backslash,
+/// a control character (not allowed in a string) or the end.
+fn plain_run(s: &[u8]) -> usize {
+    s.iter()
+        .position(|&b| b == b'"' || b == b'\\' || b < 0x20)
+        .unwrap_or(s.len())
+}
+
+struct Writer<'a> {
+    s: &'a [u8],
+    tape: &'a [Node],
+    arena: &'a [u8],
+    /// (name, value) tape indices of the objects being written, innermost last.
+    members: Vec<(usize, usize)>,
+}
+
+impl Writer<'_> {
+    /// The tape index after the value at `at`.
+    fn after(&self, at: usize) -> usize {
+        match self.tape[at].tag {
+            Tag::Array | Tag::Object => self.tape[at].b,
+            _ => at + 1,
+        }
+    }
+
+    /// Writes the value at tape index `at`.
+    fn value<S: Sink>(&mut self, at: usize, out: &mut S) {
+        let Node { tag, a, b } = self.tape[at];
+        match tag {
+            Tag::Null => out.put(b"null"),
+            Tag::True => out.put(b"true"),
+            Tag::False => out.put(b"false"),
+            Tag::Number => {
+                let text = &self.s[a..b];
+                match scan_number(text, 0) {
+                    Some((number, end)) if end == text.len() => write_number(&number, out),
+                    // Checked by the parser; keep the text should that ever be wrong.
+                    _ => out.put(text),
+                }
+            }
+            Tag::Plain => {
+                out.put(b"\"");
+                out.put(&self.s[a..b]);
+                out.put(b"\"");
+            }
+            Tag::Decoded => write_string(&self.arena[a..b], out),
+            Tag::Array => {
+                out.put(b"[");
+                let mut i = at + 1;
+                while i < b {
+                    if i > at + 1 {
+                        out.put(b",");
+                    }
+                    self.value(i, out);
+                    i = self.after(i);
+                }
+                out.put(b"]");
+            }
+            Tag::Object => {
+                let base = self.members.len();
+                let mut i = at + 1;
+                while i < b {
+                    self.members.push((i, i + 1));
+                    i = self.after(i + 1);
+                }
+                let (s, tape, arena) = (self.s, self.tape, self.arena);
+                let name = |at: usize| {
+                    let Node { tag, a, b } = tape[at];
+                    if tag == Tag::Decoded {
+                        &arena[a..b]
+                    } else {
+                        &s[a..b]
+                    }
+                };
+                // By name, then by position: a stable sort without its buffer.
+                self.members[base..]
+                    .sort_unstable_by(|x, y| name(x.0).cmp(name(y.0)).then(x.0.cmp(&y.0)));
+                out.put(b"{");
+                for j in base..self.members.len() {
+                    if j > base {
+                        out.put(b",");
+                    }
+                    let (k, v) = self.members[j];
+                    self.value(k, out);
+                    out.put(b":");
+                    self.value(v, out);
+                }
+                self.members.truncate(base);
+                out.put(b"}");
+            }
         }
     }
 }
 
 /// Builds a fingerprint over the parts of a request. Every part is length-prefixed, so moving
 /// bytes from one part to another changes the digest. A body whose content type is JSON
-/// (`application/json` or any `+json` type) and that parses is canonicalised first; any other
-/// body is hashed as raw bytes.
+/// (`application/json` or any `+json` type) and that has a canonical form (see
+/// [`canonical_json`]: every digit and every member counts, key order and whitespace do not)
+/// is canonicalised first; any other body is hashed as raw bytes.
 #[derive(Debug, Default, Clone)]
 pub struct FingerprintBuilder {
     method: Option<String>,
@@ -205,10 +1019,16 @@ impl FingerprintBuilder {
     }
 
     /// Computes the digest. A JSON body contributes `J` and the SHA-256 of its canonical
-    /// text (hashed as it is written, never buffered); any other body `R` and its bytes.
+    /// text (hashed as it is written, never held whole); any other body `R` and its bytes.
+    ///
+    /// The stream starts with its format, `idempotency-fingerprint-v3`. Version 3 writes
+    /// numbers by their exact value and keeps duplicate member names; version 2 read JSON
+    /// bodies through `serde_json::Value`, so a record stored by it does not match the same
+    /// request fingerprinted by version 3 (a retry across the upgrade gets a mismatch, never
+    /// a wrong replay).
     pub fn finish(self) -> Fingerprint {
         let mut h = Sha256::new();
-        h.update(b"idempotency-fingerprint-v2");
+        h.update(b"idempotency-fingerprint-v3");
         for field in [&self.method, &self.path, &self.query, &self.content_type] {
             match field {
                 Some(s) => hash_part(&mut h, &[s.as_bytes()]),
@@ -218,17 +1038,10 @@ impl FingerprintBuilder {
         let is_json = self.content_type.as_deref().is_some_and(is_json_media_type);
         match &self.body {
             None => h.update([0u8]),
-            Some(body) => {
-                let json = is_json
-                    .then(|| serde_json::from_slice::<serde_json::Value>(body).ok())
-                    .flatten();
-                match json {
-                    Some(value) => {
-                        hash_part(&mut h, &[b"J", Fingerprint::from_json(&value).as_bytes()])
-                    }
-                    None => hash_part(&mut h, &[b"R", body]),
-                }
-            }
+            Some(body) => match is_json.then(|| canonical_digest(body)).flatten() {
+                Some(digest) => hash_part(&mut h, &[b"J", &digest]),
+                None => hash_part(&mut h, &[b"R", body]),
+            },
         }
         Fingerprint(h.finalize().into())
     }
@@ -313,23 +1126,498 @@ mod tests {
     }
 
     /// Found by the `fingerprint_value` fuzz target: `-0.0` and `0.0` are equal values but
-    /// were written as two canonical texts, so they had two fingerprints.
+    /// were written as two canonical texts, so they had two fingerprints. Since numbers are
+    /// written by their exact value, every zero is `0`, integer or float.
     #[test]
     fn signed_zeros_are_one_value() {
         let neg: serde_json::Value = serde_json::from_str("-0.0").unwrap();
         let pos: serde_json::Value = serde_json::from_str("0.0").unwrap();
         assert_eq!(neg, pos);
-        assert_eq!(canonical_json(&neg), "0.0");
+        assert_eq!(canonical_json(&neg), "0");
         assert_eq!(Fingerprint::from_json(&neg), Fingerprint::from_json(&pos));
         assert_eq!(
             Fingerprint::from_json_slice(br#"{"a":[-0.0, -0e3]}"#).unwrap(),
             Fingerprint::from_json_slice(br#"{"a":[0.0, 0e0]}"#).unwrap()
         );
-        // An integer zero is another value than a float zero, as serde_json compares them.
-        assert_ne!(
+        // An integer zero is the same number as a float zero (it was not, while numbers were
+        // written as serde_json's `Value` prints them).
+        assert_eq!(
             Fingerprint::from_json_slice(b"0").unwrap(),
             Fingerprint::from_json_slice(b"0.0").unwrap()
         );
+        assert_eq!(
+            Fingerprint::from_json(&serde_json::json!(0)),
+            Fingerprint::from_json(&serde_json::json!(-0.0))
+        );
+    }
+
+    #[track_caller]
+    fn canonical(text: &str) -> String {
+        canonical_json_slice(text.as_bytes())
+            .unwrap_or_else(|e| panic!("{text:?} has no canonical form: {e}"))
+    }
+
+    /// The decision: one text per exact value, every digit kept, ECMAScript's layout.
+    #[test]
+    fn numbers_are_written_by_exact_value() {
+        for (text, expected) in [
+            ("1", "1"),
+            ("1.0", "1"),
+            ("1e0", "1"),
+            ("10e-1", "1"),
+            ("0.1e1", "1"),
+            ("100E-2", "1"),
+            ("1E+0", "1"),
+            ("-0", "0"),
+            ("0.0", "0"),
+            ("-0.0", "0"),
+            ("-0e5", "0"),
+            ("0e-5", "0"),
+            ("0.000", "0"),
+            ("100", "100"),
+            ("1e2", "100"),
+            ("1230000", "1230000"),
+            ("12.34e1", "123.4"),
+            ("1.5", "1.5"),
+            ("-1.50", "-1.5"),
+            ("0.0012300", "0.00123"),
+            ("0.000001", "0.000001"),
+            ("1e-6", "0.000001"),
+            ("1e-7", "1e-7"),
+            ("1.5e-7", "1.5e-7"),
+            ("123e-10", "1.23e-8"),
+            ("1e20", "100000000000000000000"),
+            ("123456789012345678901", "123456789012345678901"),
+            ("1e21", "1e+21"),
+            ("1234567890123456789012", "1.234567890123456789012e+21"),
+            ("0.10000000000000000001", "0.10000000000000000001"),
+            ("18446744073709551617", "18446744073709551617"),
+            ("-9223372036854775809", "-9223372036854775809"),
+            ("1e400", "1e+400"),
+            ("-2.50E-400", "-2.5e-400"),
+            ("0.00000000000000000000000000000000000000000001", "1e-44"),
+        ] {
+            assert_eq!(canonical(text), expected, "{text}");
+            assert_eq!(canonical(expected), expected, "{expected} is a fixed point");
+            assert_eq!(
+                Fingerprint::from_json_slice(text.as_bytes()).unwrap(),
+                Fingerprint::from_bytes(expected.as_bytes())
+            );
+        }
+        // 1, 1.0, 1e0 and 10e-1 are one payload, alone, as values and as request bodies.
+        let one = json_body(br#"{"qty":1}"#);
+        for body in [
+            &br#"{"qty":1.0}"#[..],
+            br#"{"qty":1e0}"#,
+            br#"{"qty":10e-1}"#,
+        ] {
+            assert_eq!(json_body(body), one, "{}", String::from_utf8_lossy(body));
+        }
+        assert_eq!(
+            Fingerprint::from_json(&serde_json::json!({"qty": 1})),
+            Fingerprint::from_json(&serde_json::json!({"qty": 1.0}))
+        );
+    }
+
+    /// Random number texts against an independent normalisation (sign, significant digits,
+    /// exponent): one canonical text per exact value, never one for two values; the text is
+    /// a fixed point, reads as the same `f64`, and another writing of the same value (more
+    /// zeros, the point moved into an exponent) has the same text.
+    #[test]
+    fn random_numbers_keep_their_value() {
+        use std::collections::HashMap;
+        let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut next = move |n: u64| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state % n
+        };
+        let digits = |len: u64, next: &mut dyn FnMut(u64) -> u64| -> String {
+            (0..len)
+                .map(|_| b"0000123456789"[next(13) as usize] as char)
+                .collect()
+        };
+        let mut by_value: HashMap<(bool, String, i64), String> = HashMap::new();
+        let mut by_text: HashMap<String, (bool, String, i64)> = HashMap::new();
+        for _ in 0..20_000 {
+            let negative = next(2) == 0;
+            let int = match next(3) {
+                0 => "0".to_string(),
+                _ => format!("{}{}", 1 + next(9), digits(next(22), &mut next)),
+            };
+            let frac = match next(2) {
+                0 => String::new(),
+                _ => digits(1 + next(22), &mut next),
+            };
+            let exp: i64 = match next(3) {
+                0 => 0,
+                _ => next(700) as i64 - 350,
+            };
+            let mut text = format!("{}{int}", if negative { "-" } else { "" });
+            if !frac.is_empty() {
+                text.push('.');
+                text.push_str(&frac);
+            }
+            if exp != 0 || next(4) == 0 {
+                let e = if next(2) == 0 { 'e' } else { 'E' };
+                let sign = if exp < 0 {
+                    "-"
+                } else if next(2) == 0 {
+                    "+"
+                } else {
+                    ""
+                };
+                let zeros = "0".repeat(next(3) as usize);
+                text.push_str(&format!("{e}{sign}{zeros}{}", exp.abs()));
+            }
+
+            // The oracle: value = all × 10^(exp − |frac|), normalised.
+            let all = format!("{int}{frac}");
+            let significant = all.trim_start_matches('0');
+            let key = if significant.is_empty() {
+                (false, String::new(), 0)
+            } else {
+                let trimmed = significant.trim_end_matches('0');
+                let shift = (significant.len() - trimmed.len()) as i64;
+                (
+                    negative,
+                    trimmed.to_string(),
+                    exp - frac.len() as i64 + shift,
+                )
+            };
+
+            let c = canonical(&text);
+            assert_eq!(canonical(&c), c, "{text}: not a fixed point");
+            let (f, g) = (text.parse::<f64>().unwrap(), c.parse::<f64>().unwrap());
+            assert!(f == g, "{text} reads as {f:e}, its text {c} as {g:e}");
+            if let Some(other) = by_value.insert(key.clone(), c.clone()) {
+                assert_eq!(other, c, "{text}: one value, two texts");
+            }
+            if let Some(other) = by_text.insert(c.clone(), key.clone()) {
+                assert_eq!(other, key, "{text}: two values, one text {c}");
+            }
+
+            // The same value written another way: `0.<digits, more zeros>e<exp>`.
+            let more = next(4) as usize;
+            let variant = format!(
+                "{}0.{all}{}e{}",
+                if negative { "-" } else { "" },
+                "0".repeat(more),
+                exp - frac.len() as i64 + all.len() as i64
+            );
+            assert_eq!(canonical(&variant), c, "{variant} and {text}");
+        }
+        assert!(
+            by_value.len() > 15_000,
+            "{} distinct values",
+            by_value.len()
+        );
+    }
+
+    /// Exponents beyond 36 digits take an arbitrary-precision path.
+    #[test]
+    fn enormous_exponents_are_exact() {
+        let e40 = format!("1{}", "0".repeat(40));
+        let e40m1 = "9".repeat(40);
+        let e36 = "9".repeat(36);
+        let e37 = format!("1{}", "0".repeat(36));
+        for (text, expected) in [
+            (format!("1e{e40}"), format!("1e+{e40}")),
+            (format!("10e{e40m1}"), format!("1e+{e40}")),
+            (format!("0.1e{e40}"), format!("1e+{e40m1}")),
+            (format!("1e-{e40}"), format!("1e-{e40}")),
+            (
+                format!("0.001e-{e40m1}"),
+                format!("1e-1{}2", "0".repeat(39)),
+            ),
+            (format!("12.5e-{e40}"), format!("1.25e-{e40m1}")),
+            (format!("-1e{e36}"), format!("-1e+{e36}")),
+            (format!("10e{e36}"), format!("1e+{e37}")),
+            (format!("1e{e37}"), format!("1e+{e37}")),
+            (format!("1e000{e37}"), format!("1e+{e37}")),
+            (format!("0.1e{e37}"), format!("1e+{e36}")),
+            (format!("0e{e40}"), "0".to_string()),
+            (format!("1e-0000{}", "0".repeat(50)), "1".to_string()),
+        ] {
+            assert_eq!(canonical(&text), expected, "{text}");
+            assert_eq!(
+                canonical(&expected),
+                expected,
+                "{expected} is a fixed point"
+            );
+        }
+        assert_distinct(
+            format!("1e{e40}").as_bytes(),
+            format!("1e{e40m1}").as_bytes(),
+        );
+    }
+
+    #[test]
+    fn duplicate_members_keep_their_order() {
+        assert_eq!(
+            canonical(r#"{"b":0,"a":1,"\u0061":2,"a":{"y":1,"x":[1,1]}}"#),
+            r#"{"a":1,"a":2,"a":{"x":[1,1],"y":1},"b":0}"#
+        );
+        // Which duplicate wins differs between parsers, so their order is part of the payload.
+        assert_distinct(br#"{"a":1,"a":2}"#, br#"{"a":2,"a":1}"#);
+        assert_eq!(
+            json_body(br#"{"a":1,"b":3,"a":2}"#),
+            json_body(br#"{ "b":3, "a":1, "a":2 }"#)
+        );
+    }
+
+    /// Escapes are resolved and strings written the way serde_json writes them.
+    #[test]
+    fn strings_are_normalised() {
+        assert_eq!(
+            canonical(r#"["\u00e9", "\u00E9", "é", "\/", "\ud83d\ude00", "\u0000\u001F\u007f"]"#),
+            "[\"é\",\"é\",\"é\",\"/\",\"\u{1f600}\",\"\\u0000\\u001f\u{7f}\"]"
+        );
+        let mut all = String::new();
+        for c in (0u8..0x80)
+            .map(char::from)
+            .chain(['é', '\u{2028}', '\u{ffff}', '😀'])
+        {
+            all.push(c);
+        }
+        let plain = serde_json::to_string(&all).unwrap();
+        assert_eq!(canonical(&plain), plain);
+        let mut escaped = String::from("\"");
+        for c in all.chars() {
+            let mut units = [0u16; 2];
+            for unit in c.encode_utf16(&mut units) {
+                escaped.push_str(&format!("\\u{unit:04X}"));
+            }
+        }
+        escaped.push('"');
+        assert_eq!(canonical(&escaped), plain);
+    }
+
+    /// Text that is not JSON has no canonical form: `from_json_slice` fails and a request
+    /// body is hashed as its bytes. On every input here serde_json agrees that it is not JSON.
+    #[test]
+    fn only_strict_json_is_canonicalised() {
+        let bad: &[&[u8]] = &[
+            b"",
+            b"  ",
+            b"01",
+            b"-01",
+            b"1.",
+            b".5",
+            b"+1",
+            b"1e",
+            b"1e+",
+            b"-",
+            b"--1",
+            b"0x10",
+            b"NaN",
+            b"Infinity",
+            b"[1,]",
+            b"[,1]",
+            b"[1 2]",
+            br#"{"a":1,}"#,
+            br#"{"a" 1}"#,
+            b"{1:2}",
+            br#"{"a":}"#,
+            b"[",
+            b"{",
+            b"\"abc",
+            b"1 2",
+            b"nul",
+            b"truex",
+            b"True",
+            b"\xef\xbb\xbf1",
+            br#""\x""#,
+            b"\"a\nb\"",
+            b"\"\t\"",
+            b"\"\xff\"",
+            b"\"\xc3\"",
+            br#""\ud800""#,
+            br#""\udc00""#,
+            br#""\ud800\u0041""#,
+            br#""\ud800\n""#,
+            br#""\u12""#,
+            br#""\u12g4""#,
+            b"[1]\x00",
+            b"\x0c1",
+        ];
+        for text in bad {
+            let shown = String::from_utf8_lossy(text);
+            assert!(
+                serde_json::from_slice::<serde_json::Value>(text).is_err(),
+                "serde_json reads {shown:?}"
+            );
+            assert!(Fingerprint::from_json_slice(text).is_err(), "{shown:?}");
+            assert!(canonical_json_slice(text).is_err(), "{shown:?}");
+            let mut spaced = text.to_vec();
+            spaced.push(b' ');
+            assert_ne!(
+                json_body(text),
+                json_body(&spaced),
+                "{shown:?} is hashed raw"
+            );
+        }
+        // serde_json's errors (with their positions) are passed on.
+        let err = Fingerprint::from_json_slice(b"[1,]").unwrap_err();
+        assert!(err.to_string().contains("line 1 column 4"), "{err}");
+        let good: &[&[u8]] = &[
+            b" \t\n\r1 \t\n\r",
+            b"\"\"",
+            b"[]",
+            b"{}",
+            b"[[],{}]",
+            b"-0",
+            b"\"\xf0\x9f\x98\x80\"",
+            br#"{"":null}"#,
+        ];
+        for text in good {
+            let shown = String::from_utf8_lossy(text);
+            assert!(
+                serde_json::from_slice::<serde_json::Value>(text).is_ok(),
+                "{shown:?}"
+            );
+            assert!(Fingerprint::from_json_slice(text).is_ok(), "{shown:?}");
+        }
+    }
+
+    /// The depth bound is serde_json's (127 levels), and deeper text never overflows the stack.
+    #[test]
+    fn nesting_is_bounded() {
+        let arrays = |n: usize| format!("{}{}", "[".repeat(n), "]".repeat(n));
+        let objects = |n: usize| format!("{}1{}", r#"{"a":"#.repeat(n), "}".repeat(n));
+        for n in [126, 127] {
+            for text in [arrays(n), objects(n)] {
+                assert!(serde_json::from_str::<serde_json::Value>(&text).is_ok());
+                assert_eq!(canonical(&text), text);
+            }
+        }
+        for n in [128, 129, 100_000] {
+            for text in [arrays(n), objects(n)] {
+                if n < 1000 {
+                    assert!(serde_json::from_str::<serde_json::Value>(&text).is_err());
+                }
+                assert!(Fingerprint::from_json_slice(text.as_bytes()).is_err());
+                let mut spaced = text.clone().into_bytes();
+                spaced.push(b' ');
+                assert_ne!(json_body(text.as_bytes()), json_body(&spaced), "hashed raw");
+            }
+        }
+        // Unclosed, far too deep.
+        assert!(Fingerprint::from_json_slice("[".repeat(1_000_000).as_bytes()).is_err());
+    }
+
+    /// A `Value` and the text serde_json writes for it have one fingerprint.
+    #[test]
+    fn a_value_and_its_text_agree() {
+        use serde_json::json;
+        let values = [
+            json!(null),
+            json!([true, false]),
+            json!(u64::MAX),
+            json!(i64::MIN),
+            json!(0),
+            json!(-0.0),
+            json!(1.0),
+            json!(1e20),
+            json!(1e21),
+            json!(1.5e-7),
+            json!(1e-6),
+            json!(123.0),
+            json!(5e-324),
+            json!(f64::MAX),
+            json!(f64::MIN_POSITIVE),
+            json!(9007199254740993.0),
+            json!(0.1),
+            json!(-1234.5678e-200),
+            json!({"b": {"d": [1, "x"], "c": 2.5}, "a": "\u{0}\"\\\n\u{1f}é😀", "": []}),
+        ];
+        for v in values {
+            let text = serde_json::to_vec(&v).unwrap();
+            let shown = String::from_utf8_lossy(&text);
+            assert_eq!(
+                canonical_json(&v),
+                canonical_json_slice(&text).unwrap(),
+                "{shown}"
+            );
+            assert_eq!(
+                Fingerprint::from_json(&v),
+                Fingerprint::from_json_slice(&text).unwrap(),
+                "{shown}"
+            );
+            assert_eq!(
+                Fingerprint::from_json(&v),
+                Fingerprint::from_bytes(canonical_json(&v).as_bytes())
+            );
+        }
+        assert_eq!(canonical_json(&json!(1e21)), "1e+21");
+        assert_eq!(canonical_json(&json!(1e20)), "100000000000000000000");
+        assert_eq!(canonical_json(&json!(-0.5)), "-0.5");
+    }
+
+    /// A JSON request body, fingerprinted as the HTTP layer does.
+    fn json_body(body: &[u8]) -> Fingerprint {
+        Fingerprint::builder()
+            .method("POST")
+            .path("/payments")
+            .content_type("application/json")
+            .body(body)
+            .finish()
+    }
+
+    /// Both paths (`from_json_slice` and a JSON request body) must tell `a` and `b` apart.
+    #[track_caller]
+    fn assert_distinct(a: &[u8], b: &[u8]) {
+        let (ta, tb) = (String::from_utf8_lossy(a), String::from_utf8_lossy(b));
+        let fa = Fingerprint::from_json_slice(a);
+        let fb = Fingerprint::from_json_slice(b);
+        assert!(fa.is_ok(), "{ta} is JSON: {fa:?}");
+        assert!(fb.is_ok(), "{tb} is JSON: {fb:?}");
+        assert_ne!(fa.unwrap(), fb.unwrap(), "{ta} and {tb} (from_json_slice)");
+        assert_ne!(json_body(a), json_body(b), "{ta} and {tb} (request body)");
+    }
+
+    /// Release blocker: serde_json's `Value` holds an f64, so every decimal that rounds to
+    /// the same double had one fingerprint, and the second request replayed the first's
+    /// outcome instead of getting a mismatch.
+    #[test]
+    fn decimals_keep_every_digit() {
+        assert_distinct(
+            br#"{"amount":0.1}"#,
+            br#"{"amount":0.10000000000000000001}"#,
+        );
+        assert_distinct(b"0.1", b"0.10000000000000000001");
+        assert_distinct(b"1.0000000000000002", b"1.00000000000000021");
+        assert_distinct(b"[9007199254740993.0]", b"[9007199254740992.0]");
+    }
+
+    #[test]
+    fn integers_beyond_64_bits_keep_every_digit() {
+        assert_distinct(b"18446744073709551616", b"18446744073709551617");
+        assert_distinct(b"-9223372036854775809", b"-9223372036854775810");
+        assert_distinct(
+            br#"{"id":123456789012345678901234567890}"#,
+            br#"{"id":123456789012345678901234567891}"#,
+        );
+    }
+
+    #[test]
+    fn huge_and_tiny_exponents_keep_every_digit() {
+        assert_distinct(b"1e400", b"2e400");
+        assert_distinct(b"1e-400", b"2e-400");
+        assert_distinct(b"1e-400", b"0");
+        assert_distinct(b"[1E+309]", b"[-1E+309]");
+        // The same exact value written twice is still one payload.
+        assert_eq!(json_body(b"1e400"), json_body(b" 10e399 "));
+    }
+
+    /// serde_json's `Value` keeps the last of two members with one name, so the first one
+    /// silently did not count.
+    #[test]
+    fn duplicate_member_names_are_not_dropped() {
+        assert_distinct(br#"{"a":1,"a":2}"#, br#"{"a":2}"#);
+        assert_distinct(br#"{"a":1,"a":2}"#, br#"{"a":1}"#);
+        assert_distinct(br#"{"x":{"a":1,"a":2}}"#, br#"{"x":{"a":2}}"#);
     }
 
     #[test]

@@ -17,7 +17,9 @@ mod time;
 pub use decision::{decide, Decision, DecisionOptions};
 pub use engine::{decode_replay, Begin, Disposition, Idempotency, Lease, Outcome, WorkContext};
 pub use error::{BoxError, Error};
-pub use fingerprint::{canonical_json, is_json_media_type, Fingerprint, FingerprintBuilder};
+pub use fingerprint::{
+    canonical_json, canonical_json_slice, is_json_media_type, Fingerprint, FingerprintBuilder,
+};
 pub use key::{IdempotencyKey, KeyError};
 pub use observe::{loggable_key, Event};
 pub use policy::{ErrorOutcomes, InFlight, Policy, SettleRetry};
