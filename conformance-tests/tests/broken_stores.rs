@@ -411,9 +411,9 @@ impl RefStore {
         Ok(())
     }
 
+    /// The time between a read and the write that trusts it: a round trip to a database.
     async fn gap() {
-        tokio::task::yield_now().await;
-        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(1)).await;
     }
 
     fn fresh_token(&self, now: Timestamp, replaced: Option<FencingToken>) -> FencingToken {

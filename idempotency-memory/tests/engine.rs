@@ -59,3 +59,34 @@ async fn without_heartbeat_the_stalled_holder_is_fenced() {
         "stalled holder's completion is refused: {first:?}"
     );
 }
+
+/// Extreme wait settings saturate instead of overflowing: a backoff of half of
+/// `Duration::MAX` doubles without a panic, and the caller still gives up at `max_wait`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn huge_wait_backoffs_do_not_overflow() {
+    let huge = Duration::MAX / 2 + Duration::from_secs(1);
+    let policy = Policy::default()
+        .lease(Duration::from_secs(3600))
+        .in_flight(idempotency_core::InFlight::Wait {
+            max_wait: Duration::from_millis(300),
+            initial_backoff: huge,
+            max_backoff: Duration::MAX,
+        });
+    let engine = Idempotency::new(Arc::new(MemoryStore::new()), policy).unwrap();
+    let key = IdempotencyKey::random();
+    let scope = Scope::new("t|wait").unwrap();
+    let fp = Fingerprint::from_bytes(b"x");
+    let id = idempotency_core::RecordId::new(scope.clone(), key.clone());
+    let idempotency_core::Begin::Execute(_held) = engine.begin(&id, &fp).await.unwrap() else {
+        panic!("a fresh key replayed");
+    };
+    let started = std::time::Instant::now();
+    let waited = engine
+        .run(&key, &scope, &fp, |_| async { Ok::<_, String>(1) })
+        .await;
+    assert!(
+        matches!(waited, Err(Error::InProgress { .. })),
+        "the waiter got {waited:?}"
+    );
+    assert!(started.elapsed() >= Duration::from_millis(300));
+}

@@ -411,3 +411,60 @@ async fn held_then_runs(
     }
     assert_eq!(runs.load(Ordering::SeqCst), before + 1);
 }
+
+/// A permanent failure (`Failure::retryable = false`) is final for its payload: the same
+/// request gets `FailedPermanently` and does not run, while a corrected request (another
+/// fingerprint) takes the key over and runs once.
+pub async fn engine_permanent_failure_is_final(t: TestStore) {
+    let e = engine_on(
+        t.store.clone(),
+        Policy::default().lease(t.long()).ttl(t.long()),
+    );
+    let (key, scope, id) = address("permanent");
+    let runs = Arc::new(AtomicUsize::new(0));
+    let first = {
+        let runs = runs.clone();
+        e.run_with(
+            &key,
+            &scope,
+            &fp("f"),
+            |_: &Result<String, String>| {
+                idempotency_core::Disposition::Release(Failure::permanent("card declined"))
+            },
+            move |_| async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Err::<String, String>("declined".into())
+            },
+        )
+        .await
+    };
+    assert!(
+        matches!(first, Ok(Outcome::Fresh(Err(_)))),
+        "the failing work: {first:?}"
+    );
+    let r = present(&t, &id).await;
+    assert_eq!(r.status, RecordStatus::Failed);
+    assert_eq!(
+        r.failure.as_ref().map(|f| f.retryable),
+        Some(false),
+        "the permanent failure was not stored as such: {r:?}"
+    );
+    match counted(&e, &key, &scope, &runs, "again").await {
+        Err(Error::FailedPermanently { message }) => assert_eq!(message, "card declined"),
+        other => panic!("the same request after a permanent failure got {other:?}"),
+    }
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "a permanently failed request ran again"
+    );
+    let corrected = e
+        .run(&key, &scope, &fp("corrected"), |_| async {
+            Ok::<_, String>("fixed".to_string())
+        })
+        .await;
+    assert!(
+        matches!(&corrected, Ok(Outcome::Fresh(Ok(v))) if v == "fixed"),
+        "a corrected request after a permanent failure got {corrected:?}"
+    );
+}
