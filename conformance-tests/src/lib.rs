@@ -68,6 +68,7 @@ macro_rules! __with_case_list {
             engine_wait_policy_takes_over_and_gives_up,
             engine_each_request_counts_one_hit,
             engine_permanent_failure_is_final,
+            engine_hung_work_stops_being_extended,
             engine_error_not_stored,
             engine_wait_policy_replays,
             engine_mismatch,

@@ -3,7 +3,7 @@
 //! every dropped or abandoned work must follow the documented release rule.
 
 use super::{fp, present};
-use crate::{Fault, FlakyOp, FlakyStore, TestStore};
+use crate::{Fault, FlakyOp, FlakyStore, TestStore, TimeControl};
 use idempotency_core::{
     Begin, Error, Failure, Idempotency, IdempotencyKey, IdempotencyStore, InFlight, Outcome,
     Policy, Reclaim, RecordId, RecordStatus, Scope,
@@ -467,4 +467,53 @@ pub async fn engine_permanent_failure_is_final(t: TestStore) {
         matches!(&corrected, Ok(Outcome::Fresh(Ok(v))) if v == "fixed"),
         "a corrected request after a permanent failure got {corrected:?}"
     );
+}
+
+/// A work that hangs stops being extended once `max_work_time` has passed since the claim:
+/// its lease then passes, a retry takes the key over and runs, and the hung work's completion
+/// is refused with `LeaseLost`.
+pub async fn engine_hung_work_stops_being_extended(t: TestStore) {
+    let lease = Duration::from_millis(300);
+    let e = engine_on(
+        t.store.clone(),
+        Policy::default()
+            .lease(lease)
+            .ttl(t.long())
+            .heartbeat(Some(1.0 / 3.0))
+            .max_work_time(Duration::from_millis(600)),
+    );
+    let (key, scope, _) = address("hung");
+    let (release_tx, release_rx) = oneshot::channel::<()>();
+    let hung = {
+        let (e, key, scope) = (e.clone(), key.clone(), scope.clone());
+        tokio::spawn(async move {
+            e.run(&key, &scope, &fp("f"), move |_| async move {
+                let _ = release_rx.await;
+                Ok::<_, String>("hung work".to_string())
+            })
+            .await
+        })
+    };
+    // Past max_work_time plus a lease on the real clock.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    if let TimeControl::Manual(_) = t.time {
+        // Move the store's clock past the last extension, then give a heartbeat that would
+        // still be running the time to extend again from the new time.
+        t.advance(Duration::from_secs(10)).await;
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let runs = Arc::new(AtomicUsize::new(0));
+    match counted(&e, &key, &scope, &runs, "retry").await {
+        Ok(Outcome::Fresh(Ok(v))) => assert_eq!(v, "retry"),
+        other => panic!(
+            "a retry after the hung work's max_work_time and lease got {other:?}: the heartbeat \
+             kept extending the lease"
+        ),
+    }
+    release_tx.send(()).expect("the hung work is waiting");
+    match hung.await.expect("hung task") {
+        Err(Error::LeaseLost { .. }) => {}
+        other => panic!("the hung work's completion after a takeover got {other:?}"),
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
