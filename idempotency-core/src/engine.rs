@@ -665,3 +665,262 @@ impl Drop for Lease {
         );
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The engine's own loop, against a scripted store: bounds and call counts that a real
+    //! store cannot be made to provoke on demand.
+    use super::*;
+    use crate::Timestamp;
+    use async_trait::async_trait;
+    use std::collections::VecDeque;
+    use std::sync::atomic::AtomicUsize;
+    use std::sync::Mutex;
+
+    /// Answers claims from a script (then repeats the last answer), `get` with a fixed record,
+    /// and loses every reclaim; counts the calls.
+    #[derive(Debug, Default)]
+    struct Scripted {
+        claims: Mutex<VecDeque<Claim>>,
+        get: Option<Record>,
+        claim_delay: Duration,
+        claimed: AtomicUsize,
+        got: AtomicUsize,
+        reclaimed: AtomicUsize,
+    }
+
+    #[async_trait]
+    impl IdempotencyStore for Scripted {
+        async fn claim(&self, _: &ClaimRequest) -> Result<Claim, Error> {
+            self.claimed.fetch_add(1, Ordering::SeqCst);
+            tokio::time::sleep(self.claim_delay).await;
+            let mut claims = self.claims.lock().expect("lock");
+            let next = if claims.len() > 1 {
+                claims.pop_front()
+            } else {
+                claims.front().cloned()
+            };
+            Ok(next.expect("a scripted claim"))
+        }
+        async fn complete(
+            &self,
+            _: &RecordId,
+            _: FencingToken,
+            _: &[u8],
+            _: Duration,
+        ) -> Result<Cas, Error> {
+            Ok(Cas::Applied)
+        }
+        async fn fail(
+            &self,
+            _: &RecordId,
+            _: FencingToken,
+            _: &Failure,
+            _: Duration,
+        ) -> Result<Cas, Error> {
+            Ok(Cas::Applied)
+        }
+        async fn extend(&self, _: &RecordId, _: FencingToken, _: Duration) -> Result<Cas, Error> {
+            Ok(Cas::Applied)
+        }
+        async fn reclaim(
+            &self,
+            _: &RecordId,
+            _: FencingToken,
+            _: &Fingerprint,
+            _: Duration,
+            _: Duration,
+        ) -> Result<Reclaim, Error> {
+            self.reclaimed.fetch_add(1, Ordering::SeqCst);
+            Ok(Reclaim::Lost)
+        }
+        async fn get(&self, _: &RecordId) -> Result<Option<Record>, Error> {
+            self.got.fetch_add(1, Ordering::SeqCst);
+            Ok(self.get.clone())
+        }
+        async fn purge_expired(&self, _: usize) -> Result<u64, Error> {
+            Ok(0)
+        }
+    }
+
+    fn id() -> RecordId {
+        RecordId::new(
+            Scope::new("engine-tests").expect("scope"),
+            IdempotencyKey::new("k").expect("key"),
+        )
+    }
+
+    fn fp() -> Fingerprint {
+        Fingerprint::from_bytes(b"f")
+    }
+
+    fn now() -> Timestamp {
+        Timestamp::from_millis(1_000_000)
+    }
+
+    /// A Pending record whose lease ends `lease_ms` after [`now`], expiring in an hour.
+    fn pending(lease_ms: i64) -> Record {
+        Record {
+            id: id(),
+            fingerprint: fp(),
+            status: RecordStatus::Pending,
+            token: FencingToken(5),
+            lease_until: Some(Timestamp::from_millis(now().as_millis() + lease_ms)),
+            outcome: None,
+            attempts: 1,
+            failure: None,
+            hits: 1,
+            created_at: now(),
+            updated_at: now(),
+            expires_at: Timestamp::from_millis(now().as_millis() + 3_600_000),
+        }
+    }
+
+    fn engine(store: Arc<Scripted>, policy: Policy) -> Idempotency {
+        Idempotency::new(store, policy).expect("policy")
+    }
+
+    #[test]
+    fn outcome_helpers() {
+        let fresh = Outcome::Fresh(1);
+        let replayed = Outcome::Replayed(2);
+        assert!(!fresh.is_replayed());
+        assert!(replayed.is_replayed());
+        assert_eq!((*fresh.get(), *replayed.get()), (1, 2));
+        assert_eq!((fresh.into_inner(), replayed.into_inner()), (1, 2));
+    }
+
+    #[test]
+    fn the_engine_keeps_its_store_and_policy() {
+        let store = Arc::new(Scripted::default());
+        let e = engine(
+            store.clone(),
+            Policy::default().lease(Duration::from_secs(7)),
+        );
+        assert_eq!(e.policy().lease, Duration::from_secs(7));
+        let dyn_store: Arc<dyn IdempotencyStore> = store;
+        assert!(Arc::ptr_eq(e.store(), &dyn_store));
+    }
+
+    /// A key whose reclaims keep being lost (someone else always wins) is reported in
+    /// progress after exactly `MAX_ROUNDS` tries, from one claim: every later look is a `get`.
+    #[tokio::test]
+    async fn lost_reclaims_give_up_after_max_rounds() {
+        let passed = pending(-1);
+        let store = Arc::new(Scripted {
+            claims: Mutex::new(VecDeque::from([Claim::Existing {
+                record: passed.clone(),
+                now: now(),
+            }])),
+            get: Some(passed),
+            ..Scripted::default()
+        });
+        let e = engine(store.clone(), Policy::default());
+        let got = tokio::time::timeout(Duration::from_secs(5), e.begin(&id(), &fp()))
+            .await
+            .expect("the engine looped without bound");
+        assert!(matches!(got, Err(Error::InProgress { .. })), "{got:?}");
+        assert_eq!(store.reclaimed.load(Ordering::SeqCst), MAX_ROUNDS);
+        assert_eq!(
+            store.claimed.load(Ordering::SeqCst),
+            1,
+            "one claim per request"
+        );
+    }
+
+    /// When the decision is to claim (the record read had expired), the engine claims again
+    /// rather than reading again.
+    #[tokio::test]
+    async fn a_claim_decision_claims_again() {
+        let mut expired = pending(1000);
+        expired.expires_at = now();
+        let store = Arc::new(Scripted {
+            claims: Mutex::new(VecDeque::from([
+                Claim::Existing {
+                    record: expired.clone(),
+                    now: now(),
+                },
+                Claim::Claimed {
+                    token: FencingToken(6),
+                    lease_until: now(),
+                },
+            ])),
+            get: Some(expired),
+            ..Scripted::default()
+        });
+        let e = engine(store.clone(), Policy::default());
+        match e.begin(&id(), &fp()).await {
+            Ok(Begin::Execute(lease)) => {
+                assert_eq!(lease.token(), FencingToken(6));
+                lease.settled_externally();
+            }
+            other => panic!("after an expired observation the engine got {other:?}"),
+        }
+        assert_eq!(store.claimed.load(Ordering::SeqCst), 2);
+    }
+
+    /// A waiter never sleeps past `max_wait`, even when a slow store used part of it and the
+    /// backoff is longer than what is left.
+    #[tokio::test]
+    async fn waiting_never_oversleeps_max_wait() {
+        let live = pending(3_600_000);
+        let store = Arc::new(Scripted {
+            claims: Mutex::new(VecDeque::from([Claim::Existing {
+                record: live.clone(),
+                now: now(),
+            }])),
+            get: Some(live),
+            claim_delay: Duration::from_millis(200),
+            ..Scripted::default()
+        });
+        let max_wait = Duration::from_millis(300);
+        let e = engine(
+            store,
+            Policy::default().in_flight(InFlight::Wait {
+                max_wait,
+                initial_backoff: Duration::from_secs(10),
+                max_backoff: Duration::from_secs(10),
+            }),
+        );
+        let started = Instant::now();
+        let got = e.begin(&id(), &fp()).await;
+        let waited = started.elapsed();
+        assert!(matches!(got, Err(Error::InProgress { .. })), "{got:?}");
+        assert!(
+            waited >= max_wait && waited < max_wait + Duration::from_millis(250),
+            "gave up after {waited:?} with max_wait {max_wait:?}"
+        );
+    }
+
+    /// While the holder's lease is live, a waiter reads the record once per backoff and does
+    /// not count hits (no claims).
+    #[tokio::test]
+    async fn waiting_polls_once_per_backoff() {
+        let live = pending(3_600_000);
+        let store = Arc::new(Scripted {
+            claims: Mutex::new(VecDeque::from([Claim::Existing {
+                record: live.clone(),
+                now: now(),
+            }])),
+            get: Some(live),
+            ..Scripted::default()
+        });
+        let backoff = Duration::from_millis(50);
+        let e = engine(
+            store.clone(),
+            Policy::default().in_flight(InFlight::Wait {
+                max_wait: Duration::from_millis(500),
+                initial_backoff: backoff,
+                max_backoff: backoff,
+            }),
+        );
+        let got = e.begin(&id(), &fp()).await;
+        assert!(matches!(got, Err(Error::InProgress { .. })), "{got:?}");
+        let polls = store.got.load(Ordering::SeqCst);
+        assert!(
+            (1..=11).contains(&polls),
+            "{polls} reads in 500 ms of 50 ms backoffs (one per backoff expected)"
+        );
+        assert_eq!(store.claimed.load(Ordering::SeqCst), 1);
+    }
+}
