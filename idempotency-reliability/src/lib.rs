@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 
 pub mod checker;
+pub mod ledger;
 pub mod model;
 pub mod postgres;
 pub mod soak;

@@ -888,6 +888,7 @@ fn response_kind(r: Response) -> &'static str {
         Response::Released => "released",
         Response::InProgress => "in_progress",
         Response::LeaseLost => "lease_lost",
+        Response::Executed(_) => "executed",
         Response::ReadCompleted(_) => "read_completed",
         Response::ReadOpen => "read_open",
         Response::Unknown => "unknown",
