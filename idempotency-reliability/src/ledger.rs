@@ -441,12 +441,13 @@ pub struct Findings {
 type RecordLedger<'a> = (Vec<&'a StoreOp>, Vec<&'a Execution>, Vec<&'a SeenCompleted>);
 
 /// Checks the ledger (see the module docs). `expiring` holds the records whose retention is
-/// short enough to pass during the run; `epsilon` is the clock skew allowed, in nanoseconds.
+/// short enough to pass during the run, with that retention; `epsilon` is the clock skew
+/// allowed, in nanoseconds.
 pub fn check(
     ops: &[StoreOp],
     executions: &[Execution],
     seen: &[SeenCompleted],
-    expiring: &HashSet<RecordId>,
+    expiring: &HashMap<RecordId, Duration>,
     epsilon: u64,
 ) -> Findings {
     let mut findings = Findings {
@@ -472,8 +473,8 @@ pub fn check(
         by_id.entry(name).or_default().2.push(s);
     }
     for (name, (ops, execs, seen)) in &by_id {
-        let expires = expiring.contains(ids[name]);
-        check_record(&mut findings, name, ops, execs, seen, expires, epsilon);
+        let retention = expiring.get(ids[name]).copied();
+        check_record(&mut findings, name, ops, execs, seen, retention, epsilon);
     }
     findings
 }
@@ -484,7 +485,7 @@ fn check_record(
     ops: &[&StoreOp],
     execs: &[&Execution],
     seen: &[&SeenCompleted],
-    expires: bool,
+    retention: Option<Duration>,
     epsilon: u64,
 ) {
     let mut problems: Vec<String> = Vec::new();
@@ -584,13 +585,19 @@ fn check_record(
         let entry = map.entry(op.token).or_insert(0);
         *entry = (*entry).max(until);
     }
-    let held_until: HashMap<u64, u64> = leased_until
-        .iter()
-        .map(|(t, u)| (*t, retained_until.get(t).copied().unwrap_or(*u)))
-        .collect();
     for a in execs.iter().filter(|e| e.end.acted()) {
-        let Some(&until) = held_until.get(&a.token) else {
+        let Some(&leased) = leased_until.get(&a.token) else {
             continue;
+        };
+        let until = match (retained_until.get(&a.token), retention) {
+            (Some(&retained), _) => retained,
+            // A completion may have applied unseen (its answer was an error, or the call was
+            // dropped while it was in flight): it came after the work ended, and a short
+            // retention may end the hold before the lease would have.
+            (None, Some(ttl)) if a.end == ExecEnd::Ok => {
+                leased.min(a.ended.saturating_add(nanos(ttl)))
+            }
+            (None, _) => leased,
         };
         for b in execs.iter().filter(|b| b.token > a.token) {
             if b.started.saturating_add(epsilon) < until {
@@ -613,7 +620,7 @@ fn check_record(
             }
         }
     }
-    if !expires {
+    if retention.is_none() {
         let applied: Vec<u64> = ops
             .iter()
             .filter(|o| o.kind == OpKind::Complete && o.applied == Applied::Yes)
@@ -742,7 +749,11 @@ mod tests {
     }
 
     fn run(ops: &[StoreOp], execs: &[Execution], seen: &[SeenCompleted]) -> Findings {
-        check(ops, execs, seen, &HashSet::new(), EPS)
+        check(ops, execs, seen, &HashMap::new(), EPS)
+    }
+
+    fn short(ttl: Duration) -> HashMap<RecordId, Duration> {
+        HashMap::from([(id(), ttl)])
     }
 
     fn clean(f: &Findings) -> bool {
@@ -879,8 +890,7 @@ mod tests {
             exec(10, 1, 1, 9, ExecEnd::Ok),
             exec(5_000, 2, 61, 69, ExecEnd::Ok),
         ];
-        let mut expiring = HashSet::new();
-        expiring.insert(id());
+        let expiring = short(ttl);
         let f = check(&ops, &execs, &[], &expiring, EPS);
         assert_eq!(f.double_effects.len(), 1, "{f:?}");
         // After the retention it is a new life of the key.
@@ -973,5 +983,27 @@ mod tests {
             f.violations.iter().any(|v| v.contains("never granted")),
             "{f:?}"
         );
+    }
+
+    #[test]
+    fn an_unseen_completion_may_end_the_hold_early_on_a_short_retention() {
+        // Call 1's work ended at 10 ms and its completion was never answered (the call was
+        // dropped while it was in flight): it may have applied, and with a 100 ms retention
+        // its record may be gone from 110 ms although the lease ran to 300 ms.
+        let ttl = Duration::from_millis(100);
+        for (at, doubled) in [(150, false), (80, true)] {
+            let ops = [
+                op(OpKind::Claim, 10, 0, Applied::Yes, LEASE),
+                op(OpKind::Claim, 5_000, at, Applied::Yes, LEASE),
+            ];
+            let execs = [
+                exec(10, 1, 1, 10, ExecEnd::Ok),
+                exec(5_000, 2, at + 1, at + 5, ExecEnd::Ok),
+            ];
+            let f = check(&ops, &execs, &[], &short(ttl), EPS);
+            assert_eq!(!f.double_effects.is_empty(), doubled, "{at}: {f:?}");
+            // A record kept for long holds for the whole lease.
+            assert_eq!(run(&ops, &execs, &[]).double_effects.len(), 1, "{at}");
+        }
     }
 }
