@@ -534,7 +534,10 @@ impl Lease {
     /// A store error is retried per [`Policy::settle_retry`] (the write is a compare-and-swap
     /// on the token, and a write that was applied although its answer was lost is recognised
     /// on the next try). If every try fails the key is **not** released: the record stays
-    /// Pending until its lease passes and the result is [`Error::OutcomeUnknown`].
+    /// Pending until its lease passes and the result is [`Error::OutcomeUnknown`]. It is
+    /// `OutcomeUnknown` too when a later try is fenced and the record is gone or replaced
+    /// although an earlier try may have applied and its record since expired (a retention
+    /// shorter than the retries).
     pub async fn complete(mut self, outcome: &[u8]) -> Result<(), Error> {
         let (store, id, token, ttl) = (self.store.clone(), self.id.clone(), self.token, self.ttl());
         let cas = self
