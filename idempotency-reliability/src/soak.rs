@@ -1340,7 +1340,8 @@ fn count_short_effects(report: &mut Report, name: &str, history: &[Event], ttl: 
         .iter()
         .filter(|e| matches!(e.op.output, Response::Fresh(_)))
         .collect();
-    report.committed_effects += fresh.len();
+    // Their commits are counted apart (`FaultFigures::short_commits`): a key commits once
+    // per life, not once.
     for (i, a) in fresh.iter().enumerate() {
         for b in &fresh[i + 1..] {
             if b.ended < a.op.call.saturating_add(ttl) && a.ended < b.op.call.saturating_add(ttl) {
