@@ -534,7 +534,10 @@ impl Lease {
     /// A store error is retried per [`Policy::settle_retry`] (the write is a compare-and-swap
     /// on the token, and a write that was applied although its answer was lost is recognised
     /// on the next try). If every try fails the key is **not** released: the record stays
-    /// Pending until its lease passes and the result is [`Error::OutcomeUnknown`].
+    /// Pending until its lease passes and the result is [`Error::OutcomeUnknown`]. It is
+    /// `OutcomeUnknown` too when a later try is fenced and the record is gone or replaced
+    /// although an earlier try may have applied and its record since expired (a retention
+    /// shorter than the retries).
     pub async fn complete(mut self, outcome: &[u8]) -> Result<(), Error> {
         let (store, id, token, ttl) = (self.store.clone(), self.id.clone(), self.token, self.ttl());
         let cas = self
@@ -583,7 +586,11 @@ impl Lease {
 
     /// Tries `write` per the settle policy. A `Fenced` answer after a failed try is checked
     /// with a read: if the record is in `status` with this token, an earlier try was applied
-    /// and only its answer was lost.
+    /// and only its answer was lost. If the record is gone or holds another token, an
+    /// earlier try may still have applied and its record since expired (a retention shorter
+    /// than the retries, plus a margin): then the answer is [`Error::OutcomeUnknown`], not
+    /// `Fenced`. Within the retention an applied try would still show, so `Fenced` is
+    /// certain.
     async fn settle_with_retries<'a, W, Fut>(
         &self,
         status: RecordStatus,
@@ -593,10 +600,15 @@ impl Lease {
         W: Fn() -> Fut,
         Fut: Future<Output = Result<Cas, Error>> + 'a,
     {
+        /// Room for the store's clock (millisecond timestamps, another host's rate).
+        const RETENTION_MARGIN: Duration = Duration::from_secs(1);
         let retry = self.policy.settle_retry;
         let mut backoff = retry.initial_backoff;
         let mut failed_before = false;
         let mut attempt = 1;
+        // No try applied before this, so an applied try's record lives until at least this
+        // plus the retention.
+        let first_try = Instant::now();
         loop {
             match write().await {
                 Ok(Cas::Applied) => return Ok(Cas::Applied),
@@ -604,6 +616,19 @@ impl Lease {
                     return match self.store.as_ref().get(&self.id).await {
                         Ok(Some(r)) if r.status == status && r.token == self.token => {
                             Ok(Cas::Applied)
+                        }
+                        // Still this holder's token in another state: another writer settled
+                        // it, and no try of ours applied.
+                        Ok(Some(r)) if r.token == self.token => Ok(Cas::Fenced),
+                        Ok(_)
+                            if first_try.elapsed().saturating_add(RETENTION_MARGIN)
+                                >= self.policy.ttl =>
+                        {
+                            Err(Error::OutcomeUnknown {
+                                source: "an earlier try may have applied, and its record has \
+                                         since expired"
+                                    .into(),
+                            })
                         }
                         Ok(_) => Ok(Cas::Fenced),
                         Err(e) => Err(e),

@@ -4,15 +4,20 @@
 //! committed effects are counted.
 
 use crate::checker::{check, Operation, Verdict};
-use crate::model::{Call, OnceRegister, Response};
+use crate::faults::{FaultRig, Injected, StoreFaults};
+use crate::http::HttpPath;
+use crate::ledger::{self, ExecEnd, Execution, SeenCompleted};
+use crate::model::{Call, ExpiringOnceRegister, OnceRegister, Response, Timed};
 use futures::future::BoxFuture;
+use idempotency_conformance::Fault;
 use idempotency_core::{
     decode_replay, Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, Outcome,
-    Policy, RecordId, RecordStatus, Scope,
+    Policy, RecordId, RecordStatus, Scope, WorkContext,
 };
+use idempotency_tower::StoredResponse;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Once};
@@ -28,6 +33,21 @@ pub const DEFAULT_OPS: usize = 10_000;
 /// What an injected panic says; the soak's panic hook keeps these out of the test output.
 pub const PANIC_MARKER: &str = "injected panic (reliability soak)";
 
+/// The clock skew allowed between the soak's clock and the store's (whose timestamps have
+/// millisecond resolution), in nanoseconds.
+pub const CLOCK_SKEW: u64 = 5_000_000;
+
+/// Which records a call goes to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Space {
+    /// The engine's keys ([`SoakConfig::keys`]), kept far beyond the run.
+    Engine,
+    /// The HTTP layer's keys ([`SoakConfig::http_keys`]).
+    Http,
+    /// Keys whose records are kept for [`SoakConfig::short_ttl`] only, purged while claimed.
+    Short,
+}
+
 /// How a call is made.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum CallMode {
@@ -40,6 +60,8 @@ pub enum CallMode {
     Timeout,
     /// Run in a task that is aborted after a short random delay.
     Cancel,
+    /// A POST through the HTTP layer.
+    Http,
 }
 
 /// What the work does if it runs (only the holder of the key runs it).
@@ -54,6 +76,9 @@ pub enum WorkFault {
     /// Stalls past its lease with the heartbeat off, then succeeds: a retry may take the key
     /// over meanwhile and fence it.
     Stall,
+    /// Runs for 2–4 leases with the heartbeat on, then succeeds: the heartbeat must keep the
+    /// key, so retries are told it is in progress.
+    Long,
 }
 
 /// Weights of each call mode and each work fault.
@@ -63,12 +88,19 @@ pub struct FaultMix {
     pub calls: Vec<(CallMode, u32)>,
     /// Weights of the work faults, drawn for every call that may run the work.
     pub work: Vec<(WorkFault, u32)>,
+    /// Weights of the key spaces (the HTTP and short-retention spaces need a runner with a
+    /// [`FaultRig`]; without one every call goes to the engine's keys).
+    pub spaces: Vec<(Space, u32)>,
+    /// Weights of what the HTTP handler does if it runs (`None`, `Error`, `Long`).
+    pub http_work: Vec<(WorkFault, u32)>,
 }
 
 impl Default for FaultMix {
-    /// Calls: 75 % plain runs, 8 % reads, 8 % timeouts, 9 % cancelled tasks. Work: 45 %
-    /// succeeds, 25 % errors, 15 % panics, 15 % stalls past the lease — most keys need a few
-    /// executions before one commits.
+    /// Calls: 75 % plain runs, 8 % reads, 8 % timeouts, 9 % cancelled tasks. Work: 40 %
+    /// succeeds, 25 % errors, 15 % panics, 15 % stalls past the lease, 5 % runs for 2–4
+    /// leases with the heartbeat on — most keys need a few executions before one commits.
+    /// Spaces: 84 % engine keys, 9 % HTTP, 7 % short retention. HTTP handlers: 50 % answer
+    /// at once, 15 % answer 500, 35 % take 2–4 leases.
     fn default() -> Self {
         Self {
             calls: vec![
@@ -78,10 +110,17 @@ impl Default for FaultMix {
                 (CallMode::Cancel, 9),
             ],
             work: vec![
-                (WorkFault::None, 45),
+                (WorkFault::None, 40),
                 (WorkFault::Error, 25),
                 (WorkFault::Panic, 15),
                 (WorkFault::Stall, 15),
+                (WorkFault::Long, 5),
+            ],
+            spaces: vec![(Space::Engine, 84), (Space::Http, 9), (Space::Short, 7)],
+            http_work: vec![
+                (WorkFault::None, 50),
+                (WorkFault::Error, 15),
+                (WorkFault::Long, 35),
             ],
         }
     }
@@ -119,6 +158,18 @@ pub struct SoakConfig {
     pub hot_keys: usize,
     /// The engine's lease (300 ms).
     pub lease: Duration,
+    /// Keys of the HTTP layer (80), swept through like the engine's, four hot at a time.
+    pub http_keys: usize,
+    /// The HTTP layer's lease (200 ms); its long handlers take 2–4 of them.
+    pub http_lease: Duration,
+    /// Keys with a short retention (16), chosen at random.
+    pub short_keys: usize,
+    /// Their retention (100 ms): a completed record expires, is purged and claimed again.
+    pub short_ttl: Duration,
+    /// The pause between two `purge_expired` calls of the purger (10 ms).
+    pub purge_every: Duration,
+    /// Store faults, for runners with a [`FaultRig`].
+    pub store_faults: StoreFaults,
     /// The fault mix.
     pub mix: FaultMix,
     /// The seed of the fault schedule.
@@ -152,6 +203,12 @@ impl SoakConfig {
             keys: 200,
             hot_keys: 4,
             lease: Duration::from_millis(300),
+            http_keys: 80,
+            http_lease: Duration::from_millis(200),
+            short_keys: 16,
+            short_ttl: Duration::from_millis(100),
+            purge_every: Duration::from_millis(10),
+            store_faults: StoreFaults::default(),
             mix: FaultMix::default(),
             seed,
         }
@@ -168,16 +225,35 @@ pub struct Work {
     /// How long the work takes.
     pub duration: Duration,
     counters: Arc<Counters>,
+    probe: Option<Probe>,
+}
+
+/// What the soak adds to a work when its runner has a [`FaultRig`].
+#[derive(Clone, Debug)]
+struct Probe {
+    rig: Arc<FaultRig>,
+    /// Doom the completion: every try fails with this fault.
+    doom: Option<Fault>,
+    /// The call goes to a short-retention key.
+    short: bool,
 }
 
 /// Executions counted by the work itself.
 #[derive(Debug, Default)]
 struct Counters {
     /// Executions started, by fault: the work faults that were actually injected.
-    started: [AtomicU64; 4],
+    started: [AtomicU64; 5],
     /// Executions that returned their value.
     succeeded: AtomicU64,
 }
+
+const WORK_FAULTS: [WorkFault; 5] = [
+    WorkFault::None,
+    WorkFault::Error,
+    WorkFault::Panic,
+    WorkFault::Stall,
+    WorkFault::Long,
+];
 
 fn work_index(f: WorkFault) -> usize {
     match f {
@@ -185,6 +261,7 @@ fn work_index(f: WorkFault) -> usize {
         WorkFault::Error => 1,
         WorkFault::Panic => 2,
         WorkFault::Stall => 3,
+        WorkFault::Long => 4,
     }
 }
 
@@ -196,7 +273,37 @@ impl Work {
             fault,
             duration,
             counters: Arc::default(),
+            probe: None,
         }
+    }
+
+    /// Whether the work goes to a short-retention key.
+    pub fn is_short(&self) -> bool {
+        self.probe.as_ref().is_some_and(|p| p.short)
+    }
+
+    /// Runs the work as the holder of `ctx`: with a [`FaultRig`], the execution is recorded
+    /// in its ledger and a doomed completion is armed first.
+    pub async fn perform_in(self, ctx: &WorkContext) -> Result<u64, String> {
+        let Some(probe) = self.probe.clone() else {
+            return self.perform().await;
+        };
+        if let Some(fault) = probe.doom {
+            probe.rig.doom(ctx.id.clone(), ctx.token.0, fault);
+        }
+        let guard = probe.rig.ledger().start(
+            ctx.id.clone(),
+            ctx.token.0,
+            self.value,
+            self.fault == WorkFault::Long,
+        );
+        let result = self.perform().await;
+        guard.finish(if result.is_ok() {
+            ExecEnd::Ok
+        } else {
+            ExecEnd::Err
+        });
+        result
     }
 
     /// Runs the work.
@@ -208,7 +315,7 @@ impl Work {
         match self.fault {
             WorkFault::Error => Err(format!("injected error in call {}", self.value)),
             WorkFault::Panic => panic!("{PANIC_MARKER}: call {}", self.value),
-            WorkFault::None | WorkFault::Stall => {
+            WorkFault::None | WorkFault::Stall | WorkFault::Long => {
                 self.counters.succeeded.fetch_add(1, Ordering::Relaxed);
                 Ok(self.value)
             }
@@ -239,6 +346,17 @@ pub trait Runner: Send + Sync + 'static {
         let _ = scope;
         Box::pin(async { None })
     }
+
+    /// For runners built over a [`FaultRig`]: the rig, which turns on store faults, the
+    /// ledger checks, the HTTP and short-retention keys and the purger.
+    fn rig(&self) -> Option<Arc<FaultRig>> {
+        None
+    }
+
+    /// The engine behind the HTTP layer (the rig's store, [`SoakConfig::http_lease`]).
+    fn http_engine(&self) -> Option<Idempotency> {
+        None
+    }
 }
 
 /// The soak's policy: a short lease, retention far beyond the run, in-flight duplicates
@@ -255,6 +373,10 @@ pub fn soak_policy(lease: Duration, heartbeat: bool) -> Policy {
 pub struct EngineRunner {
     engine: Idempotency,
     stall_engine: Idempotency,
+    rig: Option<Arc<FaultRig>>,
+    /// Engines with the short retention, with and without the heartbeat.
+    short: Option<(Idempotency, Idempotency)>,
+    http: Option<Idempotency>,
 }
 
 impl EngineRunner {
@@ -263,13 +385,46 @@ impl EngineRunner {
         Self {
             engine: Idempotency::new(store.clone(), soak_policy(lease, true)).expect("policy"),
             stall_engine: Idempotency::new(store, soak_policy(lease, false)).expect("policy"),
+            rig: None,
+            short: None,
+            http: None,
         }
+    }
+
+    /// Engines over a [`FaultRig`] on `store`: store faults per [`SoakConfig::store_faults`],
+    /// every lease and execution recorded, plus the short-retention engines and the HTTP
+    /// layer's engine.
+    pub fn with_faults(store: Arc<dyn IdempotencyStore>, config: &SoakConfig) -> Self {
+        let rig = Arc::new(FaultRig::new(store, config.store_faults, config.seed));
+        let faulty = rig.store();
+        let short = |heartbeat| {
+            Idempotency::new(
+                faulty.clone(),
+                soak_policy(config.lease, heartbeat).ttl(config.short_ttl),
+            )
+            .expect("policy")
+        };
+        let mut runner = Self::new(faulty.clone(), config.lease);
+        runner.short = Some((short(true), short(false)));
+        runner.http = Some(
+            Idempotency::new(faulty.clone(), soak_policy(config.http_lease, true)).expect("policy"),
+        );
+        runner.rig = Some(rig);
+        runner
     }
 }
 
 impl Runner for EngineRunner {
     fn store(&self) -> Arc<dyn IdempotencyStore> {
         self.engine.store().clone()
+    }
+
+    fn rig(&self) -> Option<Arc<FaultRig>> {
+        self.rig.clone()
+    }
+
+    fn http_engine(&self) -> Option<Idempotency> {
+        self.http.clone()
     }
 
     fn run(
@@ -279,14 +434,19 @@ impl Runner for EngineRunner {
         fingerprint: Fingerprint,
         work: Work,
     ) -> BoxFuture<'static, RunResult> {
-        let engine = if work.fault == WorkFault::Stall {
-            self.stall_engine.clone()
-        } else {
-            self.engine.clone()
-        };
+        let stall = work.fault == WorkFault::Stall;
+        let engine = match (&self.short, work.is_short()) {
+            (Some((_, stall_engine)), true) if stall => stall_engine,
+            (Some((engine, _)), true) => engine,
+            _ if stall => &self.stall_engine,
+            _ => &self.engine,
+        }
+        .clone();
         Box::pin(async move {
             engine
-                .run(&key, &scope, &fingerprint, move |_ctx| work.perform())
+                .run(&key, &scope, &fingerprint, move |ctx| async move {
+                    work.perform_in(&ctx).await
+                })
                 .await
         })
     }
@@ -295,8 +455,11 @@ impl Runner for EngineRunner {
 /// One recorded call.
 #[derive(Clone, Debug)]
 pub struct Event {
-    /// The key's index.
+    /// The key's index (engine keys first, then the HTTP keys, then the short-retention
+    /// ones).
     pub key: usize,
+    /// The key's space.
+    pub space: Space,
     /// How the call was made.
     pub mode: CallMode,
     /// What the work would do if it ran.
@@ -310,6 +473,51 @@ pub struct Event {
     /// When the call ended (answered, failed or was dropped), in the history's clock: unlike
     /// `op.ret`, also set for unknown outcomes.
     pub ended: u64,
+    /// For a read that found a Completed record: its token.
+    pub seen_token: Option<u64>,
+}
+
+/// What the store faults, the HTTP layer and the purger did, for runners with a
+/// [`FaultRig`]: the figures that show the faults were exercised.
+#[derive(Clone, Debug, Default)]
+pub struct FaultFigures {
+    /// Faults injected into completions and extensions.
+    pub injected: Injected,
+    /// Calls answered `OutcomeUnknown` (every try of a completion failed).
+    pub outcome_unknown: usize,
+    /// Store operations the ledger checked (leases granted, extensions, completions,
+    /// failures).
+    pub store_ops: usize,
+    /// Executions the ledger checked.
+    pub executions: usize,
+    /// Completions that applied.
+    pub completions_applied: usize,
+    /// Extensions that applied.
+    pub extensions_applied: usize,
+    /// Engine works that ran for 2–4 leases with the heartbeat on.
+    pub long_works: usize,
+    /// HTTP calls.
+    pub http_calls: usize,
+    /// HTTP handlers run.
+    pub handlers: usize,
+    /// HTTP handlers that ran for 2–4 leases.
+    pub long_handlers: usize,
+    /// HTTP calls answered 409.
+    pub http_conflicts: usize,
+    /// 409s answered while a long handler of the key was running.
+    pub conflicts_during_long: usize,
+    /// Calls to short-retention keys.
+    pub short_calls: usize,
+    /// Fresh commits on short-retention keys.
+    pub short_commits: usize,
+    /// `purge_expired` calls.
+    pub purge_calls: u64,
+    /// Records purged.
+    pub purged: u64,
+    /// Leases granted by a claim on a key whose earlier record had expired.
+    pub claims_after_expiry: usize,
+    /// Writes by a holder whose token a newer lease had replaced, all fenced.
+    pub stale_writes_fenced: usize,
 }
 
 /// What a soak run found.
@@ -352,6 +560,8 @@ pub struct Report {
     pub committed_effects: usize,
     /// Business rows counted, for runners that write one.
     pub effect_rows: Option<usize>,
+    /// Store faults, HTTP and purge figures, for runners with a [`FaultRig`].
+    pub faults: Option<FaultFigures>,
     /// How long the calls took.
     pub run_time: Duration,
     /// How long the check took.
@@ -451,6 +661,52 @@ impl fmt::Display for Report {
                 None => String::new(),
             }
         )?;
+        if let Some(x) = &self.faults {
+            let i = &x.injected;
+            writeln!(
+                f,
+                "  store faults injected: {} (complete refused {} / ack lost {}, extend refused {} \
+                 / ack lost {}); completions doomed: {}; answered OutcomeUnknown: {}",
+                i.total(),
+                i.complete_refused,
+                i.complete_ack_lost,
+                i.extend_refused,
+                i.extend_ack_lost,
+                i.doomed,
+                x.outcome_unknown
+            )?;
+            writeln!(
+                f,
+                "  ledger: {} store operations and {} executions checked; completions applied: \
+                 {}; extensions applied: {}; long engine works (2-4 leases, heartbeat on): {}",
+                x.store_ops,
+                x.executions,
+                x.completions_applied,
+                x.extensions_applied,
+                x.long_works
+            )?;
+            writeln!(
+                f,
+                "  http: {} calls, {} handlers run, {} long (2-4 leases); 409s: {}, {} of them \
+                 while a long handler held the key",
+                x.http_calls,
+                x.handlers,
+                x.long_handlers,
+                x.http_conflicts,
+                x.conflicts_during_long
+            )?;
+            writeln!(
+                f,
+                "  short retention: {} calls, {} commits; purges: {} calls deleting {} records; \
+                 claims after expiry: {}; stale writes fenced: {}",
+                x.short_calls,
+                x.short_commits,
+                x.purge_calls,
+                x.purged,
+                x.claims_after_expiry,
+                x.stale_writes_fenced
+            )?;
+        }
         write!(
             f,
             "  violations: {}; undecided: {}; double effects: {}; unexpected answers: {}",
@@ -499,36 +755,77 @@ fn classify(result: RunResult) -> (Response, Option<String>, bool) {
     }
 }
 
-async fn read(
-    store: &Arc<dyn IdempotencyStore>,
-    id: &RecordId,
-) -> (Response, Option<String>, bool) {
-    match store.get(id).await {
+/// What a read found, and the token of a Completed record.
+struct Read {
+    output: Response,
+    note: Option<String>,
+    backend: bool,
+    token: Option<u64>,
+}
+
+async fn read(store: &Arc<dyn IdempotencyStore>, id: &RecordId, space: Space) -> Read {
+    let (output, note, backend, token) = match store.get(id).await {
         Ok(Some(record)) if record.status == RecordStatus::Completed => {
-            match decode_replay::<Result<u64, String>>(&record) {
-                Ok(Ok(v)) => (Response::ReadCompleted(v), None, false),
-                Ok(Err(e)) => (
-                    Response::Unknown,
-                    Some(format!("UNEXPECTED: a stored error: {e}")),
+            let decoded = if space == Space::Http {
+                match record.outcome.as_deref().map(StoredResponse::decode) {
+                    Some(Ok(stored)) => String::from_utf8_lossy(&stored.body)
+                        .parse::<u64>()
+                        .map(Ok)
+                        .map_err(|e| format!("a stored body that is not a value: {e}")),
+                    Some(Err(e)) => Err(format!("an undecodable stored response: {e}")),
+                    None => Err("a Completed record without an outcome".to_owned()),
+                }
+            } else {
+                match decode_replay::<Result<u64, String>>(&record) {
+                    Ok(Ok(v)) => Ok(Ok(v)),
+                    Ok(Err(e)) => Ok(Err(e)),
+                    Err(e) => Err(format!("undecodable outcome: {e}")),
+                }
+                .and_then(|r| r.map(Ok).map_err(|e| format!("a stored error: {e}")))
+            };
+            match decoded {
+                Ok(Ok(v)) => (
+                    Response::ReadCompleted(v),
+                    None,
                     false,
+                    Some(record.token.0),
                 ),
-                Err(e) => (
+                Ok(Err(e)) | Err(e) => (
                     Response::Unknown,
-                    Some(format!("UNEXPECTED: undecodable outcome: {e}")),
+                    Some(format!("UNEXPECTED: {e}")),
                     false,
+                    None,
                 ),
             }
         }
-        Ok(_) => (Response::ReadOpen, None, false),
-        Err(e) => (Response::Unknown, Some(e.to_string()), true),
+        Ok(_) => (Response::ReadOpen, None, false, None),
+        Err(e) => (Response::Unknown, Some(e.to_string()), true, None),
+    };
+    Read {
+        output,
+        note,
+        backend,
+        token,
     }
+}
+
+/// One key of the run.
+struct Slot {
+    space: Space,
+    /// The key's index within its space.
+    local: usize,
+    key: IdempotencyKey,
+    id: RecordId,
 }
 
 struct Shared {
     runner: Arc<dyn Runner>,
     store: Arc<dyn IdempotencyStore>,
-    scope: Scope,
-    keys: Vec<IdempotencyKey>,
+    slots: Vec<Slot>,
+    /// Where each space's keys start in `slots`, and how many it has.
+    spaces: HashMap<Space, (usize, usize)>,
+    http: Option<HttpPath>,
+    rig: Option<Arc<FaultRig>>,
     config: SoakConfig,
     next: AtomicUsize,
     origin: Instant,
@@ -540,12 +837,20 @@ impl Shared {
         u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX)
     }
 
-    fn id(&self, key: usize) -> RecordId {
-        RecordId::new(self.scope.clone(), self.keys[key].clone())
-    }
-
     fn fingerprint(&self, key: usize) -> Fingerprint {
-        Fingerprint::from_bytes(self.keys[key].as_str().as_bytes())
+        Fingerprint::from_bytes(self.slots[key].key.as_str().as_bytes())
+    }
+}
+
+/// A key of a space of `n` keys: mostly one of `hot` consecutive keys that move through the
+/// space as the run goes on, sometimes any key met so far.
+fn sweep(rng: &mut StdRng, seq: usize, ops: usize, n: usize, hot: usize) -> usize {
+    let hot = hot.clamp(1, n);
+    let base = seq * (n - hot + 1) / ops.max(1);
+    if rng.gen_bool(0.2) {
+        rng.gen_range(0..base + hot)
+    } else {
+        base + rng.gen_range(0..hot)
     }
 }
 
@@ -553,33 +858,69 @@ async fn worker(shared: Arc<Shared>, seed: u64) -> Vec<Event> {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut events = Vec::new();
     let c = &shared.config;
-    let span = c.keys - c.hot_keys + 1;
     loop {
         let seq = shared.next.fetch_add(1, Ordering::Relaxed);
         if seq >= c.ops {
             return events;
         }
-        let base = seq * span / c.ops;
+        let space = pick(&c.mix.spaces, &mut rng, Space::Engine);
+        let (first, n) = shared
+            .spaces
+            .get(&space)
+            .copied()
+            .unwrap_or(shared.spaces[&Space::Engine]);
+        let space = if shared.spaces.contains_key(&space) {
+            space
+        } else {
+            Space::Engine
+        };
         // Mostly the hot keys; sometimes any key met so far, so that records are revisited
         // long after (stalled holders' passed leases are taken over, completions replayed).
-        let key = if rng.gen_bool(0.2) {
-            rng.gen_range(0..base + c.hot_keys)
-        } else {
-            base + rng.gen_range(0..c.hot_keys)
+        // Short-retention keys are all hot: they open again as they expire.
+        let key = first
+            + match space {
+                Space::Short => rng.gen_range(0..n),
+                _ => sweep(&mut rng, seq, c.ops, n, c.hot_keys),
+            };
+        let mode = match space {
+            Space::Http => CallMode::Http,
+            _ => pick(&c.mix.calls, &mut rng, CallMode::Run),
         };
-        let mode = pick(&c.mix.calls, &mut rng, CallMode::Run);
-        let fault = pick(&c.mix.work, &mut rng, WorkFault::None);
+        let fault = match space {
+            Space::Http => pick(&c.mix.http_work, &mut rng, WorkFault::None),
+            _ => pick(&c.mix.work, &mut rng, WorkFault::None),
+        };
+        let lease = if space == Space::Http {
+            c.http_lease
+        } else {
+            c.lease
+        };
         let value = seq as u64 + 1;
         let duration = match fault {
             WorkFault::Stall => c.lease + Duration::from_millis(rng.gen_range(50..250)),
+            WorkFault::Long => lease.mul_f64(rng.gen_range(2.0..4.0)),
             _ if rng.gen_bool(0.2) => Duration::ZERO,
             _ => Duration::from_micros(rng.gen_range(0..8_000)),
         };
+        let doom = shared.rig.as_ref().and_then(|rig| {
+            rng.gen_bool(rig.faults().doomed).then(|| {
+                if rng.gen_bool(0.5) {
+                    Fault::Refused
+                } else {
+                    Fault::AckLost
+                }
+            })
+        });
         let work = Work {
             value,
             fault,
             duration,
             counters: shared.counters.clone(),
+            probe: shared.rig.as_ref().map(|rig| Probe {
+                rig: rig.clone(),
+                doom,
+                short: space == Space::Short,
+            }),
         };
         // Half the deadlines are tight enough to interrupt even a replay.
         let deadline = Duration::from_micros(if rng.gen_bool(0.5) {
@@ -588,16 +929,26 @@ async fn worker(shared: Arc<Shared>, seed: u64) -> Vec<Event> {
             rng.gen_range(0..15_000)
         });
         let call = shared.now();
+        let slot = &shared.slots[key];
         let run = || {
             shared.runner.run(
-                shared.keys[key].clone(),
-                shared.scope.clone(),
+                slot.key.clone(),
+                slot.id.scope.clone(),
                 shared.fingerprint(key),
                 work.clone(),
             )
         };
+        let mut seen_token = None;
         let (output, note, backend) = match mode {
-            CallMode::Read => read(&shared.store, &shared.id(key)).await,
+            CallMode::Read => {
+                let r = read(&shared.store, &slot.id, space).await;
+                seen_token = r.token;
+                (r.output, r.note, r.backend)
+            }
+            CallMode::Http => {
+                let http = shared.http.as_ref().expect("HTTP keys come with the layer");
+                http.call(&slot.key, value, fault, duration, doom).await
+            }
             CallMode::Timeout => {
                 // The timeout runs inside the task, so the call's future is dropped when it
                 // fires; the task keeps an injected panic away from the worker.
@@ -665,6 +1016,7 @@ async fn worker(shared: Arc<Shared>, seed: u64) -> Vec<Event> {
         };
         events.push(Event {
             key,
+            space,
             mode,
             work: fault,
             op: Operation {
@@ -676,6 +1028,7 @@ async fn worker(shared: Arc<Shared>, seed: u64) -> Vec<Event> {
             note,
             is_final: false,
             ended,
+            seen_token,
         });
         if backend {
             // A client backs off when the store fails.
@@ -686,71 +1039,136 @@ async fn worker(shared: Arc<Shared>, seed: u64) -> Vec<Event> {
 
 /// Runs a soak with `runner` and checks it. The caller asserts on the report
 /// ([`Report::assert_clean`]).
+///
+/// With a runner built over a [`FaultRig`] ([`EngineRunner::with_faults`]) the soak also
+/// injects store faults, sends some calls through the HTTP layer and some to keys with a
+/// short retention while a purger runs, and checks the rig's ledger.
 pub async fn soak(runner: Arc<dyn Runner>, config: SoakConfig) -> Report {
     install_panic_filter();
     let run_id: u64 = rand::thread_rng().gen();
-    let scope =
-        Scope::from_parts(["soak", &config.label, &format!("{run_id:016x}")]).expect("valid scope");
-    let keys = (0..config.keys)
-        .map(|k| IdempotencyKey::new(format!("key-{k:03}")).expect("valid key"))
-        .collect();
+    let run = format!("{run_id:016x}");
+    let scope = Scope::from_parts(["soak", &config.label, &run]).expect("valid scope");
+    let rig = runner.rig();
+    let http = match (&rig, runner.http_engine()) {
+        (Some(rig), Some(engine)) if config.http_keys > 0 => Some(HttpPath::new(
+            engine,
+            rig.clone(),
+            &format!("soak-{}-{run}", config.label),
+        )),
+        _ => None,
+    };
+    let short_scope = Scope::from_parts(["soak", &config.label, &run, "short"]).expect("scope");
+    let mut slots = Vec::new();
+    let mut spaces = HashMap::new();
+    let mut add = |space: Space, scope: &Scope, n: usize| {
+        spaces.insert(space, (slots.len(), n));
+        for local in 0..n {
+            let key = IdempotencyKey::new(format!("key-{local:03}")).expect("valid key");
+            slots.push(Slot {
+                space,
+                local,
+                id: RecordId::new(scope.clone(), key.clone()),
+                key,
+            });
+        }
+    };
+    add(Space::Engine, &scope, config.keys);
+    if let Some(http) = &http {
+        add(Space::Http, http.scope(), config.http_keys);
+    }
+    if rig.is_some() && config.short_keys > 0 {
+        add(Space::Short, &short_scope, config.short_keys);
+    }
     let store = runner.store();
+    let origin = rig
+        .as_ref()
+        .map_or_else(Instant::now, |r| r.ledger().origin());
     let shared = Arc::new(Shared {
         runner,
         store,
-        scope,
-        keys,
+        slots,
+        spaces,
+        http,
+        rig: rig.clone(),
         config: config.clone(),
         next: AtomicUsize::new(0),
-        origin: Instant::now(),
+        origin,
         counters: Arc::new(Counters::default()),
     });
+    // The purger: deletes expired records while the short-retention keys are claimed.
+    let purging = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let purger = match &rig {
+        Some(rig) if shared.spaces.contains_key(&Space::Short) => {
+            let (store, purging, every) = (rig.recorded(), purging.clone(), config.purge_every);
+            Some(tokio::spawn(async move {
+                let mut errors = 0u64;
+                while purging.load(Ordering::Relaxed) {
+                    if store.purge_expired(100).await.is_err() {
+                        errors += 1;
+                    }
+                    tokio::time::sleep(every).await;
+                }
+                errors
+            }))
+        }
+        _ => None,
+    };
     let started = Instant::now();
     let workers: Vec<_> = (0..config.workers)
         .map(|w| tokio::spawn(worker(shared.clone(), config.seed.wrapping_add(w as u64))))
         .collect();
-    let mut events = Vec::with_capacity(config.ops + config.keys);
+    let mut events = Vec::with_capacity(config.ops + shared.slots.len());
     for w in workers {
         events.extend(w.await.expect("a worker panicked"));
     }
     let run_time = started.elapsed();
+    purging.store(false, Ordering::Relaxed);
+    let purge_errors = match purger {
+        Some(p) => p.await.expect("the purger panicked"),
+        None => 0,
+    };
     // Let abandoned leases be released (or pass) and cancelled writes land.
     tokio::time::sleep(config.lease + Duration::from_millis(300)).await;
     let mut finals = HashMap::new();
-    for key in 0..config.keys {
+    for (key, slot) in shared.slots.iter().enumerate() {
         let call = shared.now();
-        let (output, note, _) = read(&shared.store, &shared.id(key)).await;
+        let r = read(&shared.store, &slot.id, slot.space).await;
         let ended = shared.now();
-        finals.insert(key, output);
+        finals.insert(key, r.output);
         events.push(Event {
             key,
+            space: slot.space,
             mode: CallMode::Read,
             work: WorkFault::None,
             op: Operation {
                 call,
-                ret: (output != Response::Unknown).then_some(ended),
+                ret: (r.output != Response::Unknown).then_some(ended),
                 input: Call::Read,
-                output,
+                output: r.output,
             },
-            note,
+            note: r.note,
             is_final: true,
             ended,
+            seen_token: r.token,
         });
     }
-    let effects = shared.runner.effects(&shared.scope).await;
+    let effects = shared.runner.effects(&scope).await;
     let check_started = Instant::now();
-    let mut report = analyse(&config, &events, &finals, effects.as_ref());
+    let mut report = analyse(&config, &shared.slots, &events, &finals, effects.as_ref());
+    if let Some(rig) = &rig {
+        check_rig(&mut report, rig, &shared.slots, &events, config.short_ttl);
+        if purge_errors > 0 {
+            report
+                .unexpected
+                .push(format!("{purge_errors} purge_expired calls failed"));
+        }
+    }
     report.check_time = check_started.elapsed();
     report.origin = Some(shared.origin);
     report.events = events;
     report.run_time = run_time;
     report.executions = shared.counters.succeeded.load(Ordering::Relaxed);
-    for f in [
-        WorkFault::None,
-        WorkFault::Error,
-        WorkFault::Panic,
-        WorkFault::Stall,
-    ] {
+    for f in WORK_FAULTS {
         report.executions_by_fault.insert(
             format!("{f:?}"),
             shared.counters.started[work_index(f)].load(Ordering::Relaxed),
@@ -761,6 +1179,7 @@ pub async fn soak(runner: Arc<dyn Runner>, config: SoakConfig) -> Report {
 
 fn analyse(
     config: &SoakConfig,
+    slots: &[Slot],
     events: &[Event],
     finals: &HashMap<usize, Response>,
     effects: Option<&HashMap<String, Vec<u64>>>,
@@ -768,14 +1187,21 @@ fn analyse(
     let mut report = Report {
         label: config.label.clone(),
         seed: config.seed,
-        keys: config.keys,
+        keys: slots.len(),
         ..Report::default()
     };
     let mut per_key: BTreeMap<usize, Vec<Event>> = BTreeMap::new();
     for e in events {
         per_key.entry(e.key).or_default().push(e.clone());
     }
+    let expiring = ExpiringOnceRegister {
+        ttl: u64::try_from(config.short_ttl.as_nanos())
+            .unwrap_or(u64::MAX)
+            .saturating_sub(CLOCK_SKEW),
+    };
     for (&key, history) in &per_key {
+        let slot = &slots[key];
+        let name = format!("{:?} key {}", slot.space, slot.local);
         report.checked_ops += history.len();
         report.max_history = report.max_history.max(history.len());
         for e in history {
@@ -789,7 +1215,7 @@ fn analyse(
                 .or_default() += 1;
             if let Some(note) = &e.note {
                 if note.starts_with("UNEXPECTED") {
-                    report.unexpected.push(format!("key {key}: {note}"));
+                    report.unexpected.push(format!("{name}: {note}"));
                 } else if matches!(note.as_str(), "timed out" | "cancelled") {
                     report.interrupted += 1;
                 } else if e.op.output == Response::Unknown {
@@ -797,21 +1223,43 @@ fn analyse(
                 }
             }
         }
-        let ops: Vec<_> = history.iter().map(|e| e.op.clone()).collect();
-        match check(&OnceRegister, &ops, 5_000_000) {
+        let verdict = if slot.space == Space::Short {
+            let ops: Vec<_> = history
+                .iter()
+                .map(|e| Operation {
+                    call: e.op.call,
+                    ret: e.op.ret,
+                    input: Timed {
+                        call: e.op.input,
+                        at: e.op.call,
+                        by: e.op.ret.unwrap_or(u64::MAX),
+                    },
+                    output: e.op.output,
+                })
+                .collect();
+            check(&expiring, &ops, 5_000_000)
+        } else {
+            let ops: Vec<_> = history.iter().map(|e| e.op.clone()).collect();
+            check(&OnceRegister, &ops, 5_000_000)
+        };
+        match verdict {
             Verdict::Linearizable => {}
             Verdict::Violation { deepest } => report.violations.push(format!(
-                "key {key}: not linearizable (deepest linearized prefix: {} of {} ops)\n{}",
+                "{name}: not linearizable (deepest linearized prefix: {} of {} ops)\n{}",
                 deepest.len(),
-                ops.len(),
+                history.len(),
                 dump(history)
             )),
             Verdict::Undecided { steps } => report.undecided.push(format!(
-                "key {key}: undecided after {steps} steps\n{}",
+                "{name}: undecided after {steps} steps\n{}",
                 dump(history)
             )),
         }
-        count_effects(&mut report, key, history, finals.get(&key), effects);
+        if slot.space == Space::Short {
+            count_short_effects(&mut report, &name, history, config.short_ttl);
+        } else {
+            count_effects(&mut report, key, &name, history, finals.get(&key), effects);
+        }
     }
     if let Some(effects) = effects {
         report.effect_rows = Some(effects.values().map(Vec::len).sum());
@@ -829,6 +1277,7 @@ fn analyse(
 fn count_effects(
     report: &mut Report,
     key: usize,
+    name: &str,
     history: &[Event],
     last: Option<&Response>,
     effects: Option<&HashMap<String, Vec<u64>>>,
@@ -849,14 +1298,14 @@ fn count_effects(
         .collect();
     if fresh.len() > 1 {
         report.double_effects.push(format!(
-            "key {key}: {} calls committed: {fresh:?}",
+            "{name}: {} calls committed: {fresh:?}",
             fresh.len()
         ));
     }
     if let Some(v) = fresh.first() {
         if held != Some(*v) {
             report.double_effects.push(format!(
-                "key {key}: call {v} committed but the record ends with {held:?}"
+                "{name}: call {v} committed but the record ends with {held:?}"
             ));
         }
     }
@@ -864,21 +1313,146 @@ fn count_effects(
         if let Response::Replayed(v) | Response::ReadCompleted(v) = e.op.output {
             if held != Some(v) {
                 report.double_effects.push(format!(
-                    "key {key}: a call saw {v} but the record ends with {held:?}"
+                    "{name}: a call saw {v} but the record ends with {held:?}"
                 ));
             }
         }
     }
     if let Some(effects) = effects {
-        let name = format!("key-{key:03}");
-        let rows = effects.get(&name).cloned().unwrap_or_default();
+        let name_in_table = format!("key-{key:03}");
+        let rows = effects.get(&name_in_table).cloned().unwrap_or_default();
         let expected: Vec<u64> = held.into_iter().collect();
         if rows != expected {
             report.double_effects.push(format!(
-                "key {key}: business rows {rows:?}, but the record ends with {held:?}"
+                "{name}: business rows {rows:?}, but the record ends with {held:?}"
             ));
         }
     }
+}
+
+/// Double effects of a short-retention key: two commits that cannot have been a retention
+/// apart, in either order (each commit lies between its call and its answer).
+fn count_short_effects(report: &mut Report, name: &str, history: &[Event], ttl: Duration) {
+    let ttl = u64::try_from(ttl.as_nanos())
+        .unwrap_or(u64::MAX)
+        .saturating_sub(CLOCK_SKEW);
+    let fresh: Vec<&Event> = history
+        .iter()
+        .filter(|e| matches!(e.op.output, Response::Fresh(_)))
+        .collect();
+    // Their commits are counted apart (`FaultFigures::short_commits`): a key commits once
+    // per life, not once.
+    for (i, a) in fresh.iter().enumerate() {
+        for b in &fresh[i + 1..] {
+            if b.ended < a.op.call.saturating_add(ttl) && a.ended < b.op.call.saturating_add(ttl) {
+                report.double_effects.push(format!(
+                    "{name}: calls {:?} and {:?} both committed within one retention",
+                    a.op.input, b.op.input
+                ));
+            }
+        }
+    }
+}
+
+/// The ledger's checks, and the figures of the faults, the HTTP layer and the purger.
+fn check_rig(
+    report: &mut Report,
+    rig: &FaultRig,
+    slots: &[Slot],
+    events: &[Event],
+    short_ttl: Duration,
+) {
+    let ops = rig.ledger().ops();
+    let executions = rig.ledger().executions();
+    let seen: Vec<SeenCompleted> = events
+        .iter()
+        .filter_map(|e| match (e.op.output, e.seen_token) {
+            (Response::ReadCompleted(value), Some(token)) => Some(SeenCompleted {
+                id: slots[e.key].id.clone(),
+                value,
+                token,
+            }),
+            _ => None,
+        })
+        .collect();
+    let expiring: HashMap<RecordId, Duration> = slots
+        .iter()
+        .filter(|s| s.space == Space::Short)
+        .map(|s| (s.id.clone(), short_ttl))
+        .collect();
+    let findings = ledger::check(&ops, &executions, &seen, &expiring, CLOCK_SKEW);
+    report.violations.extend(findings.violations);
+    report.double_effects.extend(findings.double_effects);
+    report.checked_ops += findings.ops + findings.executions;
+
+    let http_ids: HashSet<&RecordId> = slots
+        .iter()
+        .filter(|s| s.space == Space::Http)
+        .map(|s| &s.id)
+        .collect();
+    let handlers: Vec<&Execution> = executions
+        .iter()
+        .filter(|e| http_ids.contains(&e.id))
+        .collect();
+    let mut long_by_id: HashMap<&RecordId, Vec<&Execution>> = HashMap::new();
+    for e in handlers.iter().filter(|e| e.long) {
+        long_by_id.entry(&e.id).or_default().push(e);
+    }
+    let http_events: Vec<&Event> = events
+        .iter()
+        .filter(|e| e.space == Space::Http && !e.is_final)
+        .collect();
+    let conflicts: Vec<&&Event> = http_events
+        .iter()
+        .filter(|e| e.op.output == Response::InProgress)
+        .collect();
+    let during_long = conflicts
+        .iter()
+        .filter(|e| {
+            long_by_id.get(&slots[e.key].id).is_some_and(|longs| {
+                longs
+                    .iter()
+                    .any(|l| l.started <= e.op.call && e.ended <= l.ended)
+            })
+        })
+        .count();
+    let (purge_calls, purged) = rig.ledger().purges();
+    report.faults = Some(FaultFigures {
+        injected: rig.injected(),
+        outcome_unknown: events
+            .iter()
+            .filter(|e| {
+                e.note
+                    .as_deref()
+                    .is_some_and(|n| n.starts_with("outcome unknown"))
+            })
+            .count(),
+        store_ops: findings.ops,
+        executions: findings.executions,
+        completions_applied: findings.completions_applied,
+        extensions_applied: findings.extensions_applied,
+        long_works: executions
+            .iter()
+            .filter(|e| e.long && !http_ids.contains(&e.id))
+            .count(),
+        http_calls: http_events.len(),
+        handlers: handlers.len(),
+        long_handlers: handlers.iter().filter(|e| e.long).count(),
+        http_conflicts: conflicts.len(),
+        conflicts_during_long: during_long,
+        short_calls: events
+            .iter()
+            .filter(|e| e.space == Space::Short && !e.is_final)
+            .count(),
+        short_commits: events
+            .iter()
+            .filter(|e| e.space == Space::Short && matches!(e.op.output, Response::Fresh(_)))
+            .count(),
+        purge_calls,
+        purged,
+        claims_after_expiry: findings.claims_after_expiry,
+        stale_writes_fenced: findings.stale_writes_fenced,
+    });
 }
 
 fn response_kind(r: Response) -> &'static str {
@@ -888,6 +1462,7 @@ fn response_kind(r: Response) -> &'static str {
         Response::Released => "released",
         Response::InProgress => "in_progress",
         Response::LeaseLost => "lease_lost",
+        Response::Executed(_) => "executed",
         Response::ReadCompleted(_) => "read_completed",
         Response::ReadOpen => "read_open",
         Response::Unknown => "unknown",

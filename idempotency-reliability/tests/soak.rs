@@ -1,6 +1,8 @@
 //! The history-checked soak, once per backend: 16 workers, `IDEMPOTENCY_SOAK_OPS` calls
-//! (default 10,000) over 200 keys, failures injected at random; zero violations and zero
-//! double effects. Run with `--nocapture` to see each run's figures.
+//! (default 10,000) over 200 engine keys, 80 HTTP keys and 16 short-retention keys, failures
+//! injected at random into the work, the calls and the store's completions and extensions,
+//! long handlers behind the HTTP layer, a purger running; zero violations and zero double
+//! effects. Run with `--nocapture` to see each run's figures.
 
 use idempotency_core::IdempotencyStore;
 use idempotency_postgres::PostgresStore;
@@ -12,7 +14,15 @@ use idempotency_testing::postgres::{self as pg, Isolation, SchemaGuard};
 use idempotency_testing::redis_server::{self as rs, Cleanup};
 use std::sync::Arc;
 
-async fn run(runner: Arc<dyn Runner>, config: SoakConfig) {
+/// Whether the backend's `purge_expired` deletes records (Redis expires them on its own and
+/// purges nothing).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Purge {
+    Deletes,
+    ExpiresOnItsOwn,
+}
+
+async fn run(runner: Arc<dyn Runner>, config: SoakConfig, purge: Purge) {
     let report = soak(runner, config).await;
     eprintln!("{report}");
     report.assert_clean();
@@ -25,17 +35,46 @@ async fn run(runner: Arc<dyn Runner>, config: SoakConfig) {
         report.responses.get("replayed").copied().unwrap_or(0) > 0,
         "{report}"
     );
+    let x = report.faults.as_ref().expect("a run over the fault rig");
+    let i = &x.injected;
+    let exercised = [
+        ("completions refused", i.complete_refused),
+        ("completions whose answer was lost", i.complete_ack_lost),
+        ("extensions refused", i.extend_refused),
+        ("extensions whose answer was lost", i.extend_ack_lost),
+        ("doomed completions", i.doomed),
+        ("OutcomeUnknown answers", x.outcome_unknown as u64),
+        ("extensions applied", x.extensions_applied as u64),
+        ("long engine works", x.long_works as u64),
+        ("long HTTP handlers", x.long_handlers as u64),
+        (
+            "409s while a long handler held its key",
+            x.conflicts_during_long as u64,
+        ),
+        ("commits on short-retention keys", x.short_commits as u64),
+        ("claims after expiry", x.claims_after_expiry as u64),
+        ("purge calls", x.purge_calls),
+        ("stale writes fenced", x.stale_writes_fenced as u64),
+    ];
+    for (what, n) in exercised {
+        assert!(n > 0, "no {what}: the run did not exercise it\n{report}");
+    }
+    if purge == Purge::Deletes {
+        assert!(x.purged > 0, "nothing was purged\n{report}");
+    }
 }
 
+/// The engine over the fault rig: store faults, the ledger, the HTTP layer's engine and the
+/// short-retention engines.
 fn engine(store: Arc<dyn IdempotencyStore>, config: &SoakConfig) -> Arc<dyn Runner> {
-    Arc::new(EngineRunner::new(store, config.lease))
+    Arc::new(EngineRunner::with_faults(store, config))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn soak_memory() {
     let config = SoakConfig::from_env("memory");
     let store = Arc::new(idempotency_memory::MemoryStore::new());
-    run(engine(store, &config), config).await;
+    run(engine(store, &config), config, Purge::Deletes).await;
 }
 
 async fn sqlite(mode: ConnectionMode, label: &str) {
@@ -47,7 +86,7 @@ async fn sqlite(mode: ConnectionMode, label: &str) {
         .await
         .expect("open");
     store.migrate().await.expect("migrate");
-    run(engine(Arc::new(store), &config), config).await;
+    run(engine(Arc::new(store), &config), config, Purge::Deletes).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -79,7 +118,7 @@ async fn postgres_store(pool_size: u32) -> (PostgresStore, SchemaGuard) {
 async fn soak_postgres() {
     let config = SoakConfig::from_env("postgres");
     let (store, _guard) = postgres_store(16).await;
-    run(engine(Arc::new(store), &config), config).await;
+    run(engine(Arc::new(store), &config), config, Purge::Deletes).await;
 }
 
 /// Through `PgIdempotency::run_in_transaction`: every execution inserts a business row in
@@ -115,7 +154,12 @@ async fn soak_redis_standalone() {
         .unwrap_or_else(|e| rs::unreachable_server(&url, &e))
         .with_prefix(prefix)
         .expect("valid prefix");
-    run(engine(Arc::new(store), &config), config).await;
+    run(
+        engine(Arc::new(store), &config),
+        config,
+        Purge::ExpiresOnItsOwn,
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -133,7 +177,12 @@ async fn soak_redis_cluster() {
         .expect("connect to the test cluster")
         .with_prefix(prefix)
         .expect("valid prefix");
-    run(engine(Arc::new(store), &config), config).await;
+    run(
+        engine(Arc::new(store), &config),
+        config,
+        Purge::ExpiresOnItsOwn,
+    )
+    .await;
 }
 
 /// The campaign can fail: a store whose completion ignores the fencing token (it reports a
@@ -208,5 +257,93 @@ async fn soak_catches_a_store_that_ignores_fencing() {
     assert!(
         !report.violations.is_empty() && !report.double_effects.is_empty(),
         "the broken store went unnoticed: {report}"
+    );
+    // Both by the clients' answers (the linearizability check and the effect count) and by
+    // the ledger (a replaced holder's completion applied).
+    let found = |list: &[String], what: &str| list.iter().any(|v| v.contains(what));
+    assert!(
+        found(&report.violations, "not linearizable")
+            && found(&report.double_effects, "committed")
+            && found(&report.violations, "applied after token"),
+        "the broken store was not caught every way: {report}"
+    );
+}
+
+/// What answers alone cannot show, the ledger does: a store whose extension answers Applied
+/// without moving the lease (a heartbeat that lies). A long work loses its key although it
+/// heartbeats, and a retry runs the work again while the lease the store acknowledged still
+/// lives. Every answer is one a correct engine could give (the first holder's completion is
+/// fenced, the second commits), so only the ledger's double-effect check can catch it.
+#[derive(Debug)]
+struct LyingHeartbeat(idempotency_memory::MemoryStore);
+
+#[idempotency_core::async_trait]
+impl IdempotencyStore for LyingHeartbeat {
+    async fn claim(
+        &self,
+        request: &idempotency_core::ClaimRequest,
+    ) -> Result<idempotency_core::Claim, idempotency_core::Error> {
+        self.0.claim(request).await
+    }
+    async fn complete(
+        &self,
+        id: &idempotency_core::RecordId,
+        token: idempotency_core::FencingToken,
+        outcome: &[u8],
+        ttl: std::time::Duration,
+    ) -> Result<idempotency_core::Cas, idempotency_core::Error> {
+        self.0.complete(id, token, outcome, ttl).await
+    }
+    async fn fail(
+        &self,
+        id: &idempotency_core::RecordId,
+        token: idempotency_core::FencingToken,
+        failure: &idempotency_core::Failure,
+        ttl: std::time::Duration,
+    ) -> Result<idempotency_core::Cas, idempotency_core::Error> {
+        self.0.fail(id, token, failure, ttl).await
+    }
+    async fn extend(
+        &self,
+        _id: &idempotency_core::RecordId,
+        _token: idempotency_core::FencingToken,
+        _lease: std::time::Duration,
+    ) -> Result<idempotency_core::Cas, idempotency_core::Error> {
+        Ok(idempotency_core::Cas::Applied)
+    }
+    async fn reclaim(
+        &self,
+        id: &idempotency_core::RecordId,
+        expected: idempotency_core::FencingToken,
+        fingerprint: &idempotency_core::Fingerprint,
+        lease: std::time::Duration,
+        ttl: std::time::Duration,
+    ) -> Result<idempotency_core::Reclaim, idempotency_core::Error> {
+        self.0.reclaim(id, expected, fingerprint, lease, ttl).await
+    }
+    async fn get(
+        &self,
+        id: &idempotency_core::RecordId,
+    ) -> Result<Option<idempotency_core::Record>, idempotency_core::Error> {
+        self.0.get(id).await
+    }
+    async fn purge_expired(&self, batch: usize) -> Result<u64, idempotency_core::Error> {
+        self.0.purge_expired(batch).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn soak_catches_a_heartbeat_that_lies() {
+    let mut config = SoakConfig::from_env("lying-heartbeat");
+    config.ops = config.ops.min(4_000);
+    let store = Arc::new(LyingHeartbeat(idempotency_memory::MemoryStore::new()));
+    let report = soak(engine(store, &config), config).await;
+    eprintln!("{report}");
+    assert!(
+        report
+            .double_effects
+            .iter()
+            .any(|d| d.contains("held the key until")),
+        "the lying heartbeat went unnoticed: {report}"
     );
 }
