@@ -709,6 +709,9 @@ mod tests {
         claims: Mutex<VecDeque<Claim>>,
         get: Option<Record>,
         claim_delay: Duration,
+        extend_fenced: bool,
+        complete_fenced: bool,
+        extends: Mutex<Vec<Duration>>,
         claimed: AtomicUsize,
         got: AtomicUsize,
         reclaimed: AtomicUsize,
@@ -734,7 +737,11 @@ mod tests {
             _: &[u8],
             _: Duration,
         ) -> Result<Cas, Error> {
-            Ok(Cas::Applied)
+            Ok(if self.complete_fenced {
+                Cas::Fenced
+            } else {
+                Cas::Applied
+            })
         }
         async fn fail(
             &self,
@@ -745,8 +752,18 @@ mod tests {
         ) -> Result<Cas, Error> {
             Ok(Cas::Applied)
         }
-        async fn extend(&self, _: &RecordId, _: FencingToken, _: Duration) -> Result<Cas, Error> {
-            Ok(Cas::Applied)
+        async fn extend(
+            &self,
+            _: &RecordId,
+            _: FencingToken,
+            lease: Duration,
+        ) -> Result<Cas, Error> {
+            self.extends.lock().expect("lock").push(lease);
+            Ok(if self.extend_fenced {
+                Cas::Fenced
+            } else {
+                Cas::Applied
+            })
         }
         async fn reclaim(
             &self,
@@ -947,5 +964,104 @@ mod tests {
             "{polls} reads in 500 ms of 50 ms backoffs (one per backoff expected)"
         );
         assert_eq!(store.claimed.load(Ordering::SeqCst), 1);
+    }
+
+    fn lease_on(store: Arc<Scripted>, policy: Policy) -> Lease {
+        Lease::new(store, Arc::new(policy), id(), FencingToken(5))
+    }
+
+    /// The heartbeat marks the lease lost only when an extension is fenced.
+    #[tokio::test]
+    async fn is_lost_only_after_a_fenced_extension() {
+        let policy = Policy::default()
+            .lease(Duration::from_millis(30))
+            .heartbeat(Some(0.3));
+        let work = || tokio::time::sleep(Duration::from_millis(100));
+        let kept = lease_on(Arc::new(Scripted::default()), policy.clone());
+        kept.with_heartbeat(work()).await;
+        assert!(!kept.is_lost(), "applied extensions marked the lease lost");
+        kept.settled_externally();
+        let store = Arc::new(Scripted {
+            extend_fenced: true,
+            ..Scripted::default()
+        });
+        let taken = lease_on(store.clone(), policy);
+        taken.with_heartbeat(work()).await;
+        assert!(
+            taken.is_lost(),
+            "a fenced extension did not mark the lease lost"
+        );
+        assert_eq!(
+            store.extends.lock().expect("lock").len(),
+            1,
+            "beats after the fence"
+        );
+        taken.settled_externally();
+    }
+
+    /// The heartbeat never extends past the end of the maximum work time, and stops there.
+    #[tokio::test]
+    async fn extensions_end_with_max_work_time() {
+        let store = Arc::new(Scripted::default());
+        let policy = Policy::default()
+            .lease(Duration::from_millis(300))
+            .heartbeat(Some(1.0 / 3.0))
+            .max_work_time(Duration::from_millis(450));
+        let lease = lease_on(store.clone(), policy);
+        lease
+            .with_heartbeat(tokio::time::sleep(Duration::from_millis(800)))
+            .await;
+        let extends = store.extends.lock().expect("lock").clone();
+        assert!(
+            (2..=4).contains(&extends.len()),
+            "extensions after max_work_time: {extends:?}"
+        );
+        let last = *extends.last().expect("an extension");
+        assert!(
+            last < Duration::from_millis(200),
+            "the last extension ({last:?}) reaches past the maximum work time: {extends:?}"
+        );
+        lease.settled_externally();
+    }
+
+    #[test]
+    fn work_deadline_is_claim_plus_max_work_time_and_saturates() {
+        let store = Arc::new(Scripted::default());
+        let lease = lease_on(
+            store.clone(),
+            Policy::default().max_work_time(Duration::from_secs(600)),
+        );
+        let d = lease.work_deadline().duration_since(lease.claimed_at);
+        assert_eq!(d, Duration::from_secs(600));
+        lease.settled_externally();
+        let eternal = lease_on(store, Policy::default().max_work_time(Duration::MAX));
+        assert!(
+            eternal.work_deadline() > Instant::now() + Duration::from_secs(50 * 365 * 24 * 3600),
+            "Duration::MAX does not saturate to the far future"
+        );
+        eternal.settled_externally();
+    }
+
+    /// A completion fenced at its first try is `LeaseLost`, also with a retention shorter
+    /// than the retries (only a try that failed before can have applied unseen).
+    #[tokio::test]
+    async fn a_first_try_fenced_is_lease_lost() {
+        let store = Arc::new(Scripted {
+            complete_fenced: true,
+            ..Scripted::default()
+        });
+        let lease = lease_on(
+            store.clone(),
+            Policy::default().ttl(Duration::from_millis(500)),
+        );
+        match lease.complete(b"x").await {
+            Err(Error::LeaseLost { token }) => assert_eq!(token, FencingToken(5)),
+            other => panic!("a fenced first try got {other:?}"),
+        }
+        assert_eq!(
+            store.got.load(Ordering::SeqCst),
+            0,
+            "a fenced first try was read back"
+        );
     }
 }
