@@ -711,6 +711,8 @@ mod tests {
         claim_delay: Duration,
         extend_fenced: bool,
         complete_fenced: bool,
+        /// Answers of the first completions, before `complete_fenced` applies.
+        completes: Mutex<VecDeque<Result<Cas, Error>>>,
         extends: Mutex<Vec<Duration>>,
         claimed: AtomicUsize,
         got: AtomicUsize,
@@ -737,6 +739,9 @@ mod tests {
             _: &[u8],
             _: Duration,
         ) -> Result<Cas, Error> {
+            if let Some(answer) = self.completes.lock().expect("lock").pop_front() {
+                return answer;
+            }
             Ok(if self.complete_fenced {
                 Cas::Fenced
             } else {
@@ -1063,5 +1068,46 @@ mod tests {
             0,
             "a fenced first try was read back"
         );
+    }
+
+    /// A completion that failed, then was fenced on its retry, is an applied one only if the
+    /// record shows this holder's token in the Completed state; a record another holder took
+    /// over or completed meanwhile means this outcome was not stored.
+    #[tokio::test]
+    async fn a_fence_after_a_failed_try_is_checked_against_the_record() {
+        let mut theirs = pending(1000);
+        theirs.token = FencingToken(6);
+        let mut their_completed = theirs.clone();
+        their_completed.status = RecordStatus::Completed;
+        their_completed.outcome = Some(b"theirs".to_vec());
+        let mut ours_failed = pending(1000);
+        ours_failed.status = RecordStatus::Failed;
+        for (record, applied) in [
+            (theirs, false),
+            (their_completed, false),
+            (ours_failed, false),
+            (
+                Record {
+                    status: RecordStatus::Completed,
+                    lease_until: None,
+                    outcome: Some(b"x".to_vec()),
+                    ..pending(0)
+                },
+                true,
+            ),
+        ] {
+            let what = format!("{:?} token {}", record.status, record.token);
+            let store = Arc::new(Scripted {
+                completes: Mutex::new(VecDeque::from([Err(Error::backend(true, "flaky"))])),
+                complete_fenced: true,
+                get: Some(record),
+                ..Scripted::default()
+            });
+            let lease = lease_on(store, Policy::default());
+            match (lease.complete(b"x").await, applied) {
+                (Ok(()), true) | (Err(Error::LeaseLost { .. }), false) => {}
+                (other, _) => panic!("record {what}: the completion got {other:?}"),
+            }
+        }
     }
 }
