@@ -301,3 +301,76 @@ impl IdempotencyStore for MemoryStore {
 #[cfg(doctest)]
 #[doc = include_str!("../../README.md")]
 struct RootReadme;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use idempotency_core::{IdempotencyKey, ManualClock, Scope};
+
+    fn request(i: usize, ttl: Duration) -> ClaimRequest {
+        ClaimRequest {
+            id: RecordId::new(
+                Scope::new("memory-tests").expect("scope"),
+                IdempotencyKey::new(format!("key-{i}")).expect("key"),
+            ),
+            fingerprint: Fingerprint::from_bytes(b"f"),
+            lease: ttl,
+            ttl,
+        }
+    }
+
+    async fn fill(store: &MemoryStore, n: usize, ttl: Duration) {
+        for i in 0..n {
+            let claim = store.claim(&request(i, ttl)).await.expect("claim");
+            assert!(matches!(claim, Claim::Claimed { .. }), "{claim:?}");
+        }
+    }
+
+    /// `len` counts every record held, expired ones included, until a purge removes them.
+    #[tokio::test]
+    async fn len_counts_held_records() {
+        let clock = ManualClock::new();
+        let store = MemoryStore::with_clock(Arc::new(clock.clone()));
+        assert!(store.is_empty());
+        assert_eq!(store.len(), 0);
+        fill(&store, 5, Duration::from_secs(1)).await;
+        assert_eq!(store.len(), 5);
+        assert!(!store.is_empty());
+        clock.advance(Duration::from_secs(2));
+        assert_eq!(store.len(), 5, "expired records are held until purged");
+        assert_eq!(store.purge_expired(100).await.expect("purge"), 5);
+        assert!(store.is_empty());
+    }
+
+    /// Keys spread over the shards (a shard function that sends every key to one shard
+    /// serialises the whole store behind one mutex).
+    #[tokio::test]
+    async fn keys_spread_over_shards() {
+        let store = MemoryStore::with_clock_and_shards(Arc::new(ManualClock::new()), 16);
+        fill(&store, 256, Duration::from_secs(60)).await;
+        let used = store.shards.iter().filter(|s| !s.lock().is_empty()).count();
+        assert!(used >= 12, "256 keys landed in only {used} of 16 shards");
+    }
+
+    /// A purge never deletes more than its batch, however the expired records are spread
+    /// over the shards.
+    #[tokio::test]
+    async fn purge_honours_its_batch_across_shards() {
+        for _ in 0..20 {
+            let clock = ManualClock::new();
+            let store = MemoryStore::with_clock_and_shards(Arc::new(clock.clone()), 8);
+            fill(&store, 16, Duration::from_secs(1)).await;
+            clock.advance(Duration::from_secs(2));
+            let mut total = 0;
+            loop {
+                let n = store.purge_expired(3).await.expect("purge");
+                assert!(n <= 3, "purge(3) deleted {n} records");
+                if n == 0 {
+                    break;
+                }
+                total += n;
+            }
+            assert_eq!(total, 16);
+        }
+    }
+}
