@@ -1110,4 +1110,34 @@ mod tests {
             }
         }
     }
+
+    /// With a retention shorter than the retries, a fence after a failed try may hide an
+    /// applied try whose record has since expired: a record gone or held by another token is
+    /// `OutcomeUnknown`; one that still holds this token in another state is `LeaseLost`.
+    #[tokio::test]
+    async fn a_fence_after_a_failed_try_with_a_short_retention() {
+        let mut theirs = pending(1000);
+        theirs.token = FencingToken(6);
+        let mut ours_failed = pending(1000);
+        ours_failed.status = RecordStatus::Failed;
+        for (record, unknown) in [
+            (None, true),
+            (Some(theirs), true),
+            (Some(ours_failed), false),
+        ] {
+            let what = format!("{record:?}");
+            let store = Arc::new(Scripted {
+                completes: Mutex::new(VecDeque::from([Err(Error::backend(true, "flaky"))])),
+                complete_fenced: true,
+                get: record,
+                ..Scripted::default()
+            });
+            let lease = lease_on(store, Policy::default().ttl(Duration::from_millis(500)));
+            match (lease.complete(b"x").await, unknown) {
+                (Err(Error::OutcomeUnknown { .. }), true)
+                | (Err(Error::LeaseLost { .. }), false) => {}
+                (other, _) => panic!("record {what}: the completion got {other:?}"),
+            }
+        }
+    }
 }
