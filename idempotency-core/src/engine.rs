@@ -539,10 +539,12 @@ impl Lease {
     /// although an earlier try may have applied and its record since expired (a retention
     /// shorter than the retries).
     pub async fn complete(mut self, outcome: &[u8]) -> Result<(), Error> {
-        let (store, id, token, ttl) = (self.store.clone(), self.id.clone(), self.token, self.ttl());
-        let cas = self
+        let this = &self;
+        let cas = this
             .settle_with_retries(RecordStatus::Completed, || {
-                store.as_ref().complete(&id, token, outcome, ttl)
+                this.store
+                    .as_ref()
+                    .complete(&this.id, this.token, outcome, this.policy.ttl)
             })
             .await;
         match cas {
@@ -571,10 +573,12 @@ impl Lease {
     /// A store error is retried per [`Policy::settle_retry`]; if every try fails, the error
     /// is returned and the key stays Pending until its lease passes.
     pub async fn fail(mut self, failure: Failure) -> Result<(), Error> {
-        let (store, id, token, ttl) = (self.store.clone(), self.id.clone(), self.token, self.ttl());
-        let cas = self
+        let this = &self;
+        let cas = this
             .settle_with_retries(RecordStatus::Failed, || {
-                store.as_ref().fail(&id, token, &failure, ttl)
+                this.store
+                    .as_ref()
+                    .fail(&this.id, this.token, &failure, this.policy.ttl)
             })
             .await;
         if cas.is_err() {
