@@ -857,3 +857,8 @@ pub async fn failed_completion_does_not_rerun_handler(store: TestStore) {
         "the handler ran again after a failed completion"
     );
 }
+
+pub use crate::settled::{
+    handler_5xx_after_its_commit_is_replayed_not_rerun, handler_settled_key_is_not_written_again,
+    handler_whose_lease_was_lost_gets_409_and_no_effect,
+};

@@ -2,6 +2,7 @@
 
 pub mod cases;
 pub mod server;
+pub mod settled;
 
 pub use idempotency_conformance::{run_case, TestStore};
 
@@ -34,6 +35,9 @@ macro_rules! __with_http_case_list {
             released_key_accepts_corrected_request,
             handler_outliving_its_lease_runs_once,
             failed_completion_does_not_rerun_handler,
+            handler_settled_key_is_not_written_again,
+            handler_5xx_after_its_commit_is_replayed_not_rerun,
+            handler_whose_lease_was_lost_gets_409_and_no_effect,
         );
     };
 }

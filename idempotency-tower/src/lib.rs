@@ -1,11 +1,15 @@
 #![doc = include_str!("../README.md")]
 
+mod claim;
 mod key;
 mod layer;
 mod problem;
 mod service;
 mod stored;
 
+#[cfg(feature = "axum")]
+pub use claim::NoClaim;
+pub use claim::{ClaimedKey, PrepareError, Prepared};
 pub use key::{read_key, KeyHeaderError, IDEMPOTENCY_KEY};
 pub use layer::{default_store_status, IdempotencyLayer, DEFAULT_REPLAYED, NEVER_REPLAYED};
 pub use problem::{retry_after_secs, ProblemJson, Refusal, RefusalResponder, PROBLEM_JSON};

@@ -47,6 +47,10 @@ pub enum Refusal {
     StoredResponseUnreadable(String),
     /// The handler failed without a response (it panicked or returned an error). 500.
     HandlerFailed,
+    /// The request stalled past its lease and another request with the key took it over; the
+    /// handler's transactional completion was fenced and its writes rolled back. 409, with
+    /// `Retry-After`: the retry gets the outcome of the request that holds the key.
+    LeaseLost,
 }
 
 impl Refusal {
@@ -59,7 +63,7 @@ impl Refusal {
             | Self::BodyUnreadable(_) => StatusCode::BAD_REQUEST,
             Self::CallerUnidentified => StatusCode::UNAUTHORIZED,
             Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            Self::InProgress { .. } => StatusCode::CONFLICT,
+            Self::InProgress { .. } | Self::LeaseLost => StatusCode::CONFLICT,
             Self::Mismatch | Self::FailedPermanently => StatusCode::UNPROCESSABLE_ENTITY,
             Self::StoreUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             Self::StoredResponseUnreadable(_) | Self::HandlerFailed => {
@@ -83,6 +87,7 @@ impl Refusal {
             Self::StoreUnavailable(_) => "idempotency-store-unavailable",
             Self::StoredResponseUnreadable(_) => "idempotency-stored-response-unreadable",
             Self::HandlerFailed => "handler-failed",
+            Self::LeaseLost => "idempotency-key-lease-lost",
         }
     }
 
@@ -101,6 +106,7 @@ impl Refusal {
             Self::StoreUnavailable(_) => "IDEMPOTENCY_STORE_UNAVAILABLE",
             Self::StoredResponseUnreadable(_) => "IDEMPOTENCY_STORED_RESPONSE_UNREADABLE",
             Self::HandlerFailed => "HANDLER_FAILED",
+            Self::LeaseLost => "IDEMPOTENCY_KEY_LEASE_LOST",
         }
     }
 
@@ -119,6 +125,7 @@ impl Refusal {
             Self::StoreUnavailable(_) => "The idempotency store is unavailable",
             Self::StoredResponseUnreadable(_) => "The stored response could not be read",
             Self::HandlerFailed => "The request failed on the server",
+            Self::LeaseLost => "This request lost its claim on the Idempotency-Key",
         }
     }
 
@@ -146,6 +153,7 @@ impl Refusal {
             Self::StoreUnavailable(_) => "the request was not run because its key could not be recorded; retry later".into(),
             Self::StoredResponseUnreadable(_) => "the outcome stored for this key cannot be replayed".into(),
             Self::HandlerFailed => "the request failed before producing a response; it may be retried with the same key".into(),
+            Self::LeaseLost => "this request took longer than its lease and another request with the key took it over; nothing it did was kept. Retry with the same key to get the outcome of that request".into(),
         }
     }
 
@@ -153,7 +161,10 @@ impl Refusal {
     pub fn is_retryable(&self) -> bool {
         matches!(
             self,
-            Self::InProgress { .. } | Self::StoreUnavailable(_) | Self::HandlerFailed
+            Self::InProgress { .. }
+                | Self::StoreUnavailable(_)
+                | Self::HandlerFailed
+                | Self::LeaseLost
         )
     }
 }
@@ -279,6 +290,7 @@ mod tests {
             Refusal::StoreUnavailable("internal-42".into()),
             Refusal::StoredResponseUnreadable("internal-42".into()),
             Refusal::HandlerFailed,
+            Refusal::LeaseLost,
         ];
         let mut slugs = std::collections::HashSet::new();
         for r in &all {

@@ -1,5 +1,6 @@
 //! The service: read the key, fingerprint, claim, run or replay, store.
 
+use crate::claim::{ClaimedKey, Settlement};
 use crate::layer::Config;
 use crate::problem::Refusal;
 use crate::stored::StoredResponse;
@@ -167,8 +168,13 @@ fn refuse<B>(config: &Config, refusal: Refusal) -> Answer<B> {
         "idempotency refusal"
     );
     let mut resp = config.responder.respond(&refusal);
-    if let Refusal::InProgress { retry_after } = &refusal {
-        let retry_after = *retry_after;
+    let retry_after = match &refusal {
+        Refusal::InProgress { retry_after } => Some(*retry_after),
+        // The request that took the key over is running: its outcome is the retry's answer.
+        Refusal::LeaseLost => Some(std::time::Duration::from_secs(1)),
+        _ => None,
+    };
+    if let Some(retry_after) = retry_after {
         if !resp.headers().contains_key(header::RETRY_AFTER) {
             resp.headers_mut().insert(
                 header::RETRY_AFTER,
@@ -404,8 +410,37 @@ async fn release(lease: Lease, why: &'static str) {
     }
 }
 
+fn record_settlement(settlement: Settlement) {
+    match settlement {
+        Settlement::Open => {}
+        Settlement::Committed => record_outcome("settled_by_handler"),
+        Settlement::Lost => {
+            record_outcome("lease_lost");
+            tracing::warn!(
+                "the handler's completion was fenced: its lease had passed and another request \
+                 holds the key; its transaction rolled back"
+            );
+        }
+    }
+}
+
+/// Gives `lease` back unless the handler settled the key itself (committed the completion in
+/// its transaction, or found its lease lost): then the lease is settled without a write.
+fn unless_settled_by_handler(claim: &ClaimedKey, lease: Lease) -> Option<Lease> {
+    let settlement = claim.settlement();
+    if settlement == Settlement::Open {
+        return Some(lease);
+    }
+    lease.settled_externally();
+    record_settlement(settlement);
+    None
+}
+
 /// What the handler gave, read while the heartbeat runs.
 enum Handled<B, E> {
+    /// The handler settled the key itself (see [`ClaimedKey`]); its response is delivered as
+    /// it is.
+    SettledByHandler(Response<B>, Settlement),
     /// The handler's error.
     Error(E),
     /// A response that is not stored (per the status policy, streaming or too large), with
@@ -420,7 +455,7 @@ enum Handled<B, E> {
 async fn run_and_store<S, ReqB, ResB>(
     mut inner: S,
     config: Arc<Config>,
-    req: Request<RequestBody<ReqB>>,
+    mut req: Request<RequestBody<ReqB>>,
     lease: Lease,
 ) -> Result<Answer<ResB>, S::Error>
 where
@@ -428,11 +463,22 @@ where
     ResB: Body<Data = Bytes>,
     ResB::Error: Into<BoxError>,
 {
+    let claim = ClaimedKey::new(
+        lease.id().clone(),
+        lease.token(),
+        lease.ttl(),
+        config.clone(),
+    );
+    req.extensions_mut().insert(claim.clone());
     let handled = async {
         let resp = match inner.call(req).await {
             Ok(resp) => resp,
             Err(e) => return Handled::Error(e),
         };
+        let settlement = claim.settlement();
+        if settlement != Settlement::Open {
+            return Handled::SettledByHandler(resp, settlement);
+        }
         if !(config.store_status)(resp.status()) {
             return Handled::Unstored(resp, "released_status");
         }
@@ -456,14 +502,30 @@ where
         Ok(handled) => handled,
         Err(panic) => {
             // A panic counts as a failed attempt: release the key, then let the task panic.
-            release(lease, "handler_panicked").await;
+            // A key the handler settled in its own transaction stays as it committed.
+            if let Some(lease) = unless_settled_by_handler(&claim, lease) {
+                release(lease, "handler_panicked").await;
+            }
             std::panic::resume_unwind(panic);
         }
     };
     let (parts, body) = match handled {
         Handled::Error(e) => {
-            release(lease, "handler_error").await;
+            if let Some(lease) = unless_settled_by_handler(&claim, lease) {
+                release(lease, "handler_error").await;
+            }
             return Err(e);
+        }
+        Handled::SettledByHandler(resp, settlement) => {
+            // The handler's transaction committed the completion (whatever it answers now is
+            // its answer, and every retry replays what was committed), or its completion was
+            // fenced and it rolled back.
+            lease.settled_externally();
+            record_settlement(settlement);
+            return Ok(match settlement {
+                Settlement::Lost => refuse(&config, Refusal::LeaseLost),
+                _ => resp.map(Either::Right),
+            });
         }
         Handled::Unstored(resp, why) => {
             release(lease, why).await;

@@ -1,0 +1,274 @@
+//! Cases for handlers that settle their key themselves ([`ClaimedKey`]): the completion is
+//! written with the handler's own effect (here, the store's completion compare-and-swap stands
+//! for the SQL stores' `complete_in` inside the business transaction), and the layer must not
+//! write again, must replay what the handler committed whatever it answers afterwards, and must
+//! answer a clear problem when the handler's completion is fenced.
+
+use crate::cases::{assert_problem, send};
+use async_trait::async_trait;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::Router;
+use idempotency_conformance::TestStore;
+use idempotency_core::{
+    Cas, Claim, ClaimRequest, Error, Failure, FencingToken, Fingerprint, Idempotency,
+    IdempotencyStore, Policy, Reclaim, Record, RecordId,
+};
+use idempotency_tower::{ClaimedKey, IdempotencyLayer};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Sleep this many milliseconds before committing.
+const DELAY_MS: &str = "x-test-delay-ms";
+/// Answer with this status after the commit, in place of the committed response.
+const STATUS_AFTER_COMMIT: &str = "x-test-status-after-commit";
+
+/// Counts the completions that reach the store.
+#[derive(Debug)]
+struct Counting {
+    inner: Arc<dyn IdempotencyStore>,
+    completes: AtomicU64,
+}
+
+#[async_trait]
+impl IdempotencyStore for Counting {
+    async fn claim(&self, request: &ClaimRequest) -> Result<Claim, Error> {
+        self.inner.claim(request).await
+    }
+    async fn complete(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        outcome: &[u8],
+        ttl: Duration,
+    ) -> Result<Cas, Error> {
+        self.completes.fetch_add(1, Ordering::SeqCst);
+        self.inner.complete(id, token, outcome, ttl).await
+    }
+    async fn fail(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        failure: &Failure,
+        ttl: Duration,
+    ) -> Result<Cas, Error> {
+        self.inner.fail(id, token, failure, ttl).await
+    }
+    async fn extend(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<Cas, Error> {
+        self.inner.extend(id, token, lease).await
+    }
+    async fn reclaim(
+        &self,
+        id: &RecordId,
+        expected: FencingToken,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Reclaim, Error> {
+        self.inner
+            .reclaim(id, expected, fingerprint, lease, ttl)
+            .await
+    }
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
+        self.inner.get(id).await
+    }
+    async fn purge_expired(&self, batch: usize) -> Result<u64, Error> {
+        self.inner.purge_expired(batch).await
+    }
+}
+
+struct App {
+    store: Arc<Counting>,
+    /// Effects that committed (the handler's completion was applied).
+    effects: AtomicU64,
+    /// Handler runs, committed or not.
+    runs: AtomicU64,
+}
+
+struct Server {
+    base: String,
+    app: Arc<App>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Server {
+    async fn start(store: &TestStore, policy: Policy) -> Self {
+        let counting = Arc::new(Counting {
+            inner: store.store.clone(),
+            completes: AtomicU64::new(0),
+        });
+        let engine = Idempotency::new(counting.clone(), policy).expect("a valid policy");
+        let app = Arc::new(App {
+            store: counting,
+            effects: AtomicU64::new(0),
+            runs: AtomicU64::new(0),
+        });
+        let router = Router::new()
+            .route("/orders", post(create).get(create))
+            .with_state(app.clone())
+            .layer(IdempotencyLayer::new(engine).required(true));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind an ephemeral loopback port");
+        let addr = listener.local_addr().expect("listener address");
+        let task = tokio::spawn(async move {
+            let _ = axum::serve(listener, router).await;
+        });
+        Self {
+            base: format!("http://{addr}/orders"),
+            app,
+            task,
+        }
+    }
+
+    fn effects(&self) -> u64 {
+        self.app.effects.load(Ordering::SeqCst)
+    }
+
+    fn completes(&self) -> u64 {
+        self.app.store.completes.load(Ordering::SeqCst)
+    }
+}
+
+/// Creates an "order": builds the answer, then commits it with the completion (the store's
+/// compare-and-swap, as a SQL handler would inside its transaction).
+async fn create(State(app): State<Arc<App>>, claim: ClaimedKey, headers: HeaderMap) -> Response {
+    let run = app.runs.fetch_add(1, Ordering::SeqCst) + 1;
+    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+    if let Some(ms) = header(DELAY_MS).and_then(|v| v.parse().ok()) {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    let answer = http::Response::builder()
+        .status(StatusCode::CREATED)
+        .header("content-type", "application/json")
+        .header("location", format!("/orders/{run}"))
+        .header("set-cookie", "session=secret")
+        .body(bytes::Bytes::from(format!("{{\"run\":{run}}}")))
+        .expect("a response");
+    let prepared = claim.prepare(answer).expect("a small response");
+    let cas = app
+        .store
+        .inner
+        .complete(claim.id(), claim.token(), prepared.outcome(), claim.ttl())
+        .await;
+    match cas {
+        Ok(Cas::Applied) => {
+            app.effects.fetch_add(1, Ordering::SeqCst);
+            let response = prepared.committed();
+            match header(STATUS_AFTER_COMMIT).and_then(|v| v.parse::<u16>().ok()) {
+                Some(status) => (
+                    StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+                    "failed after the commit",
+                )
+                    .into_response(),
+                None => response.into_response(),
+            }
+        }
+        Ok(Cas::Fenced) => {
+            // The "transaction" rolls back: no effect.
+            claim.lease_lost();
+            StatusCode::INTERNAL_SERVER_ERROR.into_response()
+        }
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+    }
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .no_proxy()
+        .build()
+        .expect("an HTTP client")
+}
+
+/// A handler that commits its completion itself: the layer writes nothing more, the retry
+/// replays the committed answer (allowlisted headers only), and the extractor refuses a request
+/// that holds no claim.
+pub async fn handler_settled_key_is_not_written_again(store: TestStore) {
+    let s = Server::start(&store, Policy::default()).await;
+    let c = client();
+    let key = uuid::Uuid::new_v4().to_string();
+    let first = send(c.post(&s.base).header("idempotency-key", &key)).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    assert_eq!(first.body.as_ref(), b"{\"run\":1}");
+    assert!(!first.replayed());
+    assert_eq!(s.completes(), 0, "the layer wrote a completion of its own");
+    let again = send(c.post(&s.base).header("idempotency-key", &key)).await;
+    assert_eq!(again.status, StatusCode::CREATED);
+    assert!(again.replayed(), "{again:?}");
+    assert_eq!(again.body, first.body);
+    assert_eq!(again.header("location"), Some("/orders/1"));
+    assert_eq!(again.header("set-cookie"), None, "a cookie was stored");
+    assert_eq!((s.effects(), s.completes()), (1, 0));
+    // GET is not covered: it runs without a claim, and the extractor refuses it.
+    let unclaimed = send(c.get(&s.base).header("idempotency-key", &key)).await;
+    assert_problem(&unclaimed, 500, "handler-failed");
+    assert_eq!(s.effects(), 1);
+}
+
+/// A handler that fails after its completion committed (here it answers 500) is replayed, not
+/// run again: the retry gets the committed 201.
+pub async fn handler_5xx_after_its_commit_is_replayed_not_rerun(store: TestStore) {
+    let s = Server::start(&store, Policy::default()).await;
+    let c = client();
+    let key = uuid::Uuid::new_v4().to_string();
+    let first = send(
+        c.post(&s.base)
+            .header("idempotency-key", &key)
+            .header(STATUS_AFTER_COMMIT, "500"),
+    )
+    .await;
+    assert_eq!(first.status, StatusCode::INTERNAL_SERVER_ERROR, "{first:?}");
+    let retry = send(c.post(&s.base).header("idempotency-key", &key)).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+    assert!(
+        retry.replayed(),
+        "the committed create ran again: {retry:?}"
+    );
+    assert_eq!(retry.body.as_ref(), b"{\"run\":1}");
+    assert_eq!((s.effects(), s.completes()), (1, 0));
+}
+
+/// A handler that stalls past its lease (no heartbeat) while a retry takes the key over: its
+/// completion is fenced, its effect rolls back, and it gets `409` `idempotency-key-lease-lost`
+/// with `Retry-After`; the key ends with the retry's one effect, which later requests replay.
+pub async fn handler_whose_lease_was_lost_gets_409_and_no_effect(store: TestStore) {
+    let policy = Policy::default()
+        .lease(Duration::from_millis(300))
+        .heartbeat(None);
+    let s = Server::start(&store, policy).await;
+    let c = client();
+    let key = uuid::Uuid::new_v4().to_string();
+    let slow = tokio::spawn(send(
+        c.post(&s.base)
+            .header("idempotency-key", &key)
+            .header(DELAY_MS, "1200"),
+    ));
+    // Past the first lease (with room for a store clock at millisecond precision).
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let takeover = send(c.post(&s.base).header("idempotency-key", &key)).await;
+    assert_eq!(takeover.status, StatusCode::CREATED, "{takeover:?}");
+    assert!(!takeover.replayed());
+    assert_eq!(takeover.body.as_ref(), b"{\"run\":2}");
+    let slow = slow.await.expect("the slow request");
+    assert_problem(&slow, 409, "idempotency-key-lease-lost");
+    assert!(slow.header("retry-after").is_some(), "{slow:?}");
+    let later = send(c.post(&s.base).header("idempotency-key", &key)).await;
+    assert!(later.replayed(), "{later:?}");
+    assert_eq!(later.body, takeover.body);
+    assert_eq!(s.effects(), 1, "the stalled holder's effect was kept");
+    assert_eq!(s.completes(), 0);
+}

@@ -1,0 +1,276 @@
+//! The claim a covered request holds on its key, for handlers that complete the key inside
+//! their own database transaction (exactly-once effects through the layer).
+
+use crate::layer::Config;
+use crate::stored::StoredResponse;
+use bytes::Bytes;
+use http::Response;
+use http_body_util::Full;
+use idempotency_core::{FencingToken, RecordId, WorkContext};
+use std::fmt;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+/// What the handler did with its claim, as the layer reads it once the handler returns.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Settlement {
+    /// The handler did not settle the key: the layer stores its response (or releases the key)
+    /// as for any handler.
+    Open,
+    /// The handler committed the completion in its own transaction: the layer writes nothing.
+    Committed,
+    /// The handler's completion was fenced (the lease had passed and another request took the
+    /// key over); its transaction rolled back. The layer answers a lease-lost problem.
+    Lost,
+}
+
+struct Shared {
+    id: RecordId,
+    token: FencingToken,
+    ttl: Duration,
+    config: Arc<Config>,
+    settlement: Mutex<Settlement>,
+}
+
+impl Shared {
+    fn set(&self, to: Settlement) {
+        *self
+            .settlement
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = to;
+    }
+}
+
+/// The request's claim on its idempotency key, put in the request extensions by the layer for
+/// every request that runs the handler (with the `axum` feature it is also an extractor).
+///
+/// Most handlers ignore it: the layer stores their response after they return. A handler whose
+/// effect is a write to the same SQL database as the idempotency records uses it to make the
+/// write and the completion **one transaction**, so that a crash between the two cannot let a
+/// retry run the write again:
+///
+/// 1. build the response it will answer with, and [`ClaimedKey::prepare`] it: the bytes the
+///    layer would store (status, the allowlisted headers and the body);
+/// 2. in its transaction, write its rows and the completion compare-and-swap with
+///    [`Prepared::outcome`] (`SqliteStore::complete_in` or `PostgresStore::complete_in`, with
+///    [`ClaimedKey::id`], [`ClaimedKey::token`] and [`ClaimedKey::ttl`]), then commit;
+/// 3. answer [`Prepared::committed`]. The layer then writes nothing more, and every retry
+///    replays what was committed, even if the handler ends up answering something else (a
+///    5xx after the commit is replayed, never re-run).
+///
+/// If the completion is fenced (the lease passed while the handler stalled and a retry took
+/// the key over), the handler drops its transaction, which rolls its writes back, and calls
+/// [`ClaimedKey::lease_lost`]: the layer then answers `409` `idempotency-key-lease-lost` and the
+/// client's retry gets the newer request's outcome.
+///
+/// ```
+/// use http::{Response, StatusCode};
+/// use idempotency_tower::ClaimedKey;
+///
+/// /// The business transaction: a row and the completion, committed together.
+/// fn insert_and_complete(claim: &ClaimedKey, outcome: &[u8]) -> Result<(), String> {
+///     // let tx = conn.transaction()?; insert the row;
+///     // store.complete_in(&tx, claim.id(), claim.token(), outcome, claim.ttl())?;
+///     // tx.commit()?;
+///     # let _ = (claim, outcome);
+///     Ok(())
+/// }
+///
+/// fn create(claim: ClaimedKey) -> Response<http_body_util::Full<bytes::Bytes>> {
+///     let response = Response::builder()
+///         .status(StatusCode::CREATED)
+///         .header("content-type", "application/json")
+///         .body(bytes::Bytes::from_static(br#"{"id":7}"#))
+///         .unwrap();
+///     let prepared = match claim.prepare(response) {
+///         Ok(prepared) => prepared,
+///         Err(e) => return server_error(e.to_string()),
+///     };
+///     match insert_and_complete(&claim, prepared.outcome()) {
+///         Ok(()) => prepared.committed(),
+///         Err(e) => server_error(e),
+///     }
+/// }
+/// # fn server_error(e: String) -> Response<http_body_util::Full<bytes::Bytes>> {
+/// #     let mut r = Response::new(http_body_util::Full::new(bytes::Bytes::from(e)));
+/// #     *r.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
+/// #     r
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct ClaimedKey {
+    shared: Arc<Shared>,
+}
+
+impl fmt::Debug for ClaimedKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ClaimedKey")
+            .field("id", &self.shared.id)
+            .field("token", &self.shared.token)
+            .field("settlement", &self.settlement())
+            .finish_non_exhaustive()
+    }
+}
+
+impl ClaimedKey {
+    pub(crate) fn new(
+        id: RecordId,
+        token: FencingToken,
+        ttl: Duration,
+        config: Arc<Config>,
+    ) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                id,
+                token,
+                ttl,
+                config,
+                settlement: Mutex::new(Settlement::Open),
+            }),
+        }
+    }
+
+    pub(crate) fn settlement(&self) -> Settlement {
+        *self
+            .shared
+            .settlement
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The record the request holds: its scope and key.
+    pub fn id(&self) -> &RecordId {
+        &self.shared.id
+    }
+
+    /// The fencing token of this request's claim.
+    pub fn token(&self) -> FencingToken {
+        self.shared.token
+    }
+
+    /// How long the completed record is kept (the engine's `Policy::ttl`), for the completion.
+    pub fn ttl(&self) -> Duration {
+        self.shared.ttl
+    }
+
+    /// The id and token together, as the engine's exactly-once paths give them to their work.
+    pub fn context(&self) -> WorkContext {
+        WorkContext {
+            id: self.shared.id.clone(),
+            token: self.shared.token,
+        }
+    }
+
+    /// The stored form of `response`, as the layer would store it: its status, the headers of
+    /// the replay allowlist (never credentials, cookies or hop-by-hop headers) and its body.
+    /// Write [`Prepared::outcome`] with the completion in your transaction, then answer
+    /// [`Prepared::committed`].
+    ///
+    /// [`PrepareError::TooLarge`] when the body is larger than the layer's response limit: it
+    /// could not be replayed.
+    pub fn prepare<B: Into<Bytes>>(&self, response: Response<B>) -> Result<Prepared, PrepareError> {
+        let (parts, body) = response.into_parts();
+        let body: Bytes = body.into();
+        let config = &self.shared.config;
+        if body.len() > config.response_limit {
+            return Err(PrepareError::TooLarge {
+                limit: config.response_limit,
+            });
+        }
+        let stored = StoredResponse {
+            status: parts.status,
+            headers: parts
+                .headers
+                .iter()
+                .filter(|(name, _)| config.replays(name))
+                .map(|(n, v)| (n.clone(), v.clone()))
+                .collect(),
+            body: body.clone(),
+        };
+        Ok(Prepared {
+            claim: self.clone(),
+            outcome: stored.encode(),
+            response: Response::from_parts(parts, body),
+        })
+    }
+
+    /// Tells the layer that the handler's completion was fenced and its transaction rolled
+    /// back: the layer answers `409` `idempotency-key-lease-lost` in place of the handler's
+    /// response, and writes nothing (the record belongs to the request that took it over).
+    pub fn lease_lost(&self) {
+        self.shared.set(Settlement::Lost);
+    }
+}
+
+/// A response ready to be committed with the handler's transaction; see [`ClaimedKey`].
+#[derive(Debug)]
+pub struct Prepared {
+    claim: ClaimedKey,
+    outcome: Vec<u8>,
+    response: Response<Bytes>,
+}
+
+impl Prepared {
+    /// The bytes to write with the completion, in the handler's transaction.
+    pub fn outcome(&self) -> &[u8] {
+        &self.outcome
+    }
+
+    /// Tells the layer the completion committed, and gives back the response to answer with.
+    /// Call it only after the commit succeeded.
+    pub fn committed(self) -> Response<Full<Bytes>> {
+        self.claim.shared.set(Settlement::Committed);
+        self.response.map(Full::new)
+    }
+}
+
+/// Why a response cannot be prepared for a transactional completion.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PrepareError {
+    /// The body is larger than the layer's response limit, so it could not be replayed.
+    #[error("the response body is larger than the {limit}-byte response limit, so it cannot be replayed")]
+    TooLarge {
+        /// The limit in bytes.
+        limit: usize,
+    },
+}
+
+#[cfg(feature = "axum")]
+mod extract {
+    use super::ClaimedKey;
+    use crate::problem::{ProblemJson, Refusal, RefusalResponder};
+    use axum::extract::FromRequestParts;
+    use axum::response::{IntoResponse, Response};
+    use http::request::Parts;
+
+    /// The rejection of the [`ClaimedKey`] extractor: the request did not run under the
+    /// layer's claim (the route is not behind the layer, the method is not covered, or the
+    /// request had no key and the layer does not require one). Answers 500: it is a wiring
+    /// mistake, not the client's. Extract `Option<ClaimedKey>` for routes where a key is
+    /// optional.
+    #[derive(Debug, Clone, Copy, thiserror::Error)]
+    #[error("the request holds no idempotency claim: is the route behind the idempotency layer?")]
+    pub struct NoClaim;
+
+    impl IntoResponse for NoClaim {
+        fn into_response(self) -> Response {
+            tracing::error!("{self}");
+            ProblemJson::default()
+                .respond(&Refusal::HandlerFailed)
+                .map(axum::body::Body::from)
+        }
+    }
+
+    #[axum::async_trait]
+    impl<S: Send + Sync> FromRequestParts<S> for ClaimedKey {
+        type Rejection = NoClaim;
+
+        async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, NoClaim> {
+            parts.extensions.get::<ClaimedKey>().cloned().ok_or(NoClaim)
+        }
+    }
+}
+
+#[cfg(feature = "axum")]
+pub use extract::NoClaim;
