@@ -12,7 +12,7 @@ use axum::routing::{get, post};
 use axum::Router;
 use book::{validate, Book, Issue};
 use idempotency_core::{is_json_media_type, Idempotency, IdempotencyStore, Policy};
-use idempotency_tower::IdempotencyLayer;
+use idempotency_tower::{default_store_status, ClaimedKey, IdempotencyLayer};
 use repo::{BookRepo, RepoError, Update};
 use serde_json::{json, Value};
 use std::path::PathBuf;
@@ -49,12 +49,32 @@ pub enum StoreChoice {
 /// How the service is set up.
 #[derive(Clone, Debug)]
 pub struct Config {
-    /// The SQLite file holding the books table.
+    /// The SQLite file holding the books table (and, with [`StoreChoice::Sqlite`], the
+    /// idempotency records). With [`StoreChoice::Postgres`] the books are in Postgres instead.
     pub database: PathBuf,
     /// The idempotency store.
     pub store: StoreChoice,
+    /// With [`StoreChoice::Postgres`]: the schema holding the books table and the idempotency
+    /// records (created when missing).
+    pub postgres_schema: String,
     /// The engine policy (lease, retention, in-flight behaviour).
     pub policy: Policy,
+    /// How often expired idempotency records are purged.
+    pub purge_every: Duration,
+}
+
+fn env_secs(name: &str) -> Result<Option<Duration>, ConfigError> {
+    match std::env::var(name) {
+        Err(_) => Ok(None),
+        Ok(v) => match v.parse::<f64>() {
+            Ok(secs) if secs.is_finite() && secs > 0.0 && secs < 1e9 => {
+                Ok(Some(Duration::from_secs_f64(secs)))
+            }
+            _ => Err(ConfigError(format!(
+                "{name}={v} is not a positive number of seconds"
+            ))),
+        },
+    }
 }
 
 /// A configuration error, with what to set.
@@ -63,10 +83,24 @@ pub struct Config {
 pub struct ConfigError(String);
 
 impl Config {
+    /// The books in `database` (a SQLite file), the keys in `store`, with the default policy,
+    /// the `public` Postgres schema and a purge every minute.
+    pub fn new(database: impl Into<PathBuf>, store: StoreChoice) -> Self {
+        Self {
+            database: database.into(),
+            store,
+            postgres_schema: "public".to_owned(),
+            policy: Policy::default(),
+            purge_every: Duration::from_secs(60),
+        }
+    }
+
     /// Reads `BOOKS_DATABASE` (default: `books-api.sqlite3` in the temp directory),
     /// `BOOKS_STORE` (`sqlite`, the default, `postgres`, `redis` or `memory`) and, for
-    /// Postgres, `BOOKS_POSTGRES_URL` (default `postgres://postgres@127.0.0.1:5432/test`), for
-    /// Redis, `BOOKS_REDIS_URL` (default `redis://127.0.0.1:6379`).
+    /// Postgres, `BOOKS_POSTGRES_URL` (default `postgres://postgres@127.0.0.1:5432/test`) and
+    /// `BOOKS_POSTGRES_SCHEMA` (default `public`), for Redis, `BOOKS_REDIS_URL` (default
+    /// `redis://127.0.0.1:6379`); `BOOKS_KEY_RETENTION_SECS` (default 86400),
+    /// `BOOKS_LEASE_SECS` (default 30) and `BOOKS_PURGE_EVERY_SECS` (default 60).
     pub fn from_env() -> Result<Self, ConfigError> {
         let database = std::env::var_os("BOOKS_DATABASE")
             .map(PathBuf::from)
@@ -88,10 +122,23 @@ impl Config {
                 )))
             }
         };
+        let mut policy = Policy::default();
+        if let Some(ttl) = env_secs("BOOKS_KEY_RETENTION_SECS")? {
+            policy = policy.ttl(ttl);
+        }
+        if let Some(lease) = env_secs("BOOKS_LEASE_SECS")? {
+            policy = policy.lease(lease);
+        }
+        policy
+            .validate()
+            .map_err(|e| ConfigError(format!("the idempotency policy is invalid: {e}")))?;
         Ok(Self {
             database,
             store,
-            policy: Policy::default(),
+            postgres_schema: std::env::var("BOOKS_POSTGRES_SCHEMA")
+                .unwrap_or_else(|_| "public".to_owned()),
+            policy,
+            purge_every: env_secs("BOOKS_PURGE_EVERY_SECS")?.unwrap_or(Duration::from_secs(60)),
         })
     }
 }
@@ -120,6 +167,10 @@ impl Faults {
 pub struct AppState {
     /// The books table.
     pub books: BookRepo,
+    /// How long idempotency keys are kept, as the service publishes it.
+    pub key_retention: Duration,
+    /// The idempotency store.
+    pub records: Arc<dyn IdempotencyStore>,
     /// Injected faults (tests only).
     pub faults: Faults,
 }
@@ -162,47 +213,93 @@ async fn authenticate(mut req: Request, next: Next) -> Response {
     next.run(req).await
 }
 
-/// The idempotency store `config` names.
-pub async fn store(config: &Config) -> Result<Arc<dyn IdempotencyStore>, BuildError> {
+/// The idempotency store `config` names, and the books table beside it: in the same SQLite
+/// file or Postgres schema when the records are there, so that a create and its completion
+/// commit together.
+pub async fn stores(config: &Config) -> Result<(Arc<dyn IdempotencyStore>, BookRepo), BuildError> {
     match config.store {
         StoreChoice::Sqlite => {
             let store = idempotency_sqlite::SqliteStore::open(&config.database).await?;
             store.migrate().await?;
-            Ok(Arc::new(store))
+            let books = BookRepo::open_sqlite(&config.database, Some(store.clone()))?;
+            Ok((Arc::new(store), books))
         }
-        StoreChoice::Memory => Ok(Arc::new(idempotency_memory::MemoryStore::new())),
+        StoreChoice::Memory => Ok((
+            Arc::new(idempotency_memory::MemoryStore::new()),
+            BookRepo::open_sqlite(&config.database, None)?,
+        )),
         StoreChoice::Postgres(ref url) => {
-            let store = idempotency_postgres::PostgresStore::connect(url).await?;
+            let store = idempotency_postgres::PostgresStore::builder()
+                .schema(config.postgres_schema.clone())
+                .connect(url)
+                .await?;
             store.migrate().await?;
-            Ok(Arc::new(store))
+            let books = BookRepo::open_postgres(store.clone()).await?;
+            Ok((Arc::new(store), books))
         }
         StoreChoice::Redis(ref url) => {
             let store = idempotency_redis::RedisStore::connect(url.as_str())
                 .await?
                 .with_prefix(REDIS_PREFIX)?;
-            Ok(Arc::new(store))
+            Ok((
+                Arc::new(store),
+                BookRepo::open_sqlite(&config.database, None)?,
+            ))
         }
     }
 }
 
 /// Builds the router and its state.
+///
+/// `POST /books` requires an `Idempotency-Key`; `PATCH /books/{id}` takes one optionally. Both
+/// are scoped to the caller. A PATCH answered `412 Precondition Failed` changed nothing, so it
+/// is not stored: the key stays usable for the retry with a fresh `If-Match`.
 pub async fn build(config: &Config) -> Result<(Router, Arc<AppState>), BuildError> {
-    let books = BookRepo::open(&config.database)?;
-    let engine = Idempotency::new(store(config).await?, config.policy.clone())?;
+    let (store, books) = stores(config).await?;
+    let engine = Idempotency::new(store.clone(), config.policy.clone())?;
     let state = Arc::new(AppState {
         books,
+        key_retention: config.policy.ttl,
+        records: store,
         faults: Faults::default(),
     });
-    let idempotency = IdempotencyLayer::new(engine)
+    let caller = |req: &http::request::Parts| req.extensions.get::<Caller>().map(|c| c.0.clone());
+    let create_layer = IdempotencyLayer::new(engine.clone())
         .required(true)
+        .methods([http::Method::POST])
         .problem_type_base(PROBLEM_BASE)
-        .scope(|req| req.extensions.get::<Caller>().map(|c| c.0.clone()));
+        .scope(caller);
+    let patch_layer = IdempotencyLayer::new(engine)
+        .methods([http::Method::PATCH])
+        .problem_type_base(PROBLEM_BASE)
+        .store_status(|s| default_store_status(s) && s != StatusCode::PRECONDITION_FAILED)
+        .scope(caller);
     let router = Router::new()
-        .route("/books", post(create).route_layer(idempotency).get(list))
-        .route("/books/:id", get(show).patch(update))
+        .route("/", get(describe))
+        .route("/books", post(create).route_layer(create_layer).get(list))
+        .route(
+            "/books/:id",
+            get(show).patch(update).route_layer(patch_layer),
+        )
         .with_state(state.clone())
         .layer(middleware::from_fn(authenticate));
     Ok((router, state))
+}
+
+/// `GET /`: what the service is, and its idempotency-key policy (the draft asks servers to
+/// publish how long keys are kept).
+async fn describe(State(state): State<Arc<AppState>>) -> Response {
+    axum::Json(json!({
+        "service": "books-api",
+        "idempotency": {
+            "header": "Idempotency-Key",
+            "required_for": ["POST /books"],
+            "optional_for": ["PATCH /books/{id}"],
+            "key_retention_seconds": state.key_retention.as_secs(),
+            "scope": "per caller (Authorization: Bearer <token>), method and route",
+        }
+    }))
+    .into_response()
 }
 
 fn problem(status: StatusCode, slug: &str, title: &str, detail: Option<String>) -> Response {
@@ -297,7 +394,40 @@ fn media_essence(content_type: &str) -> String {
         .to_ascii_lowercase()
 }
 
-async fn create(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+/// The 201 answer for a new book, with its bytes in memory (so that it can be stored with the
+/// book's own transaction).
+fn created_response(book: &Book) -> http::Response<Bytes> {
+    let body = serde_json::to_vec(&book.representation()).unwrap_or_default();
+    let mut resp = http::Response::new(Bytes::from(body));
+    *resp.status_mut() = StatusCode::CREATED;
+    let h = resp.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    if let Ok(tag) = HeaderValue::from_str(&book.etag()) {
+        h.insert(header::ETAG, tag);
+    }
+    h.insert(
+        header::CACHE_CONTROL,
+        HeaderValue::from_static("private, no-cache"),
+    );
+    if let Ok(loc) = HeaderValue::from_str(&format!("/books/{}", book.id)) {
+        h.insert(header::LOCATION, loc);
+    }
+    resp
+}
+
+/// `POST /books`. With the idempotency records in the books' database (SQLite, the default, or
+/// Postgres), the book row and the key's completion commit in one transaction: a crash between
+/// the insert and the answer leaves either both (the retry replays the 201) or neither (the
+/// retry creates the book, once).
+async fn create(
+    State(state): State<Arc<AppState>>,
+    claim: Option<ClaimedKey>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     if !content_type(&headers).is_some_and(is_json_media_type) {
         let mut resp = problem(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
@@ -329,13 +459,29 @@ async fn create(State(state): State<Arc<AppState>>, headers: HeaderMap, body: By
     if failing.is_ok() {
         return internal("injected create failure");
     }
-    match state.books.create(input).await {
-        Ok(book) => {
-            let mut resp = book_response(StatusCode::CREATED, &book);
-            if let Ok(loc) = HeaderValue::from_str(&format!("/books/{}", book.id)) {
-                resp.headers_mut().insert(header::LOCATION, loc);
-            }
-            resp
+    let book = Book::new(uuid::Uuid::new_v4().to_string(), input);
+    let response = created_response(&book);
+    let Some(claim) = claim.filter(|_| state.books.completes_in_transaction()) else {
+        return match state.books.create(&book).await {
+            Ok(()) => response.map(axum::body::Body::from).into_response(),
+            Err(e) => internal(e),
+        };
+    };
+    let prepared = match claim.prepare(response) {
+        Ok(prepared) => prepared,
+        Err(e) => return internal(e),
+    };
+    match state
+        .books
+        .create_completing(&book, &claim, prepared.outcome())
+        .await
+    {
+        Ok(()) => prepared.committed().into_response(),
+        Err(RepoError::LeaseLost) => {
+            // Rolled back: the request that took the key over creates the book. The layer
+            // answers 409 lease-lost in place of this response.
+            claim.lease_lost();
+            internal(RepoError::LeaseLost)
         }
         Err(e) => internal(e),
     }
@@ -403,7 +549,7 @@ async fn show(
     headers: HeaderMap,
 ) -> Response {
     let book = match state.books.get(&id).await {
-        Ok(Some(book)) => book,
+        Ok(Some(row)) => row.book,
         Ok(None) => return not_found(),
         Err(e) => return internal(e),
     };
@@ -440,8 +586,8 @@ async fn update(
     // A request without If-Match still never overwrites a write it did not see: the write is
     // conditional on the tag read here, and a lost race reads again (a few times).
     for _ in 0..5 {
-        let book = match state.books.get(&id).await {
-            Ok(Some(book)) => book,
+        let (book, version) = match state.books.get(&id).await {
+            Ok(Some(row)) => (row.book, row.version),
             Ok(None) => return not_found(),
             Err(e) => return internal(e),
         };
@@ -476,7 +622,7 @@ async fn update(
             Ok(input) => input,
             Err(issues) => return validation_failed(issues),
         };
-        match state.books.update_if(&id, &current, input).await {
+        match state.books.update_if(&id, version, input).await {
             Ok(Update::Updated(book)) => return book_response(StatusCode::OK, &book),
             Ok(Update::NotFound) => return not_found(),
             Ok(Update::Stale) if conditional => return precondition_failed(),
@@ -501,6 +647,37 @@ pub struct Running {
     pub state: Arc<AppState>,
     /// The server task.
     pub task: tokio::task::JoinHandle<std::io::Result<()>>,
+    /// The task purging expired idempotency records every [`Config::purge_every`].
+    pub purge: tokio::task::JoinHandle<()>,
+}
+
+/// Purges expired idempotency records every `every`, in batches, for as long as it runs.
+/// Every backend also ignores expired records on its own, so a missed round costs only space.
+pub async fn purge_expired_keys(store: Arc<dyn IdempotencyStore>, every: Duration) {
+    const BATCH: usize = 1000;
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let mut purged = 0u64;
+        loop {
+            match store.purge_expired(BATCH).await {
+                Ok(n) => {
+                    purged += n;
+                    if n < BATCH as u64 {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "purging expired idempotency keys failed; trying again next round");
+                    break;
+                }
+            }
+        }
+        if purged > 0 {
+            tracing::info!(purged, "purged expired idempotency keys");
+        }
+    }
 }
 
 /// Builds the service and serves it on `127.0.0.1:port` (0 for an ephemeral port).
@@ -509,5 +686,14 @@ pub async fn start(config: &Config, port: u16) -> Result<Running, Box<dyn std::e
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
     let url = format!("http://{}", listener.local_addr()?);
     let task = tokio::spawn(async move { axum::serve(listener, router).await });
-    Ok(Running { url, state, task })
+    let purge = tokio::spawn(purge_expired_keys(
+        state.records.clone(),
+        config.purge_every,
+    ));
+    Ok(Running {
+        url,
+        state,
+        task,
+        purge,
+    })
 }

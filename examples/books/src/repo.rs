@@ -1,7 +1,17 @@
-//! The books table, in SQLite through rusqlite.
+//! The books table: in SQLite through rusqlite (the default), or in Postgres through sqlx when
+//! the idempotency records are there too.
+//!
+//! Each row has a `version` that every update increments. The ETag is computed from the
+//! representation, and a conditional update compares the version it read in the same request
+//! (`UPDATE … WHERE id = ? AND version = ?`): like is compared with like, so a change to the
+//! representation's format, or a row written by another program, never makes every PATCH fail.
 
 use crate::book::{Book, BookInput};
-use rusqlite::{params, Connection, OptionalExtension};
+use idempotency_postgres::sqlx::{self, PgPool, Row as _};
+use idempotency_postgres::PostgresStore;
+use idempotency_sqlite::SqliteStore;
+use idempotency_tower::ClaimedKey;
+use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
@@ -12,167 +22,410 @@ pub enum RepoError {
     /// SQLite failed.
     #[error("books database error: {0}")]
     Sqlite(#[from] rusqlite::Error),
+    /// Postgres failed.
+    #[error("books database error: {0}")]
+    Postgres(#[from] sqlx::Error),
     /// The blocking task running the statement failed.
     #[error("books database task failed: {0}")]
     Task(String),
+    /// The completion in the book's transaction was fenced: the request's lease had passed
+    /// and another request holds the key. Nothing was written.
+    #[error("the idempotency lease was lost; the book was not written")]
+    LeaseLost,
+    /// The completion in the book's transaction failed otherwise; nothing was written.
+    #[error("the idempotency completion failed: {0}")]
+    Completion(idempotency_core::Error),
+}
+
+impl From<idempotency_core::Error> for RepoError {
+    fn from(e: idempotency_core::Error) -> Self {
+        match e {
+            idempotency_core::Error::LeaseLost { .. } => Self::LeaseLost,
+            e => Self::Completion(e),
+        }
+    }
 }
 
 /// The result of a conditional update.
 #[derive(Debug)]
 pub enum Update {
-    /// The row held the expected ETag and was replaced.
+    /// The row still had the expected version and was replaced.
     Updated(Book),
-    /// The row changed since the ETag was read; nothing was written.
+    /// The row changed since it was read; nothing was written.
     Stale,
     /// There is no such book.
     NotFound,
 }
 
-/// The books table. One connection behind a mutex: SQLite serialises writers anyway, and the
-/// example favours clarity over throughput.
+/// A book as stored: the book and the version its row is at.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Versioned {
+    /// The book.
+    pub book: Book,
+    /// Incremented by every update.
+    pub version: i64,
+}
+
+#[derive(Clone, Debug)]
+enum Backend {
+    Sqlite {
+        conn: Arc<Mutex<Connection>>,
+        /// The idempotency store, when its records are in the same file.
+        records: Option<SqliteStore>,
+    },
+    Postgres {
+        pool: PgPool,
+        /// The quoted, schema-qualified table name.
+        table: String,
+        records: PostgresStore,
+    },
+}
+
+/// The books table.
 #[derive(Clone, Debug)]
 pub struct BookRepo {
-    conn: Arc<Mutex<Connection>>,
+    backend: Backend,
 }
+
+const SQLITE_SCHEMA: &str = "CREATE TABLE IF NOT EXISTS books (
+    id TEXT PRIMARY KEY,
+    title TEXT NOT NULL,
+    author TEXT NOT NULL,
+    year INTEGER NOT NULL,
+    summary TEXT,
+    version INTEGER NOT NULL DEFAULT 1,
+    created_at INTEGER NOT NULL DEFAULT (unixepoch('subsec') * 1000)
+);";
 
 impl BookRepo {
     /// Opens (and creates) the table in the SQLite file at `path`, in WAL mode.
-    pub fn open(path: &Path) -> Result<Self, RepoError> {
-        let conn = Connection::open(path)?;
+    /// With `records`, an idempotency store on the same file, creates complete their key in
+    /// the book's own transaction ([`BookRepo::create_completing`]).
+    ///
+    /// A table from an earlier version of the example (an `etag` column, no `version`) is
+    /// converted in place.
+    pub fn open_sqlite(path: &Path, records: Option<SqliteStore>) -> Result<Self, RepoError> {
+        let mut conn = Connection::open(path)?;
         conn.pragma_update(None, "journal_mode", "WAL")?;
         conn.pragma_update(None, "synchronous", "FULL")?;
         conn.busy_timeout(std::time::Duration::from_secs(5))?;
-        conn.execute_batch(
-            "CREATE TABLE IF NOT EXISTS books (
+        let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let has_etag: bool = tx
+            .query_row(
+                "SELECT count(*) FROM pragma_table_info('books') WHERE name = 'etag'",
+                [],
+                |r| r.get::<_, i64>(0),
+            )
+            .map(|n| n > 0)?;
+        if has_etag {
+            tx.execute_batch(&format!(
+                "ALTER TABLE books RENAME TO books_before_versions;
+                 {SQLITE_SCHEMA}
+                 INSERT INTO books (id, title, author, year, summary, version, created_at)
+                     SELECT id, title, author, year, summary, 1, created_at
+                     FROM books_before_versions;
+                 DROP TABLE books_before_versions;"
+            ))?;
+        } else {
+            tx.execute_batch(SQLITE_SCHEMA)?;
+        }
+        tx.commit()?;
+        Ok(Self {
+            backend: Backend::Sqlite {
+                conn: Arc::new(Mutex::new(conn)),
+                records,
+            },
+        })
+    }
+
+    /// Creates the table `books` in the schema of `records`' table on its server, and keeps
+    /// the books there: creates complete their key in the book's own transaction.
+    pub async fn open_postgres(records: PostgresStore) -> Result<Self, RepoError> {
+        let name = records.table_name();
+        let table = format!("\"{}\".books", name.schema().replace('"', "\"\""));
+        let pool = records.pool().clone();
+        sqlx::query(&format!(
+            "CREATE TABLE IF NOT EXISTS {table} (
                 id TEXT PRIMARY KEY,
                 title TEXT NOT NULL,
                 author TEXT NOT NULL,
                 year INTEGER NOT NULL,
                 summary TEXT,
-                etag TEXT NOT NULL,
-                created_at INTEGER NOT NULL
-            );",
-        )?;
+                version BIGINT NOT NULL DEFAULT 1,
+                created_at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp()
+            )"
+        ))
+        .execute(&pool)
+        .await?;
         Ok(Self {
-            conn: Arc::new(Mutex::new(conn)),
+            backend: Backend::Postgres {
+                pool,
+                table,
+                records,
+            },
         })
     }
 
-    async fn with<T, F>(&self, f: F) -> Result<T, RepoError>
+    /// Whether the idempotency records live in the books' database, so that a create and its
+    /// completion can commit together.
+    pub fn completes_in_transaction(&self) -> bool {
+        match &self.backend {
+            Backend::Sqlite { records, .. } => records.is_some(),
+            Backend::Postgres { .. } => true,
+        }
+    }
+
+    async fn sqlite<T, F>(conn: &Arc<Mutex<Connection>>, f: F) -> Result<T, RepoError>
     where
         T: Send + 'static,
-        F: FnOnce(&Connection) -> Result<T, rusqlite::Error> + Send + 'static,
+        F: FnOnce(&mut Connection) -> Result<T, RepoError> + Send + 'static,
     {
-        let conn = self.conn.clone();
+        let conn = conn.clone();
         tokio::task::spawn_blocking(move || {
-            let guard = conn
+            let mut guard = conn
                 .lock()
                 .map_err(|_| RepoError::Task("connection mutex poisoned".into()))?;
-            f(&guard).map_err(RepoError::from)
+            f(&mut guard)
         })
         .await
         .map_err(|e| RepoError::Task(e.to_string()))?
     }
 
-    /// Inserts a new book.
-    pub async fn create(&self, input: BookInput) -> Result<Book, RepoError> {
-        let book = Book::new(uuid::Uuid::new_v4().to_string(), input);
-        let row = book.clone();
-        self.with(move |c| {
-            c.execute(
-                "INSERT INTO books (id, title, author, year, summary, etag, created_at)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, unixepoch('subsec') * 1000)",
-                params![
-                    row.id,
-                    row.input.title,
-                    row.input.author,
-                    row.input.year,
-                    row.input.summary,
-                    row.etag()
-                ],
-            )
-        })
-        .await?;
-        Ok(book)
+    /// Inserts `book`.
+    pub async fn create(&self, book: &Book) -> Result<(), RepoError> {
+        match &self.backend {
+            Backend::Sqlite { conn, .. } => {
+                let row = book.clone();
+                Self::sqlite(conn, move |c| {
+                    insert_sqlite(c, &row)?;
+                    Ok(())
+                })
+                .await
+            }
+            Backend::Postgres { pool, table, .. } => {
+                let mut conn = pool.acquire().await?;
+                insert_postgres(&mut conn, table, book).await
+            }
+        }
+    }
+
+    /// Inserts `book` and completes the request's key with `outcome` in **one transaction**:
+    /// both commit or neither does. [`RepoError::LeaseLost`] if the lease had passed and
+    /// another request holds the key (the book is not written). Needs
+    /// [`BookRepo::completes_in_transaction`].
+    pub async fn create_completing(
+        &self,
+        book: &Book,
+        claim: &ClaimedKey,
+        outcome: &[u8],
+    ) -> Result<(), RepoError> {
+        match &self.backend {
+            Backend::Sqlite { conn, records } => {
+                let Some(records) = records.clone() else {
+                    return Err(RepoError::Task(
+                        "the idempotency records are not in the books' database".into(),
+                    ));
+                };
+                let (row, claim, outcome) = (book.clone(), claim.clone(), outcome.to_vec());
+                Self::sqlite(conn, move |c| {
+                    let tx = c.transaction_with_behavior(TransactionBehavior::Immediate)?;
+                    insert_sqlite(&tx, &row)?;
+                    // Fenced: `tx` is dropped on return, rolling the insert back.
+                    records.complete_in(&tx, claim.id(), claim.token(), &outcome, claim.ttl())?;
+                    tx.commit()?;
+                    Ok(())
+                })
+                .await
+            }
+            Backend::Postgres {
+                pool,
+                table,
+                records,
+            } => {
+                let mut tx = pool.begin().await?;
+                insert_postgres(&mut tx, table, book).await?;
+                // Fenced: `tx` is dropped on return, rolling the insert back.
+                records
+                    .complete_in(&mut tx, claim.id(), claim.token(), outcome, claim.ttl())
+                    .await?;
+                tx.commit().await?;
+                Ok(())
+            }
+        }
     }
 
     /// One book.
-    pub async fn get(&self, id: &str) -> Result<Option<Book>, RepoError> {
-        let id = id.to_owned();
-        self.with(move |c| {
-            c.query_row(
-                "SELECT id, title, author, year, summary FROM books WHERE id = ?1",
-                [id],
-                row_to_book,
-            )
-            .optional()
-        })
-        .await
+    pub async fn get(&self, id: &str) -> Result<Option<Versioned>, RepoError> {
+        match &self.backend {
+            Backend::Sqlite { conn, .. } => {
+                let id = id.to_owned();
+                Self::sqlite(conn, move |c| {
+                    Ok(c.query_row(
+                        "SELECT id, title, author, year, summary, version FROM books WHERE id = ?1",
+                        [id],
+                        sqlite_row,
+                    )
+                    .optional()?)
+                })
+                .await
+            }
+            Backend::Postgres { pool, table, .. } => {
+                let row = sqlx::query(&format!(
+                    "SELECT id, title, author, year, summary, version FROM {table} WHERE id = $1"
+                ))
+                .bind(id)
+                .fetch_optional(pool)
+                .await?;
+                row.map(|r| postgres_row(&r)).transpose()
+            }
+        }
     }
 
     /// Every book, oldest first.
     pub async fn list(&self) -> Result<Vec<Book>, RepoError> {
-        self.with(|c| {
-            let mut stmt = c.prepare(
-                "SELECT id, title, author, year, summary FROM books ORDER BY created_at, id",
-            )?;
-            let rows = stmt.query_map([], row_to_book)?;
-            rows.collect()
-        })
-        .await
+        match &self.backend {
+            Backend::Sqlite { conn, .. } => {
+                Self::sqlite(conn, |c| {
+                    let mut stmt = c.prepare(
+                        "SELECT id, title, author, year, summary, version FROM books
+                         ORDER BY created_at, id",
+                    )?;
+                    let rows = stmt.query_map([], sqlite_row)?;
+                    Ok(rows.map(|r| r.map(|v| v.book)).collect::<Result<_, _>>()?)
+                })
+                .await
+            }
+            Backend::Postgres { pool, table, .. } => {
+                let rows = sqlx::query(&format!(
+                    "SELECT id, title, author, year, summary, version FROM {table}
+                     ORDER BY created_at, id"
+                ))
+                .fetch_all(pool)
+                .await?;
+                rows.iter()
+                    .map(|r| postgres_row(r).map(|v| v.book))
+                    .collect()
+            }
+        }
     }
 
-    /// Replaces the book only if it still has ETag `expected`: the precondition and the write
-    /// are one `UPDATE … WHERE id = ? AND etag = ?`, so no other write can land between them.
+    /// Replaces the book only if its row is still at `version`: the precondition and the
+    /// write are one `UPDATE … WHERE id = ? AND version = ?`, so no other write can land
+    /// between them.
     pub async fn update_if(
         &self,
         id: &str,
-        expected: &str,
+        version: i64,
         input: BookInput,
     ) -> Result<Update, RepoError> {
         let book = Book::new(id.to_owned(), input);
-        let (id, expected, row) = (id.to_owned(), expected.to_owned(), book.clone());
-        let changed = self
-            .with(move |c| {
-                let n = c.execute(
-                    "UPDATE books SET title = ?1, author = ?2, year = ?3, summary = ?4, etag = ?5
-                     WHERE id = ?6 AND etag = ?7",
-                    params![
-                        row.input.title,
-                        row.input.author,
-                        row.input.year,
-                        row.input.summary,
-                        row.etag(),
-                        id,
-                        expected
-                    ],
-                )?;
-                if n == 1 {
-                    return Ok(Some(true));
-                }
-                // Nothing written; tell "changed meanwhile" from "gone" for the answer.
-                let exists = c
-                    .query_row("SELECT 1 FROM books WHERE id = ?1", [id], |_| Ok(()))
-                    .optional()?;
-                Ok(exists.map(|()| false))
-            })
-            .await?;
-        Ok(match changed {
-            Some(true) => Update::Updated(book),
-            Some(false) => Update::Stale,
+        let changed = match &self.backend {
+            Backend::Sqlite { conn, .. } => {
+                let row = book.clone();
+                Self::sqlite(conn, move |c| {
+                    let n = c.execute(
+                        "UPDATE books SET title = ?1, author = ?2, year = ?3, summary = ?4,
+                             version = version + 1
+                         WHERE id = ?5 AND version = ?6",
+                        params![
+                            row.input.title,
+                            row.input.author,
+                            row.input.year,
+                            row.input.summary,
+                            row.id,
+                            version
+                        ],
+                    )?;
+                    Ok(n == 1)
+                })
+                .await?
+            }
+            Backend::Postgres { pool, table, .. } => {
+                let done = sqlx::query(&format!(
+                    "UPDATE {table} SET title = $1, author = $2, year = $3, summary = $4,
+                         version = version + 1
+                     WHERE id = $5 AND version = $6"
+                ))
+                .bind(&book.input.title)
+                .bind(&book.input.author)
+                .bind(book.input.year)
+                .bind(&book.input.summary)
+                .bind(&book.id)
+                .bind(version)
+                .execute(pool)
+                .await?;
+                done.rows_affected() == 1
+            }
+        };
+        if changed {
+            return Ok(Update::Updated(book));
+        }
+        // Nothing written; tell "changed meanwhile" from "gone" for the answer.
+        Ok(match self.get(id).await? {
+            Some(_) => Update::Stale,
             None => Update::NotFound,
         })
     }
 }
 
-fn row_to_book(r: &rusqlite::Row<'_>) -> Result<Book, rusqlite::Error> {
-    Ok(Book::new(
-        r.get(0)?,
-        BookInput {
-            title: r.get(1)?,
-            author: r.get(2)?,
-            year: r.get(3)?,
-            summary: r.get(4)?,
-        },
+fn insert_sqlite(c: &Connection, book: &Book) -> Result<(), rusqlite::Error> {
+    c.execute(
+        "INSERT INTO books (id, title, author, year, summary) VALUES (?1, ?2, ?3, ?4, ?5)",
+        params![
+            book.id,
+            book.input.title,
+            book.input.author,
+            book.input.year,
+            book.input.summary
+        ],
+    )?;
+    Ok(())
+}
+
+async fn insert_postgres(
+    conn: &mut sqlx::PgConnection,
+    table: &str,
+    book: &Book,
+) -> Result<(), RepoError> {
+    sqlx::query(&format!(
+        "INSERT INTO {table} (id, title, author, year, summary) VALUES ($1, $2, $3, $4, $5)"
     ))
+    .bind(&book.id)
+    .bind(&book.input.title)
+    .bind(&book.input.author)
+    .bind(book.input.year)
+    .bind(&book.input.summary)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+fn sqlite_row(r: &rusqlite::Row<'_>) -> Result<Versioned, rusqlite::Error> {
+    Ok(Versioned {
+        book: Book::new(
+            r.get(0)?,
+            BookInput {
+                title: r.get(1)?,
+                author: r.get(2)?,
+                year: r.get(3)?,
+                summary: r.get(4)?,
+            },
+        ),
+        version: r.get(5)?,
+    })
+}
+
+fn postgres_row(r: &sqlx::postgres::PgRow) -> Result<Versioned, RepoError> {
+    Ok(Versioned {
+        book: Book::new(
+            r.try_get("id")?,
+            BookInput {
+                title: r.try_get("title")?,
+                author: r.try_get("author")?,
+                year: r.try_get("year")?,
+                summary: r.try_get("summary")?,
+            },
+        ),
+        version: r.try_get("version")?,
+    })
 }

@@ -41,11 +41,10 @@ fn store_choice() -> StoreChoice {
 
 async fn svc() -> Svc {
     let dir = tempfile::tempdir().unwrap();
-    let config = Config {
-        database: dir.path().join("books.sqlite3"),
-        store: store_choice(),
-        policy: Policy::default(),
-    };
+    let mut config = Config::new(dir.path().join("books.sqlite3"), store_choice());
+    config.policy = Policy::default();
+    // Books in Postgres go in a schema of their own, so that each service sees only its books.
+    config.postgres_schema = format!("books_{}", uuid::Uuid::new_v4().simple());
     let running = start(&config, 0).await.unwrap_or_else(|e| {
         panic!(
             "cannot start the books service on {:?}: {e}\n\
