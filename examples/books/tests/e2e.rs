@@ -5,3 +5,44 @@
 const FORCED_STORE: Option<&str> = None;
 
 include!("support/e2e_cases.rs");
+
+/// The service purges expired keys on its schedule: the record is deleted from the SQLite
+/// table, not only ignored once it has expired.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expired_keys_are_purged_on_a_schedule() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("books.sqlite3");
+    let mut config = Config::new(&db, StoreChoice::Sqlite);
+    config.policy = Policy::default()
+        .lease(Duration::from_millis(200))
+        .ttl(Duration::from_millis(400));
+    config.purge_every = Duration::from_millis(100);
+    let running = start(&config, 0).await.unwrap();
+    let records = || {
+        let conn = rusqlite::Connection::open(&db).unwrap();
+        conn.busy_timeout(Duration::from_secs(5)).unwrap();
+        conn.query_row("SELECT count(*) FROM idempotency_records", [], |r| {
+            r.get::<_, i64>(0)
+        })
+        .unwrap()
+    };
+    let r = Client::builder()
+        .no_proxy()
+        .build()
+        .unwrap()
+        .post(format!("{}/books", running.url))
+        .header("authorization", "Bearer purger")
+        .header("idempotency-key", "purge-me")
+        .header("content-type", "application/json")
+        .body(kindred().to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::CREATED);
+    assert_eq!(records(), 1);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while records() > 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(records(), 0, "the expired record was never purged");
+}

@@ -13,6 +13,7 @@ struct Svc {
     token: String,
     url: String,
     state: Arc<AppState>,
+    config: Config,
     client: Client,
     _dir: tempfile::TempDir,
 }
@@ -40,11 +41,16 @@ fn store_choice() -> StoreChoice {
 }
 
 async fn svc() -> Svc {
+    svc_with(|_| ()).await
+}
+
+async fn svc_with(configure: impl FnOnce(&mut Config)) -> Svc {
     let dir = tempfile::tempdir().unwrap();
     let mut config = Config::new(dir.path().join("books.sqlite3"), store_choice());
     config.policy = Policy::default();
     // Books in Postgres go in a schema of their own, so that each service sees only its books.
     config.postgres_schema = format!("books_{}", uuid::Uuid::new_v4().simple());
+    configure(&mut config);
     let running = start(&config, 0).await.unwrap_or_else(|e| {
         panic!(
             "cannot start the books service on {:?}: {e}\n\
@@ -58,6 +64,7 @@ async fn svc() -> Svc {
         token: format!("Bearer {}", uuid::Uuid::new_v4()),
         url: running.url,
         state: running.state,
+        config,
         client: Client::builder().no_proxy().build().unwrap(),
         _dir: dir,
     }
@@ -646,4 +653,167 @@ async fn the_binary_prints_its_url_and_serves() {
     let got = client.get(format!("{url}{location}")).send().await.unwrap();
     assert_eq!(got.status(), StatusCode::OK);
     child.kill().await.unwrap();
+}
+
+impl Svc {
+    fn patch(&self, id: &str, body: &str) -> RequestBuilder {
+        self.client
+            .patch(self.book_url(id))
+            .header("authorization", &self.token)
+            .header("content-type", "application/merge-patch+json")
+            .body(body.to_owned())
+    }
+
+    /// Writes a book row the way another program would: straight into the table, with a
+    /// version of its own choosing.
+    async fn insert_directly(&self, id: &str, version: i64) {
+        match &self.config.store {
+            StoreChoice::Postgres(url) => {
+                let pool = idempotency_postgres::sqlx::PgPool::connect(url).await.unwrap();
+                idempotency_postgres::sqlx::query(&format!(
+                    "INSERT INTO \"{}\".books (id, title, author, year, version)
+                     VALUES ($1, 'Dawn', 'Octavia E. Butler', 1987, $2)",
+                    self.config.postgres_schema
+                ))
+                .bind(id)
+                .bind(version)
+                .execute(&pool)
+                .await
+                .unwrap();
+            }
+            _ => {
+                let conn = rusqlite::Connection::open(&self.config.database).unwrap();
+                conn.busy_timeout(Duration::from_secs(5)).unwrap();
+                conn.execute(
+                    "INSERT INTO books (id, title, author, year, version)
+                     VALUES (?1, 'Dawn', 'Octavia E. Butler', 1987, ?2)",
+                    rusqlite::params![id, version],
+                )
+                .unwrap();
+            }
+        }
+    }
+}
+
+/// The PATCH is behind the layer, and its preconditions are part of the request: a PATCH
+/// answered 412 is not stored, so the retry with the same key and a fresh `If-Match` applies;
+/// and a stored 200 is never replayed to a request with another `If-Match`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn patch_with_a_key_412_then_fresh_if_match_applies() {
+    let s = svc().await;
+    let (id, etag) = s.created("pk").await;
+    // Someone else changes the book: `etag` is stale now.
+    let r = s.patch(&id, r#"{"year": 1980}"#).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    let fresh = r.headers()["etag"].to_str().unwrap().to_owned();
+    let key = uuid::Uuid::new_v4().to_string();
+    let stale = s
+        .patch(&id, r#"{"summary": "s"}"#)
+        .header("idempotency-key", &key)
+        .header("if-match", &etag)
+        .send()
+        .await
+        .unwrap();
+    problem(stale, 412, "precondition-failed").await;
+    let retried = s
+        .patch(&id, r#"{"summary": "s"}"#)
+        .header("idempotency-key", &key)
+        .header("if-match", &fresh)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(retried.status(), StatusCode::OK, "the stored 412 was replayed");
+    assert!(!replayed(&retried));
+    let newest = retried.headers()["etag"].to_str().unwrap().to_owned();
+    let body: Value = retried.json().await.unwrap();
+    assert_eq!(body["book"]["summary"], "s");
+    // The same retry again replays the 200.
+    let again = s
+        .patch(&id, r#"{"summary": "s"}"#)
+        .header("idempotency-key", &key)
+        .header("if-match", &fresh)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(again.status(), StatusCode::OK);
+    assert!(replayed(&again));
+    assert_eq!(again.headers()["etag"].to_str().unwrap(), newest);
+}
+
+/// Merge patches that are not objects replace the whole book (RFC 7396) and so fail
+/// validation at the root; a nested member where a string belongs fails at its path. Nothing
+/// is written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn non_object_and_nested_merge_patches_get_422() {
+    let s = svc().await;
+    let (id, etag) = s.created("np").await;
+    for patch in ["[1]", "\"x\"", "null", "42"] {
+        let r = s.patch(&id, patch).send().await.unwrap();
+        let doc = problem(r, 422, "validation-failed").await;
+        assert_eq!(doc["errors"][0]["path"], "", "{patch}: {doc}");
+    }
+    let r = s
+        .patch(&id, r#"{"title": {"main": "Kindred"}}"#)
+        .send()
+        .await
+        .unwrap();
+    let doc = problem(r, 422, "validation-failed").await;
+    assert_eq!(doc["errors"][0]["path"], "/title", "{doc}");
+    // A nested object inside a removed member is simply gone.
+    let r = s
+        .patch(&id, r#"{"summary": {"a": null}}"#)
+        .send()
+        .await
+        .unwrap();
+    let doc = problem(r, 422, "validation-failed").await;
+    assert_eq!(doc["errors"][0]["path"], "/summary", "{doc}");
+    let read = s.client.get(s.book_url(&id)).send().await.unwrap();
+    assert_eq!(read.headers()["etag"].to_str().unwrap(), etag, "a patch wrote");
+}
+
+/// A row written by another program (any version) can be read and patched with its ETag:
+/// the conditional update compares the version it read, not a stored tag.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_written_elsewhere_can_be_patched_with_their_etag() {
+    let s = svc().await;
+    // The table exists once the service has started.
+    let id = uuid::Uuid::new_v4().to_string();
+    s.insert_directly(&id, 41).await;
+    let read = s.client.get(s.book_url(&id)).send().await.unwrap();
+    assert_eq!(read.status(), StatusCode::OK);
+    let etag = read.headers()["etag"].to_str().unwrap().to_owned();
+    let r = s
+        .patch(&id, r#"{"year": 1988}"#)
+        .header("if-match", &etag)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["book"]["year"], 1988);
+    // The old tag is stale now.
+    let r = s
+        .patch(&id, r#"{"year": 1989}"#)
+        .header("if-match", &etag)
+        .send()
+        .await
+        .unwrap();
+    problem(r, 412, "precondition-failed").await;
+}
+
+/// `GET /` publishes the key retention and where keys are required.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_root_publishes_the_key_retention() {
+    let s = svc_with(|c| c.policy = Policy::default().ttl(Duration::from_secs(3600))).await;
+    let doc: Value = s
+        .client
+        .get(format!("{}/", s.url))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(doc["idempotency"]["key_retention_seconds"], 3600);
+    assert_eq!(doc["idempotency"]["required_for"][0], "POST /books");
 }
