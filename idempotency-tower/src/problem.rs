@@ -1,6 +1,6 @@
 //! Refusals and how they are written: RFC 9457 problem documents by default, or your format.
 
-use crate::KeyHeaderError;
+use crate::{KeyHeaderError, NotReplayable};
 use bytes::Bytes;
 use http::{header, HeaderValue, Response, StatusCode};
 use std::fmt;
@@ -45,6 +45,15 @@ pub enum Refusal {
     StoreUnavailable(String),
     /// The stored response for this key could not be decoded. 500.
     StoredResponseUnreadable(String),
+    /// The handler ran, but its response could not be kept for replay (too large, or its body
+    /// failed): answered with the handler's status, so a client does not take it for a
+    /// failure and run the operation again under a new key.
+    NotReplayable {
+        /// The handler's status.
+        status: StatusCode,
+        /// Why the response was not kept.
+        reason: NotReplayable,
+    },
     /// The handler failed without a response (it panicked or returned an error). 500.
     HandlerFailed,
 }
@@ -62,6 +71,7 @@ impl Refusal {
             Self::InProgress { .. } => StatusCode::CONFLICT,
             Self::Mismatch | Self::FailedPermanently => StatusCode::UNPROCESSABLE_ENTITY,
             Self::StoreUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Self::NotReplayable { status, .. } => *status,
             Self::StoredResponseUnreadable(_) | Self::HandlerFailed => {
                 StatusCode::INTERNAL_SERVER_ERROR
             }
@@ -82,6 +92,7 @@ impl Refusal {
             Self::FailedPermanently => "idempotency-key-failed-permanently",
             Self::StoreUnavailable(_) => "idempotency-store-unavailable",
             Self::StoredResponseUnreadable(_) => "idempotency-stored-response-unreadable",
+            Self::NotReplayable { .. } => "idempotency-response-not-replayable",
             Self::HandlerFailed => "handler-failed",
         }
     }
@@ -100,6 +111,7 @@ impl Refusal {
             Self::FailedPermanently => "IDEMPOTENCY_KEY_FAILED_PERMANENTLY",
             Self::StoreUnavailable(_) => "IDEMPOTENCY_STORE_UNAVAILABLE",
             Self::StoredResponseUnreadable(_) => "IDEMPOTENCY_STORED_RESPONSE_UNREADABLE",
+            Self::NotReplayable { .. } => "IDEMPOTENCY_RESPONSE_NOT_REPLAYABLE",
             Self::HandlerFailed => "HANDLER_FAILED",
         }
     }
@@ -118,6 +130,7 @@ impl Refusal {
             Self::FailedPermanently => "The request with this Idempotency-Key failed permanently",
             Self::StoreUnavailable(_) => "The idempotency store is unavailable",
             Self::StoredResponseUnreadable(_) => "The stored response could not be read",
+            Self::NotReplayable { .. } => "The request ran, but its response was not kept",
             Self::HandlerFailed => "The request failed on the server",
         }
     }
@@ -145,6 +158,16 @@ impl Refusal {
             Self::FailedPermanently => "the first request with this key failed in a way that retrying will not fix; it is not run again under this key".into(),
             Self::StoreUnavailable(_) => "the request was not run because its key could not be recorded; retry later".into(),
             Self::StoredResponseUnreadable(_) => "the outcome stored for this key cannot be replayed".into(),
+            Self::NotReplayable { status, reason } => {
+                let why = match reason {
+                    NotReplayable::TooLarge => "was too large to keep",
+                    NotReplayable::BodyFailed => "failed while it was being read",
+                };
+                format!(
+                    "the request with this key ran and answered {}, but its response {why}; it is not run again under this key (the status and headers such as Location are the original ones)",
+                    status.as_u16()
+                )
+            }
             Self::HandlerFailed => "the request failed before producing a response; it may be retried with the same key".into(),
         }
     }
@@ -240,6 +263,9 @@ impl RefusalResponder for ProblemJson {
         if let Refusal::BodyTooLarge { limit } = refusal {
             doc["limit"] = (*limit).into();
         }
+        if let Refusal::NotReplayable { reason, .. } = refusal {
+            doc["reason"] = reason.as_str().into();
+        }
         let body = serde_json::to_vec(&doc).unwrap_or_default();
         let mut response = Response::new(Bytes::from(body));
         *response.status_mut() = status;
@@ -278,6 +304,10 @@ mod tests {
             Refusal::Mismatch,
             Refusal::StoreUnavailable("internal-42".into()),
             Refusal::StoredResponseUnreadable("internal-42".into()),
+            Refusal::NotReplayable {
+                status: StatusCode::CREATED,
+                reason: NotReplayable::TooLarge,
+            },
             Refusal::HandlerFailed,
         ];
         let mut slugs = std::collections::HashSet::new();
