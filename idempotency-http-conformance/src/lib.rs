@@ -23,7 +23,8 @@ macro_rules! __with_http_case_list {
             oversized_body_gets_413,
             uncovered_methods_pass_through,
             server_errors_408_429_release_the_key,
-            streaming_and_oversized_responses_are_not_stored,
+            small_streams_are_stored_oversized_responses_run_once,
+            unreplayable_responses_are_recorded_or_released,
             handler_panic_releases_the_key,
             store_outage_fails_closed_or_open,
             concurrent_duplicates_run_once,
@@ -34,6 +35,15 @@ macro_rules! __with_http_case_list {
             released_key_accepts_corrected_request,
             handler_outliving_its_lease_runs_once,
             failed_completion_does_not_rerun_handler,
+            preconditions_are_part_of_the_request,
+            equivalent_media_types_are_one_request,
+            structured_field_key_parameters_are_read,
+            unidentified_caller_gets_a_challenge,
+            retry_after_is_capped_recomputed_and_sent_on_503,
+            lost_lease_is_its_own_outcome,
+            key_header_validator_and_replay_marker_are_configurable,
+            response_hook_sees_fresh_and_replayed,
+            fingerprint_hook_selects_what_is_hashed,
         );
     };
 }
