@@ -1,12 +1,13 @@
 //! The stored-response encoding of idempotency-tower (what the layer keeps as a record's
-//! outcome): any stored bytes decode to a response or a typed error, never a panic; a decoded
-//! response encodes and decodes to itself; any response round-trips.
+//! outcome, in both formats: replayable and not-replayable records): any stored bytes decode to
+//! a response or a typed error, never a panic; a decoded response encodes and decodes to
+//! itself; any response round-trips.
 #![no_main]
 
 use arbitrary::Arbitrary;
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, StatusCode};
-use idempotency_tower::StoredResponse;
+use idempotency_tower::{NotReplayable, StoredResponse};
 use libfuzzer_sys::fuzz_target;
 
 #[derive(Debug, Arbitrary)]
@@ -15,6 +16,7 @@ struct Input<'a> {
     status: u16,
     headers: Vec<(String, Vec<u8>)>,
     body: &'a [u8],
+    not_replayable: Option<bool>,
 }
 
 fuzz_target!(|input: Input<'_>| {
@@ -23,12 +25,15 @@ fuzz_target!(|input: Input<'_>| {
         let again = StoredResponse::decode(&decoded.encode()).expect("re-encoded response decodes");
         assert_eq!(again, decoded);
     }
-    // Prefixing the magic gets the fuzzer past the format check more often.
-    let mut framed = b"IDR\x01".to_vec();
-    framed.extend_from_slice(input.stored);
-    if let Ok(decoded) = StoredResponse::decode(&framed) {
-        let again = StoredResponse::decode(&decoded.encode()).expect("re-encoded response decodes");
-        assert_eq!(again, decoded);
+    // Prefixing a magic (either version) gets the fuzzer past the format check more often.
+    for magic in [&b"IDR\x01"[..], b"IDR\x02"] {
+        let mut framed = magic.to_vec();
+        framed.extend_from_slice(input.stored);
+        if let Ok(decoded) = StoredResponse::decode(&framed) {
+            let again =
+                StoredResponse::decode(&decoded.encode()).expect("re-encoded response decodes");
+            assert_eq!(again, decoded);
+        }
     }
 
     let Ok(status) = StatusCode::from_u16(input.status) else {
@@ -48,6 +53,13 @@ fuzz_target!(|input: Input<'_>| {
         status,
         headers,
         body: Bytes::copy_from_slice(input.body),
+        not_replayable: input.not_replayable.map(|large| {
+            if large {
+                NotReplayable::TooLarge
+            } else {
+                NotReplayable::BodyFailed
+            }
+        }),
     };
     let encoded = response.encode();
     assert_eq!(StoredResponse::decode(&encoded), Ok(response));

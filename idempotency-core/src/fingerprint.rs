@@ -982,6 +982,10 @@ impl Writer<'_> {
 /// (`application/json` or any `+json` type) and that has a canonical form (see
 /// [`canonical_json`]: every digit and every member counts, key order and whitespace do not)
 /// is canonicalised first; any other body is hashed as raw bytes.
+///
+/// Headers ([`FingerprintBuilder::header`]) are optional: a fingerprint built without any is
+/// the same digest as before headers could be added, so records stored by older versions
+/// still match.
 #[derive(Debug, Default, Clone)]
 pub struct FingerprintBuilder {
     method: Option<String>,
@@ -989,6 +993,7 @@ pub struct FingerprintBuilder {
     query: Option<String>,
     content_type: Option<String>,
     body: Option<Vec<u8>>,
+    headers: Vec<(String, Vec<u8>)>,
 }
 
 impl FingerprintBuilder {
@@ -1017,6 +1022,27 @@ impl FingerprintBuilder {
         self.body = Some(body.to_vec());
         self
     }
+    /// A request header that is part of the request's meaning (a precondition such as
+    /// `If-Match`, a tenant header…). The name is case-insensitive (it is lower-cased); the
+    /// value is hashed as given. Headers count in the order they are added, and a name added
+    /// twice counts twice, so add them in a fixed order.
+    ///
+    /// ```
+    /// use idempotency_core::Fingerprint;
+    ///
+    /// let base = || Fingerprint::builder().method("PATCH").path("/books/1");
+    /// let v1 = base().header("If-Match", "\"v1\"").finish();
+    /// let v2 = base().header("if-match", "\"v2\"").finish();
+    /// assert_ne!(v1, v2);
+    /// assert_eq!(v1, base().header("if-match", b"\"v1\"").finish());
+    /// // Without headers the digest is the one older versions computed.
+    /// assert_ne!(base().finish(), v1);
+    /// ```
+    pub fn header(mut self, name: &str, value: impl AsRef<[u8]>) -> Self {
+        self.headers
+            .push((name.to_ascii_lowercase(), value.as_ref().to_vec()));
+        self
+    }
 
     /// Computes the digest. A JSON body contributes `J` and the SHA-256 of its canonical
     /// text (hashed as it is written, never held whole); any other body `R` and its bytes.
@@ -1042,6 +1068,17 @@ impl FingerprintBuilder {
                 Some(digest) => hash_part(&mut h, &[b"J", &digest]),
                 None => hash_part(&mut h, &[b"R", body]),
             },
+        }
+        // Headers come after the body and only when there are some, so a fingerprint without
+        // headers is the digest older versions computed. `H`, their count, then each name and
+        // value length-prefixed: no header can be read as another.
+        if !self.headers.is_empty() {
+            h.update(b"H");
+            h.update((self.headers.len() as u64).to_be_bytes());
+            for (name, value) in &self.headers {
+                hash_part(&mut h, &[name.as_bytes()]);
+                hash_part(&mut h, &[value]);
+            }
         }
         Fingerprint(h.finalize().into())
     }
@@ -1669,6 +1706,42 @@ mod tests {
             .body(b"a  b")
             .finish();
         assert_ne!(t1, t2);
+    }
+
+    /// Headers are length-prefixed parts after the body, present only when added: without
+    /// them the digest is the one version 3 computed before headers existed (pinned here),
+    /// so records stored by older versions keep matching.
+    #[test]
+    fn headers_count_and_their_absence_keeps_older_digests() {
+        let base = || Fingerprint::builder().method("PATCH").path("/books/1");
+        // SHA-256 of the v3 stream: prefix, method, path, no query, no content type, raw `x`.
+        assert_eq!(
+            base().body(b"x").finish().to_hex(),
+            "08a9ce02d1ec332882c4e9882eb09dc144c7ea5503b7e2e15332fc32a0c961e7"
+        );
+        let v1 = base().body(b"x").header("If-Match", "\"v1\"").finish();
+        assert_ne!(v1, base().body(b"x").finish());
+        assert_eq!(
+            v1,
+            base().body(b"x").header("if-match", b"\"v1\"").finish(),
+            "names are case-insensitive"
+        );
+        assert_ne!(v1, base().body(b"x").header("if-match", "\"v2\"").finish());
+        assert_ne!(
+            v1,
+            base().body(b"x").header("if-none-match", "\"v1\"").finish()
+        );
+        // Bytes cannot move between a name and its value, or between headers.
+        assert_ne!(
+            base().header("ab", "c").finish(),
+            base().header("a", "bc").finish()
+        );
+        assert_ne!(
+            base().header("a", "b").header("c", "d").finish(),
+            base().header("a", "bc").finish()
+        );
+        // An empty value is still a header.
+        assert_ne!(base().header("if-match", "").finish(), base().finish());
     }
 
     #[test]

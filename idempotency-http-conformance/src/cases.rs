@@ -469,9 +469,37 @@ pub async fn server_errors_408_429_release_the_key(store: TestStore) {
     assert_eq!(s.executions(), expected);
 }
 
-/// A streaming response (no exact size) and one over the response limit are delivered whole
-/// but not stored, and the key is released.
-pub async fn streaming_and_oversized_responses_are_not_stored(store: TestStore) {
+/// Asserts `reply` is the answer for a handler that ran but whose response was not kept: the
+/// handler's `status` and `Location`, a `idempotency-response-not-replayable` problem document
+/// as the body, marked replayed when `replayed`.
+pub fn assert_not_replayable(reply: &Reply, status: u16, location: Option<&str>, replayed: bool) {
+    assert_eq!(reply.status.as_u16(), status, "status of {reply:?}");
+    assert_eq!(
+        reply.header("content-type"),
+        Some(idempotency_tower::PROBLEM_JSON),
+        "content type of {reply:?}"
+    );
+    let doc = reply.json();
+    assert!(
+        doc["type"]
+            .as_str()
+            .is_some_and(|t| t.ends_with("idempotency-response-not-replayable")),
+        "{doc}"
+    );
+    assert_eq!(doc["status"], status, "{doc}");
+    assert_eq!(
+        reply.header("location"),
+        location,
+        "the stored Location is kept"
+    );
+    assert_eq!(reply.replayed(), replayed, "{reply:?}");
+}
+
+/// A streaming response (no exact size) that ends within the response limit is stored and
+/// replayed. A response over the limit, declared or streamed, is delivered whole, and its key
+/// records that the handler ran: the retry gets the original status and `Location` with a
+/// `idempotency-response-not-replayable` problem document, and the handler does not run again.
+pub async fn small_streams_are_stored_oversized_responses_run_once(store: TestStore) {
     let s = TestServer::with_store(store.store.clone(), Policy::default(), |l| {
         l.response_limit(2048)
     })
@@ -480,23 +508,91 @@ pub async fn streaming_and_oversized_responses_are_not_stored(store: TestStore) 
     let body = json!({"s": 1});
     let streamed = send(post(&c, &s, "/items", "stream", &body).header(control::STREAM, "1")).await;
     assert_eq!(streamed.status, StatusCode::CREATED);
+    assert!(!streamed.replayed());
     assert_eq!(&streamed.body[..], b"chunk-1-0;chunk-1-1;chunk-1-2;");
     let again = send(post(&c, &s, "/items", "stream", &body).header(control::STREAM, "1")).await;
-    assert!(!again.replayed());
-    assert_eq!(&again.body[..], b"chunk-2-0;chunk-2-1;chunk-2-2;");
+    assert!(again.replayed(), "a small stream is stored: {again:?}");
+    assert_eq!(again.body, streamed.body);
+    assert_eq!(again.header("location"), streamed.header("location"));
+    assert_eq!(s.executions(), 1);
 
     let large = send(post(&c, &s, "/items", "large", &body).header(control::LARGE, "4096")).await;
+    assert_eq!(large.status, StatusCode::CREATED);
     assert_eq!(large.body.len(), 4096);
-    assert_eq!(large.body[0], b'3');
+    assert_eq!(large.body[0], b'2');
     let again = send(post(&c, &s, "/items", "large", &body).header(control::LARGE, "4096")).await;
-    assert!(!again.replayed());
-    assert_eq!(again.body[0], b'4');
-    // At the limit it is stored.
+    assert_not_replayable(&again, 201, large.header("location"), true);
+    assert_eq!(
+        s.executions(),
+        2,
+        "an oversized response is not a second execution"
+    );
+
+    // A stream that passes the limit while it is read is delivered whole too.
+    let big_stream =
+        send(post(&c, &s, "/items", "big-stream", &body).header(control::STREAM_LARGE, "4100"))
+            .await;
+    assert_eq!(big_stream.status, StatusCode::CREATED);
+    assert_eq!(big_stream.body.len(), 4100);
+    assert_eq!(big_stream.body[0], b'3');
+    assert!(big_stream.body[1..].iter().all(|&b| b == b's'));
+    let again = send(post(&c, &s, "/items", "big-stream", &body)).await;
+    assert_not_replayable(&again, 201, big_stream.header("location"), true);
+    assert_eq!(s.executions(), 3);
+
+    // At the limit it is stored, streamed or not.
     let fits = send(post(&c, &s, "/items", "fits", &body).header(control::LARGE, "2048")).await;
     let replay = send(post(&c, &s, "/items", "fits", &body).header(control::LARGE, "2048")).await;
     assert!(replay.replayed());
     assert_eq!(replay.body, fits.body);
+    let fits_stream =
+        send(post(&c, &s, "/items", "fits-stream", &body).header(control::STREAM_LARGE, "2048"))
+            .await;
+    let replay = send(post(&c, &s, "/items", "fits-stream", &body)).await;
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(replay.body, fits_stream.body);
     assert_eq!(s.executions(), 5);
+}
+
+/// A response body that fails after the handler ran: by default the key records that the
+/// handler ran, and the client and its retries get the not-replayable answer (handler not run
+/// again). With `Unreplayable::Release`, the client gets 500 and the retry runs the handler,
+/// and an oversized response releases the key too.
+pub async fn unreplayable_responses_are_recorded_or_released(store: TestStore) {
+    let c = client();
+    let body = json!({"f": 1});
+    let s = server(&store).await;
+    let failed =
+        send(post(&c, &s, "/items", "fails", &body).header(control::STREAM_FAIL, "1")).await;
+    assert_not_replayable(&failed, 201, Some("/items/1"), false);
+    assert_eq!(failed.json()["reason"], "body_failed");
+    let again = send(post(&c, &s, "/items", "fails", &body)).await;
+    assert_not_replayable(&again, 201, Some("/items/1"), true);
+    assert_eq!(s.executions(), 1, "a failed body is not a second execution");
+
+    let released = TestServer::with_store(store.store.clone(), Policy::default(), |l| {
+        l.response_limit(1024)
+            .unreplayable(idempotency_tower::Unreplayable::Release)
+    })
+    .await;
+    let failed = send(
+        post(&c, &released, "/items", "fails-released", &body).header(control::STREAM_FAIL, "1"),
+    )
+    .await;
+    assert_problem(&failed, 500, Refusal::HandlerFailed.slug());
+    let retry = retry_while_409(|| post(&c, &released, "/items", "fails-released", &body)).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+    assert!(!retry.replayed());
+    let large =
+        send(post(&c, &released, "/items", "large-released", &body).header(control::LARGE, "2000"))
+            .await;
+    assert_eq!(large.body.len(), 2000);
+    let again =
+        send(post(&c, &released, "/items", "large-released", &body).header(control::LARGE, "2000"))
+            .await;
+    assert!(!again.replayed());
+    assert_eq!(again.body.len(), 2000);
+    assert_eq!(released.executions(), 4);
 }
 
 /// A handler that panics gets a 500 problem, and the key is released so the retry runs.
@@ -856,6 +952,517 @@ pub async fn failed_completion_does_not_rerun_handler(store: TestStore) {
         1,
         "the handler ran again after a failed completion"
     );
+}
+
+fn patch(c: &reqwest::Client, s: &TestServer, key: &str, body: &Value) -> reqwest::RequestBuilder {
+    c.patch(s.url("/items/1"))
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(body.to_string())
+}
+
+/// Preconditions are part of the request. A PATCH answered 412 (stored: a deterministic
+/// client error) is replayed to the same retry, but the same key with a fresh `If-Match` is a
+/// different request: 422, never the stored 412; a new key with the fresh precondition runs.
+/// With `fingerprint_headers([])` preconditions do not count (the stored 412 is replayed).
+/// A request without preconditions keeps the fingerprint it had before headers counted: a
+/// record stored under that fingerprint is replayed.
+pub async fn preconditions_are_part_of_the_request(store: TestStore) {
+    let s = server(&store).await;
+    let c = client();
+    let body = json!({"title": "Kindred"});
+    let stale = send(
+        patch(&c, &s, "edit-1", &body)
+            .header("if-match", "\"v1\"")
+            .header(control::STATUS, "412"),
+    )
+    .await;
+    assert_eq!(stale.status, StatusCode::PRECONDITION_FAILED);
+    let same = send(patch(&c, &s, "edit-1", &body).header("if-match", "\"v1\"")).await;
+    assert_eq!(same.status, StatusCode::PRECONDITION_FAILED);
+    assert!(
+        same.replayed(),
+        "the same precondition is the same request: {same:?}"
+    );
+    let fresh = send(patch(&c, &s, "edit-1", &body).header("if-match", "\"v2\"")).await;
+    assert_problem(&fresh, 422, Refusal::Mismatch.slug());
+    for other in ["if-none-match", "if-unmodified-since", "if-modified-since"] {
+        let r = send(
+            patch(&c, &s, "edit-1", &body)
+                .header("if-match", "\"v1\"")
+                .header(other, "Sun, 06 Nov 1994 08:49:37 GMT"),
+        )
+        .await;
+        assert_problem(&r, 422, Refusal::Mismatch.slug());
+    }
+    // One If-Match line or two (as an intermediary may send them) is one request.
+    let one = send(patch(&c, &s, "edit-2", &body).header("if-match", "\"v2\", \"v3\"")).await;
+    let two = send(
+        patch(&c, &s, "edit-2", &body)
+            .header("if-match", "\"v2\"")
+            .header("if-match", "\"v3\""),
+    )
+    .await;
+    assert_eq!(one.status, StatusCode::CREATED);
+    assert!(two.replayed(), "{two:?}");
+    let new_key = send(patch(&c, &s, "edit-3", &body).header("if-match", "\"v2\"")).await;
+    assert_eq!(new_key.status, StatusCode::CREATED);
+    assert!(!new_key.replayed());
+    assert_eq!(s.executions(), 3);
+
+    let unlisted = TestServer::with_store(store.store.clone(), Policy::default(), |l| {
+        l.fingerprint_headers([])
+    })
+    .await;
+    let first = send(
+        patch(&c, &unlisted, "edit-u", &body)
+            .header("if-match", "\"v1\"")
+            .header(control::STATUS, "412"),
+    )
+    .await;
+    assert_eq!(first.status, StatusCode::PRECONDITION_FAILED);
+    let again = send(patch(&c, &unlisted, "edit-u", &body).header("if-match", "\"v2\"")).await;
+    assert_eq!(again.status, StatusCode::PRECONDITION_FAILED);
+    assert!(
+        again.replayed(),
+        "without preconditions in the fingerprint: {again:?}"
+    );
+
+    // A record stored under the fingerprint without headers (as before they counted).
+    let raw = body.to_string();
+    let fingerprint = Fingerprint::builder()
+        .method("PATCH")
+        .path("/items/1")
+        .content_type("application/json")
+        .body(raw.as_bytes())
+        .finish();
+    let id = RecordId::new(
+        // The layer's route is axum's matched template (the suite enables the `axum` feature).
+        http_scope("anonymous", &Method::PATCH, "/items/:id").expect("scope"),
+        IdempotencyKey::new("stored-before").expect("key"),
+    );
+    seed(
+        &store,
+        &id,
+        fingerprint,
+        StatusCode::OK,
+        b"{\"seeded\":true}",
+    )
+    .await;
+    let r = send(patch(&c, &s, "stored-before", &body)).await;
+    assert_eq!(r.status, StatusCode::OK, "{r:?}");
+    assert!(r.replayed());
+    assert_eq!(r.json()["seeded"], true);
+    assert_eq!(s.executions(), 3);
+}
+
+/// Stores a completed record with a replayable response, as an older version of the layer did.
+async fn seed(store: &TestStore, id: &RecordId, fp: Fingerprint, status: StatusCode, body: &[u8]) {
+    let claim = store
+        .store
+        .claim(&ClaimRequest {
+            id: id.clone(),
+            fingerprint: fp,
+            lease: Duration::from_secs(60),
+            ttl: Duration::from_secs(3600),
+        })
+        .await
+        .expect("claim");
+    let idempotency_core::Claim::Claimed { token, .. } = claim else {
+        panic!("fresh key must be claimed: {claim:?}")
+    };
+    let stored = idempotency_tower::StoredResponse {
+        status,
+        headers: vec![(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("application/json"),
+        )],
+        body: Bytes::copy_from_slice(body),
+        not_replayable: None,
+    };
+    let encoded = stored.encode();
+    assert_eq!(&encoded[..4], b"IDR\x01", "the first format");
+    store
+        .store
+        .complete(id, token, &encoded, Duration::from_secs(3600))
+        .await
+        .expect("complete");
+}
+
+/// Equivalent media types are one request (`application/json`, with `charset=utf-8`, in
+/// another case; parameters in another order or quoted); another media type is another
+/// request. Query order stays significant.
+pub async fn equivalent_media_types_are_one_request(store: TestStore) {
+    let s = server(&store).await;
+    let c = client();
+    let with_type = |key: &str, path: &str, ct: &str| {
+        c.post(s.url(path))
+            .header("idempotency-key", key)
+            .header("content-type", ct)
+            .body(r#"{"a":1}"#)
+    };
+    let first = send(with_type("media", "/items", "application/json")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    for same in [
+        "application/json; charset=utf-8",
+        "Application/JSON",
+        "application/json;charset=\"UTF-8\"",
+    ] {
+        let r = send(with_type("media", "/items", same)).await;
+        assert!(r.replayed(), "{same}: {r:?}");
+        assert_eq!(r.body, first.body);
+    }
+    for other in [
+        "text/plain",
+        "application/json; charset=latin1",
+        "text/json",
+    ] {
+        let r = send(with_type("media", "/items", other)).await;
+        assert_problem(&r, 422, Refusal::Mismatch.slug());
+    }
+    let params = send(with_type("params", "/items", "text/plain; b=\"2\"; A=1")).await;
+    let reordered = send(with_type("params", "/items", "text/plain;a=1;b=2")).await;
+    assert!(!params.replayed());
+    assert!(reordered.replayed(), "{reordered:?}");
+    let query = send(with_type("query", "/items?a=1&b=2", "application/json")).await;
+    let swapped = send(with_type("query", "/items?b=2&a=1", "application/json")).await;
+    assert!(!query.replayed());
+    assert_problem(&swapped, 422, Refusal::Mismatch.slug());
+    assert_eq!(s.executions(), 3);
+}
+
+/// The key sent as a structured-field string with parameters (`"abc";v=1`) is the key `abc`;
+/// quoted values that are not one string item are still refused.
+pub async fn structured_field_key_parameters_are_read(store: TestStore) {
+    let s = server(&store).await;
+    let c = client();
+    let body = json!({"sf": 1});
+    let first = send(post(&c, &s, "/items", "\"sf-key\";v=1", &body)).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    for same in [
+        "sf-key",
+        "\"sf-key\"",
+        "\"sf-key\";v=2;ts=\"x\"",
+        "\"sf-key\"; v=1",
+    ] {
+        let r = send(post(&c, &s, "/items", same, &body)).await;
+        assert!(r.replayed(), "{same}: {r:?}");
+    }
+    let slug = Refusal::KeyInvalid(idempotency_tower::KeyHeaderError::AmbiguousComma).slug();
+    for bad in [
+        "\"a\", \"b\"",
+        "\"sf-key\";V=1",
+        "\"sf-key\" ;v=1",
+        "\"sf-key\";v=",
+    ] {
+        let r = send(post(&c, &s, "/items", bad, &body)).await;
+        assert_problem(&r, 400, slug);
+    }
+    assert_eq!(s.executions(), 1);
+}
+
+/// A caller the scope function cannot identify gets 401 with a `WWW-Authenticate` challenge
+/// (`Bearer` by default, configurable).
+pub async fn unidentified_caller_gets_a_challenge(store: TestStore) {
+    let scoped = |l: idempotency_tower::IdempotencyLayer| {
+        l.scope(|req| req.extensions.get::<Principal>().map(|p| p.0.clone()))
+    };
+    let s = TestServer::with_store(store.store.clone(), Policy::default(), scoped).await;
+    let c = client();
+    let r = send(post(&c, &s, "/items", "who", &json!({}))).await;
+    assert_problem(&r, 401, Refusal::CallerUnidentified.slug());
+    assert_eq!(r.header("www-authenticate"), Some("Bearer"));
+    let custom = TestServer::with_store(store.store.clone(), Policy::default(), |l| {
+        scoped(l).unidentified_challenge(http::HeaderValue::from_static("Basic realm=\"api\""))
+    })
+    .await;
+    let r = send(post(&c, &custom, "/items", "who", &json!({}))).await;
+    assert_problem(&r, 401, Refusal::CallerUnidentified.slug());
+    assert_eq!(r.header("www-authenticate"), Some("Basic realm=\"api\""));
+    assert_eq!(s.executions() + custom.executions(), 0);
+}
+
+fn retry_after(r: &Reply) -> u64 {
+    r.header("retry-after")
+        .unwrap_or_else(|| panic!("no Retry-After on {r:?}"))
+        .parse()
+        .expect("Retry-After in whole seconds")
+}
+
+/// `Retry-After` on 409 is capped (5 s by default, configurable) and, with the wait policy,
+/// what is left of the lease after the wait; 503 carries `Retry-After` (1 s by default,
+/// configurable).
+pub async fn retry_after_is_capped_recomputed_and_sent_on_503(store: TestStore) {
+    let c = client();
+    // The default lease is 30 s: the 409 says 5.
+    let s = server(&store).await;
+    let body = json!({"ra": 1});
+    let slow = tokio::spawn(send(
+        post(&c, &s, "/items", "ra", &body).header(control::DELAY_MS, "600"),
+    ));
+    wait_for_executions(&s, 1).await;
+    let dup = send(post(&c, &s, "/items", "ra", &body)).await;
+    assert_problem(&dup, 409, "idempotency-key-in-progress");
+    assert_eq!(retry_after(&dup), 5, "{dup:?}");
+    assert_eq!(dup.json()["retry_after"], 5);
+    slow.await.expect("first request");
+
+    // A 4 s lease, waited on for 2 s: at most 2 s are left when the duplicate is answered.
+    let policy = Policy::default()
+        .lease(Duration::from_secs(4))
+        .in_flight(InFlight::wait(Duration::from_secs(2)));
+    let waiting = TestServer::with_store(store.store.clone(), policy, |l| {
+        l.max_retry_after(Duration::from_secs(60))
+    })
+    .await;
+    let slow = tokio::spawn(send(
+        post(&c, &waiting, "/items", "ra-wait", &body).header(control::DELAY_MS, "3500"),
+    ));
+    wait_for_executions(&waiting, 1).await;
+    let dup = send(post(&c, &waiting, "/items", "ra-wait", &body)).await;
+    assert_problem(&dup, 409, "idempotency-key-in-progress");
+    let after = retry_after(&dup);
+    assert!(
+        (1..=2).contains(&after),
+        "Retry-After {after} after a 2 s wait on a 4 s lease"
+    );
+    slow.await.expect("first request");
+
+    let outage = Outage::new(store.store.clone());
+    let down = TestServer::with_store(outage.clone(), Policy::default(), |l| l).await;
+    let custom = TestServer::with_store(outage.clone(), Policy::default(), |l| {
+        l.unavailable_retry_after(Duration::from_secs(3))
+    })
+    .await;
+    outage.set_down(true);
+    let r = send(post(&c, &down, "/items", "ra-down", &body)).await;
+    assert_problem(&r, 503, Refusal::StoreUnavailable(String::new()).slug());
+    assert_eq!(retry_after(&r), 1);
+    let r = send(post(&c, &custom, "/items", "ra-down", &body)).await;
+    assert_eq!(retry_after(&r), 3);
+}
+
+fn outcome_header(l: idempotency_tower::IdempotencyLayer) -> idempotency_tower::IdempotencyLayer {
+    l.on_response(|ctx, headers| {
+        let label = ctx.outcome().map_or("replayed", |o| o.as_str());
+        headers.insert("x-test-outcome", http::HeaderValue::from_static(label));
+    })
+}
+
+/// A handler that outlives its lease without a heartbeat loses the key to a retry; its
+/// completion is fenced and recorded as `lease_lost` (its client still gets its response),
+/// and the retry's response is the one stored.
+pub async fn lost_lease_is_its_own_outcome(store: TestStore) {
+    let policy = Policy::default()
+        .lease(Duration::from_millis(300))
+        .heartbeat(None)
+        .ttl(store.long());
+    let s = Arc::new(TestServer::with_store(store.store.clone(), policy, outcome_header).await);
+    let c = client();
+    let body = json!({"lost": 1});
+    let first = {
+        let (c, s, body) = (c.clone(), s.clone(), body.clone());
+        tokio::spawn(async move {
+            send(post(&c, &s, "/items", "lost", &body).header(control::DELAY_MS, "2000")).await
+        })
+    };
+    wait_for_executions(&s, 1).await;
+    // The lease passes (a real-time store sleeps; a manual clock moves).
+    store.advance(Duration::from_millis(600)).await;
+    assert!(!first.is_finished(), "the first handler is still running");
+    let takeover = send(post(&c, &s, "/items", "lost", &body)).await;
+    assert_eq!(takeover.status, StatusCode::CREATED, "{takeover:?}");
+    assert_eq!(
+        takeover.header("x-test-outcome"),
+        Some("stored"),
+        "{takeover:?}"
+    );
+    assert_eq!(takeover.execution(), 2);
+    let first = first.await.expect("first request");
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(first.execution(), 1);
+    assert_eq!(
+        first.header("x-test-outcome"),
+        Some("lease_lost"),
+        "{first:?}"
+    );
+    let replay = send(post(&c, &s, "/items", "lost", &body)).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.header("x-test-outcome"), Some("replayed"));
+    assert_eq!(
+        replay.execution(),
+        2,
+        "the fenced completion did not overwrite the record"
+    );
+}
+
+/// The key header name is configurable, a validator publishes the API's key format (refused
+/// keys get 400 `idempotency-key-invalid` with its message), and the replay marker is
+/// configurable or off.
+pub async fn key_header_validator_and_replay_marker_are_configurable(store: TestStore) {
+    let s = TestServer::with_store(store.store.clone(), Policy::default(), |l| {
+        l.key_header(HeaderName::from_static("x-request-key"))
+            .validate_key(|key| {
+                let s = key.as_str();
+                let ok = s.len() == 36
+                    && s.char_indices().all(|(i, ch)| match i {
+                        8 | 13 | 18 | 23 => ch == '-',
+                        _ => ch.is_ascii_hexdigit(),
+                    });
+                ok.then_some(()).ok_or_else(|| "keys are UUIDs".to_owned())
+            })
+            .replayed_header(Some((
+                HeaderName::from_static("x-cache"),
+                http::HeaderValue::from_static("replay"),
+            )))
+    })
+    .await;
+    let c = client();
+    let body = json!({"k": 1});
+    let with_key = |key: &str| {
+        c.post(s.url("/items"))
+            .header("x-request-key", key)
+            .json(&body)
+    };
+    let bad = send(with_key("not-a-uuid")).await;
+    assert_problem(&bad, 400, "idempotency-key-invalid");
+    assert!(
+        bad.json()["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("keys are UUIDs")),
+        "{bad:?}"
+    );
+    assert_eq!(s.executions(), 0);
+    let uuid = "8e2c1f0a-5b7d-4c3e-9f21-0a6b7c8d9e10";
+    let first = send(with_key(uuid)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let again = send(with_key(uuid)).await;
+    assert_eq!(again.header("x-cache"), Some("replay"));
+    assert_eq!(again.header("idempotent-replayed"), None);
+    assert_eq!(again.body, first.body);
+    // The default header is not read there: the request passes through.
+    let other = send(post(&c, &s, "/items", uuid, &body)).await;
+    assert!(other.header("x-cache").is_none());
+    assert_eq!(s.executions(), 2);
+
+    let unmarked = TestServer::with_store(store.store.clone(), Policy::default(), |l| {
+        l.replayed_header(None)
+    })
+    .await;
+    let first = send(post(&c, &unmarked, "/items", "unmarked", &body)).await;
+    let again = send(post(&c, &unmarked, "/items", "unmarked", &body)).await;
+    assert_eq!(again.header("idempotent-replayed"), None);
+    assert_eq!(again.body, first.body);
+    assert_eq!(unmarked.executions(), 1);
+}
+
+/// The response hook adds headers to fresh and replayed responses, knowing which is which and
+/// when the key expires; its headers are not stored.
+pub async fn response_hook_sees_fresh_and_replayed(store: TestStore) {
+    let s = TestServer::with_store(store.store.clone(), Policy::default(), |l| {
+        l.on_response(|ctx, headers| {
+            let replay = if ctx.is_replay() { "true" } else { "false" };
+            headers.insert("x-hook-replay", http::HeaderValue::from_static(replay));
+            headers.insert(
+                "x-hook-key",
+                http::HeaderValue::from_str(ctx.key().as_str()).expect("a header value"),
+            );
+            if let Some(at) = ctx.expires_at() {
+                let secs = at
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_secs())
+                    .unwrap_or(0);
+                headers.insert("x-hook-expires", http::HeaderValue::from(secs));
+            }
+        })
+        .replay_header(HeaderName::from_static("x-hook-replay"))
+    })
+    .await;
+    let c = client();
+    let body = json!({"h": 1});
+    let first = send(post(&c, &s, "/items", "hooked", &body)).await;
+    assert_eq!(first.header("x-hook-replay"), Some("false"));
+    assert_eq!(first.header("x-hook-key"), Some("hooked"));
+    let again = send(post(&c, &s, "/items", "hooked", &body)).await;
+    assert!(again.replayed());
+    assert_eq!(
+        again.header("x-hook-replay"),
+        Some("true"),
+        "hook headers are set on each answer, not stored: {again:?}"
+    );
+    let expiry = |r: &Reply| -> i64 {
+        r.header("x-hook-expires")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no expiry on {r:?}"))
+    };
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_secs() as i64;
+    let retention = Policy::default().ttl.as_secs() as i64;
+    for r in [&first, &again] {
+        assert!(
+            (expiry(r) - (now + retention)).abs() <= 5,
+            "expiry {} for a {retention} s retention",
+            expiry(r)
+        );
+    }
+    // Refusals do not reach the hook.
+    let mismatch = send(post(&c, &s, "/items", "hooked", &json!({"h": 2}))).await;
+    assert_problem(&mismatch, 422, Refusal::Mismatch.slug());
+    assert_eq!(mismatch.header("x-hook-replay"), None);
+    assert_eq!(s.executions(), 1);
+}
+
+/// A fingerprint hook chooses what is compared: here a JSON member the client regenerates on
+/// every attempt is left out, so attempts that differ only there are one request, while any
+/// other change is still a 422.
+pub async fn fingerprint_hook_selects_what_is_hashed(store: TestStore) {
+    let s = TestServer::with_store(store.store.clone(), Policy::default(), |l| {
+        l.fingerprint_with(|req| match serde_json::from_slice::<Value>(req.body()) {
+            Ok(mut doc) => {
+                if let Some(members) = doc.as_object_mut() {
+                    members.remove("sent_at");
+                }
+                let canonical = idempotency_core::canonical_json(&doc);
+                req.builder().body(canonical.as_bytes()).finish()
+            }
+            Err(_) => req.default_fingerprint(),
+        })
+    })
+    .await;
+    let c = client();
+    let first = send(post(
+        &c,
+        &s,
+        "/items",
+        "hook-fp",
+        &json!({"amount": 5, "sent_at": 1}),
+    ))
+    .await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let again = send(post(
+        &c,
+        &s,
+        "/items",
+        "hook-fp",
+        &json!({"sent_at": 2, "amount": 5}),
+    ))
+    .await;
+    assert!(again.replayed(), "{again:?}");
+    assert_eq!(again.body, first.body);
+    let changed = send(post(
+        &c,
+        &s,
+        "/items",
+        "hook-fp",
+        &json!({"amount": 6, "sent_at": 3}),
+    ))
+    .await;
+    assert_problem(&changed, 422, Refusal::Mismatch.slug());
+    let query = send(post(&c, &s, "/items?x=1", "hook-fp", &json!({"amount": 5}))).await;
+    assert_problem(&query, 422, Refusal::Mismatch.slug());
+    assert_eq!(s.executions(), 1);
 }
 
 pub use crate::settled::{

@@ -31,6 +31,10 @@ pub mod control {
     pub const STREAM: &str = "x-test-stream";
     /// Answer with a body of this many bytes.
     pub const LARGE: &str = "x-test-large";
+    /// Answer with a streaming body (no exact size) of this many bytes, in 512-byte chunks.
+    pub const STREAM_LARGE: &str = "x-test-stream-large";
+    /// Answer with a streaming body whose second chunk is an error.
+    pub const STREAM_FAIL: &str = "x-test-stream-fail";
     /// The caller identity an earlier layer puts in the extensions.
     pub const PRINCIPAL: &str = "x-test-principal";
 }
@@ -151,6 +155,31 @@ async fn handler(State(state): State<Arc<AppState>>, req: Request) -> Response {
     if header(h, control::STREAM).is_some() {
         let chunks =
             (0..3).map(move |i| Ok::<_, std::io::Error>(Bytes::from(format!("chunk-{n}-{i};"))));
+        return builder
+            .body(Body::from_stream(futures::stream::iter(chunks)))
+            .unwrap_or_default();
+    }
+    if let Some(len) = header(h, control::STREAM_LARGE).and_then(|v| v.parse::<usize>().ok()) {
+        let first = b'0' + (n % 10) as u8;
+        let chunks = (0..len.div_ceil(512)).map(move |i| {
+            let size = (len - i * 512).min(512);
+            let mut chunk = vec![b's'; size];
+            if i == 0 {
+                chunk[0] = first;
+            }
+            Ok::<_, std::io::Error>(Bytes::from(chunk))
+        });
+        return builder
+            .body(Body::from_stream(futures::stream::iter(chunks)))
+            .unwrap_or_default();
+    }
+    if header(h, control::STREAM_FAIL).is_some() {
+        let chunks = [
+            Ok(Bytes::from(format!("partial-{n};"))),
+            Err(std::io::Error::other(
+                "the body failed on purpose (conformance suite)",
+            )),
+        ];
         return builder
             .body(Body::from_stream(futures::stream::iter(chunks)))
             .unwrap_or_default();

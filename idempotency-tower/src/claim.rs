@@ -186,6 +186,7 @@ impl ClaimedKey {
                 .map(|(n, v)| (n.clone(), v.clone()))
                 .collect(),
             body: body.clone(),
+            not_replayable: None,
         };
         Ok(Prepared {
             claim: self.clone(),

@@ -1,6 +1,6 @@
 //! Reading the `Idempotency-Key` header.
 
-use http::HeaderMap;
+use http::{HeaderMap, HeaderName};
 use idempotency_core::{IdempotencyKey, KeyError};
 
 /// The header the key is read from.
@@ -19,11 +19,12 @@ pub enum KeyHeaderError {
     /// The value is not valid UTF-8.
     #[error("the Idempotency-Key header is not valid UTF-8")]
     NotUtf8,
-    /// The value starts with `"` but is not a valid structured-field string (RFC 8941 §3.3.3).
+    /// The value starts with `"` but is not a valid structured-field string item (RFC 9651
+    /// §3.3.3, parameters allowed).
     #[error("the Idempotency-Key header is not a valid quoted string: {reason}")]
     BadQuoting {
-        /// What is wrong with it.
-        reason: &'static str,
+        /// What is wrong with it (the structured-field parser's message).
+        reason: String,
     },
     /// A bare (unquoted) value contains a comma, which is what an intermediary produces when
     /// it joins two header lines; send keys with commas in the quoted form.
@@ -32,12 +33,20 @@ pub enum KeyHeaderError {
     /// The key breaks a key rule (empty, longer than 255 bytes, control characters).
     #[error(transparent)]
     Key(#[from] KeyError),
+    /// The API's key validator ([`crate::IdempotencyLayer::validate_key`]) refused the key.
+    #[error("the Idempotency-Key is not in this API's key format: {reason}")]
+    Rejected {
+        /// The validator's message.
+        reason: String,
+    },
 }
 
 /// Reads the key from `headers`: `Ok(None)` when there is no `Idempotency-Key` header.
 ///
 /// The bare form (`Idempotency-Key: abc`) and the draft's structured-field string form
-/// (`Idempotency-Key: "abc"`) name the same key. Surrounding whitespace is ignored.
+/// (`Idempotency-Key: "abc"`) name the same key. A quoted value is parsed as an RFC 8941/9651
+/// structured-field item (with the `sfv` crate), so parameters after it are read and ignored
+/// (`"abc";v=1` is the key `abc`). Surrounding whitespace is ignored.
 ///
 /// ```
 /// use http::HeaderMap;
@@ -48,11 +57,32 @@ pub enum KeyHeaderError {
 /// assert_eq!(read_key(&h).unwrap().unwrap().as_str(), "order-7");
 /// h.insert("idempotency-key", "order-7".parse().unwrap());
 /// assert_eq!(read_key(&h).unwrap().unwrap().as_str(), "order-7");
+/// h.insert("idempotency-key", "\"order-7\";v=1".parse().unwrap());
+/// assert_eq!(read_key(&h).unwrap().unwrap().as_str(), "order-7");
 /// h.insert("idempotency-key", "\"unterminated".parse().unwrap());
 /// assert!(read_key(&h).is_err());
 /// ```
 pub fn read_key(headers: &HeaderMap) -> Result<Option<IdempotencyKey>, KeyHeaderError> {
-    let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
+    read_key_header(headers, &IDEMPOTENCY_KEY)
+}
+
+/// [`read_key`] from the header `name` (for APIs that use another header name, see
+/// [`crate::IdempotencyLayer::key_header`]).
+///
+/// ```
+/// use http::{HeaderMap, HeaderName};
+/// use idempotency_tower::read_key_header;
+///
+/// let name = HeaderName::from_static("x-request-key");
+/// let mut h = HeaderMap::new();
+/// h.insert(&name, "k-1".parse().unwrap());
+/// assert_eq!(read_key_header(&h, &name).unwrap().unwrap().as_str(), "k-1");
+/// ```
+pub fn read_key_header(
+    headers: &HeaderMap,
+    name: &HeaderName,
+) -> Result<Option<IdempotencyKey>, KeyHeaderError> {
+    let mut values = headers.get_all(name).iter();
     let Some(value) = values.next() else {
         return Ok(None);
     };
@@ -73,35 +103,47 @@ pub fn read_key(headers: &HeaderMap) -> Result<Option<IdempotencyKey>, KeyHeader
     Ok(Some(IdempotencyKey::new(key)?))
 }
 
-/// Parses an RFC 8941 sf-string: `"` then printable ASCII, with `\"` and `\\` escapes, then
-/// `"` and nothing after it.
+/// Parses a structured-field item whose bare item is a string (RFC 9651 §3.3.3), parameters
+/// allowed and ignored.
 fn parse_sf_string(text: &str) -> Result<String, KeyHeaderError> {
-    let bad = |reason| KeyHeaderError::BadQuoting { reason };
-    let mut out = String::with_capacity(text.len());
-    let mut chars = text.chars().skip(1);
-    loop {
-        match chars.next() {
-            None => return Err(bad("the closing quote is missing")),
-            Some('"') => break,
-            Some('\\') => match chars.next() {
-                Some(c @ ('"' | '\\')) => out.push(c),
-                Some(_) => return Err(bad("only \\\" and \\\\ may be escaped")),
-                None => return Err(bad("the closing quote is missing")),
-            },
-            Some(c) if (' '..='~').contains(&c) => out.push(c),
-            Some(c) if c.is_control() => {
-                // Report control characters with the key rule, at their position in the key.
-                return Err(KeyHeaderError::Key(KeyError::ControlCharacter {
-                    position: out.len(),
-                }));
+    match sfv::Parser::new(text).parse::<sfv::Item>() {
+        Ok(item) => match item.bare_item.as_string() {
+            Some(s) => Ok(s.as_str().to_owned()),
+            // Cannot happen for text starting with `"`; refused rather than assumed.
+            None => Err(KeyHeaderError::BadQuoting {
+                reason: "the value is not a structured-field string".into(),
+            }),
+        },
+        Err(e) => {
+            // A control character inside the quotes is reported with the key rule, at its
+            // position in the key (what is before it parsed, so its escapes are pairs).
+            if let Some(at) = e.index() {
+                let found = text.get(at..).and_then(|t| t.chars().next());
+                if found.is_some_and(char::is_control) {
+                    let inside = text.get(1..at).unwrap_or("");
+                    return Err(KeyHeaderError::Key(KeyError::ControlCharacter {
+                        position: decoded_len(inside),
+                    }));
+                }
             }
-            Some(_) => return Err(bad("a quoted key may hold printable ASCII only")),
+            Err(KeyHeaderError::BadQuoting {
+                reason: format!("{e:#}"),
+            })
         }
     }
-    if chars.next().is_some() {
-        return Err(bad("characters follow the closing quote"));
+}
+
+/// The length of sf-string content once its `\x` escapes are decoded.
+fn decoded_len(escaped: &str) -> usize {
+    let mut n = 0;
+    let mut chars = escaped.chars();
+    while let Some(c) = chars.next() {
+        if c == '\\' {
+            chars.next();
+        }
+        n += 1;
     }
-    Ok(out)
+    n
 }
 
 #[cfg(test)]
@@ -129,6 +171,40 @@ mod tests {
         assert_eq!(read(&[br#""a\"b\\c""#]).unwrap(), key(r#"a"b\c"#));
         assert_eq!(read(&[b"\"a,b\""]).unwrap(), key("a,b"));
         assert_eq!(read(&[]).unwrap(), None);
+    }
+
+    /// The draft's field is a structured-field string: parameters after it are read, not
+    /// refused. Bare values keep today's reading (as sent), parameters or not.
+    #[test]
+    fn structured_field_parameters_are_read() {
+        assert_eq!(read(&[b"\"abc\";v=1"]).unwrap(), key("abc"));
+        assert_eq!(read(&[b"\"abc\";v=1;ts=\"x\";ok"]).unwrap(), key("abc"));
+        assert_eq!(read(&[br#""a\"b";p=?1"#]).unwrap(), key(r#"a"b"#));
+        assert_eq!(
+            read(&[b"\"abc\"; v=1"]).unwrap(),
+            key("abc"),
+            "SP after ';'"
+        );
+        assert_eq!(read(&[b"abc;v=1"]).unwrap(), key("abc;v=1"));
+        for bad in [
+            &b"\"abc\" ;v=1"[..],
+            b"\"abc\";V=1",
+            b"\"abc\";=1",
+            b"\"a\", \"b\"",
+            b"\"abc\";v=\"unterminated",
+        ] {
+            assert!(
+                matches!(read(&[bad]), Err(KeyHeaderError::BadQuoting { .. })),
+                "{bad:?}: {:?}",
+                read(&[bad])
+            );
+        }
+        assert!(matches!(
+            read(&[b"\"ab\\\"\tc\""]),
+            Err(KeyHeaderError::Key(KeyError::ControlCharacter {
+                position: 3
+            }))
+        ));
     }
 
     #[test]

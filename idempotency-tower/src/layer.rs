@@ -1,12 +1,17 @@
 //! The layer and its configuration.
 
+use crate::fingerprint::{FingerprintInput, DEFAULT_FINGERPRINT_HEADERS};
+use crate::hooks::ResponseContext;
 use crate::problem::{ProblemJson, RefusalResponder};
-use crate::service::IdempotencyService;
+use crate::service::{IdempotencyService, IDEMPOTENT_REPLAYED};
+use crate::IDEMPOTENCY_KEY;
 use http::request::Parts;
-use http::{HeaderName, Method, StatusCode};
-use idempotency_core::Idempotency;
+use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
+use idempotency_core::{Fingerprint, Idempotency, IdempotencyKey};
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 /// Headers that are never stored or replayed, whatever the allowlist says: credentials,
 /// cookies, and hop-by-hop headers (RFC 9110 §7.6.1), plus `Content-Length`, which is
@@ -47,6 +52,25 @@ pub const DEFAULT_REPLAYED: &[&str] = &[
 type ScopeFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
 type RouteFn = dyn Fn(&Parts) -> String + Send + Sync;
 type StoreStatusFn = dyn Fn(StatusCode) -> bool + Send + Sync;
+type FingerprintFn = dyn Fn(&FingerprintInput<'_>) -> Fingerprint + Send + Sync;
+type KeyValidatorFn = dyn Fn(&IdempotencyKey) -> Result<(), String> + Send + Sync;
+type ResponseHookFn = dyn Fn(&ResponseContext<'_>, &mut HeaderMap) + Send + Sync;
+
+/// What the layer does when the handler ran but its response cannot be stored for replay: the
+/// body is larger than the response limit, or it failed while the layer read it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Unreplayable {
+    /// Record that the handler ran, with its status and allowlisted headers (the default).
+    /// The key is not free for a second execution: a retry gets the original status and
+    /// headers (`Location` included) with an `idempotency-response-not-replayable` problem
+    /// document as the body, marked replayed.
+    #[default]
+    Record,
+    /// Release the key, so a retry runs the handler again (the behaviour before records of
+    /// unreplayable responses existed). Only for handlers that are safe to run twice.
+    Release,
+}
 
 #[derive(Clone)]
 pub(crate) struct Config {
@@ -61,6 +85,17 @@ pub(crate) struct Config {
     pub(crate) replayed: Vec<HeaderName>,
     pub(crate) fail_open: bool,
     pub(crate) responder: Arc<dyn RefusalResponder>,
+    pub(crate) fingerprint_headers: Vec<HeaderName>,
+    pub(crate) fingerprint_hook: Option<Arc<FingerprintFn>>,
+    pub(crate) unreplayable: Unreplayable,
+    pub(crate) challenge: HeaderValue,
+    pub(crate) max_retry_after: Duration,
+    pub(crate) unavailable_retry_after: Duration,
+    pub(crate) key_header: HeaderName,
+    pub(crate) key_validator: Option<Arc<KeyValidatorFn>>,
+    pub(crate) replayed_marker: Option<(HeaderName, HeaderValue)>,
+    pub(crate) response_hook: Option<Arc<ResponseHookFn>>,
+    pub(crate) scope_set: bool,
 }
 
 impl Config {
@@ -69,7 +104,9 @@ impl Config {
     }
 
     pub(crate) fn replays(&self, name: &HeaderName) -> bool {
-        !NEVER_REPLAYED.contains(&name.as_str()) && self.replayed.contains(name)
+        !NEVER_REPLAYED.contains(&name.as_str())
+            && self.replayed_marker.as_ref().is_none_or(|(m, _)| m != name)
+            && self.replayed.contains(name)
     }
 
     pub(crate) fn hash_keys(&self) -> bool {
@@ -117,6 +154,8 @@ fn default_route(parts: &Parts) -> String {
 #[derive(Clone)]
 pub struct IdempotencyLayer {
     config: Arc<Config>,
+    /// Whether the shared-scope warning was logged (once per layer, clones included).
+    warned: Arc<AtomicBool>,
 }
 
 impl fmt::Debug for IdempotencyLayer {
@@ -130,6 +169,12 @@ impl fmt::Debug for IdempotencyLayer {
             .field("response_limit", &c.response_limit)
             .field("replayed", &c.replayed)
             .field("fail_open", &c.fail_open)
+            .field("fingerprint_headers", &c.fingerprint_headers)
+            .field("unreplayable", &c.unreplayable)
+            .field("max_retry_after", &c.max_retry_after)
+            .field("unavailable_retry_after", &c.unavailable_retry_after)
+            .field("key_header", &c.key_header)
+            .field("replayed_marker", &c.replayed_marker)
             .finish_non_exhaustive()
     }
 }
@@ -138,9 +183,16 @@ impl IdempotencyLayer {
     /// The default request and response buffer limit: 1 MiB.
     pub const DEFAULT_LIMIT: usize = 1024 * 1024;
 
+    /// The default cap on `Retry-After` of a 409 (another request with the key is running).
+    pub const DEFAULT_MAX_RETRY_AFTER: Duration = Duration::from_secs(5);
+
+    /// The default `Retry-After` of a 503 (the store is unavailable).
+    pub const DEFAULT_UNAVAILABLE_RETRY_AFTER: Duration = Duration::from_secs(1);
+
     /// A layer over `engine` (its store and policy: lease, retention, in-flight behaviour,
     /// key hashing in logs) with the defaults: POST and PATCH covered, key optional, 1 MiB
-    /// limits, one shared scope, 5xx/408/429 not stored, fail closed, problem+json refusals.
+    /// limits, one shared scope, 5xx/408/429 not stored, fail closed, problem+json refusals,
+    /// preconditions fingerprinted, unreplayable responses recorded.
     pub fn new(engine: Idempotency) -> Self {
         Self {
             config: Arc::new(Config {
@@ -158,7 +210,22 @@ impl IdempotencyLayer {
                     .collect(),
                 fail_open: false,
                 responder: Arc::new(ProblemJson::default()),
+                fingerprint_headers: DEFAULT_FINGERPRINT_HEADERS
+                    .iter()
+                    .map(|h| HeaderName::from_static(h))
+                    .collect(),
+                fingerprint_hook: None,
+                unreplayable: Unreplayable::Record,
+                challenge: HeaderValue::from_static("Bearer"),
+                max_retry_after: Self::DEFAULT_MAX_RETRY_AFTER,
+                unavailable_retry_after: Self::DEFAULT_UNAVAILABLE_RETRY_AFTER,
+                key_header: IDEMPOTENCY_KEY,
+                key_validator: None,
+                replayed_marker: Some((IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"))),
+                response_hook: None,
+                scope_set: false,
             }),
+            warned: Arc::new(AtomicBool::new(false)),
         }
     }
 
@@ -186,8 +253,10 @@ impl IdempotencyLayer {
         self.edit(|c| c.body_limit = bytes)
     }
 
-    /// The largest response body stored for replay (default 1 MiB, at most `u32::MAX`); a
-    /// larger one is delivered but not stored, and the key is released.
+    /// The largest response body stored for replay (default 1 MiB, at most `u32::MAX`). A
+    /// body without an exact size (a stream) is read up to the limit and stored when it ends
+    /// within it, so the client gets it once it is read whole. A larger body is delivered
+    /// whole but not stored; what happens to the key is [`IdempotencyLayer::unreplayable`].
     pub fn response_limit(self, bytes: usize) -> Self {
         let bytes = bytes.min(u32::MAX as usize);
         self.edit(|c| c.response_limit = bytes)
@@ -199,13 +268,18 @@ impl IdempotencyLayer {
     /// scope.
     ///
     /// **Without this, every client shares one scope**: two clients that pick the same key
-    /// for the same route see each other's responses. Use it whenever callers are
-    /// authenticated.
+    /// for the same route see each other's responses (the stored response, with its body, is
+    /// replayed to whoever sends the key and the same request). Use it whenever callers are
+    /// authenticated. A layer that is [`required`](IdempotencyLayer::required) without a
+    /// scope function logs a warning once.
     pub fn scope<F>(self, f: F) -> Self
     where
         F: Fn(&Parts) -> Option<String> + Send + Sync + 'static,
     {
-        self.edit(|c| c.scope = Arc::new(f))
+        self.edit(|c| {
+            c.scope = Arc::new(f);
+            c.scope_set = true;
+        })
     }
 
     /// The route part of the scope (default: the request path; with the `axum` feature, the
@@ -262,12 +336,227 @@ impl IdempotencyLayer {
     pub fn problem_type_base(self, base: impl Into<String>) -> Self {
         self.responder(ProblemJson::new(base))
     }
+
+    /// The request headers that are part of the fingerprint (default
+    /// [`DEFAULT_FINGERPRINT_HEADERS`](crate::DEFAULT_FINGERPRINT_HEADERS): `If-Match`,
+    /// `If-None-Match`, `If-Unmodified-Since`, `If-Modified-Since`). Only headers a request
+    /// sends count, so a request without any has the fingerprint it had before headers
+    /// counted. A header's field lines are read as one list (`"a", "b"` in one line or two).
+    ///
+    /// With preconditions in the fingerprint, a request answered `412 Precondition Failed`
+    /// and sent again under the same key with a fresh `If-Match` is a different request:
+    /// `422`, never the stored `412`. Send a new key with the new precondition.
+    ///
+    /// ```
+    /// # use idempotency_core::{Idempotency, Policy};
+    /// # use idempotency_memory::MemoryStore;
+    /// # use idempotency_tower::IdempotencyLayer;
+    /// # use http::HeaderName;
+    /// # let engine = Idempotency::new(std::sync::Arc::new(MemoryStore::new()), Policy::default()).unwrap();
+    /// let layer = IdempotencyLayer::new(engine).fingerprint_headers([
+    ///     HeaderName::from_static("if-match"),
+    ///     HeaderName::from_static("x-tenant"),
+    /// ]);
+    /// ```
+    pub fn fingerprint_headers(self, names: impl IntoIterator<Item = HeaderName>) -> Self {
+        let names = names.into_iter().collect();
+        self.edit(|c| c.fingerprint_headers = names)
+    }
+
+    /// Chooses what is hashed, for APIs whose clients send the same operation with bytes that
+    /// change on every attempt (a regenerated multipart boundary, a timestamp member). The
+    /// hook gets the request and its body; [`FingerprintInput::builder`] is the layer's own
+    /// fingerprint without the body, to which the hook adds what identifies the operation.
+    /// What the hook leaves out is not compared: two requests that differ only there are one
+    /// request, and the second gets the first's response.
+    ///
+    /// ```
+    /// # use idempotency_core::{canonical_json, Idempotency, Policy};
+    /// # use idempotency_memory::MemoryStore;
+    /// # use idempotency_tower::{FingerprintInput, IdempotencyLayer};
+    /// # let engine = Idempotency::new(std::sync::Arc::new(MemoryStore::new()), Policy::default()).unwrap();
+    /// // Clients stamp each attempt with `sent_at`: leave it out of the comparison.
+    /// let layer = IdempotencyLayer::new(engine).fingerprint_with(|req: &FingerprintInput<'_>| {
+    ///     match serde_json::from_slice::<serde_json::Value>(req.body()) {
+    ///         Ok(mut doc) => {
+    ///             if let Some(members) = doc.as_object_mut() {
+    ///                 members.remove("sent_at");
+    ///             }
+    ///             req.builder().body(canonical_json(&doc).as_bytes()).finish()
+    ///         }
+    ///         // Not JSON: compare the whole body, as without the hook.
+    ///         Err(_) => req.default_fingerprint(),
+    ///     }
+    /// });
+    /// ```
+    pub fn fingerprint_with<F>(self, f: F) -> Self
+    where
+        F: Fn(&FingerprintInput<'_>) -> Fingerprint + Send + Sync + 'static,
+    {
+        self.edit(|c| c.fingerprint_hook = Some(Arc::new(f)))
+    }
+
+    /// What to do when the handler ran but its response cannot be stored (larger than the
+    /// response limit, or its body failed while read): [`Unreplayable::Record`] (the default)
+    /// keeps the key from running the handler again, [`Unreplayable::Release`] frees it.
+    pub fn unreplayable(self, unreplayable: Unreplayable) -> Self {
+        self.edit(|c| c.unreplayable = unreplayable)
+    }
+
+    /// The `WWW-Authenticate` challenge sent with the `401` for a caller the scope function
+    /// cannot identify (default `Bearer`; RFC 9110 §11.6.1 requires one on every 401). A
+    /// responder that sets the header itself wins.
+    ///
+    /// ```
+    /// # use idempotency_core::{Idempotency, Policy};
+    /// # use idempotency_memory::MemoryStore;
+    /// # use idempotency_tower::IdempotencyLayer;
+    /// # use http::HeaderValue;
+    /// # let engine = Idempotency::new(std::sync::Arc::new(MemoryStore::new()), Policy::default()).unwrap();
+    /// let layer = IdempotencyLayer::new(engine)
+    ///     .unidentified_challenge(HeaderValue::from_static("Bearer realm=\"api\""));
+    /// ```
+    pub fn unidentified_challenge(self, challenge: HeaderValue) -> Self {
+        self.edit(|c| c.challenge = challenge)
+    }
+
+    /// The largest `Retry-After` sent with a `409` while another request with the key runs
+    /// (default 5 s). The other request's lease may last much longer (30 s by default, and
+    /// the heartbeat keeps extending it), while most handlers finish in far less: the cap
+    /// keeps clients from waiting out a whole lease. With `InFlight::wait`, the value is
+    /// what is left of the lease after the wait.
+    ///
+    /// ```
+    /// # use idempotency_core::{Idempotency, Policy};
+    /// # use idempotency_memory::MemoryStore;
+    /// # use idempotency_tower::IdempotencyLayer;
+    /// # use std::time::Duration;
+    /// # let engine = Idempotency::new(std::sync::Arc::new(MemoryStore::new()), Policy::default()).unwrap();
+    /// let layer = IdempotencyLayer::new(engine).max_retry_after(Duration::from_secs(2));
+    /// ```
+    pub fn max_retry_after(self, cap: Duration) -> Self {
+        self.edit(|c| c.max_retry_after = cap)
+    }
+
+    /// The `Retry-After` sent with a `503` when the store is unavailable (default 1 s; whole
+    /// seconds, at least 1).
+    ///
+    /// ```
+    /// # use idempotency_core::{Idempotency, Policy};
+    /// # use idempotency_memory::MemoryStore;
+    /// # use idempotency_tower::IdempotencyLayer;
+    /// # use std::time::Duration;
+    /// # let engine = Idempotency::new(std::sync::Arc::new(MemoryStore::new()), Policy::default()).unwrap();
+    /// let layer = IdempotencyLayer::new(engine).unavailable_retry_after(Duration::from_secs(3));
+    /// ```
+    pub fn unavailable_retry_after(self, after: Duration) -> Self {
+        self.edit(|c| c.unavailable_retry_after = after)
+    }
+
+    /// The header the key is read from (default `Idempotency-Key`).
+    ///
+    /// ```
+    /// # use idempotency_core::{Idempotency, Policy};
+    /// # use idempotency_memory::MemoryStore;
+    /// # use idempotency_tower::IdempotencyLayer;
+    /// # use http::HeaderName;
+    /// # let engine = Idempotency::new(std::sync::Arc::new(MemoryStore::new()), Policy::default()).unwrap();
+    /// let layer = IdempotencyLayer::new(engine).key_header(HeaderName::from_static("x-idempotency-key"));
+    /// ```
+    pub fn key_header(self, name: HeaderName) -> Self {
+        self.edit(|c| c.key_header = name)
+    }
+
+    /// Checks keys against the API's published key format, after the header rules (one line,
+    /// not empty, at most 255 bytes, no control characters). A key the validator refuses gets
+    /// `400` `idempotency-key-invalid` whose `detail` carries the validator's message, and the
+    /// handler does not run.
+    ///
+    /// ```
+    /// # use idempotency_core::{Idempotency, Policy};
+    /// # use idempotency_memory::MemoryStore;
+    /// # use idempotency_tower::IdempotencyLayer;
+    /// # let engine = Idempotency::new(std::sync::Arc::new(MemoryStore::new()), Policy::default()).unwrap();
+    /// // Keys are UUIDs (8-4-4-4-12 hexadecimal digits).
+    /// let layer = IdempotencyLayer::new(engine).validate_key(|key| {
+    ///     let groups: Vec<&str> = key.as_str().split('-').collect();
+    ///     let lengths: Vec<usize> = groups.iter().map(|g| g.len()).collect();
+    ///     let hex = groups.iter().all(|g| g.bytes().all(|b| b.is_ascii_hexdigit()));
+    ///     if lengths == [8, 4, 4, 4, 12] && hex {
+    ///         Ok(())
+    ///     } else {
+    ///         Err("keys are UUIDs, such as 8e2c1f0a-5b7d-4c3e-9f21-0a6b7c8d9e10".into())
+    ///     }
+    /// });
+    /// ```
+    pub fn validate_key<F>(self, f: F) -> Self
+    where
+        F: Fn(&IdempotencyKey) -> Result<(), String> + Send + Sync + 'static,
+    {
+        self.edit(|c| c.key_validator = Some(Arc::new(f)))
+    }
+
+    /// The header that marks a replayed response (default `Idempotent-Replayed: true`), or
+    /// `None` for no marker. The marker's name is never stored, whatever the allowlist says.
+    ///
+    /// ```
+    /// # use idempotency_core::{Idempotency, Policy};
+    /// # use idempotency_memory::MemoryStore;
+    /// # use idempotency_tower::IdempotencyLayer;
+    /// # use http::{HeaderName, HeaderValue};
+    /// # let engine = Idempotency::new(std::sync::Arc::new(MemoryStore::new()), Policy::default()).unwrap();
+    /// let layer = IdempotencyLayer::new(engine).replayed_header(Some((
+    ///     HeaderName::from_static("x-cache"),
+    ///     HeaderValue::from_static("replay"),
+    /// )));
+    /// ```
+    pub fn replayed_header(self, marker: Option<(HeaderName, HeaderValue)>) -> Self {
+        self.edit(|c| c.replayed_marker = marker)
+    }
+
+    /// Called on every response to a request whose key was claimed (the handler's, once
+    /// settled) or replayed, to add the API's own headers. The [`ResponseContext`] says whether
+    /// it is a replay, what became of a fresh response, and when the key expires. Headers it
+    /// adds are not stored: it is called again on each replay. Refusals and requests that
+    /// pass through (no key, fail-open) do not reach it.
+    ///
+    /// ```
+    /// # use idempotency_core::{Idempotency, Policy};
+    /// # use idempotency_memory::MemoryStore;
+    /// # use idempotency_tower::IdempotencyLayer;
+    /// # use http::HeaderValue;
+    /// # use std::time::UNIX_EPOCH;
+    /// # let engine = Idempotency::new(std::sync::Arc::new(MemoryStore::new()), Policy::default()).unwrap();
+    /// let layer = IdempotencyLayer::new(engine).on_response(|ctx, headers| {
+    ///     // When the key can be reused, in seconds since the epoch.
+    ///     if let Some(at) = ctx.expires_at().and_then(|t| t.duration_since(UNIX_EPOCH).ok()) {
+    ///         headers.insert("idempotency-key-expires", HeaderValue::from(at.as_secs()));
+    ///     }
+    ///     if ctx.is_replay() {
+    ///         headers.insert("x-served-from", HeaderValue::from_static("idempotency-store"));
+    ///     }
+    /// });
+    /// ```
+    pub fn on_response<F>(self, f: F) -> Self
+    where
+        F: Fn(&ResponseContext<'_>, &mut HeaderMap) + Send + Sync + 'static,
+    {
+        self.edit(|c| c.response_hook = Some(Arc::new(f)))
+    }
 }
 
 impl<S> tower_layer::Layer<S> for IdempotencyLayer {
     type Service = IdempotencyService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
+        let c = &self.config;
+        if c.required && !c.scope_set && !self.warned.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                "the idempotency layer requires keys but has no scope function: every caller \
+                 shares one key space, so two callers that send the same key and request get \
+                 the same stored response; set `.scope(..)` to the caller's identity"
+            );
+        }
         IdempotencyService::new(inner, self.config.clone())
     }
 }

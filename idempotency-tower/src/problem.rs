@@ -1,6 +1,6 @@
 //! Refusals and how they are written: RFC 9457 problem documents by default, or your format.
 
-use crate::KeyHeaderError;
+use crate::{KeyHeaderError, NotReplayable};
 use bytes::Bytes;
 use http::{header, HeaderValue, Response, StatusCode};
 use std::fmt;
@@ -45,6 +45,15 @@ pub enum Refusal {
     StoreUnavailable(String),
     /// The stored response for this key could not be decoded. 500.
     StoredResponseUnreadable(String),
+    /// The handler ran, but its response could not be kept for replay (too large, or its body
+    /// failed): answered with the handler's status, so a client does not take it for a
+    /// failure and run the operation again under a new key.
+    NotReplayable {
+        /// The handler's status.
+        status: StatusCode,
+        /// Why the response was not kept.
+        reason: NotReplayable,
+    },
     /// The handler failed without a response (it panicked or returned an error). 500.
     HandlerFailed,
     /// The request stalled past its lease and another request with the key took it over; the
@@ -66,6 +75,7 @@ impl Refusal {
             Self::InProgress { .. } | Self::LeaseLost => StatusCode::CONFLICT,
             Self::Mismatch | Self::FailedPermanently => StatusCode::UNPROCESSABLE_ENTITY,
             Self::StoreUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Self::NotReplayable { status, .. } => *status,
             Self::StoredResponseUnreadable(_) | Self::HandlerFailed => {
                 StatusCode::INTERNAL_SERVER_ERROR
             }
@@ -86,6 +96,7 @@ impl Refusal {
             Self::FailedPermanently => "idempotency-key-failed-permanently",
             Self::StoreUnavailable(_) => "idempotency-store-unavailable",
             Self::StoredResponseUnreadable(_) => "idempotency-stored-response-unreadable",
+            Self::NotReplayable { .. } => "idempotency-response-not-replayable",
             Self::HandlerFailed => "handler-failed",
             Self::LeaseLost => "idempotency-key-lease-lost",
         }
@@ -105,6 +116,7 @@ impl Refusal {
             Self::FailedPermanently => "IDEMPOTENCY_KEY_FAILED_PERMANENTLY",
             Self::StoreUnavailable(_) => "IDEMPOTENCY_STORE_UNAVAILABLE",
             Self::StoredResponseUnreadable(_) => "IDEMPOTENCY_STORED_RESPONSE_UNREADABLE",
+            Self::NotReplayable { .. } => "IDEMPOTENCY_RESPONSE_NOT_REPLAYABLE",
             Self::HandlerFailed => "HANDLER_FAILED",
             Self::LeaseLost => "IDEMPOTENCY_KEY_LEASE_LOST",
         }
@@ -124,6 +136,7 @@ impl Refusal {
             Self::FailedPermanently => "The request with this Idempotency-Key failed permanently",
             Self::StoreUnavailable(_) => "The idempotency store is unavailable",
             Self::StoredResponseUnreadable(_) => "The stored response could not be read",
+            Self::NotReplayable { .. } => "The request ran, but its response was not kept",
             Self::HandlerFailed => "The request failed on the server",
             Self::LeaseLost => "This request lost its claim on the Idempotency-Key",
         }
@@ -152,6 +165,16 @@ impl Refusal {
             Self::FailedPermanently => "the first request with this key failed in a way that retrying will not fix; it is not run again under this key".into(),
             Self::StoreUnavailable(_) => "the request was not run because its key could not be recorded; retry later".into(),
             Self::StoredResponseUnreadable(_) => "the outcome stored for this key cannot be replayed".into(),
+            Self::NotReplayable { status, reason } => {
+                let why = match reason {
+                    NotReplayable::TooLarge => "was too large to keep",
+                    NotReplayable::BodyFailed => "failed while it was being read",
+                };
+                format!(
+                    "the request with this key ran and answered {}, but its response {why}; it is not run again under this key (the status and headers such as Location are the original ones)",
+                    status.as_u16()
+                )
+            }
             Self::HandlerFailed => "the request failed before producing a response; it may be retried with the same key".into(),
             Self::LeaseLost => "this request took longer than its lease and another request with the key took it over; nothing it did was kept. Retry with the same key to get the outcome of that request".into(),
         }
@@ -251,6 +274,9 @@ impl RefusalResponder for ProblemJson {
         if let Refusal::BodyTooLarge { limit } = refusal {
             doc["limit"] = (*limit).into();
         }
+        if let Refusal::NotReplayable { reason, .. } = refusal {
+            doc["reason"] = reason.as_str().into();
+        }
         let body = serde_json::to_vec(&doc).unwrap_or_default();
         let mut response = Response::new(Bytes::from(body));
         *response.status_mut() = status;
@@ -289,6 +315,10 @@ mod tests {
             Refusal::Mismatch,
             Refusal::StoreUnavailable("internal-42".into()),
             Refusal::StoredResponseUnreadable("internal-42".into()),
+            Refusal::NotReplayable {
+                status: StatusCode::CREATED,
+                reason: NotReplayable::TooLarge,
+            },
             Refusal::HandlerFailed,
             Refusal::LeaseLost,
         ];

@@ -1,17 +1,20 @@
 //! The service: read the key, fingerprint, claim, run or replay, store.
 
 use crate::claim::{ClaimedKey, Settlement};
-use crate::layer::Config;
+use crate::fingerprint::FingerprintInput;
+use crate::hooks::{HttpOutcome, ResponseContext};
+use crate::layer::{Config, Unreplayable};
 use crate::problem::Refusal;
-use crate::stored::StoredResponse;
-use crate::{read_key, RequestBody, ResponseBody};
+use crate::stored::{NotReplayable, StoredResponse};
+use crate::{read_key_header, KeyHeaderError, RequestBody, ResponseBody};
 use bytes::Bytes;
 use futures::FutureExt;
-use http::{header, HeaderValue, Request, Response};
+use http::{header, HeaderName, HeaderValue, Request, Response, Version};
 use http_body::Body;
 use http_body_util::{BodyExt, Either, Full, LengthLimitError, Limited};
 use idempotency_core::{
-    loggable_key, Begin, Error, Failure, Fingerprint, Lease, RecordId, Scope, ScopeError,
+    loggable_key, Begin, Error, Failure, Fingerprint, IdempotencyKey, Lease, RecordId, Scope,
+    ScopeError,
 };
 use std::fmt;
 use std::future::Future;
@@ -19,10 +22,12 @@ use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tower_service::Service;
 use tracing::Instrument;
 
-/// The header that marks a replayed response.
+/// The header that marks a replayed response (by default; see
+/// [`crate::IdempotencyLayer::replayed_header`]).
 pub const IDEMPOTENT_REPLAYED: http::HeaderName =
     http::HeaderName::from_static("idempotent-replayed");
 
@@ -158,7 +163,7 @@ where
     S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
 {
     let resp = inner.call(req.map(Either::Right)).await?;
-    Ok(resp.map(Either::Right))
+    Ok(resp.map(ResponseBody::inner))
 }
 
 fn refuse<B>(config: &Config, refusal: Refusal) -> Answer<B> {
@@ -168,27 +173,85 @@ fn refuse<B>(config: &Config, refusal: Refusal) -> Answer<B> {
         "idempotency refusal"
     );
     let mut resp = config.responder.respond(&refusal);
-    let retry_after = match &refusal {
-        Refusal::InProgress { retry_after } => Some(*retry_after),
+    // Headers the status calls for, unless the responder set them itself.
+    let (name, value) = match &refusal {
+        Refusal::InProgress { retry_after } => (
+            header::RETRY_AFTER,
+            HeaderValue::from(crate::problem::retry_after_secs(*retry_after)),
+        ),
+        Refusal::StoreUnavailable(_) => (
+            header::RETRY_AFTER,
+            HeaderValue::from(crate::problem::retry_after_secs(
+                config.unavailable_retry_after,
+            )),
+        ),
         // The request that took the key over is running: its outcome is the retry's answer.
-        Refusal::LeaseLost => Some(std::time::Duration::from_secs(1)),
-        _ => None,
+        Refusal::LeaseLost => (header::RETRY_AFTER, HeaderValue::from(1u64)),
+        Refusal::CallerUnidentified => (header::WWW_AUTHENTICATE, config.challenge.clone()),
+        _ => return resp.map(ResponseBody::full),
     };
-    if let Some(retry_after) = retry_after {
-        if !resp.headers().contains_key(header::RETRY_AFTER) {
-            resp.headers_mut().insert(
-                header::RETRY_AFTER,
-                HeaderValue::from(crate::problem::retry_after_secs(retry_after)),
-            );
-        }
+    if !resp.headers().contains_key(&name) {
+        resp.headers_mut().insert(name, value);
     }
-    if let Refusal::BodyTooLarge { .. } = refusal {
-        // The rest of the body is left unread, so the connection cannot carry another request:
-        // say so, or a client reusing it would see its next request fail.
+    resp.map(ResponseBody::full)
+}
+
+/// The `413` for a body over the limit. The rest of the body is left unread, so an HTTP/1.x
+/// connection cannot carry another request: say so, or a client reusing it would see its next
+/// request fail. HTTP/2 streams are independent (and forbid `Connection`).
+fn refuse_body<B>(config: &Config, refusal: Refusal, version: Version) -> Answer<B> {
+    let too_large = matches!(refusal, Refusal::BodyTooLarge { .. });
+    let mut resp = refuse(config, refusal);
+    if too_large && version < Version::HTTP_2 {
         resp.headers_mut()
             .insert(header::CONNECTION, HeaderValue::from_static("close"));
     }
-    resp.map(|b| Either::Left(Full::new(b)))
+    resp
+}
+
+/// The key from the configured header, checked by the API's validator.
+fn read_request_key(
+    config: &Config,
+    headers: &http::HeaderMap,
+) -> Result<Option<IdempotencyKey>, KeyHeaderError> {
+    let key = read_key_header(headers, &config.key_header)?;
+    if let (Some(key), Some(validate)) = (&key, &config.key_validator) {
+        validate(key).map_err(|reason| KeyHeaderError::Rejected { reason })?;
+    }
+    Ok(key)
+}
+
+/// `Retry-After` for a 409: what was left of the other attempt's lease when the engine looked,
+/// less the time spent since (a wait under `InFlight::wait`), capped.
+fn in_progress_retry_after(config: &Config, retry_after: Duration, began: Instant) -> Duration {
+    retry_after
+        .saturating_sub(began.elapsed())
+        .min(config.max_retry_after)
+}
+
+fn system_time(t: idempotency_core::Timestamp) -> Option<SystemTime> {
+    let ms = u64::try_from(t.as_millis()).ok()?;
+    UNIX_EPOCH.checked_add(Duration::from_millis(ms))
+}
+
+/// Lets the API's response hook add its headers.
+fn with_hook<B>(
+    config: &Config,
+    key: &IdempotencyKey,
+    mut resp: Answer<B>,
+    outcome: Option<HttpOutcome>,
+    expires_at: Option<SystemTime>,
+) -> Answer<B> {
+    if let Some(hook) = &config.response_hook {
+        let ctx = ResponseContext {
+            key,
+            status: resp.status(),
+            outcome,
+            expires_at,
+        };
+        hook(&ctx, resp.headers_mut());
+    }
+    resp
 }
 
 async fn handle<S, ReqB, ResB>(
@@ -205,7 +268,7 @@ where
     ResB: Body<Data = Bytes> + Send + 'static,
     ResB::Error: Into<BoxError>,
 {
-    let key = match read_key(req.headers()) {
+    let key = match read_request_key(&config, req.headers()) {
         Ok(Some(key)) => key,
         Ok(None) if config.required => {
             record(HttpDecision::Refused);
@@ -242,13 +305,14 @@ where
         Ok(body) => body,
         Err(refusal) => {
             record(HttpDecision::Refused);
-            return Ok(refuse(&config, refusal));
+            return Ok(refuse_body(&config, refusal, parts.version));
         }
     };
-    let fingerprint = fingerprint(&parts, &body);
+    let fingerprint = fingerprint(&config, &parts, &body);
     let id = RecordId::new(scope, key);
     let req = Request::from_parts(parts, Either::Left(Full::new(body)));
 
+    let began = Instant::now();
     match config.engine.begin(&id, &fingerprint).await {
         Ok(Begin::Execute(lease)) => {
             record(HttpDecision::Executed);
@@ -266,7 +330,9 @@ where
             match StoredResponse::decode(bytes) {
                 Ok(stored) => {
                     record(HttpDecision::Replayed);
-                    Ok(replay(stored))
+                    let resp = replay(&config, stored);
+                    let expires_at = system_time(record_.expires_at);
+                    Ok(with_hook(&config, &id.key, resp, None, expires_at))
                 }
                 Err(e) => {
                     record(HttpDecision::Unreadable);
@@ -284,6 +350,7 @@ where
         }
         Err(Error::InProgress { retry_after }) => {
             record(HttpDecision::InProgress);
+            let retry_after = in_progress_retry_after(&config, retry_after, began);
             Ok(refuse(&config, Refusal::InProgress { retry_after }))
         }
         Err(Error::FailedPermanently { .. }) => {
@@ -319,7 +386,7 @@ where
     S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
 {
     let resp = inner.call(req).await?;
-    Ok(resp.map(Either::Right))
+    Ok(resp.map(ResponseBody::inner))
 }
 
 async fn buffer_request<B>(
@@ -346,28 +413,60 @@ where
     }
 }
 
-fn fingerprint(parts: &http::request::Parts, body: &[u8]) -> Fingerprint {
-    let mut fp = Fingerprint::builder()
-        .method(parts.method.as_str())
-        .path(parts.uri.path());
-    if let Some(query) = parts.uri.query() {
-        fp = fp.query(query);
+fn fingerprint(config: &Config, parts: &http::request::Parts, body: &Bytes) -> Fingerprint {
+    let input = FingerprintInput {
+        parts,
+        body,
+        headers: &config.fingerprint_headers,
+    };
+    match &config.fingerprint_hook {
+        Some(hook) => hook(&input),
+        None => input.default_fingerprint(),
     }
-    if let Some(ct) = parts.headers.get(header::CONTENT_TYPE) {
-        fp = fp.content_type(&String::from_utf8_lossy(ct.as_bytes()));
-    }
-    fp.body(body).finish()
 }
 
-fn replay<B>(stored: StoredResponse) -> Answer<B> {
-    let mut resp = Response::new(Either::Left(Full::new(stored.body)));
-    *resp.status_mut() = stored.status;
-    let headers = resp.headers_mut();
-    for (name, value) in stored.headers {
-        headers.append(name, value);
+/// A stored record as the answer: the response, or the not-replayable answer; marked.
+fn replay<B>(config: &Config, stored: StoredResponse) -> Answer<B> {
+    let mut resp = match stored.not_replayable {
+        Some(reason) => not_replayable(config, &stored, reason),
+        None => {
+            let mut resp = Response::new(ResponseBody::full(stored.body));
+            *resp.status_mut() = stored.status;
+            let headers = resp.headers_mut();
+            for (name, value) in stored.headers {
+                headers.append(name, value);
+            }
+            resp
+        }
+    };
+    if let Some((name, value)) = &config.replayed_marker {
+        resp.headers_mut().insert(name.clone(), value.clone());
     }
-    headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
     resp
+}
+
+/// Headers that describe the body they came with, so they are not sent with a problem
+/// document in its place.
+fn describes_body(name: &HeaderName) -> bool {
+    name.as_str().starts_with("content-") || name == "digest"
+}
+
+/// The answer for a handler that ran but whose response was not kept: the responder's
+/// [`Refusal::NotReplayable`] document with the handler's status and its stored headers
+/// (`Location`, `ETag`…), less those that described the original body.
+fn not_replayable<B>(config: &Config, stored: &StoredResponse, reason: NotReplayable) -> Answer<B> {
+    let mut resp = config.responder.respond(&Refusal::NotReplayable {
+        status: stored.status,
+        reason,
+    });
+    *resp.status_mut() = stored.status;
+    let set_by_responder: Vec<HeaderName> = resp.headers().keys().cloned().collect();
+    for (name, value) in &stored.headers {
+        if !describes_body(name) && !set_by_responder.contains(name) {
+            resp.headers_mut().append(name.clone(), value.clone());
+        }
+    }
+    resp.map(ResponseBody::full)
 }
 
 /// Runs the handler on a task of its own, so that a client that disconnects (or times out)
@@ -405,17 +504,21 @@ where
 
 async fn release(lease: Lease, why: &'static str) {
     record_outcome(why);
-    if let Err(e) = lease.fail(Failure::retryable(why)).await {
-        tracing::warn!(error = %e, "could not release the key; its lease will pass");
+    match lease.fail(Failure::retryable(why)).await {
+        Ok(()) => {}
+        Err(e @ Error::LeaseLost { .. }) => {
+            tracing::warn!(error = %e, "the key was taken over before it could be released");
+        }
+        Err(e) => tracing::warn!(error = %e, "could not release the key; its lease will pass"),
     }
 }
 
 fn record_settlement(settlement: Settlement) {
     match settlement {
         Settlement::Open => {}
-        Settlement::Committed => record_outcome("settled_by_handler"),
+        Settlement::Committed => record_outcome(HttpOutcome::SettledByHandler.as_str()),
         Settlement::Lost => {
-            record_outcome("lease_lost");
+            record_outcome(HttpOutcome::LeaseLost.as_str());
             tracing::warn!(
                 "the handler's completion was fenced: its lease had passed and another request \
                  holds the key; its transaction rolled back"
@@ -443,13 +546,147 @@ enum Handled<B, E> {
     SettledByHandler(Response<B>, Settlement),
     /// The handler's error.
     Error(E),
-    /// A response that is not stored (per the status policy, streaming or too large), with
-    /// why.
+    /// A response that is not stored per the status policy, with why.
     Unstored(Response<B>, &'static str),
-    /// A response whose body failed while being read.
-    BodyFailed(BoxError),
-    /// A response read whole, to store.
+    /// A response whose body was read (whole, too large, or failing).
+    Read(ReadResponse<B>),
+}
+
+/// A response body as the layer read it.
+enum ReadResponse<B> {
+    /// Read whole within the response limit: it is stored.
     Whole(http::response::Parts, Bytes),
+    /// Larger than the limit: what was read, then the rest, still to deliver.
+    TooLarge(http::response::Parts, ResponseBody<B>),
+    /// The body failed while being read.
+    Failed(http::response::Parts, BoxError),
+}
+
+/// Reads the handler's body up to `limit`, whether it declares its size or streams. A body
+/// whose size hint is already over the limit is not read.
+async fn read_response<B>(resp: Response<B>, limit: usize) -> ReadResponse<B>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let (parts, body) = resp.into_parts();
+    if body.size_hint().lower() > limit as u64 {
+        return ReadResponse::TooLarge(parts, ResponseBody::inner(body));
+    }
+    let mut body = Box::pin(body);
+    let mut read = Vec::new();
+    loop {
+        match body.frame().await {
+            None => return ReadResponse::Whole(parts, Bytes::from(read)),
+            Some(Err(e)) => return ReadResponse::Failed(parts, e.into()),
+            Some(Ok(frame)) => {
+                // Trailers are not stored (nor were they before streams were read).
+                let Ok(data) = frame.into_data() else {
+                    continue;
+                };
+                read.extend_from_slice(&data);
+                if read.len() > limit {
+                    return ReadResponse::TooLarge(
+                        parts,
+                        ResponseBody::spliced(Bytes::from(read), body),
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Completes the lease with `outcome`: `done` when it is stored, else what went wrong.
+async fn complete(lease: Lease, outcome: &StoredResponse, done: HttpOutcome) -> HttpOutcome {
+    match lease.complete(&outcome.encode()).await {
+        Ok(()) => done,
+        Err(e @ Error::LeaseLost { .. }) => {
+            // Another attempt took the key over (this one outlived its lease): it owns the
+            // record now, and this response is delivered but not stored.
+            tracing::warn!(error = %e, "the lease was lost before the response could be stored");
+            HttpOutcome::LeaseLost
+        }
+        Err(e) => {
+            // The work ran; its response is delivered. The engine retried the write and left
+            // the key Pending: a retry is told 409 until the lease passes (then it runs
+            // again), never given the key at once.
+            tracing::error!(error = %e, "could not store the response");
+            HttpOutcome::StoreFailed
+        }
+    }
+}
+
+/// Stores, records or releases what the handler answered, and gives the answer.
+async fn settle_response<B>(config: &Config, lease: Lease, read: ReadResponse<B>) -> Answer<B> {
+    let key = lease.id().key.clone();
+    let retained = SystemTime::now().checked_add(lease.ttl());
+    let kept = |parts: &http::response::Parts| StoredResponse {
+        status: parts.status,
+        headers: parts
+            .headers
+            .iter()
+            .filter(|(name, _)| config.replays(name))
+            .map(|(n, v)| (n.clone(), v.clone()))
+            .collect(),
+        body: Bytes::new(),
+        not_replayable: None,
+    };
+    let (resp, outcome) = match (read, config.unreplayable) {
+        (ReadResponse::Whole(parts, body), _) => {
+            let stored = StoredResponse {
+                body: body.clone(),
+                ..kept(&parts)
+            };
+            let outcome = complete(lease, &stored, HttpOutcome::Stored).await;
+            let resp = Response::from_parts(parts, ResponseBody::full(body));
+            (resp, outcome)
+        }
+        (ReadResponse::TooLarge(parts, body), Unreplayable::Release) => {
+            release(lease, HttpOutcome::ReleasedTooLarge.as_str()).await;
+            let resp = Response::from_parts(parts, body);
+            return with_hook(
+                config,
+                &key,
+                resp,
+                Some(HttpOutcome::ReleasedTooLarge),
+                None,
+            );
+        }
+        (ReadResponse::TooLarge(parts, body), Unreplayable::Record) => {
+            let stored = StoredResponse {
+                not_replayable: Some(NotReplayable::TooLarge),
+                ..kept(&parts)
+            };
+            let outcome = complete(lease, &stored, HttpOutcome::RecordedTooLarge).await;
+            (Response::from_parts(parts, body), outcome)
+        }
+        (ReadResponse::Failed(_, e), Unreplayable::Release) => {
+            tracing::error!(error = %e, "the handler's response body failed");
+            release(lease, HttpOutcome::ReleasedBodyFailed.as_str()).await;
+            return refuse(config, Refusal::HandlerFailed);
+        }
+        (ReadResponse::Failed(parts, e), Unreplayable::Record) => {
+            tracing::error!(error = %e, "the handler's response body failed");
+            let stored = StoredResponse {
+                not_replayable: Some(NotReplayable::BodyFailed),
+                ..kept(&parts)
+            };
+            let outcome = complete(lease, &stored, HttpOutcome::RecordedBodyFailed).await;
+            // The client gets what its retries will get.
+            (
+                not_replayable(config, &stored, NotReplayable::BodyFailed),
+                outcome,
+            )
+        }
+    };
+    record_outcome(outcome.as_str());
+    let expires_at = match outcome {
+        HttpOutcome::Stored | HttpOutcome::RecordedTooLarge | HttpOutcome::RecordedBodyFailed => {
+            retained
+        }
+        _ => None,
+    };
+    with_hook(config, &key, resp, Some(outcome), expires_at)
 }
 
 async fn run_and_store<S, ReqB, ResB>(
@@ -482,18 +719,7 @@ where
         if !(config.store_status)(resp.status()) {
             return Handled::Unstored(resp, "released_status");
         }
-        match resp.body().size_hint().exact() {
-            None => return Handled::Unstored(resp, "released_streaming"),
-            Some(n) if n > config.response_limit as u64 => {
-                return Handled::Unstored(resp, "released_too_large")
-            }
-            Some(_) => {}
-        }
-        let (parts, body) = resp.into_parts();
-        match Limited::new(body, config.response_limit).collect().await {
-            Ok(collected) => Handled::Whole(parts, collected.to_bytes()),
-            Err(e) => Handled::BodyFailed(e),
-        }
+        Handled::Read(read_response(resp, config.response_limit).await)
     };
     let handled = match lease
         .with_heartbeat(AssertUnwindSafe(handled).catch_unwind())
@@ -509,56 +735,45 @@ where
             std::panic::resume_unwind(panic);
         }
     };
-    let (parts, body) = match handled {
+    match handled {
         Handled::Error(e) => {
             if let Some(lease) = unless_settled_by_handler(&claim, lease) {
                 release(lease, "handler_error").await;
             }
-            return Err(e);
+            Err(e)
         }
         Handled::SettledByHandler(resp, settlement) => {
             // The handler's transaction committed the completion (whatever it answers now is
             // its answer, and every retry replays what was committed), or its completion was
             // fenced and it rolled back.
+            let key = lease.id().key.clone();
             lease.settled_externally();
             record_settlement(settlement);
-            return Ok(match settlement {
+            Ok(match settlement {
                 Settlement::Lost => refuse(&config, Refusal::LeaseLost),
-                _ => resp.map(Either::Right),
-            });
+                _ => with_hook(
+                    &config,
+                    &key,
+                    resp.map(ResponseBody::inner),
+                    Some(HttpOutcome::SettledByHandler),
+                    SystemTime::now().checked_add(config.engine.policy().ttl),
+                ),
+            })
         }
         Handled::Unstored(resp, why) => {
+            let key = lease.id().key.clone();
             release(lease, why).await;
-            return Ok(resp.map(Either::Right));
+            let resp = resp.map(ResponseBody::inner);
+            Ok(with_hook(
+                &config,
+                &key,
+                resp,
+                Some(HttpOutcome::ReleasedStatus),
+                None,
+            ))
         }
-        Handled::BodyFailed(e) => {
-            tracing::error!(error = %e, "the handler's response body failed");
-            release(lease, "response_body_failed").await;
-            return Ok(refuse(&config, Refusal::HandlerFailed));
-        }
-        Handled::Whole(parts, body) => (parts, body),
-    };
-    let stored = StoredResponse {
-        status: parts.status,
-        headers: parts
-            .headers
-            .iter()
-            .filter(|(name, _)| config.replays(name))
-            .map(|(n, v)| (n.clone(), v.clone()))
-            .collect(),
-        body: body.clone(),
-    };
-    match lease.complete(&stored.encode()).await {
-        Ok(()) => record_outcome("stored"),
-        Err(e) => {
-            // The work ran; its response is delivered. The engine retried the write and left
-            // the key Pending: a retry is told 409 until the lease passes (then it runs
-            // again), never given the key at once.
-            record_outcome("store_failed");
-            tracing::error!(error = %e, "could not store the response");
-        }
+        Handled::Read(read) => Ok(settle_response(&config, lease, read).await),
     }
-    Ok(Response::from_parts(parts, Either::Left(Full::new(body))))
 }
 
 /// The scope the layer gives a request: the caller (from the scope function), the method and

@@ -3,7 +3,46 @@
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, StatusCode};
 
+/// A response replayed as stored.
 const MAGIC: &[u8; 4] = b"IDR\x01";
+/// A completion whose response could not be kept: one more byte, why, after the magic.
+const MAGIC_NOT_REPLAYABLE: &[u8; 4] = b"IDR\x02";
+
+/// Why the handler's response was recorded without its body: the handler ran, so the key is
+/// not free for a second execution, but there is no response to replay.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum NotReplayable {
+    /// The body was larger than the layer's response limit.
+    TooLarge,
+    /// The body failed while the layer read it (after the handler had run).
+    BodyFailed,
+}
+
+impl NotReplayable {
+    const fn code(self) -> u8 {
+        match self {
+            Self::TooLarge => 1,
+            Self::BodyFailed => 2,
+        }
+    }
+
+    const fn from_code(code: u8) -> Option<Self> {
+        match code {
+            1 => Some(Self::TooLarge),
+            2 => Some(Self::BodyFailed),
+            _ => None,
+        }
+    }
+
+    /// A short label (`too_large`, `body_failed`).
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::TooLarge => "too_large",
+            Self::BodyFailed => "body_failed",
+        }
+    }
+}
 
 /// Why stored bytes are not a response this crate wrote. Replaying such a record answers 500;
 /// it never panics.
@@ -19,6 +58,9 @@ pub enum DecodeError {
         /// Where the missing field starts.
         offset: usize,
     },
+    /// A not-replayable record names a reason this version does not know.
+    #[error("stored response has an unknown not-replayable reason {0}")]
+    UnknownReason(u8),
     /// The status code is out of range.
     #[error("stored response has an invalid status code {0}")]
     InvalidStatus(u16),
@@ -36,6 +78,11 @@ pub enum DecodeError {
 /// A response as kept in the store: `IDR\x01`, status (u16 BE), header count (u16 BE), each
 /// header as name length (u16 BE), name, value length (u32 BE), value, then body length
 /// (u32 BE) and body.
+///
+/// A completion whose response could not be kept ([`StoredResponse::not_replayable`]) is
+/// written `IDR\x02`, one byte for the reason (1 too large, 2 body failed), then the same
+/// fields. A replayable response is still written `IDR\x01`, byte for byte as before, so
+/// records stay readable by older versions of the layer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredResponse {
     /// The status code.
@@ -44,6 +91,9 @@ pub struct StoredResponse {
     pub headers: Vec<(HeaderName, HeaderValue)>,
     /// The body.
     pub body: Bytes,
+    /// `Some` when the handler ran but its response could not be kept: the status and
+    /// headers are the handler's, and a replay answers a problem document instead of the body.
+    pub not_replayable: Option<NotReplayable>,
 }
 
 impl StoredResponse {
@@ -58,8 +108,14 @@ impl StoredResponse {
             .iter()
             .map(|(n, v)| 6 + n.as_str().len() + v.len())
             .sum();
-        let mut out = Vec::with_capacity(12 + headers_len + self.body.len());
-        out.extend_from_slice(MAGIC);
+        let mut out = Vec::with_capacity(13 + headers_len + self.body.len());
+        match self.not_replayable {
+            None => out.extend_from_slice(MAGIC),
+            Some(why) => {
+                out.extend_from_slice(MAGIC_NOT_REPLAYABLE);
+                out.push(why.code());
+            }
+        }
         out.extend_from_slice(&self.status.as_u16().to_be_bytes());
         let count = u16::try_from(self.headers.len()).unwrap_or(u16::MAX);
         out.extend_from_slice(&count.to_be_bytes());
@@ -75,12 +131,18 @@ impl StoredResponse {
         out
     }
 
-    /// Decodes bytes written by [`StoredResponse::encode`].
+    /// Decodes bytes written by [`StoredResponse::encode`] (either version). Total: any bytes
+    /// give a response or a [`DecodeError`], never a panic.
     pub fn decode(bytes: &[u8]) -> Result<Self, DecodeError> {
         let mut r = Reader { bytes, at: 0 };
-        if r.take(4).ok() != Some(&MAGIC[..]) {
-            return Err(DecodeError::UnknownFormat);
-        }
+        let not_replayable = match r.take(4) {
+            Ok(m) if m == &MAGIC[..] => None,
+            Ok(m) if m == &MAGIC_NOT_REPLAYABLE[..] => {
+                let code = r.u8()?;
+                Some(NotReplayable::from_code(code).ok_or(DecodeError::UnknownReason(code))?)
+            }
+            _ => return Err(DecodeError::UnknownFormat),
+        };
         let code = r.u16()?;
         let status = StatusCode::from_u16(code).map_err(|_| DecodeError::InvalidStatus(code))?;
         let count = r.u16()?;
@@ -97,7 +159,7 @@ impl StoredResponse {
         }
         let body_len = r.u32()? as usize;
         let body = Bytes::copy_from_slice(r.take(body_len)?);
-        let rest = bytes.len() - r.at;
+        let rest = bytes.len().saturating_sub(r.at);
         if rest > 0 {
             return Err(DecodeError::TrailingBytes(rest));
         }
@@ -105,6 +167,7 @@ impl StoredResponse {
             status,
             headers,
             body,
+            not_replayable,
         })
     }
 }
@@ -124,6 +187,10 @@ impl<'a> Reader<'a> {
         let s = &self.bytes[self.at..end];
         self.at = end;
         Ok(s)
+    }
+    fn u8(&mut self) -> Result<u8, DecodeError> {
+        let b = self.take(1)?;
+        Ok(b[0])
     }
     fn u16(&mut self) -> Result<u16, DecodeError> {
         let b = self.take(2)?;
@@ -157,6 +224,7 @@ mod tests {
                 ),
             ],
             body: Bytes::from_static(br#"{"id":1}"#),
+            not_replayable: None,
         }
     }
 
@@ -168,8 +236,60 @@ mod tests {
             status: StatusCode::NO_CONTENT,
             headers: vec![],
             body: Bytes::new(),
+            not_replayable: None,
         };
         assert_eq!(StoredResponse::decode(&empty.encode()).unwrap(), empty);
+    }
+
+    /// A replayable response is written in the first format, byte for byte: records stay
+    /// readable by older versions, and records they wrote decode as before.
+    #[test]
+    fn replayable_responses_keep_the_first_format() {
+        let bytes = sample().encode();
+        assert_eq!(&bytes[..4], b"IDR\x01");
+        let mut expected = b"IDR\x01\x00\xc9\x00\x03".to_vec();
+        for (n, v) in &sample().headers {
+            expected.extend_from_slice(&(n.as_str().len() as u16).to_be_bytes());
+            expected.extend_from_slice(n.as_str().as_bytes());
+            expected.extend_from_slice(&(v.len() as u32).to_be_bytes());
+            expected.extend_from_slice(v.as_bytes());
+        }
+        expected.extend_from_slice(&8u32.to_be_bytes());
+        expected.extend_from_slice(br#"{"id":1}"#);
+        assert_eq!(bytes, expected);
+    }
+
+    #[test]
+    fn not_replayable_records_round_trip_and_unknown_reasons_are_errors() {
+        for why in [NotReplayable::TooLarge, NotReplayable::BodyFailed] {
+            let r = StoredResponse {
+                body: Bytes::new(),
+                not_replayable: Some(why),
+                ..sample()
+            };
+            let bytes = r.encode();
+            assert_eq!(&bytes[..5], &[b'I', b'D', b'R', 2, why.code()]);
+            assert_eq!(StoredResponse::decode(&bytes).unwrap(), r);
+            for n in 0..bytes.len() {
+                assert!(StoredResponse::decode(&bytes[..n]).is_err(), "prefix {n}");
+            }
+        }
+        for code in [0u8, 3, 0xff] {
+            let mut bytes = StoredResponse {
+                not_replayable: Some(NotReplayable::TooLarge),
+                ..sample()
+            }
+            .encode();
+            bytes[4] = code;
+            assert_eq!(
+                StoredResponse::decode(&bytes),
+                Err(DecodeError::UnknownReason(code))
+            );
+        }
+        assert_eq!(
+            StoredResponse::decode(b"IDR\x03\x01"),
+            Err(DecodeError::UnknownFormat)
+        );
     }
 
     #[test]
