@@ -81,7 +81,7 @@ pub fn assert_problem(reply: &Reply, status: u16, slug: &str) {
     assert!(!reply.replayed(), "a refusal is never marked replayed");
 }
 
-fn client() -> reqwest::Client {
+pub(crate) fn client() -> reqwest::Client {
     reqwest::Client::builder()
         .no_proxy()
         .build()

@@ -86,18 +86,8 @@ impl TestServer {
                     req
                 },
             ));
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind an ephemeral loopback port");
-        let addr = listener.local_addr().expect("listener address");
-        let task = tokio::spawn(async move {
-            let _ = axum::serve(listener, app).await;
-        });
-        Self {
-            base: format!("http://{addr}"),
-            state,
-            task,
-        }
+        let (base, task) = serve(app).await;
+        Self { base, state, task }
     }
 
     /// Serves the test app behind a layer over `store` with `policy`, configured by
@@ -120,6 +110,19 @@ impl TestServer {
     pub fn executions(&self) -> u64 {
         self.state.executions.load(Ordering::SeqCst)
     }
+}
+
+/// Serves `app` on an ephemeral loopback port: its `http://127.0.0.1:PORT` and the server task
+/// (abort it to stop the server).
+pub async fn serve(app: Router) -> (String, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind an ephemeral loopback port");
+    let addr = listener.local_addr().expect("listener address");
+    let task = tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    (format!("http://{addr}"), task)
 }
 
 fn header<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
@@ -205,11 +208,13 @@ async fn handler(State(state): State<Arc<AppState>>, req: Request) -> Response {
 }
 
 /// Wraps a store so that a case can take it down: while down, every call fails with a
-/// retryable backend error (connection refused), as a store whose server went away does.
+/// retryable backend error (connection refused), as a store whose server went away does. It
+/// also counts the completions that reach the store.
 #[derive(Debug)]
 pub struct Outage {
     inner: Arc<dyn IdempotencyStore>,
     down: AtomicBool,
+    completes: AtomicU64,
 }
 
 impl Outage {
@@ -218,7 +223,18 @@ impl Outage {
         Arc::new(Self {
             inner,
             down: AtomicBool::new(false),
+            completes: AtomicU64::new(0),
         })
+    }
+
+    /// The wrapped store.
+    pub fn inner(&self) -> &Arc<dyn IdempotencyStore> {
+        &self.inner
+    }
+
+    /// How many completions were sent through the wrapper (down or up).
+    pub fn completes(&self) -> u64 {
+        self.completes.load(Ordering::SeqCst)
     }
 
     /// Takes the store down (`true`) or brings it back.
@@ -254,6 +270,7 @@ impl IdempotencyStore for Outage {
         outcome: &[u8],
         ttl: Duration,
     ) -> Result<Cas, Error> {
+        self.completes.fetch_add(1, Ordering::SeqCst);
         self.check()?;
         self.inner.complete(id, token, outcome, ttl).await
     }

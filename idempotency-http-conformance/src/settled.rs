@@ -4,18 +4,15 @@
 //! write again, must replay what the handler committed whatever it answers afterwards, and must
 //! answer a clear problem when the handler's completion is fenced.
 
-use crate::cases::{assert_problem, send};
-use async_trait::async_trait;
+use crate::cases::{assert_problem, client, send};
+use crate::server::{serve, Outage};
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::Router;
 use idempotency_conformance::TestStore;
-use idempotency_core::{
-    Cas, Claim, ClaimRequest, Error, Failure, FencingToken, Fingerprint, Idempotency,
-    IdempotencyStore, Policy, Reclaim, Record, RecordId,
-};
+use idempotency_core::{Cas, Idempotency, Policy};
 use idempotency_tower::{ClaimedKey, IdempotencyLayer};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -26,67 +23,9 @@ const DELAY_MS: &str = "x-test-delay-ms";
 /// Answer with this status after the commit, in place of the committed response.
 const STATUS_AFTER_COMMIT: &str = "x-test-status-after-commit";
 
-/// Counts the completions that reach the store.
-#[derive(Debug)]
-struct Counting {
-    inner: Arc<dyn IdempotencyStore>,
-    completes: AtomicU64,
-}
-
-#[async_trait]
-impl IdempotencyStore for Counting {
-    async fn claim(&self, request: &ClaimRequest) -> Result<Claim, Error> {
-        self.inner.claim(request).await
-    }
-    async fn complete(
-        &self,
-        id: &RecordId,
-        token: FencingToken,
-        outcome: &[u8],
-        ttl: Duration,
-    ) -> Result<Cas, Error> {
-        self.completes.fetch_add(1, Ordering::SeqCst);
-        self.inner.complete(id, token, outcome, ttl).await
-    }
-    async fn fail(
-        &self,
-        id: &RecordId,
-        token: FencingToken,
-        failure: &Failure,
-        ttl: Duration,
-    ) -> Result<Cas, Error> {
-        self.inner.fail(id, token, failure, ttl).await
-    }
-    async fn extend(
-        &self,
-        id: &RecordId,
-        token: FencingToken,
-        lease: Duration,
-    ) -> Result<Cas, Error> {
-        self.inner.extend(id, token, lease).await
-    }
-    async fn reclaim(
-        &self,
-        id: &RecordId,
-        expected: FencingToken,
-        fingerprint: &Fingerprint,
-        lease: Duration,
-        ttl: Duration,
-    ) -> Result<Reclaim, Error> {
-        self.inner
-            .reclaim(id, expected, fingerprint, lease, ttl)
-            .await
-    }
-    async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
-        self.inner.get(id).await
-    }
-    async fn purge_expired(&self, batch: usize) -> Result<u64, Error> {
-        self.inner.purge_expired(batch).await
-    }
-}
-
 struct App {
-    store: Arc<Counting>,
+    /// Counts the completions that reach the store.
+    store: Arc<Outage>,
     /// Effects that committed (the handler's completion was applied).
     effects: AtomicU64,
     /// Handler runs, committed or not.
@@ -107,10 +46,7 @@ impl Drop for Server {
 
 impl Server {
     async fn start(store: &TestStore, policy: Policy) -> Self {
-        let counting = Arc::new(Counting {
-            inner: store.store.clone(),
-            completes: AtomicU64::new(0),
-        });
+        let counting = Outage::new(store.store.clone());
         let engine = Idempotency::new(counting.clone(), policy).expect("a valid policy");
         let app = Arc::new(App {
             store: counting,
@@ -121,15 +57,9 @@ impl Server {
             .route("/orders", post(create).get(create))
             .with_state(app.clone())
             .layer(IdempotencyLayer::new(engine).required(true));
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind an ephemeral loopback port");
-        let addr = listener.local_addr().expect("listener address");
-        let task = tokio::spawn(async move {
-            let _ = axum::serve(listener, router).await;
-        });
+        let (base, task) = serve(router).await;
         Self {
-            base: format!("http://{addr}/orders"),
+            base: format!("{base}/orders"),
             app,
             task,
         }
@@ -140,7 +70,7 @@ impl Server {
     }
 
     fn completes(&self) -> u64 {
-        self.app.store.completes.load(Ordering::SeqCst)
+        self.app.store.completes()
     }
 }
 
@@ -162,7 +92,7 @@ async fn create(State(app): State<Arc<App>>, claim: ClaimedKey, headers: HeaderM
     let prepared = claim.prepare(answer).expect("a small response");
     let cas = app
         .store
-        .inner
+        .inner()
         .complete(claim.id(), claim.token(), prepared.outcome(), claim.ttl())
         .await;
     match cas {
@@ -185,13 +115,6 @@ async fn create(State(app): State<Arc<App>>, claim: ClaimedKey, headers: HeaderM
         }
         Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
     }
-}
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder()
-        .no_proxy()
-        .build()
-        .expect("an HTTP client")
 }
 
 /// A handler that commits its completion itself: the layer writes nothing more, the retry

@@ -2,11 +2,10 @@
 //! their own database transaction (exactly-once effects through the layer).
 
 use crate::layer::Config;
-use crate::stored::StoredResponse;
 use bytes::Bytes;
 use http::Response;
 use http_body_util::Full;
-use idempotency_core::{FencingToken, RecordId, WorkContext};
+use idempotency_core::{FencingToken, Lease, RecordId, WorkContext};
 use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -113,17 +112,12 @@ impl fmt::Debug for ClaimedKey {
 }
 
 impl ClaimedKey {
-    pub(crate) fn new(
-        id: RecordId,
-        token: FencingToken,
-        ttl: Duration,
-        config: Arc<Config>,
-    ) -> Self {
+    pub(crate) fn new(lease: &Lease, config: Arc<Config>) -> Self {
         Self {
             shared: Arc::new(Shared {
-                id,
-                token,
-                ttl,
+                id: lease.id().clone(),
+                token: lease.token(),
+                ttl: lease.ttl(),
                 config,
                 settlement: Mutex::new(Settlement::Open),
             }),
@@ -177,20 +171,10 @@ impl ClaimedKey {
                 limit: config.response_limit,
             });
         }
-        let stored = StoredResponse {
-            status: parts.status,
-            headers: parts
-                .headers
-                .iter()
-                .filter(|(name, _)| config.replays(name))
-                .map(|(n, v)| (n.clone(), v.clone()))
-                .collect(),
-            body: body.clone(),
-            not_replayable: None,
-        };
+        let outcome = config.stored_response(&parts, body.clone()).encode();
         Ok(Prepared {
             claim: self.clone(),
-            outcome: stored.encode(),
+            outcome,
             response: Response::from_parts(parts, body),
         })
     }

@@ -4,7 +4,9 @@ use crate::fingerprint::{FingerprintInput, DEFAULT_FINGERPRINT_HEADERS};
 use crate::hooks::ResponseContext;
 use crate::problem::{ProblemJson, RefusalResponder};
 use crate::service::{IdempotencyService, IDEMPOTENT_REPLAYED};
+use crate::stored::StoredResponse;
 use crate::IDEMPOTENCY_KEY;
+use bytes::Bytes;
 use http::request::Parts;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
 use idempotency_core::{Fingerprint, Idempotency, IdempotencyKey};
@@ -107,6 +109,26 @@ impl Config {
         !NEVER_REPLAYED.contains(&name.as_str())
             && self.replayed_marker.as_ref().is_none_or(|(m, _)| m != name)
             && self.replayed.contains(name)
+    }
+
+    /// The stored form of a response: its status, the headers of the replay allowlist and
+    /// `body`.
+    pub(crate) fn stored_response(
+        &self,
+        parts: &http::response::Parts,
+        body: Bytes,
+    ) -> StoredResponse {
+        StoredResponse {
+            status: parts.status,
+            headers: parts
+                .headers
+                .iter()
+                .filter(|(name, _)| self.replays(name))
+                .map(|(n, v)| (n.clone(), v.clone()))
+                .collect(),
+            body,
+            not_replayable: None,
+        }
     }
 
     pub(crate) fn hash_keys(&self) -> bool {

@@ -513,7 +513,9 @@ async fn release(lease: Lease, why: &'static str) {
     }
 }
 
-fn record_settlement(settlement: Settlement) {
+/// Settles `lease` without a write: the handler settled the key itself.
+fn settled_by_handler(lease: Lease, settlement: Settlement) {
+    lease.settled_externally();
     match settlement {
         Settlement::Open => {}
         Settlement::Committed => record_outcome(HttpOutcome::SettledByHandler.as_str()),
@@ -534,8 +536,7 @@ fn unless_settled_by_handler(claim: &ClaimedKey, lease: Lease) -> Option<Lease> 
     if settlement == Settlement::Open {
         return Some(lease);
     }
-    lease.settled_externally();
-    record_settlement(settlement);
+    settled_by_handler(lease, settlement);
     None
 }
 
@@ -546,8 +547,8 @@ enum Handled<B, E> {
     SettledByHandler(Response<B>, Settlement),
     /// The handler's error.
     Error(E),
-    /// A response that is not stored per the status policy, with why.
-    Unstored(Response<B>, &'static str),
+    /// A response that is not stored per the status policy.
+    UnstoredStatus(Response<B>),
     /// A response whose body was read (whole, too large, or failing).
     Read(ReadResponse<B>),
 }
@@ -620,17 +621,7 @@ async fn complete(lease: Lease, outcome: &StoredResponse, done: HttpOutcome) -> 
 async fn settle_response<B>(config: &Config, lease: Lease, read: ReadResponse<B>) -> Answer<B> {
     let key = lease.id().key.clone();
     let retained = SystemTime::now().checked_add(lease.ttl());
-    let kept = |parts: &http::response::Parts| StoredResponse {
-        status: parts.status,
-        headers: parts
-            .headers
-            .iter()
-            .filter(|(name, _)| config.replays(name))
-            .map(|(n, v)| (n.clone(), v.clone()))
-            .collect(),
-        body: Bytes::new(),
-        not_replayable: None,
-    };
+    let kept = |parts: &http::response::Parts| config.stored_response(parts, Bytes::new());
     let (resp, outcome) = match (read, config.unreplayable) {
         (ReadResponse::Whole(parts, body), _) => {
             let stored = StoredResponse {
@@ -700,12 +691,7 @@ where
     ResB: Body<Data = Bytes>,
     ResB::Error: Into<BoxError>,
 {
-    let claim = ClaimedKey::new(
-        lease.id().clone(),
-        lease.token(),
-        lease.ttl(),
-        config.clone(),
-    );
+    let claim = ClaimedKey::new(&lease, config.clone());
     req.extensions_mut().insert(claim.clone());
     let handled = async {
         let resp = match inner.call(req).await {
@@ -717,7 +703,7 @@ where
             return Handled::SettledByHandler(resp, settlement);
         }
         if !(config.store_status)(resp.status()) {
-            return Handled::Unstored(resp, "released_status");
+            return Handled::UnstoredStatus(resp);
         }
         Handled::Read(read_response(resp, config.response_limit).await)
     };
@@ -747,8 +733,8 @@ where
             // its answer, and every retry replays what was committed), or its completion was
             // fenced and it rolled back.
             let key = lease.id().key.clone();
-            lease.settled_externally();
-            record_settlement(settlement);
+            let expires_at = SystemTime::now().checked_add(lease.ttl());
+            settled_by_handler(lease, settlement);
             Ok(match settlement {
                 Settlement::Lost => refuse(&config, Refusal::LeaseLost),
                 _ => with_hook(
@@ -756,13 +742,13 @@ where
                     &key,
                     resp.map(ResponseBody::inner),
                     Some(HttpOutcome::SettledByHandler),
-                    SystemTime::now().checked_add(config.engine.policy().ttl),
+                    expires_at,
                 ),
             })
         }
-        Handled::Unstored(resp, why) => {
+        Handled::UnstoredStatus(resp) => {
             let key = lease.id().key.clone();
-            release(lease, why).await;
+            release(lease, HttpOutcome::ReleasedStatus.as_str()).await;
             let resp = resp.map(ResponseBody::inner);
             Ok(with_hook(
                 &config,

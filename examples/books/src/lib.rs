@@ -357,9 +357,17 @@ fn not_found() -> Response {
     )
 }
 
-fn book_response(status: StatusCode, book: &Book) -> Response {
-    let mut resp = (status, axum::Json(book.representation())).into_response();
+/// The book's representation with its ETag, bytes in memory (so that a create can store it
+/// with the book's own transaction).
+fn book_reply(status: StatusCode, book: &Book) -> http::Response<Bytes> {
+    let body = serde_json::to_vec(&book.representation()).unwrap_or_default();
+    let mut resp = http::Response::new(Bytes::from(body));
+    *resp.status_mut() = status;
     let h = resp.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
     if let Ok(tag) = HeaderValue::from_str(&book.etag()) {
         h.insert(header::ETAG, tag);
     }
@@ -368,6 +376,10 @@ fn book_response(status: StatusCode, book: &Book) -> Response {
         HeaderValue::from_static("private, no-cache"),
     );
     resp
+}
+
+fn book_response(status: StatusCode, book: &Book) -> Response {
+    book_reply(status, book).map(axum::body::Body::from)
 }
 
 fn bad_json(e: serde_json::Error) -> Response {
@@ -394,26 +406,11 @@ fn media_essence(content_type: &str) -> String {
         .to_ascii_lowercase()
 }
 
-/// The 201 answer for a new book, with its bytes in memory (so that it can be stored with the
-/// book's own transaction).
+/// The 201 answer for a new book.
 fn created_response(book: &Book) -> http::Response<Bytes> {
-    let body = serde_json::to_vec(&book.representation()).unwrap_or_default();
-    let mut resp = http::Response::new(Bytes::from(body));
-    *resp.status_mut() = StatusCode::CREATED;
-    let h = resp.headers_mut();
-    h.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    if let Ok(tag) = HeaderValue::from_str(&book.etag()) {
-        h.insert(header::ETAG, tag);
-    }
-    h.insert(
-        header::CACHE_CONTROL,
-        HeaderValue::from_static("private, no-cache"),
-    );
+    let mut resp = book_reply(StatusCode::CREATED, book);
     if let Ok(loc) = HeaderValue::from_str(&format!("/books/{}", book.id)) {
-        h.insert(header::LOCATION, loc);
+        resp.headers_mut().insert(header::LOCATION, loc);
     }
     resp
 }

@@ -127,7 +127,8 @@ async fn campaign(books: Books, env: Vec<(&str, String)>, label: &str) {
                 tokio::task::yield_now().await;
             }
         } else {
-            tokio::time::sleep(Duration::from_micros(fastrand_micros(run))).await;
+            let micros = rand::Rng::gen_range(&mut rand::thread_rng(), 0..20_000);
+            tokio::time::sleep(Duration::from_micros(micros)).await;
         }
         server.kill();
         let committed = books.count().await > before;
@@ -216,15 +217,6 @@ async fn campaign(books: Books, env: Vec<(&str, String)>, label: &str) {
         tally.killed_before_commit > 0,
         "{label}: no kill landed before the commit; the campaign proved nothing about it"
     );
-}
-
-/// A delay of 0–20 ms that differs between runs.
-fn fastrand_micros(run: usize) -> u64 {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .subsec_nanos() as u64;
-    (nanos ^ (run as u64).wrapping_mul(0x9E37_79B9)) % 20_000
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
