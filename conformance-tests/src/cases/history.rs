@@ -167,8 +167,10 @@ pub async fn settling_races_takers_after_lease(t: TestStore) {
         Fail,
         Extend,
     }
-    // The race needs a taker to land inside the holder's check-then-write; on a loaded
-    // machine that takes many tries (24 rounds missed a read-then-write store once in CI).
+    // The race needs a taker to land inside the holder's check-then-write. Released together
+    // at a barrier, the last taker to arrive reclaims before the holder is even scheduled, so
+    // most rounds start the takers only once the holder's write is in flight (polled until it
+    // waits on the store); the others release everyone at once, the other order.
     let rounds = if matches!(t.time, TimeControl::Manual(_)) {
         96
     } else {
@@ -176,16 +178,19 @@ pub async fn settling_races_takers_after_lease(t: TestStore) {
     };
     for write in [Write::Complete, Write::Fail, Write::Extend] {
         for round in 0..rounds {
+            let holder_first = round % 3 != 2;
             let id = unique_id("settle-race");
             let req = request(&id, fp("s"), t.short_lease(), t.long());
             let held = must_claim(&t, &req).await;
             t.advance(t.short_lease()).await;
-            let barrier = Arc::new(Barrier::new(17));
+            let barrier = Arc::new(Barrier::new(if holder_first { 16 } else { 17 }));
             let holder = {
                 let (store, id, barrier, long) =
                     (t.store.clone(), id.clone(), barrier.clone(), t.long());
-                tokio::spawn(async move {
-                    barrier.wait().await;
+                async move {
+                    if !holder_first {
+                        barrier.wait().await;
+                    }
                     match write {
                         Write::Complete => store.complete(&id, held, b"holder", long).await,
                         Write::Fail => {
@@ -196,22 +201,38 @@ pub async fn settling_races_takers_after_lease(t: TestStore) {
                         Write::Extend => store.extend(&id, held, long).await,
                     }
                     .expect("the holder's write")
-                })
+                }
             };
-            let takers: Vec<_> = (0..16)
-                .map(|_| {
-                    let (store, id, barrier, long) =
-                        (t.store.clone(), id.clone(), barrier.clone(), t.long());
-                    tokio::spawn(async move {
-                        barrier.wait().await;
-                        store
-                            .reclaim(&id, held, &fp("taker"), long, long)
-                            .await
-                            .expect("reclaim")
+            let spawn_takers = || -> Vec<_> {
+                (0..16)
+                    .map(|_| {
+                        let (store, id, barrier, long) =
+                            (t.store.clone(), id.clone(), barrier.clone(), t.long());
+                        tokio::spawn(async move {
+                            barrier.wait().await;
+                            store
+                                .reclaim(&id, held, &fp("taker"), long, long)
+                                .await
+                                .expect("reclaim")
+                        })
                     })
-                })
-                .collect();
-            let applied = holder.await.expect("holder task") == Cas::Applied;
+                    .collect()
+            };
+            let (cas, takers) = if holder_first {
+                let mut holder = Box::pin(holder);
+                let early = futures::poll!(holder.as_mut());
+                let takers = spawn_takers();
+                let cas = match early {
+                    std::task::Poll::Ready(cas) => cas,
+                    std::task::Poll::Pending => holder.await,
+                };
+                (cas, takers)
+            } else {
+                let holder = tokio::spawn(holder);
+                let takers = spawn_takers();
+                (holder.await.expect("holder task"), takers)
+            };
+            let applied = cas == Cas::Applied;
             let mut won = Vec::new();
             for taker in takers {
                 if let Reclaim::Reclaimed { token, .. } = taker.await.expect("taker task") {
