@@ -15,7 +15,9 @@ mod store;
 mod time;
 
 pub use decision::{decide, Decision, DecisionOptions};
-pub use engine::{decode_replay, Begin, Disposition, Idempotency, Lease, Outcome, WorkContext};
+pub use engine::{
+    decode_replay, Begin, Disposition, Idempotency, Lease, Outcome, Proceed, WorkContext,
+};
 pub use error::{BoxError, Error};
 pub use fingerprint::{
     canonical_json, canonical_json_slice, is_json_media_type, Fingerprint, FingerprintBuilder,
