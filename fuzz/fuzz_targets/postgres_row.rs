@@ -140,7 +140,10 @@ fn state() -> &'static State {
             store.migrate().await.expect("migrate");
             let mut alter = format!(
                 "ALTER TABLE {table} DROP CONSTRAINT records_status_check, \
-                 DROP CONSTRAINT records_token_check"
+                 DROP CONSTRAINT records_token_check, \
+                 DROP CONSTRAINT idempotency_fingerprint_length, \
+                 DROP CONSTRAINT idempotency_attempts_positive, \
+                 DROP CONSTRAINT idempotency_hits_non_negative"
             );
             for col in [
                 "fingerprint", "status", "token", "attempts", "hits", "created_at",

@@ -51,7 +51,20 @@ pub enum PostgresError {
         /// What differs.
         detail: String,
     },
-    /// The database holds migrations newer than this crate knows, or a migration failed.
+    /// The table was migrated by a newer version of this crate.
+    #[error(
+        "table {table} is at migration {found}, newer than the {supported} this version of \
+         idempotency-postgres knows; upgrade the crate"
+    )]
+    SchemaTooNew {
+        /// The schema-qualified table name.
+        table: String,
+        /// The newest migration recorded in the database.
+        found: i64,
+        /// The newest migration this crate knows.
+        supported: i64,
+    },
+    /// A migration failed.
     #[error("migrating {table} failed: {detail}")]
     Migrate {
         /// The schema-qualified table name.
@@ -84,6 +97,7 @@ impl PostgresError {
             | Self::InvalidUrl { .. }
             | Self::MissingTable { .. }
             | Self::TableShape { .. }
+            | Self::SchemaTooNew { .. }
             | Self::Migrate { source: None, .. } => false,
         }
     }

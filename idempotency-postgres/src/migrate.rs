@@ -137,13 +137,11 @@ async fn apply(
         .max()
         .filter(|v| *v > LATEST_VERSION)
     {
-        return Err(migrate_err(
-            format!(
-                "the database is at migration {newest}, newer than this crate knows \
-                 ({LATEST_VERSION}); upgrade idempotency-postgres"
-            ),
-            None,
-        ));
+        return Err(PostgresError::SchemaTooNew {
+            table: name.qualified(),
+            found: newest.into(),
+            supported: LATEST_VERSION.into(),
+        });
     }
     if applied.is_empty() {
         // No migration recorded but a table by that name exists: someone else's table, or

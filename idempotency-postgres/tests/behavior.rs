@@ -151,7 +151,14 @@ async fn migrate_is_idempotent_and_safe_to_race() {
     .await;
     let err = store.migrate().await.unwrap_err();
     assert!(
-        matches!(&err, PostgresError::Migrate { detail, .. } if detail.contains("99")),
+        matches!(
+            &err,
+            PostgresError::SchemaTooNew {
+                found: 99,
+                supported: 2,
+                ..
+            }
+        ),
         "{err}"
     );
 }

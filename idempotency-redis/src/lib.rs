@@ -330,8 +330,10 @@ fn get_reply(value: Value, id: &RecordId) -> Result<Option<Record>, Error> {
     }
 }
 
-/// The pure decoders of script replies and stored record hashes, reachable from the fuzz
-/// targets in `fuzz/`. Not part of the API: they may change at any time.
+/// The pure decoders of script replies and stored record hashes, for the fuzz targets and the
+/// bad-input tests: built only with the `fuzzing` feature. Not part of the API: they may change
+/// at any time.
+#[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod __fuzz {
     use idempotency_core::{Cas, Claim, Error, Reclaim, Record, RecordId};

@@ -47,7 +47,7 @@ pub enum SqliteError {
     /// The table exists with columns other than the ones this crate creates. Nothing was
     /// changed; pick another table name or migrate the table by hand.
     #[error("table {table:?} does not have the schema this store expects: {detail}")]
-    SchemaMismatch {
+    TableShape {
         /// The table.
         table: String,
         /// The first difference found.
@@ -95,6 +95,24 @@ impl SqliteError {
     pub fn is_busy(&self) -> bool {
         matches!(self, Self::Sqlite(e) if is_busy(e))
     }
+
+    /// The `SqliteError` behind a core error, if there is one in its source chain.
+    ///
+    /// ```
+    /// # use idempotency_sqlite::SqliteError;
+    /// let err: idempotency_core::Error = SqliteError::Closed.into();
+    /// assert!(matches!(SqliteError::find(&err), Some(SqliteError::Closed)));
+    /// ```
+    pub fn find(error: &idempotency_core::Error) -> Option<&SqliteError> {
+        let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
+        while let Some(e) = source {
+            if let Some(found) = e.downcast_ref::<SqliteError>() {
+                return Some(found);
+            }
+            source = e.source();
+        }
+        None
+    }
 }
 
 pub(crate) fn code(e: &rusqlite::Error) -> Option<ErrorCode> {
@@ -116,24 +134,4 @@ impl From<SqliteError> for idempotency_core::Error {
     fn from(e: SqliteError) -> Self {
         idempotency_core::Error::backend(e.is_retryable(), e)
     }
-}
-
-/// Walks an [`idempotency_core::Error`]'s source chain for a busy SQLite error. Tests use it to
-/// prove that no `SQLITE_BUSY` reaches a caller.
-pub fn is_busy_error(e: &idempotency_core::Error) -> bool {
-    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
-    while let Some(err) = cur {
-        if let Some(s) = err.downcast_ref::<SqliteError>() {
-            if s.is_busy() {
-                return true;
-            }
-        }
-        if let Some(r) = err.downcast_ref::<rusqlite::Error>() {
-            if is_busy(r) {
-                return true;
-            }
-        }
-        cur = err.source();
-    }
-    false
 }

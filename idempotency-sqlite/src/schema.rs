@@ -139,7 +139,7 @@ fn table_exists(conn: &Connection, table: &str) -> Result<bool, SqliteError> {
 /// Checks that `table` has exactly our columns, is STRICT and has the expiry index.
 pub(crate) fn verify(conn: &Connection, table: &str) -> Result<(), SqliteError> {
     let mismatch = |detail: String| {
-        Err(SqliteError::SchemaMismatch {
+        Err(SqliteError::TableShape {
             table: table.to_owned(),
             detail,
         })

@@ -85,7 +85,7 @@ async fn table_names_are_validated() {
         .await
         .unwrap();
     store.migrate().await.unwrap();
-    store.check_schema().await.unwrap();
+    store.verify().await.unwrap();
 }
 
 #[tokio::test]
@@ -122,11 +122,11 @@ async fn a_table_of_another_shape_is_refused_and_left_untouched() {
             .await
             .expect_err("foreign table must be refused");
         assert!(
-            matches!(&err, SqliteError::SchemaMismatch { table, .. } if table == "orders"),
+            matches!(&err, SqliteError::TableShape { table, .. } if table == "orders"),
             "{ddl}: {err:?}"
         );
-        let err = store.check_schema().await.expect_err("mismatch");
-        assert!(matches!(err, SqliteError::SchemaMismatch { .. }), "{err:?}");
+        let err = store.verify().await.expect_err("mismatch");
+        assert!(matches!(err, SqliteError::TableShape { .. }), "{err:?}");
         // Nothing was changed: no migrations table, the original table is still there.
         let (ours, sql): (i64, String) = store
             .call(|c| {
@@ -149,7 +149,7 @@ async fn a_table_of_another_shape_is_refused_and_left_untouched() {
 async fn a_missing_table_and_a_newer_schema_are_reported() {
     let dir = tempfile::tempdir().unwrap();
     let store = SqliteStore::open(dir.path().join("t.db")).await.unwrap();
-    let err = store.check_schema().await.expect_err("no table yet");
+    let err = store.verify().await.expect_err("no table yet");
     assert!(matches!(err, SqliteError::MissingTable { .. }), "{err:?}");
     // A store call before migrate() says what to do.
     let err = store

@@ -16,7 +16,8 @@ use idempotency_core::{
     RecordId, RecordStatus, Scope,
 };
 use idempotency_sqlite::rusqlite::{params, TransactionBehavior};
-use idempotency_sqlite::{is_busy_error, ConnectionMode, SqliteStore};
+use idempotency_sqlite::{ConnectionMode, SqliteStore};
+use idempotency_testing::sqlite::is_busy_error;
 use rand::seq::SliceRandom;
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader, Write};

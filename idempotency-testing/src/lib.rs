@@ -5,3 +5,5 @@ pub mod pg_wire;
 pub mod postgres;
 #[cfg(feature = "redis")]
 pub mod redis_server;
+#[cfg(feature = "sqlite")]
+pub mod sqlite;

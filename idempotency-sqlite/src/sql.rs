@@ -1,0 +1,95 @@
+//! Every SQL statement of the store, with the table name baked in.
+
+pub(crate) const COLUMNS: &str = "scope, key, fingerprint, status, token, lease_until, outcome, attempts, \
+                       failure_retryable, failure_message, hits, created_at, updated_at, expires_at";
+
+/// Every statement, with the (validated, quoted) table name baked in.
+#[derive(Debug)]
+pub(crate) struct Sql {
+    pub(crate) claim: String,
+    pub(crate) complete: String,
+    pub(crate) fail: String,
+    pub(crate) extend: String,
+    pub(crate) reclaim: String,
+    pub(crate) get: String,
+    pub(crate) purge: String,
+    pub(crate) live: String,
+    pub(crate) hit: String,
+}
+
+impl Sql {
+    pub(crate) fn new(table: &str) -> Self {
+        // Shared CAS guard: ?1 scope, ?2 key, ?3 token, ?4 now.
+        let held = "scope = ?1 AND key = ?2 AND token = ?3 AND expires_at > ?4";
+        // In the upsert, bare column names are the existing row and `excluded` is the new
+        // one; every SET expression reads the existing row, and `expires_at` is set last.
+        let fresh = "expires_at <= ?5";
+        Self {
+            claim: format!(
+                r#"INSERT INTO "{table}" ({COLUMNS})
+                   VALUES (?1, ?2, ?3, 'pending', ?7, ?4, NULL, 1, NULL, NULL, 0, ?5, ?5, ?6)
+                   ON CONFLICT (scope, key) DO UPDATE SET
+                     fingerprint       = CASE WHEN {fresh} THEN excluded.fingerprint ELSE fingerprint END,
+                     status            = CASE WHEN {fresh} THEN 'pending' ELSE status END,
+                     token             = CASE WHEN {fresh} THEN max(token + 1, ?7) ELSE token END,
+                     lease_until       = CASE WHEN {fresh} THEN excluded.lease_until ELSE lease_until END,
+                     outcome           = CASE WHEN {fresh} THEN NULL ELSE outcome END,
+                     attempts          = CASE WHEN {fresh} THEN 1 ELSE attempts END,
+                     failure_retryable = CASE WHEN {fresh} THEN NULL ELSE failure_retryable END,
+                     failure_message   = CASE WHEN {fresh} THEN NULL ELSE failure_message END,
+                     hits              = CASE WHEN {fresh} THEN 0 WHEN hits >= 0 THEN hits + 1 END,
+                     created_at        = CASE WHEN {fresh} THEN excluded.created_at ELSE created_at END,
+                     updated_at        = CASE WHEN {fresh} THEN excluded.updated_at ELSE updated_at END,
+                     expires_at        = CASE WHEN {fresh} THEN excluded.expires_at ELSE expires_at END
+                   RETURNING {COLUMNS}"#
+            ),
+            // ?5 outcome, ?6 expires_at
+            complete: format!(
+                r#"UPDATE "{table}" SET status = 'completed', outcome = ?5, lease_until = NULL,
+                     failure_retryable = NULL, failure_message = NULL,
+                     updated_at = ?4, expires_at = ?6
+                   WHERE {held} AND status = 'pending'"#
+            ),
+            // ?5 retryable, ?6 message, ?7 expires_at
+            fail: format!(
+                r#"UPDATE "{table}" SET status = 'failed', failure_retryable = ?5,
+                     failure_message = ?6, lease_until = NULL, updated_at = ?4, expires_at = ?7
+                   WHERE {held} AND status = 'pending'"#
+            ),
+            // ?5 lease_until
+            extend: format!(
+                r#"UPDATE "{table}" SET lease_until = ?5, expires_at = max(expires_at, ?5),
+                     updated_at = ?4
+                   WHERE {held} AND status = 'pending'"#
+            ),
+            // ?5 fingerprint, ?6 lease_until, ?7 expires_at
+            reclaim: format!(
+                r#"UPDATE "{table}" SET status = 'pending', token = token + 1, fingerprint = ?5,
+                     attempts = attempts + 1, lease_until = ?6, outcome = NULL,
+                     failure_retryable = NULL, failure_message = NULL,
+                     updated_at = ?4, expires_at = ?7
+                   WHERE {held}
+                     AND (status = 'failed'
+                          OR (status = 'pending' AND (lease_until IS NULL OR lease_until <= ?4)))"#
+            ),
+            get: format!(
+                r#"SELECT {COLUMNS} FROM "{table}" WHERE scope = ?1 AND key = ?2 AND expires_at > ?3"#
+            ),
+            purge: format!(
+                r#"DELETE FROM "{table}" WHERE rowid IN (
+                     SELECT rowid FROM "{table}" WHERE expires_at <= ?1 ORDER BY expires_at LIMIT ?2)"#
+            ),
+            // ?3 now
+            live: format!(
+                r#"SELECT 1 FROM "{table}" WHERE scope = ?1 AND key = ?2 AND expires_at > ?3"#
+            ),
+            // The observation half of the claim: only hits change (a corrupt negative count
+            // becomes NULL, which the NOT NULL constraint refuses, as in the claim).
+            hit: format!(
+                r#"UPDATE "{table}" SET hits = CASE WHEN hits >= 0 THEN hits + 1 END
+                   WHERE scope = ?1 AND key = ?2 AND expires_at > ?3
+                   RETURNING {COLUMNS}"#
+            ),
+        }
+    }
+}

@@ -1,0 +1,497 @@
+//! The store: its handle, the `IdempotencyStore` operations and the compare-and-swap they share.
+
+use crate::builder::{SqliteStoreBuilder, Synchronous};
+use crate::decode::decode_record;
+use crate::error::SqliteError;
+use crate::exec::Executor;
+use crate::schema;
+use crate::sql::Sql;
+use async_trait::async_trait;
+use idempotency_core::{
+    claim_retention, Cas, Claim, ClaimRequest, Clock, Error, Failure, FencingToken, Fingerprint,
+    IdempotencyStore, Reclaim, Record, RecordId, RecordStatus, Timestamp,
+};
+use rusqlite::{params, Connection, ToSql, Transaction, TransactionBehavior};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// An [`IdempotencyStore`] in an SQLite database file.
+///
+/// Cloning is cheap and shares the connection(s). See the crate documentation for the
+/// guarantees and the exactly-once API ([`SqliteStore::complete_in`],
+/// [`SqliteStore::run_exactly_once`]).
+#[derive(Clone, Debug)]
+pub struct SqliteStore {
+    pub(crate) inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+pub(crate) struct Inner {
+    pub(crate) exec: Executor,
+    pub(crate) sql: Sql,
+    pub(crate) table: String,
+    pub(crate) path: PathBuf,
+    pub(crate) clock: Arc<dyn Clock>,
+    pub(crate) synchronous: Synchronous,
+}
+
+impl SqliteStore {
+    /// Starts configuring a store on the database file at `path`.
+    pub fn builder(path: impl AsRef<Path>) -> SqliteStoreBuilder {
+        SqliteStoreBuilder::new(path.as_ref())
+    }
+
+    /// Opens the database file at `path` with the default settings. Does not create the
+    /// table: call [`SqliteStore::migrate`].
+    pub async fn open(path: impl AsRef<Path>) -> Result<Self, SqliteError> {
+        Self::builder(path).open().await
+    }
+
+    /// Creates or upgrades the table with the migrations embedded in this crate, then checks
+    /// its shape. Idempotent, and safe to run from several processes at once. A table of the
+    /// same name with another shape gets [`SqliteError::TableShape`] and is left alone.
+    pub async fn migrate(&self) -> Result<(), SqliteError> {
+        let inner = self.inner.clone();
+        self.inner
+            .exec
+            .run(move |conn| schema::migrate(conn, &inner.table))
+            .await?
+    }
+
+    /// Checks that the table exists and has this crate's schema, without changing anything.
+    pub async fn verify(&self) -> Result<(), SqliteError> {
+        let inner = self.inner.clone();
+        self.inner
+            .exec
+            .run(move |conn| schema::verify(conn, &inner.table))
+            .await?
+    }
+
+    /// The table name.
+    pub fn table(&self) -> &str {
+        &self.inner.table
+    }
+
+    /// The database file.
+    pub fn path(&self) -> &Path {
+        &self.inner.path
+    }
+
+    /// Runs `f` with one of the store's connections, off the async runtime: for your own
+    /// schema setup, reads and business transactions on the same file. Start write
+    /// transactions with `TransactionBehavior::Immediate` (see the crate docs). A panic in `f`
+    /// is resumed in the caller.
+    pub async fn call<R, F>(&self, f: F) -> Result<R, SqliteError>
+    where
+        R: Send + 'static,
+        F: FnOnce(&mut Connection) -> R + Send + 'static,
+    {
+        self.inner.exec.run(f).await
+    }
+
+    /// The completion compare-and-swap, run inside the caller's transaction `tx` on this
+    /// database: if `token` still holds `id` (live, Pending), marks it Completed with
+    /// `outcome` and `expires_at = now + ttl`, as [`IdempotencyStore::complete`] does.
+    ///
+    /// Otherwise returns [`Error::LeaseLost`] and writes nothing: drop `tx` (it rolls back,
+    /// taking your business writes with it) and return the error. Nothing becomes visible
+    /// until you commit `tx`; once you have, call
+    /// [`idempotency_core::Lease::settled_externally`].
+    pub fn complete_in(
+        &self,
+        tx: &Transaction<'_>,
+        id: &RecordId,
+        token: FencingToken,
+        outcome: &[u8],
+        ttl: Duration,
+    ) -> Result<(), Error> {
+        let now = self.inner.clock.now();
+        match self.inner.complete_cas(tx, id, token, outcome, ttl, now)? {
+            Cas::Applied => Ok(()),
+            Cas::Fenced => Err(Error::LeaseLost { token }),
+        }
+    }
+
+    async fn write<R, F>(&self, f: F) -> Result<R, Error>
+    where
+        R: Send + 'static,
+        F: FnOnce(&Inner, &Transaction<'_>, Timestamp) -> Result<R, Error> + Send + 'static,
+    {
+        let inner = self.inner.clone();
+        self.inner
+            .exec
+            .run(move |conn| {
+                // IMMEDIATE takes the write lock up front (waiting up to the busy timeout), so
+                // the transaction never has to upgrade a read lock, the upgrade that fails
+                // with SQLITE_BUSY at once under WAL.
+                let tx = conn
+                    .transaction_with_behavior(TransactionBehavior::Immediate)
+                    .map_err(|e| inner.sql_error(e))?;
+                // Read the clock only once the lock is held, so writers across processes see
+                // time move forward in commit order.
+                let now = inner.clock.now();
+                let r = f(&inner, &tx, now)?;
+                tx.commit().map_err(|e| inner.sql_error(e))?;
+                Ok(r)
+            })
+            .await?
+    }
+}
+
+#[async_trait]
+impl IdempotencyStore for SqliteStore {
+    async fn claim(&self, request: &ClaimRequest) -> Result<Claim, Error> {
+        let request = request.clone();
+        if self.inner.synchronous == Synchronous::Full {
+            // Read first: a claim of a live record (a replay, a duplicate) only counts a hit,
+            // which is committed without a sync (see `count_hit`).
+            let inner = self.inner.clone();
+            let (request, hit) = self
+                .inner
+                .exec
+                .run(move |conn| {
+                    let hit = inner.count_hit(conn, &request);
+                    (request, hit)
+                })
+                .await?;
+            if let Some(claim) = hit? {
+                return Ok(claim);
+            }
+            return self
+                .write(move |inner, tx, now| inner.claim(tx, &request, now))
+                .await;
+        }
+        self.write(move |inner, tx, now| inner.claim(tx, &request, now))
+            .await
+    }
+
+    async fn complete(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        outcome: &[u8],
+        ttl: Duration,
+    ) -> Result<Cas, Error> {
+        let (id, outcome) = (id.clone(), outcome.to_vec());
+        self.write(move |inner, tx, now| inner.complete_cas(tx, &id, token, &outcome, ttl, now))
+            .await
+    }
+
+    async fn fail(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        failure: &Failure,
+        ttl: Duration,
+    ) -> Result<Cas, Error> {
+        let (id, failure) = (id.clone(), failure.clone());
+        self.write(move |inner, tx, now| {
+            let expires_at = now.saturating_add(ttl).as_millis();
+            let extra: [&dyn ToSql; 3] = [&failure.retryable, &failure.message, &expires_at];
+            inner.cas(tx, &inner.sql.fail, &id, token, now, &extra)
+        })
+        .await
+    }
+
+    async fn extend(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<Cas, Error> {
+        let id = id.clone();
+        self.write(move |inner, tx, now| {
+            let lease_until = now.saturating_add(lease).as_millis();
+            inner.cas(tx, &inner.sql.extend, &id, token, now, &[&lease_until])
+        })
+        .await
+    }
+
+    async fn reclaim(
+        &self,
+        id: &RecordId,
+        expected: FencingToken,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Reclaim, Error> {
+        // A token above i64::MAX cannot be stored, so no record holds it.
+        let Some(stored_token) = token_param(expected) else {
+            return Ok(Reclaim::Lost);
+        };
+        let (id, fingerprint) = (id.clone(), *fingerprint);
+        self.write(move |inner, tx, now| {
+            let lease_until = now.saturating_add(lease);
+            let n = inner.exec_cached(
+                tx,
+                &inner.sql.reclaim,
+                params![
+                    id.scope.as_str(),
+                    id.key.as_str(),
+                    stored_token,
+                    now.as_millis(),
+                    fingerprint.as_bytes().as_slice(),
+                    lease_until.as_millis(),
+                    now.saturating_add(claim_retention(lease, ttl)).as_millis()
+                ],
+            )?;
+            Ok(match n {
+                0 => Reclaim::Lost,
+                _ => Reclaim::Reclaimed {
+                    token: expected.next(),
+                    lease_until,
+                },
+            })
+        })
+        .await
+    }
+
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
+        let id = id.clone();
+        let inner = self.inner.clone();
+        self.inner
+            .exec
+            .run(move |conn| {
+                let now = inner.clock.now();
+                let mut stmt = conn
+                    .prepare_cached(&inner.sql.get)
+                    .map_err(|e| inner.sql_error(e))?;
+                let mut rows = stmt
+                    .query(params![id.scope.as_str(), id.key.as_str(), now.as_millis()])
+                    .map_err(|e| inner.sql_error(e))?;
+                match rows.next().map_err(|e| inner.sql_error(e))? {
+                    Some(row) => decode_record(row).map(Some),
+                    None => Ok(None),
+                }
+            })
+            .await?
+    }
+
+    async fn purge_expired(&self, batch: usize) -> Result<u64, Error> {
+        let batch = i64::try_from(batch).unwrap_or(i64::MAX);
+        self.write(move |inner, tx, now| {
+            let n = inner.exec_cached(tx, &inner.sql.purge, params![now.as_millis(), batch])?;
+            Ok(n as u64)
+        })
+        .await
+    }
+}
+
+/// The token of a record claimed fresh at `now`: the clock in microseconds, so a key whose row
+/// was purged never gets back a token an old holder may still have (the statement also keeps
+/// it above the token of an expired row it replaces).
+fn fresh_token(now: Timestamp) -> i64 {
+    i64::try_from(FencingToken::fresh(now, None).0).unwrap_or(i64::MAX)
+}
+
+/// The token as the table stores it; `None` for a token above `i64::MAX`, which no record can
+/// hold.
+fn token_param(token: FencingToken) -> Option<i64> {
+    i64::try_from(token.0).ok()
+}
+
+impl Inner {
+    pub(crate) fn sql_error(&self, e: rusqlite::Error) -> Error {
+        if let rusqlite::Error::SqliteFailure(f, msg) = &e {
+            // Every row this store writes satisfies the table's constraints; a statement that
+            // keeps a stored value and fails one found a corrupt record.
+            if f.extended_code == rusqlite::ffi::SQLITE_CONSTRAINT_CHECK
+                || f.extended_code == rusqlite::ffi::SQLITE_CONSTRAINT_NOTNULL
+            {
+                let reason = format!(
+                    "a stored record breaks the table's constraints ({})",
+                    msg.as_deref().unwrap_or("constraint failed")
+                );
+                return Error::corrupt_with(reason, e);
+            }
+        }
+        if let rusqlite::Error::SqliteFailure(_, Some(msg)) = &e {
+            if msg.starts_with("no such table") {
+                return SqliteError::MissingTable {
+                    table: self.table.clone(),
+                }
+                .into();
+            }
+        }
+        SqliteError::Sqlite(e).into()
+    }
+
+    fn exec_cached(
+        &self,
+        tx: &Transaction<'_>,
+        sql: &str,
+        params: impl rusqlite::Params,
+    ) -> Result<usize, Error> {
+        tx.prepare_cached(sql)
+            .and_then(|mut s| s.execute(params))
+            .map_err(|e| self.sql_error(e))
+    }
+
+    fn claim(
+        &self,
+        tx: &Transaction<'_>,
+        req: &ClaimRequest,
+        now: Timestamp,
+    ) -> Result<Claim, Error> {
+        let lease_until = now.saturating_add(req.lease);
+        let expires_at = req.expires_at(now);
+        let mut stmt = tx
+            .prepare_cached(&self.sql.claim)
+            .map_err(|e| self.sql_error(e))?;
+        let mut rows = stmt
+            .query(params![
+                req.id.scope.as_str(),
+                req.id.key.as_str(),
+                req.fingerprint.as_bytes().as_slice(),
+                lease_until.as_millis(),
+                now.as_millis(),
+                expires_at.as_millis(),
+                fresh_token(now)
+            ])
+            .map_err(|e| self.sql_error(e))?;
+        let row = rows
+            .next()
+            .map_err(|e| self.sql_error(e))?
+            .ok_or_else(|| Error::corrupt("claim returned no row"))?;
+        // The statement sets hits to 0 exactly when it inserted or replaced the record; a
+        // live record comes back with hits + 1 >= 1 (a corrupt negative count becomes NULL,
+        // which the NOT NULL constraint refuses, so it cannot pass for a fresh claim).
+        let record = decode_record(row)?;
+        if record.hits == 0 {
+            if record.status != RecordStatus::Pending || record.lease_until != Some(lease_until) {
+                return Err(Error::corrupt(format!(
+                    "record {} came back from a claim with hits = 0 but is not the claimed one",
+                    record.id
+                )));
+            }
+            return Ok(Claim::Claimed {
+                token: record.token,
+                lease_until,
+            });
+        }
+        Ok(Claim::Existing { record, now })
+    }
+
+    /// The claim of a live record, whose only write is `hits + 1`, committed without a sync:
+    /// a replay must not cost a durable write.
+    ///
+    /// A plain `SELECT` (no lock) looks for a live record; when there is one, the increment
+    /// runs in its own `BEGIN IMMEDIATE` transaction with `PRAGMA synchronous = NORMAL` for
+    /// that transaction alone (the pragma cannot change inside a transaction, so it is set
+    /// around it and always put back). In WAL mode NORMAL appends the commit to the log
+    /// without an fsync, and still syncs before and after a checkpoint, so it cannot expose
+    /// earlier synced commits to loss. A power loss or OS crash (not an application crash)
+    /// may forget the last hit counts; a claim, completion or failure is always synced,
+    /// and its sync also covers every hit appended before it.
+    ///
+    /// Returns `None` when there is no live record (or it expired or was purged between the
+    /// read and the lock): the caller then claims under `synchronous = FULL`, and that
+    /// statement still decides between a new claim and an observation.
+    fn count_hit(&self, conn: &Connection, req: &ClaimRequest) -> Result<Option<Claim>, Error> {
+        let id = &req.id;
+        let live = conn
+            .prepare_cached(&self.sql.live)
+            .and_then(|mut s| {
+                s.exists(params![
+                    id.scope.as_str(),
+                    id.key.as_str(),
+                    self.clock.now().as_millis()
+                ])
+            })
+            .map_err(|e| self.sql_error(e))?;
+        if !live {
+            return Ok(None);
+        }
+        conn.pragma_update(None, "synchronous", Synchronous::Normal.pragma())
+            .map_err(|e| self.sql_error(e))?;
+        // Puts FULL back if what follows panics (the executor keeps the connection).
+        struct Restore<'c>(&'c Connection);
+        impl Drop for Restore<'_> {
+            fn drop(&mut self) {
+                let _ = self
+                    .0
+                    .pragma_update(None, "synchronous", Synchronous::Full.pragma());
+            }
+        }
+        let guard = Restore(conn);
+        let hit = (|| -> Result<Option<Claim>, Error> {
+            let tx = Transaction::new_unchecked(conn, TransactionBehavior::Immediate)
+                .map_err(|e| self.sql_error(e))?;
+            let now = self.clock.now();
+            let record = {
+                let mut stmt = tx
+                    .prepare_cached(&self.sql.hit)
+                    .map_err(|e| self.sql_error(e))?;
+                let mut rows = stmt
+                    .query(params![id.scope.as_str(), id.key.as_str(), now.as_millis()])
+                    .map_err(|e| self.sql_error(e))?;
+                match rows.next().map_err(|e| self.sql_error(e))? {
+                    Some(row) => Some(decode_record(row)?),
+                    None => None,
+                }
+            };
+            match record {
+                Some(record) => {
+                    tx.commit().map_err(|e| self.sql_error(e))?;
+                    Ok(Some(Claim::Existing { record, now }))
+                }
+                // Nothing was written; dropping the transaction rolls it back.
+                None => Ok(None),
+            }
+        })();
+        // Put FULL back here, where a failure can be reported; the guard is then not needed.
+        let restored = conn.pragma_update(None, "synchronous", Synchronous::Full.pragma());
+        std::mem::forget(guard);
+        let hit = hit?;
+        restored.map_err(|e| self.sql_error(e))?;
+        Ok(hit)
+    }
+
+    /// The compare-and-swap of complete, fail and extend: runs `sql`, an update under the
+    /// shared guard of [`Sql`] (`?1` scope, `?2` key, `?3` token, `?4` now), with `extra` bound from `?5`
+    /// on. Applied when it changed the row: the token still held the live Pending record.
+    fn cas(
+        &self,
+        tx: &Transaction<'_>,
+        sql: &str,
+        id: &RecordId,
+        token: FencingToken,
+        now: Timestamp,
+        extra: &[&dyn ToSql],
+    ) -> Result<Cas, Error> {
+        // A token above i64::MAX cannot be stored, so no record holds it.
+        let Some(stored_token) = token_param(token) else {
+            return Ok(Cas::Fenced);
+        };
+        let now_ms = now.as_millis();
+        let head: [&dyn ToSql; 4] = [&id.scope.as_str(), &id.key.as_str(), &stored_token, &now_ms];
+        let params: Vec<&dyn ToSql> = head.iter().chain(extra).copied().collect();
+        Ok(match self.exec_cached(tx, sql, params.as_slice())? {
+            0 => Cas::Fenced,
+            _ => Cas::Applied,
+        })
+    }
+
+    /// The completion CAS, in the store's own transaction or in the caller's
+    /// ([`SqliteStore::complete_in`]).
+    fn complete_cas(
+        &self,
+        tx: &Transaction<'_>,
+        id: &RecordId,
+        token: FencingToken,
+        outcome: &[u8],
+        ttl: Duration,
+        now: Timestamp,
+    ) -> Result<Cas, Error> {
+        let expires_at = now.saturating_add(ttl).as_millis();
+        self.cas(
+            tx,
+            &self.sql.complete,
+            id,
+            token,
+            now,
+            &[&outcome, &expires_at],
+        )
+    }
+}
