@@ -270,6 +270,29 @@ impl<K: Ord> ReferenceStore<K> {
         })
     }
 
+    /// Completes `key`'s record without the compare-and-swap, if it is live: the write half
+    /// of a store whose `complete` reads the record, checks it, then writes it in a second
+    /// step. Not part of the contract; it exists so a checker can prove it catches that race.
+    pub fn complete_unchecked(
+        &mut self,
+        key: &K,
+        outcome: &[u8],
+        ttl: Duration,
+        now: Timestamp,
+    ) -> Cas {
+        match self.records.get_mut(key) {
+            Some(r) if r.is_live(now) => {
+                r.status = RecordStatus::Completed;
+                r.outcome = Some(outcome.to_vec());
+                r.lease_until = None;
+                r.failure = None;
+                r.expires_at = now.saturating_add(ttl);
+                Cas::Applied
+            }
+            _ => Cas::Fenced,
+        }
+    }
+
     /// As [`IdempotencyStore::fail`](idempotency_core::IdempotencyStore::fail).
     pub fn fail(
         &mut self,
