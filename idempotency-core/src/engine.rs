@@ -66,13 +66,52 @@ pub struct WorkContext {
     pub token: FencingToken,
 }
 
-/// What [`Idempotency::begin`] decided.
+/// What [`Idempotency::begin`] decided. Every expected answer is a value: `Err` from
+/// `begin` means that something broke (the store failed, a record was corrupt).
 #[derive(Debug)]
 pub enum Begin {
     /// The caller holds the key and must run the work, then settle the lease.
     Execute(Lease),
     /// The work already ran; here is its stored outcome.
     Replay(Record),
+    /// The key was already used with a different request fingerprint.
+    Mismatch,
+    /// Another attempt holds a live lease on the key (and the policy did not wait, or waited
+    /// as long as it allows).
+    InProgress {
+        /// How long until that attempt's lease passes.
+        retry_after: Duration,
+    },
+    /// The last attempt with this key and fingerprint failed permanently; the work is not
+    /// run again while the record is kept.
+    FailedPermanently {
+        /// The failure's message, for operators (not meant for clients).
+        message: String,
+    },
+}
+
+/// The answers of [`Begin`] that let the caller go on, from [`Begin::proceed`].
+#[derive(Debug)]
+pub enum Proceed {
+    /// The caller holds the key and must run the work, then settle the lease.
+    Execute(Lease),
+    /// The work already ran; here is its stored outcome.
+    Replay(Record),
+}
+
+impl Begin {
+    /// [`Begin::Execute`] and [`Begin::Replay`] as `Ok`, and the refusals as the [`Error`]
+    /// that [`Idempotency::run`] returns for them ([`Error::Mismatch`],
+    /// [`Error::InProgress`], [`Error::FailedPermanently`]), for callers that use `?`.
+    pub fn proceed(self) -> Result<Proceed, Error> {
+        match self {
+            Begin::Execute(lease) => Ok(Proceed::Execute(lease)),
+            Begin::Replay(record) => Ok(Proceed::Replay(record)),
+            Begin::Mismatch => Err(Error::Mismatch),
+            Begin::InProgress { retry_after } => Err(Error::InProgress { retry_after }),
+            Begin::FailedPermanently { message } => Err(Error::FailedPermanently { message }),
+        }
+    }
 }
 
 /// The idempotency engine: wraps a unit of work so that it runs once per `(scope, key)` and
@@ -179,9 +218,9 @@ impl Idempotency {
             // copy of the scope and key per call.
             let request =
                 self.claim_request(RecordId::new(scope.clone(), key.clone()), fingerprint);
-            let lease = match self.begin_request(request).await? {
-                Begin::Replay(record) => return decode_replay(&record).map(Outcome::Replayed),
-                Begin::Execute(lease) => lease,
+            let lease = match self.begin_request(request).await?.proceed()? {
+                Proceed::Replay(record) => return decode_replay(&record).map(Outcome::Replayed),
+                Proceed::Execute(lease) => lease,
             };
             let ctx = lease.context();
             let result = match lease
@@ -218,7 +257,8 @@ impl Idempotency {
 
     /// Claims `id` for a request with `fingerprint`: either the caller now holds the key and
     /// gets a [`Lease`] to run the work under, or the work already ran and its record is
-    /// returned for replay. Mismatches and in-flight duplicates are errors.
+    /// returned for replay, or the request is refused (a mismatch, a duplicate in flight, a
+    /// permanent failure), all as [`Begin`] values; `Err` means that something broke.
     ///
     /// This is the low-level entry point for callers that store their own outcome format (the
     /// HTTP layer) or complete inside their own database transaction.
@@ -297,11 +337,11 @@ impl Idempotency {
                 }
                 Decision::Mismatch => {
                     emit(Event::Mismatch);
-                    return Err(Error::Mismatch);
+                    return Ok(Begin::Mismatch);
                 }
                 Decision::FailedPermanently => {
                     emit(Event::FailedPermanently);
-                    return Err(Error::FailedPermanently {
+                    return Ok(Begin::FailedPermanently {
                         message: record.failure.map(|f| f.message).unwrap_or_default(),
                     });
                 }
@@ -343,7 +383,7 @@ impl Idempotency {
                         let waited = started.elapsed();
                         if waited >= max_wait {
                             emit(Event::InProgress);
-                            return Err(Error::InProgress { retry_after });
+                            return Ok(Begin::InProgress { retry_after });
                         }
                         tokio::time::sleep(backoff.min(max_wait - waited)).await;
                         backoff = backoff.saturating_mul(2).min(max_backoff);
@@ -359,7 +399,7 @@ impl Idempotency {
             }
         }
         emit(Event::InProgress);
-        Err(Error::InProgress {
+        Ok(Begin::InProgress {
             retry_after: last_retry_after,
         })
     }
@@ -870,7 +910,7 @@ mod tests {
         let got = tokio::time::timeout(Duration::from_secs(5), e.begin(&id(), &fp()))
             .await
             .expect("the engine looped without bound");
-        assert!(matches!(got, Err(Error::InProgress { .. })), "{got:?}");
+        assert!(matches!(got, Ok(Begin::InProgress { .. })), "{got:?}");
         assert_eq!(store.reclaimed.load(Ordering::SeqCst), MAX_ROUNDS);
         assert_eq!(
             store.claimed.load(Ordering::SeqCst),
@@ -936,7 +976,7 @@ mod tests {
         let started = Instant::now();
         let got = e.begin(&id(), &fp()).await;
         let waited = started.elapsed();
-        assert!(matches!(got, Err(Error::InProgress { .. })), "{got:?}");
+        assert!(matches!(got, Ok(Begin::InProgress { .. })), "{got:?}");
         assert!(
             waited >= max_wait && waited < max_wait + Duration::from_millis(250),
             "gave up after {waited:?} with max_wait {max_wait:?}"
@@ -966,7 +1006,7 @@ mod tests {
             }),
         );
         let got = e.begin(&id(), &fp()).await;
-        assert!(matches!(got, Err(Error::InProgress { .. })), "{got:?}");
+        assert!(matches!(got, Ok(Begin::InProgress { .. })), "{got:?}");
         let polls = store.got.load(Ordering::SeqCst);
         assert!(
             (1..=11).contains(&polls),

@@ -15,7 +15,9 @@ mod store;
 mod time;
 
 pub use decision::{decide, Decision, DecisionOptions};
-pub use engine::{decode_replay, Begin, Disposition, Idempotency, Lease, Outcome, WorkContext};
+pub use engine::{
+    decode_replay, Begin, Disposition, Idempotency, Lease, Outcome, Proceed, WorkContext,
+};
 pub use error::{BoxError, Error};
 pub use fingerprint::{
     canonical_json, canonical_json_slice, is_json_media_type, Fingerprint, FingerprintBuilder,
@@ -24,11 +26,12 @@ pub use key::{IdempotencyKey, KeyError};
 pub use observe::{loggable_key, Event};
 pub use policy::{ErrorOutcomes, InFlight, Policy, SettleRetry};
 pub use record::{
-    Cas, Claim, ClaimRequest, Failure, FencingToken, Reclaim, Record, RecordId, RecordStatus,
+    claim_retention, Cas, Claim, ClaimRequest, Failure, FencingToken, Reclaim, Record, RecordId,
+    RecordStatus,
 };
 pub use scope::{Scope, ScopeError};
 pub use store::IdempotencyStore;
-pub use time::{duration_millis, Clock, ManualClock, SystemClock, Timestamp};
+pub use time::{duration_millis, Clock, ManualClock, SystemClock, Timestamp, MAX_DURATION};
 
 /// Re-exported so store implementations use the same `async_trait` as the trait.
 pub use async_trait::async_trait;

@@ -1,6 +1,6 @@
 //! The stored record and the values store primitives return.
 
-use crate::{Fingerprint, IdempotencyKey, Scope, Timestamp};
+use crate::{Error, Fingerprint, IdempotencyKey, Scope, Timestamp};
 use std::fmt;
 use std::time::Duration;
 
@@ -175,10 +175,63 @@ impl Record {
         now >= self.expires_at
     }
 
+    /// Checks what every store's decoder checks before it hands a stored record out: a token
+    /// of at least 1, at least one attempt, a Pending record with a lease, a Completed one with
+    /// an outcome, a Failed one with its failure. A record that breaks a rule was not written
+    /// by a correct store, and is reported as [`Error::CorruptRecord`] naming the record,
+    /// never trusted.
+    ///
+    /// ```
+    /// # use idempotency_core::*;
+    /// # let id = RecordId::new(Scope::new("s").unwrap(), IdempotencyKey::new("k").unwrap());
+    /// let now = Timestamp::from_millis(1_000);
+    /// let mut record = Record {
+    ///     id,
+    ///     fingerprint: Fingerprint::from_bytes(b"body"),
+    ///     status: RecordStatus::Completed,
+    ///     token: FencingToken(7),
+    ///     lease_until: None,
+    ///     outcome: Some(b"receipt".to_vec()),
+    ///     attempts: 1,
+    ///     failure: None,
+    ///     hits: 0,
+    ///     created_at: now,
+    ///     updated_at: now,
+    ///     expires_at: now,
+    /// };
+    /// assert!(record.validate().is_ok());
+    /// record.outcome = None;
+    /// assert!(matches!(record.validate(), Err(Error::CorruptRecord { .. })));
+    /// ```
+    pub fn validate(&self) -> Result<(), Error> {
+        let problem = if self.token.0 < 1 {
+            "token 0 is below 1"
+        } else if self.attempts < 1 {
+            "attempts is 0"
+        } else {
+            match self.status {
+                RecordStatus::Pending if self.lease_until.is_none() => "pending without a lease",
+                RecordStatus::Completed if self.outcome.is_none() => "completed without an outcome",
+                RecordStatus::Failed if self.failure.is_none() => {
+                    "failed without failure information"
+                }
+                _ => return Ok(()),
+            }
+        };
+        Err(Error::corrupt(format!("record {}: {problem}", self.id)))
+    }
+
     /// Whether the record is `Pending` with a lease that has passed at `now`.
     pub fn lease_passed(&self, now: Timestamp) -> bool {
         self.status == RecordStatus::Pending && self.lease_until.is_none_or(|l| now >= l)
     }
+}
+
+/// How long a claim (or reclaim) keeps its Pending record: the longer of the lease and the
+/// retention, so a record never expires under a live lease. Every store computes a claim's
+/// `expires_at` as `now + claim_retention(lease, ttl)`.
+pub fn claim_retention(lease: Duration, ttl: Duration) -> Duration {
+    lease.max(ttl)
 }
 
 /// What to claim: the arguments of [`crate::IdempotencyStore::claim`].
@@ -192,6 +245,14 @@ pub struct ClaimRequest {
     pub lease: Duration,
     /// How long the record is kept; a new Pending record expires after `max(lease, ttl)`.
     pub ttl: Duration,
+}
+
+impl ClaimRequest {
+    /// When the Pending record this claim writes expires: `now +`
+    /// [`claim_retention`]`(lease, ttl)`.
+    pub fn expires_at(&self, now: Timestamp) -> Timestamp {
+        now.saturating_add(claim_retention(self.lease, self.ttl))
+    }
 }
 
 /// What [`crate::IdempotencyStore::claim`] found.

@@ -33,7 +33,7 @@ impl Timestamp {
         Self(ms)
     }
 
-    /// This instant plus a duration, saturating.
+    /// This instant plus a duration, saturating; `d` is capped at [`MAX_DURATION`] first.
     pub fn saturating_add(self, d: Duration) -> Self {
         Self(self.0.saturating_add(duration_millis(d)))
     }
@@ -44,9 +44,15 @@ impl Timestamp {
     }
 }
 
-/// A duration in whole milliseconds, rounded up so a non-zero duration never becomes zero.
+/// The longest lease or retention any store keeps: 100 years (of 366 days). Longer durations
+/// are capped to it, so `Duration::MAX` means "for ever" in effect without overflowing any
+/// store's range (PostgreSQL's timestamps, the exact integers of Redis's Lua).
+pub const MAX_DURATION: Duration = Duration::from_secs(100 * 366 * 24 * 3600);
+
+/// A duration in whole milliseconds, capped at [`MAX_DURATION`] and rounded up so a non-zero
+/// duration never becomes zero. Every store converts durations with it.
 pub fn duration_millis(d: Duration) -> i64 {
-    let ms = d.as_nanos().div_ceil(1_000_000);
+    let ms = d.min(MAX_DURATION).as_nanos().div_ceil(1_000_000);
     i64::try_from(ms).unwrap_or(i64::MAX)
 }
 

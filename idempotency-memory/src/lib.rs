@@ -4,8 +4,8 @@
 use async_trait::async_trait;
 use foldhash::fast::RandomState;
 use idempotency_core::{
-    Cas, Claim, ClaimRequest, Clock, Error, Failure, FencingToken, Fingerprint, IdempotencyStore,
-    Reclaim, Record, RecordId, RecordStatus, SystemClock, Timestamp,
+    claim_retention, Cas, Claim, ClaimRequest, Clock, Error, Failure, FencingToken, Fingerprint,
+    IdempotencyStore, Reclaim, Record, RecordId, RecordStatus, SystemClock, Timestamp,
 };
 use parking_lot::Mutex;
 use std::collections::HashMap;
@@ -139,10 +139,6 @@ impl MemoryStore {
     }
 }
 
-fn hold_for(lease: Duration, ttl: Duration) -> Duration {
-    lease.max(ttl)
-}
-
 #[async_trait]
 impl IdempotencyStore for MemoryStore {
     async fn claim(&self, request: &ClaimRequest) -> Result<Claim, Error> {
@@ -159,7 +155,7 @@ impl IdempotencyStore for MemoryStore {
             hits: 0,
             created_at: now,
             updated_at: now,
-            expires_at: now.saturating_add(hold_for(request.lease, request.ttl)),
+            expires_at: request.expires_at(now),
         };
         let mut shard = self.shard(&request.id).lock();
         let token = match shard.get_mut(&request.id) {
@@ -261,7 +257,7 @@ impl IdempotencyStore for MemoryStore {
         r.outcome = None;
         r.failure = None;
         r.updated_at = now;
-        r.expires_at = now.saturating_add(hold_for(lease, ttl));
+        r.expires_at = now.saturating_add(claim_retention(lease, ttl));
         Ok(Reclaim::Reclaimed { token, lease_until })
     }
 

@@ -17,14 +17,21 @@ struct Migration {
     sql: &'static str,
 }
 
-const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    description: "create records table and expiry index",
-    sql: include_str!("../migrations/0001_create_records.sql"),
-}];
+const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        description: "create records table and expiry index",
+        sql: include_str!("../migrations/0001_create_records.sql"),
+    },
+    Migration {
+        version: 2,
+        description: "check constraints on fingerprint, attempts and hits",
+        sql: include_str!("../migrations/0002_check_constraints.sql"),
+    },
+];
 
 /// The newest migration this crate knows.
-pub(crate) const LATEST_VERSION: i32 = 1;
+pub(crate) const LATEST_VERSION: i32 = 2;
 
 fn render(sql: &str, name: &TableName) -> String {
     sql.replace("{records}", &name.qualified()).replace(

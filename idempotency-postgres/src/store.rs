@@ -6,8 +6,8 @@ use crate::sql::Statements;
 use crate::{PostgresError, TableName};
 use async_trait::async_trait;
 use idempotency_core::{
-    duration_millis, Cas, Claim, ClaimRequest, Error, Failure, FencingToken, Fingerprint,
-    IdempotencyStore, Reclaim, Record, RecordId, RecordStatus, Timestamp,
+    claim_retention, duration_millis, Cas, Claim, ClaimRequest, Error, Failure, FencingToken,
+    Fingerprint, IdempotencyStore, Reclaim, Record, RecordId, RecordStatus, Timestamp,
 };
 use rand::Rng;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
@@ -17,13 +17,11 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Durations are capped at this many milliseconds (100 years) before they reach SQL, so a huge
+/// Durations reach SQL in milliseconds, capped at [`idempotency_core::MAX_DURATION`], so a huge
 /// lease or TTL (`Duration::MAX`) cannot overflow PostgreSQL's timestamp range: its deadline
 /// saturates a century from now and the record is, in effect, eternal.
-const MAX_DURATION_MS: i64 = 100 * 366 * 24 * 3600 * 1000;
-
 fn millis(d: Duration) -> i64 {
-    duration_millis(d).min(MAX_DURATION_MS)
+    duration_millis(d)
 }
 
 /// Builds a [`PostgresStore`] with a chosen schema, table and pool settings.
@@ -464,15 +462,8 @@ fn decode_record(row: &PgRow, id: &RecordId, table: &str) -> Result<Record, Erro
     let status = RecordStatus::parse(&status)
         .ok_or_else(|| Error::corrupt(format!("record {id} has unknown status {status:?}")))?;
     let token: i64 = get(row, "token", table)?;
-    if token <= 0 {
-        return Err(Error::corrupt(format!("record {id} has token {token}")));
-    }
+    let token: u64 = non_negative(token, "token", id)?;
     let outcome: Option<Vec<u8>> = get(row, "outcome", table)?;
-    if status == RecordStatus::Completed && outcome.is_none() {
-        return Err(Error::corrupt(format!(
-            "completed record {id} has no outcome"
-        )));
-    }
     let failure = match (
         get::<Option<bool>>(row, "failure_retryable", table)?,
         get::<Option<String>>(row, "failure_message", table)?,
@@ -486,11 +477,11 @@ fn decode_record(row: &PgRow, id: &RecordId, table: &str) -> Result<Record, Erro
         }
     };
     let ts = |col: &str| get::<i64>(row, col, table).map(Timestamp::from_millis);
-    Ok(Record {
+    let record = Record {
         id: id.clone(),
         fingerprint,
         status,
-        token: FencingToken(token as u64),
+        token: FencingToken(token),
         lease_until: get::<Option<i64>>(row, "lease_until_ms", table)?.map(Timestamp::from_millis),
         outcome,
         attempts: non_negative(get::<i32>(row, "attempts", table)?.into(), "attempts", id)?,
@@ -499,14 +490,16 @@ fn decode_record(row: &PgRow, id: &RecordId, table: &str) -> Result<Record, Erro
         created_at: ts("created_ms")?,
         updated_at: ts("updated_ms")?,
         expires_at: ts("expires_ms")?,
-    })
+    };
+    record.validate()?;
+    Ok(record)
 }
 
 #[async_trait]
 impl IdempotencyStore for PostgresStore {
     async fn claim(&self, request: &ClaimRequest) -> Result<Claim, Error> {
         let lease_ms = millis(request.lease);
-        let hold_ms = millis(request.lease.max(request.ttl));
+        let hold_ms = millis(claim_retention(request.lease, request.ttl));
         let row = self
             .run(Effect::Write, || {
                 sqlx::query(&self.sql.claim)
@@ -602,7 +595,7 @@ impl IdempotencyStore for PostgresStore {
         let Ok(expected) = i64::try_from(expected.0) else {
             return Ok(Reclaim::Lost);
         };
-        let (lease_ms, hold_ms) = (millis(lease), millis(lease.max(ttl)));
+        let (lease_ms, hold_ms) = (millis(lease), millis(claim_retention(lease, ttl)));
         let row = self
             .run(Effect::Write, || {
                 sqlx::query(&self.sql.reclaim)

@@ -6,8 +6,8 @@ use crate::PostgresStore;
 use futures::future::BoxFuture;
 use futures::FutureExt;
 use idempotency_core::{
-    decode_replay, Begin, Cas, Error, ErrorOutcomes, Failure, Fingerprint, Idempotency,
-    IdempotencyKey, IdempotencyStore, Outcome, Policy, RecordId, Scope, WorkContext,
+    decode_replay, Cas, Error, ErrorOutcomes, Failure, Fingerprint, Idempotency, IdempotencyKey,
+    IdempotencyStore, Outcome, Policy, Proceed, RecordId, Scope, WorkContext,
 };
 use serde::{de::DeserializeOwned, Serialize};
 use sqlx::PgConnection;
@@ -149,9 +149,9 @@ impl PgIdempotency {
         F: for<'c> FnMut(&'c mut PgConnection, WorkContext) -> BoxFuture<'c, Result<T, E>> + Send,
     {
         let id = RecordId::new(scope.clone(), key.clone());
-        let lease = match self.engine.begin(&id, fingerprint).await? {
-            Begin::Replay(record) => return decode_replay(&record).map(Outcome::Replayed),
-            Begin::Execute(lease) => lease,
+        let lease = match self.engine.begin(&id, fingerprint).await?.proceed()? {
+            Proceed::Replay(record) => return decode_replay(&record).map(Outcome::Replayed),
+            Proceed::Execute(lease) => lease,
         };
         let token = lease.token();
         let table = self.store.table_name().qualified();

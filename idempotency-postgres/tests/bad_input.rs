@@ -285,12 +285,51 @@ async fn table_of_another_shape() {
 async fn corrupt_stored_values() {
     let (store, guard) = common::store(Isolation::ReadCommitted).await;
     let table = format!(r#""{}".records"#, guard.schema);
+    let engine = Idempotency::new(Arc::new(store.clone()), Policy::default()).unwrap();
+
+    // The table's CHECK constraints refuse what no correct store writes, as SQLite's do.
+    let req = request();
+    engine
+        .run(&req.id.key, &req.id.scope, &req.fingerprint, |_| async {
+            Ok::<_, String>(40)
+        })
+        .await
+        .unwrap();
+    for set in [
+        "fingerprint = '\\x0102'::bytea",
+        "status = 'exploded'",
+        "token = 0",
+        "attempts = 0",
+        "hits = -1",
+    ] {
+        let mut conn = common::admin().await;
+        let refused = sqlx::raw_sql(&format!(
+            "UPDATE {table} SET {set} WHERE key = '{}'",
+            req.id.key
+        ))
+        .execute(&mut conn)
+        .await
+        .expect_err(set);
+        assert_eq!(
+            refused
+                .as_database_error()
+                .and_then(|e| e.code())
+                .as_deref(),
+            Some("23514"),
+            "{set}: expected a check violation, got {refused:?}"
+        );
+    }
+
+    // Past the constraints (a row written by hand, or before they existed), the decoders are
+    // the second line.
     common::exec(&format!(
         "ALTER TABLE {table} DROP CONSTRAINT records_status_check;
-         ALTER TABLE {table} DROP CONSTRAINT records_token_check;"
+         ALTER TABLE {table} DROP CONSTRAINT records_token_check;
+         ALTER TABLE {table} DROP CONSTRAINT idempotency_fingerprint_length;
+         ALTER TABLE {table} DROP CONSTRAINT idempotency_attempts_positive;
+         ALTER TABLE {table} DROP CONSTRAINT idempotency_hits_non_negative;"
     ))
     .await;
-    let engine = Idempotency::new(Arc::new(store.clone()), Policy::default()).unwrap();
 
     let corruptions = [
         ("fingerprint = '\\x0102'::bytea", "fingerprint"),
@@ -298,7 +337,12 @@ async fn corrupt_stored_values() {
         ("token = -4", "token"),
         ("hits = -5", "hits"),
         ("attempts = -2", "attempts"),
-        ("outcome = NULL", "no outcome"),
+        ("attempts = 0", "attempts is 0"),
+        (
+            "status = 'pending', lease_until = NULL",
+            "pending without a lease",
+        ),
+        ("outcome = NULL", "without an outcome"),
         ("failure_message = 'half'", "half of a failure"),
     ];
     for (set, what) in corruptions {

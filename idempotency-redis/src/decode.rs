@@ -150,6 +150,12 @@ impl<'a> Fields<'a> {
 /// Decodes a record hash. The scripts already refuse malformed records; this checks again so
 /// that nothing reaches the caller unchecked.
 pub(crate) fn decode_record(id: &RecordId, flat: &[Value]) -> Result<Record, Error> {
+    let record = decode_fields(id, flat)?;
+    record.validate()?;
+    Ok(record)
+}
+
+fn decode_fields(id: &RecordId, flat: &[Value]) -> Result<Record, Error> {
     let f = Fields::new(flat)?;
     let fp = f.required("fp")?;
     let fingerprint = Fingerprint::from_hex(fp)

@@ -29,12 +29,12 @@ pub const DEFAULT_PREFIX: &str = "idempotency:";
 /// [`RedisStore::with_expired_retention`] sets another.
 pub const DEFAULT_EXPIRED_RETENTION: Duration = Duration::from_secs(3600);
 
-/// Durations handed to the scripts are capped at 1000 years so that every sum the scripts
-/// compute stays an exact integer in Lua's doubles.
-const MAX_DURATION_MS: i64 = 1000 * 365 * 24 * 3600 * 1000;
-// A stored expiry (at most 15 digits) plus a retention, or now plus two capped durations,
-// stays below 2^53.
-const _: () = assert!(1_000_000_000_000_000 + 2 * MAX_DURATION_MS < 1 << 53);
+// Durations handed to the scripts are capped at `MAX_DURATION` (by `duration_millis`), so
+// every sum the scripts compute stays an exact integer in Lua's doubles: a stored expiry (at
+// most 15 digits) plus a retention, or now plus two capped durations, stays below 2^53.
+const _: () = assert!(
+    1_000_000_000_000_000 + 2 * (idempotency_core::MAX_DURATION.as_millis() as i64) < 1 << 53
+);
 
 /// Timeouts of the connections [`RedisStore::connect`] and [`RedisStore::connect_cluster`]
 /// open. A call that times out after being sent is reported as
@@ -208,7 +208,7 @@ impl RedisStore {
     /// a restart without AOF, never hands out a token an old holder still has. Zero evicts
     /// records as soon as they expire.
     pub fn with_expired_retention(mut self, retention: Duration) -> Self {
-        self.retention_ms = clamp_ms(retention);
+        self.retention_ms = duration_millis(retention);
         self
     }
 
@@ -247,12 +247,8 @@ impl RedisStore {
     }
 }
 
-fn clamp_ms(d: Duration) -> i64 {
-    duration_millis(d).min(MAX_DURATION_MS)
-}
-
 fn ms_arg(d: Duration) -> Vec<u8> {
-    clamp_ms(d).to_string().into_bytes()
+    duration_millis(d).to_string().into_bytes()
 }
 
 fn config_error(e: RedisError) -> Error {
@@ -548,7 +544,10 @@ mod tests {
 
     #[test]
     fn durations_stay_exact_in_lua() {
-        assert_eq!(clamp_ms(Duration::MAX), MAX_DURATION_MS);
-        assert_eq!(clamp_ms(Duration::from_micros(1)), 1);
+        assert_eq!(
+            duration_millis(Duration::MAX),
+            duration_millis(idempotency_core::MAX_DURATION)
+        );
+        assert_eq!(duration_millis(Duration::from_micros(1)), 1);
     }
 }

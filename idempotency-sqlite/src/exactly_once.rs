@@ -3,8 +3,8 @@
 use crate::SqliteStore;
 use futures::FutureExt;
 use idempotency_core::{
-    decode_replay, Begin, Error, ErrorOutcomes, Failure, Fingerprint, Idempotency, IdempotencyKey,
-    Outcome, RecordId, Scope, WorkContext,
+    decode_replay, Error, ErrorOutcomes, Failure, Fingerprint, Idempotency, IdempotencyKey,
+    Outcome, Proceed, RecordId, Scope, WorkContext,
 };
 use rusqlite::{Transaction, TransactionBehavior};
 use serde::{de::DeserializeOwned, Serialize};
@@ -52,9 +52,9 @@ impl SqliteStore {
         F: FnOnce(&Transaction<'_>, &WorkContext) -> Result<T, E> + Send + 'static,
     {
         let id = RecordId::new(scope.clone(), key.clone());
-        let lease = match engine.begin(&id, fingerprint).await? {
-            Begin::Replay(record) => return decode_replay(&record).map(Outcome::Replayed),
-            Begin::Execute(lease) => lease,
+        let lease = match engine.begin(&id, fingerprint).await?.proceed()? {
+            Proceed::Replay(record) => return decode_replay(&record).map(Outcome::Replayed),
+            Proceed::Execute(lease) => lease,
         };
         let ctx = lease.context();
         let ttl = lease.ttl();

@@ -13,8 +13,9 @@ pub use schema::{validate_table_name, MAX_TABLE_NAME_LEN, SCHEMA_VERSION};
 use async_trait::async_trait;
 use exec::Executor;
 use idempotency_core::{
-    Cas, Claim, ClaimRequest, Clock, Error, Failure, FencingToken, Fingerprint, IdempotencyKey,
-    IdempotencyStore, Reclaim, Record, RecordId, RecordStatus, Scope, SystemClock, Timestamp,
+    claim_retention, Cas, Claim, ClaimRequest, Clock, Error, Failure, FencingToken, Fingerprint,
+    IdempotencyKey, IdempotencyStore, Reclaim, Record, RecordId, RecordStatus, Scope, SystemClock,
+    Timestamp,
 };
 use rusqlite::{params, Connection, OpenFlags, Row, Transaction, TransactionBehavior};
 use std::path::{Path, PathBuf};
@@ -475,7 +476,7 @@ impl IdempotencyStore for SqliteStore {
                     now.as_millis(),
                     fingerprint.as_bytes().as_slice(),
                     lease_until.as_millis(),
-                    now.saturating_add(lease.max(ttl)).as_millis()
+                    now.saturating_add(claim_retention(lease, ttl)).as_millis()
                 ],
             )?;
             Ok(match n {
@@ -584,7 +585,7 @@ impl Inner {
         now: Timestamp,
     ) -> Result<Claim, Error> {
         let lease_until = now.saturating_add(req.lease);
-        let expires_at = now.saturating_add(req.lease.max(req.ttl));
+        let expires_at = req.expires_at(now);
         let mut stmt = tx
             .prepare_cached(&self.sql.claim)
             .map_err(|e| self.sql_error(e))?;
@@ -861,16 +862,11 @@ fn decode_record(row: &Row<'_>) -> Result<Record, Error> {
     let status =
         RecordStatus::parse(&status).ok_or_else(|| bad(format!("unknown status {status:?}")))?;
     let token: i64 = column(row, 4, "token")?;
-    if token < 1 {
-        return Err(bad(format!("token {token} is below 1")));
-    }
+    let token = u64::try_from(token).map_err(|_| bad(format!("token {token} is below 1")))?;
     let lease_until: Option<i64> = column(row, 5, "lease_until")?;
     let outcome: Option<Vec<u8>> = column(row, 6, "outcome")?;
     let attempts: i64 = column(row, 7, "attempts")?;
     let attempts: u32 = non_negative(attempts, "attempts")?;
-    if attempts == 0 {
-        return Err(bad("attempts is 0".into()));
-    }
     let retryable: Option<i64> = column(row, 8, "failure_retryable")?;
     let message: Option<String> = column(row, 9, "failure_message")?;
     let failure = match (retryable, message) {
@@ -892,23 +888,11 @@ fn decode_record(row: &Row<'_>) -> Result<Record, Error> {
     let updated_at: i64 = column(row, 12, "updated_at")?;
     let expires_at: i64 = column(row, 13, "expires_at")?;
 
-    match status {
-        RecordStatus::Pending if lease_until.is_none() => {
-            return Err(bad("pending without a lease".into()))
-        }
-        RecordStatus::Completed if outcome.is_none() => {
-            return Err(bad("completed without an outcome".into()))
-        }
-        RecordStatus::Failed if failure.is_none() => {
-            return Err(bad("failed without failure information".into()))
-        }
-        _ => {}
-    }
-    Ok(Record {
+    let record = Record {
         id,
         fingerprint,
         status,
-        token: FencingToken(token as u64),
+        token: FencingToken(token),
         lease_until: lease_until.map(Timestamp::from_millis),
         outcome,
         attempts,
@@ -917,5 +901,7 @@ fn decode_record(row: &Row<'_>) -> Result<Record, Error> {
         created_at: Timestamp::from_millis(created_at),
         updated_at: Timestamp::from_millis(updated_at),
         expires_at: Timestamp::from_millis(expires_at),
-    })
+    };
+    record.validate()?;
+    Ok(record)
 }

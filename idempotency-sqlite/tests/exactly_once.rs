@@ -183,7 +183,7 @@ async fn case1_lease_takeover_rolls_back_the_stale_holder() {
         let err = engine_b
             .begin(&RecordId::new(scope(), keys[0].clone()), &fp)
             .await;
-        assert!(matches!(err, Err(Error::InProgress { .. })), "{err:?}");
+        assert!(matches!(err, Ok(Begin::InProgress { .. })), "{err:?}");
 
         clock.advance(LEASE + Duration::from_millis(1));
         let takeovers: Vec<_> = keys

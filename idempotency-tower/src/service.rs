@@ -344,16 +344,16 @@ where
                 }
             }
         }
-        Err(Error::Mismatch) => {
+        Ok(Begin::Mismatch) => {
             record(HttpDecision::Mismatch);
             Ok(refuse(&config, Refusal::Mismatch))
         }
-        Err(Error::InProgress { retry_after }) => {
+        Ok(Begin::InProgress { retry_after }) => {
             record(HttpDecision::InProgress);
             let retry_after = in_progress_retry_after(&config, retry_after, began);
             Ok(refuse(&config, Refusal::InProgress { retry_after }))
         }
-        Err(Error::FailedPermanently { .. }) => {
+        Ok(Begin::FailedPermanently { .. }) => {
             record(HttpDecision::Refused);
             Ok(refuse(&config, Refusal::FailedPermanently))
         }
