@@ -27,7 +27,8 @@
 //! ```
 
 use idempotency_core::{
-    Cas, Failure, FencingToken, Fingerprint, Reclaim, Record, RecordId, RecordStatus, Timestamp,
+    claim_retention, Cas, Failure, FencingToken, Fingerprint, Reclaim, Record, RecordId,
+    RecordStatus, Timestamp,
 };
 use std::collections::BTreeMap;
 use std::hash::{Hash, Hasher};
@@ -222,7 +223,7 @@ impl<K: Ord> ReferenceStore<K> {
                 attempts: 1,
                 failure: None,
                 hits: 0,
-                expires_at: now.saturating_add(lease.max(ttl)),
+                expires_at: now.saturating_add(claim_retention(lease, ttl)),
             },
         );
         RefClaim::Claimed { token, lease_until }
@@ -348,7 +349,7 @@ impl<K: Ord> ReferenceStore<K> {
         r.lease_until = Some(lease_until);
         r.outcome = None;
         r.failure = None;
-        r.expires_at = now.saturating_add(lease.max(ttl));
+        r.expires_at = now.saturating_add(claim_retention(lease, ttl));
         Reclaim::Reclaimed { token, lease_until }
     }
 
