@@ -3,6 +3,7 @@
 pub mod cases;
 mod flaky;
 mod harness;
+pub mod reference;
 
 pub use flaky::{Fault, FlakyOp, FlakyStore};
 pub use harness::{process_clock, run_case, Capabilities, ServerClock, TestStore, TimeControl};

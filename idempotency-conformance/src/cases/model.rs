@@ -1,11 +1,12 @@
-//! The randomized model-based case: random operation sequences run against the store and a
-//! reference model of the contract, comparing every answer.
+//! The randomized model-based case: random operation sequences run against the store and the
+//! reference model of the contract ([`crate::reference`]), comparing every answer.
 
+use crate::reference::{RefClaim, RefRecord, ReferenceStore};
 use crate::{TestStore, TimeControl};
 use futures::StreamExt;
 use idempotency_core::{
     Cas, Claim, ClaimRequest, Clock, Failure, FencingToken, Fingerprint, IdempotencyKey, Reclaim,
-    Record, RecordId, RecordStatus, Scope,
+    Record, RecordId, RecordStatus, Scope, Timestamp,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -22,30 +23,6 @@ pub const SEED_ENV: &str = "IDEMPOTENCY_CONFORMANCE_SEED";
 
 const KEYS: usize = 3;
 const FINGERPRINTS: [&str; 2] = ["model-a", "model-b"];
-
-/// What the model knows about one key: the record as the contract says it must be.
-#[derive(Clone, Debug)]
-struct Model {
-    fingerprint: Fingerprint,
-    status: RecordStatus,
-    token: FencingToken,
-    /// Milliseconds on the model's clock.
-    lease_until: Option<i64>,
-    outcome: Option<Vec<u8>>,
-    attempts: u32,
-    failure: Option<Failure>,
-    hits: u64,
-    expires_at: i64,
-}
-
-impl Model {
-    fn live(&self, now: i64) -> bool {
-        now < self.expires_at
-    }
-    fn pending_with(&self, now: i64, token: FencingToken) -> bool {
-        self.live(now) && self.status == RecordStatus::Pending && self.token == token
-    }
-}
 
 #[derive(Clone, Debug)]
 enum Op {
@@ -102,10 +79,10 @@ struct Env<'a> {
 }
 
 impl Env<'_> {
-    fn now(&self) -> i64 {
+    fn now(&self) -> Timestamp {
         match &self.manual {
-            Some(clock) => clock.now().as_millis(),
-            None => 0,
+            Some(clock) => clock.now(),
+            None => Timestamp::from_millis(0),
         }
     }
 
@@ -168,20 +145,18 @@ impl Coverage {
 struct Sequence {
     coverage: Coverage,
     ids: Vec<RecordId>,
-    models: Vec<Option<Model>>,
+    /// What the contract says each key's record is, keyed by the key's index.
+    reference: ReferenceStore<usize>,
     /// Every token each key has had, for stale picks.
     tokens: Vec<Vec<FencingToken>>,
     log: String,
 }
 
-fn millis(d: Duration) -> i64 {
-    idempotency_core::duration_millis(d)
-}
-
 impl Sequence {
     fn pick_token(&self, rng: &mut StdRng, key: usize) -> FencingToken {
-        let current = self.models[key]
-            .as_ref()
+        let current = self
+            .reference
+            .stored(&key)
             .map_or(FencingToken(1), |m| m.token);
         match rng.gen_range(0..10) {
             0..=5 => current,
@@ -264,7 +239,7 @@ impl Sequence {
 
     fn gen_likely(&self, env: &Env<'_>, rng: &mut StdRng, key: usize, fp: usize) -> Option<Op> {
         let now = env.now();
-        let m = self.models[key].as_ref().filter(|m| m.live(now))?;
+        let m = self.reference.get(&key, now)?;
         let token = m.token;
         Some(match m.status {
             RecordStatus::Failed => Op::Reclaim {
@@ -335,11 +310,10 @@ impl Sequence {
                     ttl: *ttl,
                 };
                 let got = store.claim(&req).await.map_err(|e| format!("claim: {e}"))?;
-                let model = &mut self.models[*key];
-                match model {
-                    Some(m) if m.live(now) => {
+                let before = self.reference.stored(key).cloned();
+                match self.reference.claim(key, &fingerprint, *lease, *ttl, now) {
+                    RefClaim::Existing(m) => {
                         self.coverage.observed += 1;
-                        m.hits += 1;
                         let Claim::Existing {
                             record,
                             now: store_now,
@@ -349,22 +323,24 @@ impl Sequence {
                                 "claim of a live record returned {got:?}, expected Existing {m:?}"
                             ));
                         };
-                        if manual && store_now.as_millis() != now {
+                        if manual && store_now != now {
                             return Err(format!(
-                                "Existing.now is {store_now:?}, the store's clock reads {now}ms"
+                                "Existing.now is {store_now:?}, the store's clock reads {now:?}"
                             ));
                         }
-                        compare(&record, id, m, manual)
+                        compare(&record, id, &m, manual)
                     }
-                    _ => {
+                    RefClaim::Claimed {
+                        lease_until: until, ..
+                    } => {
                         let Claim::Claimed { token, lease_until } = got else {
                             return Err(format!(
                                 "claim of an absent or expired record returned {got:?}, \
-                                 expected Claimed (model: {model:?})"
+                                 expected Claimed (model: {before:?})"
                             ));
                         };
                         self.coverage.claimed += 1;
-                        if model.is_some() {
+                        if before.is_some() {
                             self.coverage.claimed_over_expired += 1;
                         }
                         // Tokens grow over the key's whole history: a record that was
@@ -374,28 +350,18 @@ impl Sequence {
                                 return Err(format!(
                                     "the claim of a key whose earlier records had token {old} \
                                      got token {token}: tokens must grow over the key's whole \
-                                     history (model: {model:?})"
+                                     history (model: {before:?})"
                                 ));
                             }
                         }
-                        let until = now + millis(*lease);
-                        if manual && lease_until.as_millis() != until {
+                        if manual && lease_until != until {
                             return Err(format!(
                                 "Claimed.lease_until is {lease_until:?}, expected now + lease \
-                                 = {until}ms"
+                                 = {until:?}"
                             ));
                         }
-                        *model = Some(Model {
-                            fingerprint,
-                            status: RecordStatus::Pending,
-                            token,
-                            lease_until: Some(until),
-                            outcome: None,
-                            attempts: 1,
-                            failure: None,
-                            hits: 0,
-                            expires_at: now + millis((*lease).max(*ttl)),
-                        });
+                        // The store's clock need not be ours: its token is the record's.
+                        self.reference.adopt_token(key, token);
                         self.tokens[*key].push(token);
                         Ok(())
                     }
@@ -411,19 +377,9 @@ impl Sequence {
                     .complete(&self.ids[*key], *token, outcome, *ttl)
                     .await
                     .map_err(|e| format!("complete: {e}"))?;
-                let model = &mut self.models[*key];
-                let want = match model {
-                    Some(m) if m.pending_with(now, *token) => {
-                        m.status = RecordStatus::Completed;
-                        m.outcome = Some(outcome.clone());
-                        m.lease_until = None;
-                        m.expires_at = now + millis(*ttl);
-                        Cas::Applied
-                    }
-                    _ => Cas::Fenced,
-                };
+                let want = self.reference.complete(key, *token, outcome, *ttl, now);
                 self.coverage.count(want);
-                expect_eq("complete", got, want, model)
+                expect_eq("complete", got, want, self.reference.stored(key))
             }
             Op::Fail {
                 key,
@@ -435,37 +391,18 @@ impl Sequence {
                     .fail(&self.ids[*key], *token, failure, *ttl)
                     .await
                     .map_err(|e| format!("fail: {e}"))?;
-                let model = &mut self.models[*key];
-                let want = match model {
-                    Some(m) if m.pending_with(now, *token) => {
-                        m.status = RecordStatus::Failed;
-                        m.failure = Some(failure.clone());
-                        m.lease_until = None;
-                        m.expires_at = now + millis(*ttl);
-                        Cas::Applied
-                    }
-                    _ => Cas::Fenced,
-                };
+                let want = self.reference.fail(key, *token, failure, *ttl, now);
                 self.coverage.count(want);
-                expect_eq("fail", got, want, model)
+                expect_eq("fail", got, want, self.reference.stored(key))
             }
             Op::Extend { key, token, lease } => {
                 let got = store
                     .extend(&self.ids[*key], *token, *lease)
                     .await
                     .map_err(|e| format!("extend: {e}"))?;
-                let model = &mut self.models[*key];
-                let want = match model {
-                    Some(m) if m.pending_with(now, *token) => {
-                        let until = now + millis(*lease);
-                        m.lease_until = Some(until);
-                        m.expires_at = m.expires_at.max(until);
-                        Cas::Applied
-                    }
-                    _ => Cas::Fenced,
-                };
+                let want = self.reference.extend(key, *token, *lease, now);
                 self.coverage.count(want);
-                expect_eq("extend", got, want, model)
+                expect_eq("extend", got, want, self.reference.stored(key))
             }
             Op::Reclaim {
                 key,
@@ -479,46 +416,36 @@ impl Sequence {
                     .reclaim(&self.ids[*key], *expected, &fingerprint, *lease, *ttl)
                     .await
                     .map_err(|e| format!("reclaim: {e}"))?;
-                let model = &mut self.models[*key];
-                let takeable = |m: &Model| match m.status {
-                    RecordStatus::Failed => true,
-                    RecordStatus::Pending => m.lease_until.is_none_or(|l| l <= now),
-                    RecordStatus::Completed => false,
-                };
-                match model {
-                    Some(m) if m.live(now) && m.token == *expected && takeable(m) => {
-                        let until = now + millis(*lease);
-                        let want_token = expected.next();
+                let before = self.reference.stored(key).cloned();
+                match self
+                    .reference
+                    .reclaim(key, *expected, &fingerprint, *lease, *ttl, now)
+                {
+                    Reclaim::Reclaimed {
+                        token: want_token,
+                        lease_until: until,
+                    } => {
                         match got {
                             Reclaim::Reclaimed { token, lease_until }
-                                if token == want_token
-                                    && (!manual || lease_until.as_millis() == until) => {}
+                                if token == want_token && (!manual || lease_until == until) => {}
                             other => {
                                 return Err(format!(
                                     "reclaim returned {other:?}, expected Reclaimed with token \
-                                     {want_token} and lease_until {until}ms (model {m:?})"
+                                     {want_token} and lease_until {until:?} (model {before:?})"
                                 ));
                             }
                         }
-                        if m.status == RecordStatus::Failed {
+                        if before.is_some_and(|m| m.status == RecordStatus::Failed) {
                             self.coverage.reclaimed_failed += 1;
                         } else {
                             self.coverage.reclaimed_passed_lease += 1;
                         }
-                        m.status = RecordStatus::Pending;
-                        m.token = want_token;
-                        m.fingerprint = fingerprint;
-                        m.attempts += 1;
-                        m.lease_until = Some(until);
-                        m.outcome = None;
-                        m.failure = None;
-                        m.expires_at = now + millis((*lease).max(*ttl));
                         self.tokens[*key].push(want_token);
                         Ok(())
                     }
-                    _ => {
+                    Reclaim::Lost => {
                         self.coverage.reclaim_lost += 1;
-                        expect_eq("reclaim", got, Reclaim::Lost, model)
+                        expect_eq("reclaim", got, Reclaim::Lost, self.reference.stored(key))
                     }
                 }
             }
@@ -528,25 +455,25 @@ impl Sequence {
                     .await
                     .map_err(|e| format!("purge_expired: {e}"))?;
                 // What a purge removed is checked by the next operations on those keys: a
-                // live record must still be there, a new claim must get a higher token.
+                // live record must still be there, a new claim must get a higher token. The
+                // model keeps its expired records: every primitive treats them as absent.
                 Ok(())
             }
             Op::Get { key } => {
                 let id = &self.ids[*key];
                 let got = store.get(id).await.map_err(|e| format!("get: {e}"))?;
-                match (&self.models[*key], got) {
-                    (Some(m), Some(r)) if m.live(now) => compare(&r, id, m, manual),
-                    (Some(m), None) if m.live(now) => {
-                        Err(format!("get returned None, expected {m:?}"))
-                    }
-                    (_, Some(r)) => Err(format!(
+                match (self.reference.get(key, now), got) {
+                    (Some(m), Some(r)) => compare(&r, id, m, manual),
+                    (Some(m), None) => Err(format!("get returned None, expected {m:?}")),
+                    (None, Some(r)) => Err(format!(
                         "get returned {r:?}, expected None (absent or expired)"
                     )),
-                    (Some(_), None) => {
-                        self.coverage.expired_reads += 1;
+                    (None, None) => {
+                        if self.reference.stored(key).is_some() {
+                            self.coverage.expired_reads += 1;
+                        }
                         Ok(())
                     }
-                    (None, None) => Ok(()),
                 }
             }
         }
@@ -557,7 +484,7 @@ fn expect_eq<T: PartialEq + std::fmt::Debug>(
     what: &str,
     got: T,
     want: T,
-    model: &Option<Model>,
+    model: Option<&RefRecord>,
 ) -> Result<(), String> {
     if got == want {
         Ok(())
@@ -569,7 +496,7 @@ fn expect_eq<T: PartialEq + std::fmt::Debug>(
 }
 
 /// Compares a stored record with the model: everything the contract fixes.
-fn compare(r: &Record, id: &RecordId, m: &Model, manual: bool) -> Result<(), String> {
+fn compare(r: &Record, id: &RecordId, m: &RefRecord, manual: bool) -> Result<(), String> {
     let mut diffs = Vec::new();
     if r.id != *id {
         diffs.push(format!("id {} != {id}", r.id));
@@ -596,15 +523,15 @@ fn compare(r: &Record, id: &RecordId, m: &Model, manual: bool) -> Result<(), Str
         diffs.push(format!("failure {:?} != {:?}", r.failure, m.failure));
     }
     if manual {
-        if r.lease_until.map(|t| t.as_millis()) != m.lease_until {
+        if r.lease_until != m.lease_until {
             diffs.push(format!(
-                "lease_until {:?} != {:?}ms",
+                "lease_until {:?} != {:?}",
                 r.lease_until, m.lease_until
             ));
         }
-        if r.expires_at.as_millis() != m.expires_at {
+        if r.expires_at != m.expires_at {
             diffs.push(format!(
-                "expires_at {:?} != {}ms",
+                "expires_at {:?} != {:?}",
                 r.expires_at, m.expires_at
             ));
         }
@@ -643,7 +570,7 @@ async fn run_sequence(env: &Env<'_>, index: usize, seed: u64) -> Result<Coverage
                 )
             })
             .collect(),
-        models: vec![None; KEYS],
+        reference: ReferenceStore::new(),
         tokens: vec![Vec::new(); KEYS],
         log: String::new(),
     };
