@@ -19,32 +19,53 @@ pub fn case_names() -> Vec<&'static str> {
 /// A boxed case, as [`all_cases`] lists them.
 pub type CaseFn = fn(TestStore) -> futures::future::BoxFuture<'static, ()>;
 
-macro_rules! list_cases {
-    ($($case:ident),* $(,)?) => {
-        /// Every case with its name, the capability-gated ones included, for running the
-        /// suite by hand (the kit's own self-test runs it against deliberately broken stores
-        /// this way).
-        pub fn all_cases() -> Vec<(&'static str, CaseFn)> {
-            let mut all: Vec<(&'static str, CaseFn)> =
-                vec![$((stringify!($case), |s| Box::pin(cases::$case(s)))),*];
-            all.push(("purge_counts_deletions_in_batches", |s| {
-                Box::pin(cases::purge_counts_deletions_in_batches(s))
-            }));
-            all.push(("deadlines_follow_the_store_clock", |s| {
-                Box::pin(cases::deadlines_follow_the_store_clock(s))
-            }));
-            all
-        }
+/// Every case with its name, the capability-gated ones included, for running the suite by
+/// hand (the kit's own self-test runs it against deliberately broken stores this way).
+pub fn all_cases() -> Vec<(&'static str, CaseFn)> {
+    let mut all = __with_case_list!((__list_cases), cases);
+    all.push(__list_cases!(cases, purge_counts_deletions_in_batches).remove(0));
+    all.push(__list_cases!(cases, deadlines_follow_the_store_clock).remove(0));
+    all
+}
+
+/// Implementation detail of both kits (this one and the HTTP suite), the one case-list
+/// mechanism: each kit keeps a single list of case names (`__with_case_list!` here) and
+/// hands it to these two macros, which build its `all_cases()` and its `#[test]`s.
+///
+/// `__list_cases!(module, case, …)`: a `Vec<(&str, CaseFn)>` of the named cases.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __list_cases {
+    ($cases:path, $($case:ident),* $(,)?) => {{
+        use $cases as __cases;
+        let all: ::std::vec::Vec<(&'static str, $crate::CaseFn)> =
+            ::std::vec![$((stringify!($case), |s| ::std::boxed::Box::pin(__cases::$case(s)))),*];
+        all
+    }};
+}
+
+/// Implementation detail of both kits: `__expand_cases!(module, factory, case, …)` is one
+/// `#[test]` per named case, each on a fresh runtime with a fresh store from `factory`.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __expand_cases {
+    ($cases:path, $factory:path, $($case:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $case() {
+                use $cases as __cases;
+                $crate::run_case($factory, __cases::$case);
+            }
+        )*
     };
 }
-__with_case_list!((list_cases));
 
 /// Calls `$callback!(case, case, …)` with every case name. The single list of cases.
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __with_case_list {
-    (($($callback:tt)*) $(, $arg:tt)*) => {
-        $($callback)*!($($arg,)*
+    (($($callback:tt)*) $(, $arg:path)*) => {
+        $($callback)*! { $($arg,)*
             claim_complete_replay,
             mismatch_leaves_record_unchanged,
             concurrent_claims_one_winner,
@@ -80,7 +101,7 @@ macro_rules! __with_case_list {
             purge_races_fresh_claims,
             extreme_durations_and_tokens,
             long_keys_and_scopes_are_not_truncated,
-        );
+        }
     };
 }
 
@@ -137,7 +158,7 @@ macro_rules! conformance_tests {
         );
     };
     ($factory:path, purge_reports_deletions = $purge:tt, server_clock = $clock:tt) => {
-        $crate::__with_case_list!(($crate::__idempotency_conformance_expand), $factory);
+        $crate::__with_case_list!(($crate::__expand_cases), $crate::cases, $factory);
         $crate::__idempotency_conformance_gated!(
             $purge,
             "purge_reports_deletions",
@@ -150,20 +171,6 @@ macro_rules! conformance_tests {
             $factory,
             deadlines_follow_the_store_clock
         );
-    };
-}
-
-/// Implementation detail of [`conformance_tests!`].
-#[doc(hidden)]
-#[macro_export]
-macro_rules! __idempotency_conformance_expand {
-    ($factory:path, $($case:ident),* $(,)?) => {
-        $(
-            #[test]
-            fn $case() {
-                $crate::run_case($factory, $crate::cases::$case);
-            }
-        )*
     };
 }
 

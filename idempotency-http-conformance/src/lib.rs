@@ -4,14 +4,14 @@ pub mod cases;
 pub mod server;
 pub mod settled;
 
-pub use idempotency_conformance::{run_case, TestStore};
+pub use idempotency_conformance::{__expand_cases, run_case, TestStore};
 
 /// Calls `$callback!(case, case, …)` with every case name. The single list of cases.
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __with_http_case_list {
-    (($($callback:tt)*) $(, $arg:tt)*) => {
-        $($callback)*!($($arg,)*
+    (($($callback:tt)*) $(, $arg:path)*) => {
+        $($callback)*! { $($arg,)*
             first_request_runs_then_replays,
             replay_omits_credentials_cookies_and_unlisted_headers,
             quoted_and_bare_keys_are_one_key,
@@ -48,48 +48,38 @@ macro_rules! __with_http_case_list {
             handler_settled_key_is_not_written_again,
             handler_5xx_after_its_commit_is_replayed_not_rerun,
             handler_whose_lease_was_lost_gets_409_and_no_effect,
-        );
+        }
     };
 }
 
 /// A boxed case, as [`all_cases`] lists them.
-pub type CaseFn = fn(TestStore) -> futures::future::BoxFuture<'static, ()>;
+pub use idempotency_conformance::CaseFn;
 
-macro_rules! list_cases {
-    ($($case:ident),* $(,)?) => {
-        /// Every case with its name, for running the suite by hand.
-        pub fn all_cases() -> Vec<(&'static str, CaseFn)> {
-            vec![$((stringify!($case), |s| Box::pin(cases::$case(s)))),*]
-        }
-    };
+/// Every case with its name, for running the suite by hand.
+pub fn all_cases() -> Vec<(&'static str, CaseFn)> {
+    __with_http_case_list!((idempotency_conformance::__list_cases), cases)
 }
-__with_http_case_list!((list_cases));
 
 /// Expands to one `#[test]` per HTTP case, each on a fresh tokio runtime with a fresh store
 /// from `$factory` (an `async fn() -> idempotency_conformance::TestStore`, the same factory a
 /// backend gives the store conformance kit).
 ///
-/// ```ignore
-/// async fn factory() -> idempotency_conformance::TestStore { /* build an isolated store */ }
+/// ```no_run
+/// use idempotency_conformance::TestStore;
+/// use idempotency_memory::MemoryStore;
+/// use std::sync::Arc;
+///
+/// // Builds one isolated store per case.
+/// async fn factory() -> TestStore {
+///     TestStore::real_time(Arc::new(MemoryStore::new()))
+/// }
+///
 /// idempotency_http_conformance::http_conformance_tests!(factory);
+/// # fn main() {}
 /// ```
 #[macro_export]
 macro_rules! http_conformance_tests {
     ($factory:path) => {
-        $crate::__with_http_case_list!(($crate::__idempotency_http_conformance_expand), $factory);
-    };
-}
-
-/// Implementation detail of [`http_conformance_tests!`].
-#[doc(hidden)]
-#[macro_export]
-macro_rules! __idempotency_http_conformance_expand {
-    ($factory:path, $($case:ident),* $(,)?) => {
-        $(
-            #[test]
-            fn $case() {
-                $crate::run_case($factory, $crate::cases::$case);
-            }
-        )*
+        $crate::__with_http_case_list!(($crate::__expand_cases), $crate::cases, $factory);
     };
 }
