@@ -8,7 +8,7 @@ use axum::extract::{Path, Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{get, post, MethodRouter};
 use axum::Router;
 use book::{validate, Book, Issue};
 use idempotency_core::{is_json_media_type, Idempotency, IdempotencyStore, Policy};
@@ -16,7 +16,6 @@ use idempotency_tower::{default_store_status, ClaimedKey, IdempotencyLayer};
 use repo::{BookRepo, RepoError, Update};
 use serde_json::{json, Value};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -143,25 +142,6 @@ impl Config {
     }
 }
 
-/// Faults the tests inject: a slow create and failing creates.
-#[derive(Debug, Default)]
-pub struct Faults {
-    create_delay_ms: AtomicU64,
-    fail_next_creates: AtomicU32,
-}
-
-impl Faults {
-    /// Every create sleeps `d` before writing.
-    pub fn set_create_delay(&self, d: Duration) {
-        self.create_delay_ms
-            .store(d.as_millis() as u64, Ordering::SeqCst);
-    }
-    /// The next `n` creates answer 500 without writing.
-    pub fn fail_next_creates(&self, n: u32) {
-        self.fail_next_creates.store(n, Ordering::SeqCst);
-    }
-}
-
 /// What the handlers share.
 #[derive(Debug)]
 pub struct AppState {
@@ -171,9 +151,12 @@ pub struct AppState {
     pub key_retention: Duration,
     /// The idempotency store.
     pub records: Arc<dyn IdempotencyStore>,
-    /// Injected faults (tests only).
-    pub faults: Faults,
 }
+
+/// A wrapper for the create handler's method router, applied under the idempotency layer:
+/// see [`build_with`].
+pub type WrapCreate =
+    Box<dyn FnOnce(MethodRouter<Arc<AppState>>) -> MethodRouter<Arc<AppState>> + Send>;
 
 /// A failure while building the service.
 #[derive(Debug, thiserror::Error)]
@@ -255,13 +238,40 @@ pub async fn stores(config: &Config) -> Result<(Arc<dyn IdempotencyStore>, BookR
 /// are scoped to the caller. A PATCH answered `412 Precondition Failed` changed nothing, so it
 /// is not stored: the key stays usable for the retry with a fresh `If-Match`.
 pub async fn build(config: &Config) -> Result<(Router, Arc<AppState>), BuildError> {
+    build_with(config, Box::new(|create| create)).await
+}
+
+/// [`build`], with `wrap_create` applied to the `POST /books` handler under the idempotency
+/// layer, so that what it adds runs only for a request that holds its key. The tests put their
+/// fault injection there (a slow create, a create that fails), outside the service's code:
+///
+/// ```no_run
+/// # async fn demo(config: books_api::Config) -> Result<(), books_api::BuildError> {
+/// use axum::middleware::{from_fn, Next};
+/// use axum::extract::Request;
+///
+/// let (router, _state) = books_api::build_with(
+///     &config,
+///     Box::new(|create| {
+///         create.layer(from_fn(|req: Request, next: Next| async move {
+///             tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+///             next.run(req).await
+///         }))
+///     }),
+/// )
+/// .await?;
+/// # let _ = router; Ok(()) }
+/// ```
+pub async fn build_with(
+    config: &Config,
+    wrap_create: WrapCreate,
+) -> Result<(Router, Arc<AppState>), BuildError> {
     let (store, books) = stores(config).await?;
     let engine = Idempotency::new(store.clone(), config.policy.clone())?;
     let state = Arc::new(AppState {
         books,
         key_retention: config.policy.ttl,
         records: store,
-        faults: Faults::default(),
     });
     let caller = |req: &http::request::Parts| req.extensions.get::<Caller>().map(|c| c.0.clone());
     let create_layer = IdempotencyLayer::new(engine.clone())
@@ -276,7 +286,12 @@ pub async fn build(config: &Config) -> Result<(Router, Arc<AppState>), BuildErro
         .scope(caller);
     let router = Router::new()
         .route("/", get(describe))
-        .route("/books", post(create).route_layer(create_layer).get(list))
+        .route(
+            "/books",
+            wrap_create(post(create))
+                .route_layer(create_layer)
+                .get(list),
+        )
         .route(
             "/books/:id",
             get(show).patch(update).route_layer(patch_layer),
@@ -444,18 +459,6 @@ async fn create(
         Ok(input) => input,
         Err(issues) => return validation_failed(issues),
     };
-    let delay = state.faults.create_delay_ms.load(Ordering::SeqCst);
-    if delay > 0 {
-        tokio::time::sleep(Duration::from_millis(delay)).await;
-    }
-    let failing =
-        state
-            .faults
-            .fail_next_creates
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
-    if failing.is_ok() {
-        return internal("injected create failure");
-    }
     let book = Book::new(uuid::Uuid::new_v4().to_string(), input);
     let response = created_response(&book);
     let Some(claim) = claim.filter(|_| state.books.completes_in_transaction()) else {
@@ -640,7 +643,7 @@ async fn update(
 pub struct Running {
     /// `http://127.0.0.1:PORT`.
     pub url: String,
-    /// The shared state (faults for tests).
+    /// The shared state.
     pub state: Arc<AppState>,
     /// The server task.
     pub task: tokio::task::JoinHandle<std::io::Result<()>>,
@@ -679,7 +682,16 @@ pub async fn purge_expired_keys(store: Arc<dyn IdempotencyStore>, every: Duratio
 
 /// Builds the service and serves it on `127.0.0.1:port` (0 for an ephemeral port).
 pub async fn start(config: &Config, port: u16) -> Result<Running, Box<dyn std::error::Error>> {
-    let (router, state) = build(config).await?;
+    start_with(config, port, Box::new(|create| create)).await
+}
+
+/// [`start`] with the create handler wrapped as [`build_with`] does.
+pub async fn start_with(
+    config: &Config,
+    port: u16,
+    wrap_create: WrapCreate,
+) -> Result<Running, Box<dyn std::error::Error>> {
+    let (router, state) = build_with(config, wrap_create).await?;
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
     let url = format!("http://{}", listener.local_addr()?);
     let task = tokio::spawn(async move { axum::serve(listener, router).await });

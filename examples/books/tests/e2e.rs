@@ -17,7 +17,7 @@ async fn expired_keys_are_purged_on_a_schedule() {
         .lease(Duration::from_millis(200))
         .ttl(Duration::from_millis(400));
     config.purge_every = Duration::from_millis(100);
-    let running = start(&config, 0).await.unwrap();
+    let running = books_api::start(&config, 0).await.unwrap();
     let records = || {
         let conn = rusqlite::Connection::open(&db).unwrap();
         conn.busy_timeout(Duration::from_secs(5)).unwrap();

@@ -2,17 +2,70 @@
 // `e2e_postgres.rs` (Postgres): the service on a loopback port, the books table in a real
 // SQLite file, a real HTTP client.
 
-use books_api::{start, AppState, Config, StoreChoice};
+use axum::extract::{Request, State};
+use axum::middleware::{from_fn_with_state, Next};
+use axum::response::IntoResponse;
+use books_api::{start_with, Config, StoreChoice, PROBLEM_BASE};
 use idempotency_core::Policy;
 use reqwest::{Client, RequestBuilder, Response, StatusCode};
 use serde_json::{json, Value};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+/// Faults the tests inject between the idempotency layer and the create handler: a slow create
+/// and failing creates.
+#[derive(Debug, Default)]
+struct Faults {
+    create_delay_ms: AtomicU64,
+    fail_next_creates: AtomicU32,
+}
+
+impl Faults {
+    /// Every create sleeps `d` before the handler runs.
+    fn set_create_delay(&self, d: Duration) {
+        self.create_delay_ms
+            .store(d.as_millis() as u64, Ordering::SeqCst);
+    }
+
+    /// The next `n` creates answer 500 without running the handler.
+    fn fail_next_creates(&self, n: u32) {
+        self.fail_next_creates.store(n, Ordering::SeqCst);
+    }
+}
+
+async fn inject(
+    State(faults): State<Arc<Faults>>,
+    req: Request,
+    next: Next,
+) -> axum::response::Response {
+    let delay = faults.create_delay_ms.load(Ordering::SeqCst);
+    if delay > 0 {
+        tokio::time::sleep(Duration::from_millis(delay)).await;
+    }
+    let failing = faults
+        .fail_next_creates
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+    if failing.is_ok() {
+        let doc = json!({
+            "type": format!("{PROBLEM_BASE}internal"),
+            "title": "Injected create failure",
+            "status": 500,
+        });
+        return (
+            axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+            [("content-type", "application/problem+json")],
+            doc.to_string(),
+        )
+            .into_response();
+    }
+    next.run(req).await
+}
 
 struct Svc {
     token: String,
     url: String,
-    state: Arc<AppState>,
+    faults: Arc<Faults>,
     config: Config,
     client: Client,
     _dir: tempfile::TempDir,
@@ -51,7 +104,11 @@ async fn svc_with(configure: impl FnOnce(&mut Config)) -> Svc {
     // Books in Postgres go in a schema of their own, so that each service sees only its books.
     config.postgres_schema = format!("books_{}", uuid::Uuid::new_v4().simple());
     configure(&mut config);
-    let running = start(&config, 0).await.unwrap_or_else(|e| {
+    let faults = Arc::new(Faults::default());
+    let layer = from_fn_with_state(faults.clone(), inject);
+    let running = start_with(&config, 0, Box::new(move |create| create.layer(layer)))
+        .await
+        .unwrap_or_else(|e| {
         panic!(
             "cannot start the books service on {:?}: {e}\n\
              For Postgres, start the local server with `bash .ci/services` (127.0.0.1:5432, \
@@ -63,7 +120,7 @@ async fn svc_with(configure: impl FnOnce(&mut Config)) -> Svc {
         // One caller per service: records in a shared store never cross test runs.
         token: format!("Bearer {}", uuid::Uuid::new_v4()),
         url: running.url,
-        state: running.state,
+        faults,
         config,
         client: Client::builder().no_proxy().build().unwrap(),
         _dir: dir,
@@ -148,14 +205,14 @@ async fn create_then_replay_carries_idempotent_replayed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retry_after_a_client_timeout_returns_the_same_book() {
     let s = svc().await;
-    s.state.faults.set_create_delay(Duration::from_millis(500));
+    s.faults.set_create_delay(Duration::from_millis(500));
     let timed_out = s
         .create("slow", &kindred())
         .timeout(Duration::from_millis(100))
         .send()
         .await;
     assert!(timed_out.is_err_and(|e| e.is_timeout()));
-    s.state.faults.set_create_delay(Duration::ZERO);
+    s.faults.set_create_delay(Duration::ZERO);
     // The client retries as told: while the first attempt runs it gets 409 + Retry-After.
     let start = Instant::now();
     let retry = loop {
@@ -186,7 +243,7 @@ async fn retry_after_a_client_timeout_returns_the_same_book() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sixty_four_concurrent_posts_with_one_key_create_one_book() {
     let s = Arc::new(svc().await);
-    s.state.faults.set_create_delay(Duration::from_millis(150));
+    s.faults.set_create_delay(Duration::from_millis(150));
     let tasks: Vec<_> = (0..64)
         .map(|_| {
             let s = s.clone();
@@ -267,7 +324,7 @@ async fn missing_key_gets_400_and_unknown_caller_401() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handler_500_is_not_stored_and_the_retry_runs() {
     let s = svc().await;
-    s.state.faults.fail_next_creates(1);
+    s.faults.fail_next_creates(1);
     let failed = s.create("flaky", &kindred()).send().await.unwrap();
     problem(failed, 500, "internal").await;
     assert_eq!(s.count().await, 0);
