@@ -5,6 +5,5 @@ pub mod faults;
 pub mod http;
 pub mod ledger;
 pub mod model;
-pub mod postgres;
 pub mod soak;
 pub mod storm;

@@ -3,19 +3,21 @@
 //! and a cancellation storm after which no pooled connection may be left inside a
 //! transaction.
 
+mod runners;
+
 use idempotency_core::{
     Claim, ClaimRequest, Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore,
     Outcome, Policy, RecordId, RecordStatus, Scope,
 };
 use idempotency_postgres::sqlx::{self, Connection, PgPool};
 use idempotency_postgres::{PgIdempotency, PostgresStore};
-use idempotency_reliability::postgres::PgTransactionalRunner;
 use idempotency_reliability::soak::{EngineRunner, Runner};
 use idempotency_reliability::storm::{
     calibrate, cancellation_storm, next_calls_succeed, storm_keys_settle,
 };
 use idempotency_testing::postgres::{self as pg, Isolation, SchemaGuard};
 use rand::Rng;
+use runners::postgres::PgTransactionalRunner;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -4,14 +4,16 @@
 //! long handlers behind the HTTP layer, a purger running; zero violations and zero double
 //! effects. Run with `--nocapture` to see each run's figures.
 
+mod runners;
+
 use idempotency_core::IdempotencyStore;
 use idempotency_postgres::PostgresStore;
 use idempotency_redis::RedisStore;
-use idempotency_reliability::postgres::PgTransactionalRunner;
 use idempotency_reliability::soak::{soak, EngineRunner, Runner, SoakConfig};
 use idempotency_sqlite::{ConnectionMode, SqliteStore};
 use idempotency_testing::postgres::{self as pg, Isolation, SchemaGuard};
 use idempotency_testing::redis_server::{self as rs, Cleanup};
+use runners::postgres::PgTransactionalRunner;
 use std::sync::Arc;
 
 /// Whether the backend's `purge_expired` deletes records (Redis expires them on its own and

@@ -4,18 +4,20 @@
 //! The kill tests run copies of this test binary as child processes: the test
 //! `child_process_entry` does nothing unless `IDEM_RELIAB_CHILD` names a role.
 
-use futures::future::BoxFuture;
+mod runners;
+
 use idempotency_core::{
     decode_replay, Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, Outcome,
     Policy, RecordId, RecordStatus, Scope,
 };
-use idempotency_reliability::soak::{soak_policy, EngineRunner, RunResult, Runner, Work};
+use idempotency_reliability::soak::{soak_policy, EngineRunner, Runner};
 use idempotency_reliability::storm::{
     calibrate, cancellation_storm, next_calls_succeed, storm_key, storm_keys_settle,
 };
 use idempotency_sqlite::rusqlite::{self, params};
 use idempotency_sqlite::{ConnectionMode, SqliteStore};
 use rand::Rng;
+use runners::sqlite::SqliteTransactionalRunner;
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
@@ -83,43 +85,6 @@ async fn effects(store: &SqliteStore, scope: &Scope) -> HashMap<String, Vec<u64>
             .push(u64::try_from(v).expect("positive"));
     }
     map
-}
-
-/// `run_exactly_once`: the work inserts its row into `effects` in the completion's
-/// transaction.
-struct SqliteTransactionalRunner {
-    store: SqliteStore,
-    engine: Idempotency,
-}
-
-impl Runner for SqliteTransactionalRunner {
-    fn store(&self) -> Arc<dyn IdempotencyStore> {
-        Arc::new(self.store.clone())
-    }
-
-    fn run(
-        &self,
-        key: IdempotencyKey,
-        scope: Scope,
-        fingerprint: Fingerprint,
-        work: Work,
-    ) -> BoxFuture<'static, RunResult> {
-        let (store, engine) = (self.store.clone(), self.engine.clone());
-        Box::pin(async move {
-            let (s, k) = (scope.as_str().to_owned(), key.as_str().to_owned());
-            store
-                .run_exactly_once(&engine, &key, &scope, &fingerprint, move |tx, _ctx| {
-                    tx.execute(
-                        "INSERT INTO effects (scope, key, value) VALUES (?1, ?2, ?3)",
-                        params![s, k, i64::try_from(work.value).map_err(|e| e.to_string())?],
-                    )
-                    .map_err(|e| e.to_string())?;
-                    std::thread::sleep(work.duration);
-                    Ok::<u64, String>(work.value)
-                })
-                .await
-        })
-    }
 }
 
 /// Every call under a random timeout (one in ten in an aborted task), through the

@@ -2,11 +2,11 @@
 //! transaction that also runs the completion CAS ([`PgIdempotency::run_in_transaction`]), so
 //! the rows can be counted.
 
-use crate::soak::{soak_policy, RunResult, Runner, Work, WorkFault};
 use futures::future::BoxFuture;
 use idempotency_core::{Fingerprint, IdempotencyKey, IdempotencyStore, Scope};
 use idempotency_postgres::sqlx;
 use idempotency_postgres::{PgIdempotency, PostgresStore};
+use idempotency_reliability::soak::{soak_policy, RunResult, Runner, Work, WorkFault};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,0 +1,46 @@
+//! The soak's runner for SQLite's exactly-once path: the work writes a business row into an
+//! `effects` table in the transaction that also runs the completion CAS.
+
+use futures::future::BoxFuture;
+use idempotency_core::{Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, Scope};
+use idempotency_reliability::soak::{RunResult, Runner, Work};
+use idempotency_sqlite::rusqlite::params;
+use idempotency_sqlite::SqliteStore;
+use std::sync::Arc;
+
+/// `run_exactly_once`: the work inserts its row into `effects` in the completion's
+/// transaction.
+pub struct SqliteTransactionalRunner {
+    pub store: SqliteStore,
+    pub engine: Idempotency,
+}
+
+impl Runner for SqliteTransactionalRunner {
+    fn store(&self) -> Arc<dyn IdempotencyStore> {
+        Arc::new(self.store.clone())
+    }
+
+    fn run(
+        &self,
+        key: IdempotencyKey,
+        scope: Scope,
+        fingerprint: Fingerprint,
+        work: Work,
+    ) -> BoxFuture<'static, RunResult> {
+        let (store, engine) = (self.store.clone(), self.engine.clone());
+        Box::pin(async move {
+            let (s, k) = (scope.as_str().to_owned(), key.as_str().to_owned());
+            store
+                .run_exactly_once(&engine, &key, &scope, &fingerprint, move |tx, _ctx| {
+                    tx.execute(
+                        "INSERT INTO effects (scope, key, value) VALUES (?1, ?2, ?3)",
+                        params![s, k, i64::try_from(work.value).map_err(|e| e.to_string())?],
+                    )
+                    .map_err(|e| e.to_string())?;
+                    std::thread::sleep(work.duration);
+                    Ok::<u64, String>(work.value)
+                })
+                .await
+        })
+    }
+}
