@@ -71,6 +71,18 @@ impl PgIdempotency {
         })
     }
 
+    /// An exactly-once engine from an `engine` whose store is `store` behind a decorator (one
+    /// that adds metrics, tracing or injected faults to the calls): its calls must reach
+    /// `store`'s table, or the completion in the work's transaction will not find the record
+    /// it claimed. Prefer [`PgIdempotency::new`].
+    pub fn with_engine(store: PostgresStore, engine: Idempotency) -> Self {
+        Self {
+            engine,
+            store,
+            level: Arc::default(),
+        }
+    }
+
     /// The plain engine, for work that does not write to this database.
     pub fn engine(&self) -> &Idempotency {
         &self.engine

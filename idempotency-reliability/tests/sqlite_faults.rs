@@ -15,7 +15,7 @@ use idempotency_reliability::storm::{
     calibrate, cancellation_storm, next_calls_succeed, storm_key, storm_keys_settle,
 };
 use idempotency_sqlite::rusqlite::{self, params};
-use idempotency_sqlite::{ConnectionMode, SqliteStore};
+use idempotency_sqlite::{ConnectionMode, SqliteIdempotency, SqliteStore};
 use rand::Rng;
 use runners::sqlite::SqliteTransactionalRunner;
 use std::collections::HashMap;
@@ -88,7 +88,7 @@ async fn effects(store: &SqliteStore, scope: &Scope) -> HashMap<String, Vec<u64>
 }
 
 /// Every call under a random timeout (one in ten in an aborted task), through the
-/// plain engine and through `run_exactly_once`. Afterwards every connection of the store is
+/// plain engine and through `SqliteIdempotency::run_in_transaction`. Afterwards every connection of the store is
 /// outside any transaction (autocommit), the file passes `PRAGMA integrity_check`, the next
 /// 1,000 calls succeed, and each key has exactly its one business row.
 async fn storm(mode: ConnectionMode, connections: usize, deadline: Duration) {
@@ -117,7 +117,7 @@ async fn storm(mode: ConnectionMode, connections: usize, deadline: Duration) {
         cancellation_storm(transactional.clone(), &tx_scope, 8, 1_500, 40, deadline),
     );
     eprintln!(
-        "sqlite {mode:?} storm (median call {median:?}, deadlines up to {deadline:?}): plain {} calls ({} interrupted), run_exactly_once {} calls ({} interrupted)",
+        "sqlite {mode:?} storm (median call {median:?}, deadlines up to {deadline:?}): plain {} calls ({} interrupted), run_in_transaction {} calls ({} interrupted)",
         a.calls, a.interrupted, b.calls, b.interrupted
     );
     assert!(a.errors.is_empty(), "{:?}", a.errors);
@@ -257,8 +257,8 @@ fn child_process_entry() {
             "hold" => {
                 let key = IdempotencyKey::new(std::env::var(KEY).expect("key")).expect("key");
                 let k = key.to_string();
-                let r = store
-                    .run_exactly_once(&engine, &key, &scope(), &fingerprint(&key), move |tx, _| {
+                let r = SqliteIdempotency::with_engine(store.clone(), engine.clone())
+                    .run_in_transaction(&key, &scope(), &fingerprint(&key), move |tx, _| {
                         tx.execute(
                             "INSERT INTO effects (scope, key, value) VALUES (?1, ?2, 1)",
                             params![scope().as_str(), k],
@@ -275,7 +275,7 @@ fn child_process_entry() {
                     .await;
                 panic!("the holder was not killed: {r:?}");
             }
-            // Runs keys through run_exactly_once for ever, with errors and short pauses
+            // Runs keys through run_in_transaction for ever, with errors and short pauses
             // inside the transactions.
             "churn" => {
                 let pid = u64::from(std::process::id());
@@ -294,29 +294,23 @@ fn child_process_entry() {
                     };
                     let value = pid * 1_000_000 + n;
                     let k = key.to_string();
-                    let _ = store
-                        .run_exactly_once(
-                            &engine,
-                            &key,
-                            &scope(),
-                            &fingerprint(&key),
-                            move |tx, _| {
-                                tx.execute(
-                                    "INSERT INTO effects (scope, key, value) VALUES (?1, ?2, ?3)",
-                                    params![
-                                        scope().as_str(),
-                                        k,
-                                        i64::try_from(value).map_err(|e| e.to_string())?
-                                    ],
-                                )
-                                .map_err(|e| e.to_string())?;
-                                std::thread::sleep(pause);
-                                if fail {
-                                    return Err("injected".to_owned());
-                                }
-                                Ok::<u64, String>(value)
-                            },
-                        )
+                    let _ = SqliteIdempotency::with_engine(store.clone(), engine.clone())
+                        .run_in_transaction(&key, &scope(), &fingerprint(&key), move |tx, _| {
+                            tx.execute(
+                                "INSERT INTO effects (scope, key, value) VALUES (?1, ?2, ?3)",
+                                params![
+                                    scope().as_str(),
+                                    k,
+                                    i64::try_from(value).map_err(|e| e.to_string())?
+                                ],
+                            )
+                            .map_err(|e| e.to_string())?;
+                            std::thread::sleep(pause);
+                            if fail {
+                                return Err("injected".to_owned());
+                            }
+                            Ok::<u64, String>(value)
+                        })
                         .await;
                 }
             }
@@ -344,8 +338,8 @@ async fn run_once(
     value: u64,
 ) -> Result<Outcome<Result<u64, String>>, Error> {
     let k = key.to_string();
-    store
-        .run_exactly_once(engine, key, &scope(), &fingerprint(key), move |tx, _| {
+    SqliteIdempotency::with_engine(store.clone(), engine.clone())
+        .run_in_transaction(key, &scope(), &fingerprint(key), move |tx, _| {
             tx.execute(
                 "INSERT INTO effects (scope, key, value) VALUES (?1, ?2, ?3)",
                 params![
@@ -426,7 +420,7 @@ async fn kill_9_while_holding_the_write_transaction() {
     }
 }
 
-/// Three processes churn through 30 keys with `run_exactly_once` while the test kills one at
+/// Three processes churn through 30 keys with `SqliteIdempotency::run_in_transaction` while the test kills one at
 /// random every 100–300 ms (SIGKILL) and starts another. Afterwards the file passes
 /// `PRAGMA integrity_check`; every key has at most one business row, present exactly when
 /// the record is Completed and equal to its outcome; and once the dead holders' leases pass,

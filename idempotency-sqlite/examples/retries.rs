@@ -5,7 +5,7 @@
 
 use idempotency_core::{Error, Fingerprint, Idempotency, IdempotencyKey, InFlight, Policy, Scope};
 use idempotency_sqlite::rusqlite::params;
-use idempotency_sqlite::SqliteStore;
+use idempotency_sqlite::{SqliteIdempotency, SqliteStore};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -72,8 +72,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 (store.clone(), engine.clone(), key.clone(), scope.clone());
             tokio::spawn(async move {
                 let k = key.to_string();
-                let result = store
-                    .run_exactly_once(&engine, &key, &scope, &fingerprint, move |tx, _ctx| {
+                let result = SqliteIdempotency::with_engine(store.clone(), engine.clone())
+                    .run_in_transaction(&key, &scope, &fingerprint, move |tx, _ctx| {
                         tx.execute(
                             "INSERT INTO payments (payment_key, amount) VALUES (?1, 1999)",
                             params![k],

@@ -4,11 +4,12 @@ use crate::SqliteStore;
 use futures::FutureExt;
 use idempotency_core::{
     decode_replay, Error, ErrorOutcomes, Failure, Fingerprint, Idempotency, IdempotencyKey,
-    Outcome, Proceed, RecordId, Scope, WorkContext,
+    Outcome, Policy, Proceed, RecordId, Scope, WorkContext,
 };
 use rusqlite::{Transaction, TransactionBehavior};
 use serde::{de::DeserializeOwned, Serialize};
 use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
 
 /// What happened inside the connection's transaction.
 enum Step<T, E> {
@@ -18,15 +19,67 @@ enum Step<T, E> {
     RolledBack(E),
 }
 
-impl SqliteStore {
+/// The engine of SQLite's exactly-once path: an [`Idempotency`] engine built over one
+/// [`SqliteStore`] (it cannot be built over another store), whose
+/// [`run_in_transaction`](SqliteIdempotency::run_in_transaction) commits the work's writes and
+/// the completion in one transaction. Postgres has the same shape in `PgIdempotency`.
+///
+/// ```no_run
+/// # async fn demo(store: idempotency_sqlite::SqliteStore) -> Result<(), idempotency_core::Error> {
+/// use idempotency_core::{Fingerprint, IdempotencyKey, Policy, Scope};
+/// use idempotency_sqlite::{rusqlite::params, SqliteIdempotency};
+///
+/// let engine = SqliteIdempotency::new(store, Policy::default())?;
+/// let (key, scope) = (IdempotencyKey::new("order-7")?, Scope::new("shop|orders")?);
+/// let fp = Fingerprint::from_bytes(b"2 apples");
+/// let outcome = engine
+///     .run_in_transaction(&key, &scope, &fp, |tx, _ctx| {
+///         tx.execute("INSERT INTO orders (item) VALUES (?1)", params!["apples"])
+///             .map_err(|e| e.to_string())?;
+///         Ok::<_, String>(tx.last_insert_rowid())
+///     })
+///     .await?;
+/// println!("order {:?}, replayed: {}", outcome.get(), outcome.is_replayed());
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Debug)]
+pub struct SqliteIdempotency {
+    engine: Idempotency,
+    store: SqliteStore,
+}
+
+impl SqliteIdempotency {
+    /// An engine over `store` with `policy` (checked with [`Policy::validate`]).
+    pub fn new(store: SqliteStore, policy: Policy) -> Result<Self, Error> {
+        let engine = Idempotency::new(Arc::new(store.clone()), policy)?;
+        Ok(Self { engine, store })
+    }
+
+    /// An exactly-once engine from an `engine` whose store is `store` behind a decorator (one
+    /// that adds metrics, tracing or injected faults to the calls): its calls must reach
+    /// `store`'s file and table, or the completion in the work's transaction will not find the
+    /// record it claimed. Prefer [`SqliteIdempotency::new`].
+    pub fn with_engine(store: SqliteStore, engine: Idempotency) -> Self {
+        Self { engine, store }
+    }
+
+    /// The plain engine, for work that does not write to this database.
+    pub fn engine(&self) -> &Idempotency {
+        &self.engine
+    }
+
+    /// The store.
+    pub fn store(&self) -> &SqliteStore {
+        &self.store
+    }
+
     /// Runs `work` once for `(scope, key)` with its database writes and the completion in
     /// **one transaction**, so they commit together or not at all.
     ///
-    /// `engine` must run on this store (the same file and table). The key is claimed through
-    /// the engine (replay, mismatch and in-progress behave as in [`Idempotency::run`]); then,
-    /// on the store's connection, a `BEGIN IMMEDIATE` transaction is opened and `work` gets it.
-    /// When `work` returns `Ok`, the completion CAS ([`SqliteStore::complete_in`]) runs in the
-    /// same transaction and it commits:
+    /// The key is claimed through the engine (replay, mismatch and in-progress behave as in
+    /// [`Idempotency::run`]); then, on the store's connection, a `BEGIN IMMEDIATE` transaction
+    /// is opened and `work` gets it. When `work` returns `Ok`, the completion CAS
+    /// ([`SqliteStore::complete_in`]) runs in the same transaction and it commits:
     ///
     /// - if the lease was lost meanwhile (the holder stalled past it and a retry took the key
     ///   over), the CAS matches nothing, the transaction rolls back — business writes
@@ -35,12 +88,11 @@ impl SqliteStore {
     ///   passes, so a retry runs the work again; either way the effect happens once.
     ///
     /// When `work` returns `Err`, its writes roll back and the error follows the engine's
-    /// [`idempotency_core::Policy::errors`] (released for a retry by default) and is returned
-    /// as `Fresh(Err(e))`. `work` runs on the connection's thread: keep slow calls to other
+    /// [`Policy::errors`] (released for a retry by default) and is returned as
+    /// `Fresh(Err(e))`. `work` runs on the connection's thread: keep slow calls to other
     /// systems out of it, since it holds the database's write lock.
-    pub async fn run_exactly_once<T, E, F>(
+    pub async fn run_in_transaction<T, E, F>(
         &self,
-        engine: &Idempotency,
         key: &IdempotencyKey,
         scope: &Scope,
         fingerprint: &Fingerprint,
@@ -52,14 +104,15 @@ impl SqliteStore {
         F: FnOnce(&Transaction<'_>, &WorkContext) -> Result<T, E> + Send + 'static,
     {
         let id = RecordId::new(scope.clone(), key.clone());
+        let engine = &self.engine;
         let lease = match engine.begin(&id, fingerprint).await?.proceed()? {
             Proceed::Replay(record) => return decode_replay(&record).map(Outcome::Replayed),
             Proceed::Execute(lease) => lease,
         };
         let ctx = lease.context();
         let ttl = lease.ttl();
-        let store = self.clone();
-        let in_tx = self.call(move |conn| -> Result<Step<T, E>, Error> {
+        let store = self.store.clone();
+        let in_tx = self.store.call(move |conn| -> Result<Step<T, E>, Error> {
             let tx = conn
                 .transaction_with_behavior(TransactionBehavior::Immediate)
                 .map_err(|e| store.inner.sql_error(e))?;

@@ -20,7 +20,7 @@ use std::time::Duration;
 ///
 /// Cloning is cheap and shares the connection(s). See the crate documentation for the
 /// guarantees and the exactly-once API ([`SqliteStore::complete_in`],
-/// [`SqliteStore::run_exactly_once`]).
+/// [`SqliteIdempotency::run_in_transaction`](crate::SqliteIdempotency::run_in_transaction)).
 #[derive(Clone, Debug)]
 pub struct SqliteStore {
     pub(crate) inner: Arc<Inner>,

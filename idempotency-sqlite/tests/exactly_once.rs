@@ -11,7 +11,7 @@ use idempotency_core::{
     RecordStatus, Scope,
 };
 use idempotency_sqlite::rusqlite::{self, params, TransactionBehavior};
-use idempotency_sqlite::{ConnectionMode, SqliteStore};
+use idempotency_sqlite::{ConnectionMode, SqliteIdempotency, SqliteStore};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{Notify, Semaphore};
@@ -130,7 +130,7 @@ impl IdempotencyStore for StallAfterClaim {
     }
 }
 
-/// Case 1, lease takeover, through `run_exactly_once`: 24 holders claim their keys and stall;
+/// Case 1, lease takeover, through `SqliteIdempotency::run_in_transaction`: 24 holders claim their keys and stall;
 /// their leases pass; a second caller (another store on the same file, as another process
 /// would be) reclaims and places each order; then the stalled holders wake up, write their
 /// order in their transaction, and the completion CAS fails. Their transactions roll back.
@@ -169,8 +169,8 @@ async fn case1_lease_takeover_rolls_back_the_stale_holder() {
                 let (store, engine) = (store_a.clone(), engine_a.clone());
                 tokio::spawn(async move {
                     let k = key.to_string();
-                    store
-                        .run_exactly_once(&engine, &key, &scope(), &fp, move |tx, _ctx| {
+                    SqliteIdempotency::with_engine(store.clone(), engine.clone())
+                        .run_in_transaction(&key, &scope(), &fp, move |tx, _ctx| {
                             place_order(tx, &k, "stale holder")
                         })
                         .await
@@ -193,8 +193,8 @@ async fn case1_lease_takeover_rolls_back_the_stale_holder() {
                 let (store, engine) = (store_b.clone(), engine_b.clone());
                 tokio::spawn(async move {
                     let k = key.to_string();
-                    store
-                        .run_exactly_once(&engine, &key, &scope(), &fp, move |tx, ctx| {
+                    SqliteIdempotency::with_engine(store.clone(), engine.clone())
+                        .run_in_transaction(&key, &scope(), &fp, move |tx, ctx| {
                             assert_eq!(ctx.token, first.next(), "the takeover reclaims");
                             place_order(tx, &k, "new holder")
                         })
@@ -235,14 +235,10 @@ async fn case1_lease_takeover_rolls_back_the_stale_holder() {
             assert_eq!(rec.status, RecordStatus::Completed);
             assert_eq!(rec.token, first.next());
             // A later retry replays the new holder's order id.
-            let again = store_b
-                .run_exactly_once(
-                    &engine_b,
-                    key,
-                    &scope(),
-                    &fp,
-                    |_, _| -> Result<i64, String> { panic!("a completed key must not run again") },
-                )
+            let again = SqliteIdempotency::with_engine(store_b.clone(), engine_b.clone())
+                .run_in_transaction(key, &scope(), &fp, |_, _| -> Result<i64, String> {
+                    panic!("a completed key must not run again")
+                })
                 .await
                 .unwrap();
             assert_eq!(again, Outcome::Replayed(Ok(*new_id)));
@@ -265,8 +261,8 @@ async fn case1_complete_in_refuses_a_stale_token_and_the_caller_rolls_back() {
         };
         clock.advance(LEASE);
         let k = key.to_string();
-        let fresh = store
-            .run_exactly_once(&engine, &key, &scope(), &fp, move |tx, _| {
+        let fresh = SqliteIdempotency::with_engine(store.clone(), engine.clone())
+            .run_in_transaction(&key, &scope(), &fp, move |tx, _| {
                 place_order(tx, &k, "new holder")
             })
             .await
@@ -333,21 +329,17 @@ async fn case2_crash_before_commit_lets_the_retry_run_once() {
             std::mem::forget(lease); // the crashed holder never settles or releases
 
             assert!(orders_for(&store, key.as_str()).await.is_empty());
-            let early = store
-                .run_exactly_once(
-                    &engine,
-                    &key,
-                    &scope(),
-                    &fp,
-                    |_, _| -> Result<i64, String> { panic!("the lease is still live") },
-                )
+            let early = SqliteIdempotency::with_engine(store.clone(), engine.clone())
+                .run_in_transaction(&key, &scope(), &fp, |_, _| -> Result<i64, String> {
+                    panic!("the lease is still live")
+                })
                 .await;
             assert!(matches!(early, Err(Error::InProgress { .. })), "{early:?}");
 
             clock.advance(LEASE);
             let k = key.to_string();
-            let retry = store
-                .run_exactly_once(&engine, &key, &scope(), &fp, move |tx, ctx| {
+            let retry = SqliteIdempotency::with_engine(store.clone(), engine.clone())
+                .run_in_transaction(&key, &scope(), &fp, move |tx, ctx| {
                     assert_eq!(ctx.token, first.next());
                     place_order(tx, &k, "retry")
                 })
@@ -377,11 +369,12 @@ async fn case2_panic_after_the_business_write_rolls_back_and_releases_the_key() 
     let (s, e, k) = (store.clone(), engine.clone(), key.clone());
     let crashed = tokio::spawn(async move {
         let kk = k.to_string();
-        s.run_exactly_once(&e, &k, &scope(), &fp, move |tx, _| -> Result<i64, String> {
-            place_order(tx, &kk, "panicking holder").unwrap();
-            panic!("the holder dies after its business write");
-        })
-        .await
+        SqliteIdempotency::with_engine(s.clone(), e.clone())
+            .run_in_transaction(&k, &scope(), &fp, move |tx, _| -> Result<i64, String> {
+                place_order(tx, &kk, "panicking holder").unwrap();
+                panic!("the holder dies after its business write");
+            })
+            .await
     })
     .await;
     assert!(crashed.unwrap_err().is_panic());
@@ -398,8 +391,8 @@ async fn case2_panic_after_the_business_write_rolls_back_and_releases_the_key() 
     }
     assert!(released, "the abandoned key must be released");
     let k = key.to_string();
-    let retry = store
-        .run_exactly_once(&engine, &key, &scope(), &fp, move |tx, _| {
+    let retry = SqliteIdempotency::with_engine(store.clone(), engine.clone())
+        .run_in_transaction(&key, &scope(), &fp, move |tx, _| {
             place_order(tx, &k, "retry")
         })
         .await
@@ -417,17 +410,11 @@ async fn a_work_error_rolls_back_and_releases_the_key() {
     let key = IdempotencyKey::random();
     let fp = Fingerprint::from_bytes(b"order");
     let k = key.to_string();
-    let first = store
-        .run_exactly_once(
-            &engine,
-            &key,
-            &scope(),
-            &fp,
-            move |tx, _| -> Result<i64, String> {
-                place_order(tx, &k, "declined").unwrap();
-                Err("card declined".to_string())
-            },
-        )
+    let first = SqliteIdempotency::with_engine(store.clone(), engine.clone())
+        .run_in_transaction(&key, &scope(), &fp, move |tx, _| -> Result<i64, String> {
+            place_order(tx, &k, "declined").unwrap();
+            Err("card declined".to_string())
+        })
         .await
         .unwrap();
     assert_eq!(first, Outcome::Fresh(Err("card declined".to_string())));
@@ -439,8 +426,8 @@ async fn a_work_error_rolls_back_and_releases_the_key() {
         .unwrap();
     assert_eq!(rec.status, RecordStatus::Failed);
     let k = key.to_string();
-    let second = store
-        .run_exactly_once(&engine, &key, &scope(), &fp, move |tx, _| {
+    let second = SqliteIdempotency::with_engine(store.clone(), engine.clone())
+        .run_in_transaction(&key, &scope(), &fp, move |tx, _| {
             place_order(tx, &k, "accepted")
         })
         .await

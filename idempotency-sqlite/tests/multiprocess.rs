@@ -4,7 +4,7 @@
 //! itself with `IDEMPOTENCY_SQLITE_CHILD` set to a role.
 //!
 //! - `race`: 4 processes × 8 tasks each call every one of 64 keys (in shuffled orders, half
-//!   through `run_exactly_once`, half through `Idempotency::run` with a separate business
+//!   through `SqliteIdempotency::run_in_transaction`, half through `Idempotency::run` with a separate business
 //!   write). Each key's work must run exactly once, counted in an `executions` table; every
 //!   caller must get that run's outcome (fresh or replayed); no `SQLITE_BUSY` may reach any
 //!   caller.
@@ -16,7 +16,7 @@ use idempotency_core::{
     RecordId, RecordStatus, Scope,
 };
 use idempotency_sqlite::rusqlite::{params, TransactionBehavior};
-use idempotency_sqlite::{ConnectionMode, SqliteStore};
+use idempotency_sqlite::{ConnectionMode, SqliteIdempotency, SqliteStore};
 use idempotency_testing::sqlite::is_busy_error;
 use rand::seq::SliceRandom;
 use std::collections::{BTreeMap, BTreeSet};
@@ -250,21 +250,15 @@ async fn child_race() {
                     let k = key(i);
                     let result = if i % 2 == 0 {
                         let name = k.to_string();
-                        store
-                            .run_exactly_once(
-                                &engine,
-                                &k,
-                                &scope(),
-                                &fingerprint(),
-                                move |tx, _| {
-                                    tx.execute(
+                        SqliteIdempotency::with_engine(store.clone(), engine.clone())
+                            .run_in_transaction(&k, &scope(), &fingerprint(), move |tx, _| {
+                                tx.execute(
                                     "INSERT INTO executions VALUES (?1, ?2, ?3, 'exactly_once')",
                                     params![name, pid, task as i64],
                                 )
                                 .map_err(|e| e.to_string())?;
-                                    Ok::<_, String>(format!("{pid}:{task}"))
-                                },
-                            )
+                                Ok::<_, String>(format!("{pid}:{task}"))
+                            })
                             .await
                     } else {
                         let (store, name) = (store.clone(), k.to_string());
@@ -392,9 +386,8 @@ async fn parent_crash() {
             0,
             "the uncommitted order is gone"
         );
-        let early = store
-            .run_exactly_once(
-                &engine,
+        let early = SqliteIdempotency::with_engine(store.clone(), engine.clone())
+            .run_in_transaction(
                 &k,
                 &scope(),
                 &fingerprint(),
@@ -415,8 +408,8 @@ async fn parent_crash() {
             .unwrap()
             .expect("the crashed claim's record");
         let name = k.to_string();
-        let retry = store
-            .run_exactly_once(&engine, &k, &scope(), &fingerprint(), move |tx, ctx| {
+        let retry = SqliteIdempotency::with_engine(store.clone(), engine.clone())
+            .run_in_transaction(&k, &scope(), &fingerprint(), move |tx, ctx| {
                 assert_eq!(
                     ctx.token,
                     crashed.token.next(),
@@ -432,9 +425,8 @@ async fn parent_crash() {
             .await
             .unwrap();
         assert!(matches!(retry, Outcome::Fresh(Ok(_))), "{retry:?}");
-        let again = store
-            .run_exactly_once(
-                &engine,
+        let again = SqliteIdempotency::with_engine(store.clone(), engine.clone())
+            .run_in_transaction(
                 &k,
                 &scope(),
                 &fingerprint(),

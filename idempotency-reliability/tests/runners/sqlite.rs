@@ -5,10 +5,10 @@ use futures::future::BoxFuture;
 use idempotency_core::{Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, Scope};
 use idempotency_reliability::soak::{RunResult, Runner, Work};
 use idempotency_sqlite::rusqlite::params;
-use idempotency_sqlite::SqliteStore;
+use idempotency_sqlite::{SqliteIdempotency, SqliteStore};
 use std::sync::Arc;
 
-/// `run_exactly_once`: the work inserts its row into `effects` in the completion's
+/// `SqliteIdempotency::run_in_transaction`: the work inserts its row into `effects` in the completion's
 /// transaction.
 pub struct SqliteTransactionalRunner {
     pub store: SqliteStore,
@@ -30,8 +30,8 @@ impl Runner for SqliteTransactionalRunner {
         let (store, engine) = (self.store.clone(), self.engine.clone());
         Box::pin(async move {
             let (s, k) = (scope.as_str().to_owned(), key.as_str().to_owned());
-            store
-                .run_exactly_once(&engine, &key, &scope, &fingerprint, move |tx, _ctx| {
+            SqliteIdempotency::with_engine(store.clone(), engine.clone())
+                .run_in_transaction(&key, &scope, &fingerprint, move |tx, _ctx| {
                     tx.execute(
                         "INSERT INTO effects (scope, key, value) VALUES (?1, ?2, ?3)",
                         params![s, k, i64::try_from(work.value).map_err(|e| e.to_string())?],
