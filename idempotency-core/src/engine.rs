@@ -3,8 +3,8 @@
 use crate::observe::{emit, loggable_key, Event};
 use crate::{
     decide, Cas, Claim, ClaimRequest, Decision, Error, ErrorOutcomes, Failure, FencingToken,
-    Fingerprint, IdempotencyKey, IdempotencyStore, InFlight, Policy, Reclaim, Record, RecordId,
-    RecordStatus, Scope, Timestamp,
+    Fingerprint, IdempotencyKey, IdempotencyStore, InFlight, Operation, Policy, Reclaim, Record,
+    RecordId, RecordStatus, Scope, Timestamp,
 };
 use futures::FutureExt;
 use serde::{de::DeserializeOwned, Serialize};
@@ -306,13 +306,18 @@ impl Idempotency {
             let observed = match store_clock {
                 Some((then, at)) if reread => store
                     .get(id)
-                    .await?
+                    .await
+                    .map_err(|e| e.during(Operation::Get, self.loggable(id)))?
                     .map(|record| (record, then.saturating_add(at.elapsed()))),
                 _ => None,
             };
             let (record, now) = match observed {
                 Some(seen) => seen,
-                None => match store.claim(&request).await? {
+                None => match store
+                    .claim(&request)
+                    .await
+                    .map_err(|e| e.during(Operation::Claim, self.loggable(id)))?
+                {
                     Claim::Claimed { token, .. } => {
                         emit(Event::Claim);
                         return Ok(Begin::Execute(self.lease(request.id, token)));
@@ -354,7 +359,8 @@ impl Idempotency {
                             self.policy.lease,
                             self.policy.ttl,
                         )
-                        .await?
+                        .await
+                        .map_err(|e| e.during(Operation::Reclaim, self.loggable(id)))?
                     {
                         Reclaim::Reclaimed { token, .. } => {
                             emit(Event::Reclaim);
@@ -387,7 +393,11 @@ impl Idempotency {
                         }
                         tokio::time::sleep(backoff.min(max_wait - waited)).await;
                         backoff = backoff.saturating_mul(2).min(max_backoff);
-                        match store.get(id).await? {
+                        match store
+                            .get(id)
+                            .await
+                            .map_err(|e| e.during(Operation::Get, self.loggable(id)))?
+                        {
                             Some(r)
                                 if r.status == RecordStatus::Pending
                                     && r.token == record.token
@@ -404,9 +414,23 @@ impl Idempotency {
         })
     }
 
+    /// `id` as logs and errors show it: the key hashed when the policy says so.
+    fn loggable(&self, id: &RecordId) -> String {
+        loggable_record(id, &self.policy)
+    }
+
     fn lease(&self, id: RecordId, token: FencingToken) -> Lease {
         Lease::new(self.store.clone(), self.policy.clone(), id, token)
     }
+}
+
+/// `id` as logs and errors show it: `scope#key`, the key hashed when the policy says so.
+fn loggable_record(id: &RecordId, policy: &Policy) -> String {
+    format!(
+        "{}#{}",
+        id.scope,
+        loggable_key(&id.key, policy.hash_keys_in_logs)
+    )
 }
 
 /// Decodes a Completed record's outcome as JSON into `R`.
@@ -531,7 +555,7 @@ impl Lease {
                 let worked = self.claimed_at.elapsed();
                 if worked >= self.policy.max_work_time {
                     tracing::warn!(
-                        record = %self.id,
+                        record = %loggable_record(&self.id, &self.policy),
                         worked = ?worked,
                         "the work outlived max_work_time; its lease is no longer extended"
                     );
@@ -557,7 +581,13 @@ impl Lease {
                     }
                     // A failed extension is retried at the next beat; the lease may pass
                     // meanwhile, and then the CAS reports it.
-                    Err(e) => tracing::warn!(error = %e, "lease heartbeat failed"),
+                    Err(e) => tracing::warn!(
+                        error = %e.during(
+                            Operation::Extend,
+                            loggable_record(&self.id, &self.policy)
+                        ),
+                        "lease heartbeat failed"
+                    ),
                 }
             }
         };
@@ -593,7 +623,7 @@ impl Lease {
                 self.settled = true;
                 emit(Event::OutcomeNotStored);
                 tracing::error!(
-                    record = %self.id,
+                    record = %loggable_record(&self.id, &self.policy),
                     error = %e,
                     "the outcome could not be stored; the key stays pending until its lease passes"
                 );
@@ -644,6 +674,20 @@ impl Lease {
         W: Fn() -> Fut,
         Fut: Future<Output = Result<Cas, Error>> + 'a,
     {
+        let operation = match status {
+            RecordStatus::Failed => Operation::Fail,
+            _ => Operation::Complete,
+        };
+        self.settle_tries(status, write)
+            .await
+            .map_err(|e| e.during(operation, loggable_record(&self.id, &self.policy)))
+    }
+
+    async fn settle_tries<'a, W, Fut>(&self, status: RecordStatus, write: W) -> Result<Cas, Error>
+    where
+        W: Fn() -> Fut,
+        Fut: Future<Output = Result<Cas, Error>> + 'a,
+    {
         /// Room for the store's clock (millisecond timestamps, another host's rate).
         const RETENTION_MARGIN: Duration = Duration::from_secs(1);
         let retry = self.policy.settle_retry;
@@ -682,7 +726,7 @@ impl Lease {
                 Err(e) if attempt >= retry.attempts => return Err(e),
                 Err(e) => {
                     tracing::warn!(
-                        record = %self.id,
+                        record = %loggable_record(&self.id, &self.policy),
                         error = %e,
                         attempt,
                         "settling the lease failed; trying again"
@@ -728,7 +772,7 @@ impl Drop for Lease {
         // run it again at once. Leave the record Pending; its lease passes on its own.
         emit(Event::Abandoned);
         tracing::warn!(
-            record = %self.id,
+            record = %loggable_record(&self.id, &self.policy),
             token = %self.token,
             "a lease was dropped unsettled; the key stays pending until its lease passes"
         );
@@ -1153,6 +1197,49 @@ mod tests {
                 (other, _) => panic!("record {what}: the completion got {other:?}"),
             }
         }
+    }
+
+    /// A store error says which operation failed on which record, with the key hashed when
+    /// the policy hashes keys in logs, and whether a retry is safe.
+    #[tokio::test]
+    async fn store_errors_name_the_operation_and_the_record() {
+        let failing = || {
+            Mutex::new(VecDeque::from(
+                [(); 8].map(|()| Err(Error::backend(true, "connection reset"))),
+            ))
+        };
+        for hashed in [false, true] {
+            let policy = Policy::default().hash_keys_in_logs(hashed);
+            let store = Arc::new(Scripted {
+                completes: failing(),
+                ..Scripted::default()
+            });
+            let err = lease_on(store, policy.clone())
+                .complete(b"x")
+                .await
+                .expect_err("every try fails");
+            assert!(matches!(err, Error::OutcomeUnknown { .. }), "{err:?}");
+            let call = err.store_call().expect("the error says where");
+            assert_eq!(call.operation, Operation::Complete);
+            let key = loggable_key(&id().key, hashed);
+            assert_eq!(call.record, format!("engine-tests#{key}"));
+            assert_eq!(key.starts_with("sha256:"), hashed);
+            let line = err.to_string();
+            assert!(line.contains("complete of record engine-tests#"), "{line}");
+            assert_eq!(line.contains("#k:"), !hashed, "{line}");
+        }
+        // Claims too, with the retry hint.
+        let err = Error::backend(false, "refused").during(Operation::Claim, "s#sha256:abc");
+        assert_eq!(
+            err.to_string(),
+            "store error (not retryable as is): claim of record s#sha256:abc: refused"
+        );
+        // Saying where twice keeps the first (innermost) place.
+        let again = err.during(Operation::Get, "other");
+        assert_eq!(
+            again.store_call().map(|c| c.operation),
+            Some(Operation::Claim)
+        );
     }
 
     /// With a retention shorter than the retries, a fence after a failed try may hide an

@@ -1,6 +1,7 @@
 //! The core error type.
 
 use crate::{FencingToken, KeyError, ScopeError};
+use std::fmt;
 use std::time::Duration;
 
 /// A boxed error source, kept so callers can walk the chain.
@@ -65,7 +66,7 @@ pub enum Error {
         source: serde_json::Error,
     },
     /// The store failed (connection refused, I/O error, unexpected response…).
-    #[error("store error: {source}")]
+    #[error("store error ({}): {source}", retry_hint(*retryable))]
     Backend {
         /// Whether the same call may succeed if tried again.
         retryable: bool,
@@ -89,7 +90,120 @@ pub enum Error {
     Config(String),
 }
 
+fn retry_hint(retryable: bool) -> &'static str {
+    if retryable {
+        "a retry is safe"
+    } else {
+        "not retryable as is"
+    }
+}
+
+/// The store operation a store error happened in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Operation {
+    /// [`crate::IdempotencyStore::claim`].
+    Claim,
+    /// [`crate::IdempotencyStore::get`].
+    Get,
+    /// [`crate::IdempotencyStore::reclaim`].
+    Reclaim,
+    /// [`crate::IdempotencyStore::complete`].
+    Complete,
+    /// [`crate::IdempotencyStore::fail`].
+    Fail,
+    /// [`crate::IdempotencyStore::extend`].
+    Extend,
+    /// [`crate::IdempotencyStore::purge_expired`].
+    Purge,
+}
+
+impl Operation {
+    /// The operation's name, as logs and error messages show it.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Claim => "claim",
+            Self::Get => "get",
+            Self::Reclaim => "reclaim",
+            Self::Complete => "complete",
+            Self::Fail => "fail",
+            Self::Extend => "extend",
+            Self::Purge => "purge",
+        }
+    }
+}
+
+impl fmt::Display for Operation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Where a store error happened: the operation and the record it was about, around the
+/// store's own error. The engine puts it in the source of every [`Error::Backend`] and
+/// [`Error::OutcomeUnknown`] from a store call, with the record's key hashed when the policy
+/// hashes keys in logs, so one log line says where to look:
+///
+/// ```
+/// # use idempotency_core::{Error, Operation};
+/// let err = Error::backend(true, "connection refused").during(Operation::Complete, "shop#k-1");
+/// assert_eq!(
+///     err.to_string(),
+///     "store error (a retry is safe): complete of record shop#k-1: connection refused"
+/// );
+/// assert_eq!(err.store_call().map(|c| c.operation), Some(Operation::Complete));
+/// ```
+#[derive(Debug, thiserror::Error)]
+#[error("{operation} of record {record}: {source}")]
+pub struct StoreCall {
+    /// The operation that failed.
+    pub operation: Operation,
+    /// The record, as `scope#key` (the key hashed when the policy says so).
+    pub record: String,
+    /// The store's error.
+    #[source]
+    pub source: BoxError,
+}
+
 impl Error {
+    /// This error with the store operation and the record it happened in, for
+    /// [`Error::Backend`] and [`Error::OutcomeUnknown`] (their source becomes a
+    /// [`StoreCall`]); any other error, or one that already says where, is returned as it is.
+    pub fn during(self, operation: Operation, record: impl fmt::Display) -> Self {
+        if self.store_call().is_some() {
+            return self;
+        }
+        let wrap = |source: BoxError| -> BoxError {
+            Box::new(StoreCall {
+                operation,
+                record: record.to_string(),
+                source,
+            })
+        };
+        match self {
+            Self::Backend { retryable, source } => Self::Backend {
+                retryable,
+                source: wrap(source),
+            },
+            Self::OutcomeUnknown { source } => Self::OutcomeUnknown {
+                source: wrap(source),
+            },
+            other => other,
+        }
+    }
+
+    /// Where a store error happened, when the engine recorded it.
+    pub fn store_call(&self) -> Option<&StoreCall> {
+        let mut cur = std::error::Error::source(self);
+        while let Some(e) = cur {
+            if let Some(call) = e.downcast_ref::<StoreCall>() {
+                return Some(call);
+            }
+            cur = e.source();
+        }
+        None
+    }
+
     /// A backend error.
     pub fn backend(retryable: bool, source: impl Into<BoxError>) -> Self {
         Self::Backend {

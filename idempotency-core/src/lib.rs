@@ -18,7 +18,7 @@ pub use decision::{decide, Decision, DecisionOptions};
 pub use engine::{
     decode_replay, Begin, Disposition, Idempotency, Lease, Outcome, Proceed, WorkContext,
 };
-pub use error::{BoxError, Error};
+pub use error::{BoxError, Error, Operation, StoreCall};
 pub use fingerprint::{
     canonical_json, canonical_json_slice, is_json_media_type, Fingerprint, FingerprintBuilder,
 };
