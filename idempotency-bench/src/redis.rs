@@ -239,7 +239,9 @@ pub async fn backend() -> Result<(Backend, Cleanup), BoxError> {
     let url = url();
     let prefix = format!("idem-bench-{}:", uuid::Uuid::new_v4().simple());
     let conn = manager(&url).await?;
-    let store = RedisStore::from_connection_manager(conn.clone()).with_prefix(prefix.clone())?;
+    let store = RedisStore::builder()
+        .prefix(prefix.clone())
+        .build(conn.clone())?;
     let raw = RawRedis {
         conn,
         prefix: format!("{prefix}raw:"),
@@ -251,8 +253,9 @@ pub async fn backend() -> Result<(Backend, Cleanup), BoxError> {
 
     let server = PrivateServer::start().await?;
     let counted_conn = manager(&server.url()).await?;
-    let counted_store =
-        RedisStore::from_connection_manager(counted_conn.clone()).with_prefix(prefix.clone())?;
+    let counted_store = RedisStore::builder()
+        .prefix(prefix.clone())
+        .build(counted_conn.clone())?;
     let counted_raw = RawRedis {
         conn: counted_conn.clone(),
         prefix: format!("{prefix}raw:"),

@@ -9,11 +9,11 @@ use std::sync::Arc;
 
 async fn factory() -> TestStore {
     let (url, prefix) = (redis_url(), unique_prefix());
-    let store = RedisStore::connect(url.as_str())
+    let store = RedisStore::builder()
+        .prefix(prefix.clone())
+        .connect(url.as_str())
         .await
-        .unwrap_or_else(|e| unreachable_server(&url, &e))
-        .with_prefix(prefix.clone())
-        .expect("valid prefix");
+        .unwrap_or_else(|e| unreachable_server(&url, &e));
     TestStore::real_time(Arc::new(store))
         .with_capabilities(Capabilities::default().purge_reports_deletions(false))
         .with_guard(Cleanup {

@@ -212,17 +212,23 @@ async fn bad_settings_are_config_errors() {
         Err(Error::Config(msg)) => assert!(msg.contains("Redis"), "{msg}"),
         other => panic!("expected a config error, got {other:?}"),
     }
-    let store = support::standalone().await.store;
+    let url = support::redis_url();
     for prefix in ["a{b", "}", "x\ny"] {
-        match store.clone().with_prefix(prefix) {
+        match RedisStore::builder()
+            .prefix(prefix)
+            .connect(url.as_str())
+            .await
+        {
             Err(Error::Config(msg)) => assert!(!msg.is_empty()),
             other => panic!("prefix {prefix:?}: expected a config error, got {other:?}"),
         }
     }
-    assert_eq!(
-        store.clone().with_prefix("ok:").expect("valid").prefix(),
-        "ok:"
-    );
+    let store = RedisStore::builder()
+        .prefix("ok:")
+        .connect(url.as_str())
+        .await
+        .expect("valid");
+    assert_eq!(store.prefix(), "ok:");
 }
 
 /// Counts per command since the last `CONFIG RESETSTAT`, from `INFO commandstats`.

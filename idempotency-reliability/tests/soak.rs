@@ -151,11 +151,11 @@ async fn soak_redis_standalone() {
         prefix: prefix.clone(),
         check_crossslot: false,
     };
-    let store = RedisStore::connect(url.as_str())
+    let store = RedisStore::builder()
+        .prefix(prefix)
+        .connect(url.as_str())
         .await
-        .unwrap_or_else(|e| rs::unreachable_server(&url, &e))
-        .with_prefix(prefix)
-        .expect("valid prefix");
+        .unwrap_or_else(|e| rs::unreachable_server(&url, &e));
     run(
         engine(Arc::new(store), &config),
         config,
@@ -174,11 +174,11 @@ async fn soak_redis_cluster() {
         prefix: prefix.clone(),
         check_crossslot: true,
     };
-    let store = RedisStore::connect_cluster(urls.iter().map(String::as_str))
+    let store = RedisStore::builder()
+        .prefix(prefix)
+        .connect_cluster(urls.iter().map(String::as_str))
         .await
-        .expect("connect to the test cluster")
-        .with_prefix(prefix)
-        .expect("valid prefix");
+        .expect("connect to the test cluster");
     run(
         engine(Arc::new(store), &config),
         config,

@@ -221,9 +221,10 @@ pub async fn stores(config: &Config) -> Result<(Arc<dyn IdempotencyStore>, BookR
             Ok((Arc::new(store), books))
         }
         StoreChoice::Redis(ref url) => {
-            let store = idempotency_redis::RedisStore::connect(url.as_str())
-                .await?
-                .with_prefix(REDIS_PREFIX)?;
+            let store = idempotency_redis::RedisStore::builder()
+                .prefix(REDIS_PREFIX)
+                .connect(url.as_str())
+                .await?;
             Ok((
                 Arc::new(store),
                 BookRepo::open_sqlite(&config.database, None)?,

@@ -7,7 +7,7 @@ pub mod scenarios;
 
 use idempotency_conformance::{Capabilities, ServerClock, TestStore};
 use idempotency_core::Timestamp;
-use idempotency_redis::RedisStore;
+use idempotency_redis::{RedisStore, RedisStoreBuilder};
 pub use idempotency_testing::redis_server::*;
 use std::sync::Arc;
 
@@ -76,6 +76,23 @@ pub struct Harness {
 }
 
 impl Harness {
+    /// Another store on the same servers and prefix, configured by `configure`.
+    pub async fn store_with(
+        &self,
+        configure: impl FnOnce(RedisStoreBuilder) -> RedisStoreBuilder,
+    ) -> RedisStore {
+        let builder = configure(RedisStore::builder().prefix(self.guard.prefix.clone()));
+        match &self.topology {
+            Topology::Standalone(url) => builder.connect(url.as_str()).await,
+            Topology::Cluster(urls) => {
+                builder
+                    .connect_cluster(urls.iter().map(String::as_str))
+                    .await
+            }
+        }
+        .expect("connect")
+    }
+
     /// Wraps the store for the conformance kit.
     pub fn into_test_store(self) -> TestStore {
         let node = self.topology.nodes()[0].clone();
@@ -105,11 +122,11 @@ impl Harness {
 pub async fn standalone() -> Harness {
     let url = redis_url();
     let prefix = unique_prefix();
-    let store = RedisStore::connect(url.as_str())
+    let store = RedisStore::builder()
+        .prefix(prefix.clone())
+        .connect(url.as_str())
         .await
-        .unwrap_or_else(|e| unreachable_server(&url, &e))
-        .with_prefix(prefix.clone())
-        .expect("valid prefix");
+        .unwrap_or_else(|e| unreachable_server(&url, &e));
     Harness {
         store,
         topology: Topology::Standalone(url.clone()),
@@ -125,11 +142,11 @@ pub async fn standalone() -> Harness {
 pub async fn cluster() -> Harness {
     let urls = shared_cluster().urls();
     let prefix = unique_prefix();
-    let store = RedisStore::connect_cluster(urls.iter().map(String::as_str))
+    let store = RedisStore::builder()
+        .prefix(prefix.clone())
+        .connect_cluster(urls.iter().map(String::as_str))
         .await
-        .expect("connect to the test cluster")
-        .with_prefix(prefix.clone())
-        .expect("valid prefix");
+        .expect("connect to the test cluster");
     Harness {
         store,
         topology: Topology::Cluster(urls.clone()),

@@ -49,7 +49,10 @@ pub async fn ttl_after_every_operation(h: Harness) {
     let retention_ms = 3_600_000;
     for (store, extra) in [
         (h.store.clone(), retention_ms),
-        (h.store.clone().with_expired_retention(Duration::ZERO), 0),
+        (
+            h.store_with(|b| b.expired_retention(Duration::ZERO)).await,
+            0,
+        ),
     ] {
         // The key's TTL is expires_at - now + retention; allow a second of slack.
         let around = |ms: i64| (ms + extra - 1_000)..=(ms + extra);
