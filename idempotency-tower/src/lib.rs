@@ -2,7 +2,9 @@
 
 mod body;
 mod claim;
+mod config;
 mod fingerprint;
+mod headers;
 mod hooks;
 mod key;
 mod layer;
@@ -14,14 +16,17 @@ pub use body::ResponseBody;
 #[cfg(feature = "axum")]
 pub use claim::NoClaim;
 pub use claim::{ClaimedKey, PrepareError, Prepared};
-pub use fingerprint::{normalize_media_type, FingerprintInput, DEFAULT_FINGERPRINT_HEADERS};
-pub use hooks::{HttpOutcome, ResponseContext};
-pub use key::{read_key, read_key_header, KeyHeaderError, IDEMPOTENCY_KEY};
-pub use layer::{
-    default_store_status, IdempotencyLayer, Unreplayable, DEFAULT_REPLAYED, NEVER_REPLAYED,
+pub use config::{default_store_status, Unreplayable};
+pub use fingerprint::{normalize_media_type, FingerprintInput};
+pub use headers::{
+    DEFAULT_FINGERPRINT_HEADERS, DEFAULT_REPLAYED, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED,
+    NEVER_REPLAYED,
 };
+pub use hooks::{HttpOutcome, ResponseContext};
+pub use key::{read_key, read_key_header, KeyHeaderError};
+pub use layer::IdempotencyLayer;
 pub use problem::{retry_after_secs, ProblemJson, Refusal, RefusalResponder, PROBLEM_JSON};
-pub use service::{http_scope, HttpDecision, IdempotencyService, IDEMPOTENT_REPLAYED};
+pub use service::{http_scope, HttpDecision, IdempotencyService};
 pub use stored::{DecodeError, NotReplayable, StoredResponse};
 
 /// The request body the wrapped service receives: the buffered body of a covered request

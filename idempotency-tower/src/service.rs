@@ -1,15 +1,16 @@
 //! The service: read the key, fingerprint, claim, run or replay, store.
 
 use crate::claim::{ClaimedKey, Settlement};
+use crate::config::{Config, Unreplayable};
 use crate::fingerprint::FingerprintInput;
+use crate::headers::{CONNECTION, CONTENT_LENGTH, DIGEST, RETRY_AFTER, WWW_AUTHENTICATE};
 use crate::hooks::{HttpOutcome, ResponseContext};
-use crate::layer::{Config, Unreplayable};
 use crate::problem::Refusal;
 use crate::stored::{NotReplayable, StoredResponse};
 use crate::{read_key_header, KeyHeaderError, RequestBody, ResponseBody};
 use bytes::Bytes;
 use futures::FutureExt;
-use http::{header, HeaderName, HeaderValue, Request, Response, Version};
+use http::{HeaderName, HeaderValue, Request, Response, Version};
 use http_body::Body;
 use http_body_util::{BodyExt, Either, Full, LengthLimitError, Limited};
 use idempotency_core::{
@@ -25,11 +26,6 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tower_service::Service;
 use tracing::Instrument;
-
-/// The header that marks a replayed response (by default; see
-/// [`crate::IdempotencyLayer::replayed_header`]).
-pub const IDEMPOTENT_REPLAYED: http::HeaderName =
-    http::HeaderName::from_static("idempotent-replayed");
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -176,18 +172,18 @@ fn refuse<B>(config: &Config, refusal: Refusal) -> Answer<B> {
     // Headers the status calls for, unless the responder set them itself.
     let (name, value) = match &refusal {
         Refusal::InProgress { retry_after } => (
-            header::RETRY_AFTER,
+            RETRY_AFTER,
             HeaderValue::from(crate::problem::retry_after_secs(*retry_after)),
         ),
         Refusal::StoreUnavailable(_) => (
-            header::RETRY_AFTER,
+            RETRY_AFTER,
             HeaderValue::from(crate::problem::retry_after_secs(
                 config.unavailable_retry_after,
             )),
         ),
         // The request that took the key over is running: its outcome is the retry's answer.
-        Refusal::LeaseLost => (header::RETRY_AFTER, HeaderValue::from(1u64)),
-        Refusal::CallerUnidentified => (header::WWW_AUTHENTICATE, config.challenge.clone()),
+        Refusal::LeaseLost => (RETRY_AFTER, HeaderValue::from(1u64)),
+        Refusal::CallerUnidentified => (WWW_AUTHENTICATE, config.challenge.clone()),
         _ => return resp.map(ResponseBody::full),
     };
     if !resp.headers().contains_key(&name) {
@@ -204,7 +200,7 @@ fn refuse_body<B>(config: &Config, refusal: Refusal, version: Version) -> Answer
     let mut resp = refuse(config, refusal);
     if too_large && version < Version::HTTP_2 {
         resp.headers_mut()
-            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            .insert(CONNECTION, HeaderValue::from_static("close"));
     }
     resp
 }
@@ -400,7 +396,7 @@ where
 {
     let declared = parts
         .headers
-        .get(header::CONTENT_LENGTH)
+        .get(CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > limit as u64) {
@@ -448,7 +444,7 @@ fn replay<B>(config: &Config, stored: StoredResponse) -> Answer<B> {
 /// Headers that describe the body they came with, so they are not sent with a problem
 /// document in its place.
 fn describes_body(name: &HeaderName) -> bool {
-    name.as_str().starts_with("content-") || name == "digest"
+    name.as_str().starts_with("content-") || name == DIGEST
 }
 
 /// The answer for a handler that ran but whose response was not kept: the responder's
