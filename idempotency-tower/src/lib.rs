@@ -4,6 +4,7 @@ mod body;
 mod claim;
 mod config;
 mod fingerprint;
+mod future;
 mod headers;
 mod hooks;
 mod key;
@@ -12,12 +13,13 @@ mod problem;
 mod service;
 mod stored;
 
-pub use body::ResponseBody;
+pub use body::{RequestBody, ResponseBody};
 #[cfg(feature = "axum")]
 pub use claim::NoClaim;
 pub use claim::{ClaimedKey, PrepareError, Prepared};
 pub use config::{default_store_status, Unreplayable};
 pub use fingerprint::{normalize_media_type, FingerprintInput};
+pub use future::ResponseFuture;
 pub use headers::{
     DEFAULT_FINGERPRINT_HEADERS, DEFAULT_REPLAYED, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED,
     NEVER_REPLAYED,
@@ -28,7 +30,3 @@ pub use layer::IdempotencyLayer;
 pub use problem::{retry_after_secs, ProblemJson, Refusal, RefusalResponder, PROBLEM_JSON};
 pub use service::{http_scope, HttpDecision, IdempotencyService};
 pub use stored::{DecodeError, NotReplayable, StoredResponse};
-
-/// The request body the wrapped service receives: the buffered body of a covered request
-/// (`Left`), or the original body of a request that passed through (`Right`).
-pub type RequestBody<B> = http_body_util::Either<http_body_util::Full<bytes::Bytes>, B>;

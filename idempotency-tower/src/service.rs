@@ -3,24 +3,23 @@
 use crate::claim::{ClaimedKey, Settlement};
 use crate::config::{Config, Unreplayable};
 use crate::fingerprint::FingerprintInput;
+use crate::future::ResponseFuture;
 use crate::headers::{CONNECTION, CONTENT_LENGTH, DIGEST, RETRY_AFTER, WWW_AUTHENTICATE};
 use crate::hooks::{HttpOutcome, ResponseContext};
 use crate::problem::Refusal;
 use crate::stored::{NotReplayable, StoredResponse};
-use crate::{read_key_header, KeyHeaderError, RequestBody, ResponseBody};
+use crate::{read_key_header, IdempotencyLayer, KeyHeaderError, RequestBody, ResponseBody};
 use bytes::Bytes;
 use futures::FutureExt;
 use http::{HeaderName, HeaderValue, Request, Response, Version};
 use http_body::Body;
-use http_body_util::{BodyExt, Either, Full, LengthLimitError, Limited};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
 use idempotency_core::{
-    loggable_key, Begin, Error, Failure, Fingerprint, IdempotencyKey, Lease, RecordId, Scope,
-    ScopeError,
+    loggable_key, Begin, Error, Failure, Fingerprint, Idempotency, IdempotencyKey, Lease, RecordId,
+    Scope, ScopeError,
 };
 use std::fmt;
-use std::future::Future;
 use std::panic::AssertUnwindSafe;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -29,7 +28,8 @@ use tracing::Instrument;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// The service built by [`crate::IdempotencyLayer`].
+/// The service built by [`IdempotencyLayer`]: it answers covered requests per the layer's
+/// options and hands the rest to the service it wraps.
 #[derive(Clone)]
 pub struct IdempotencyService<S> {
     inner: S,
@@ -47,6 +47,27 @@ impl<S: fmt::Debug> fmt::Debug for IdempotencyService<S> {
 impl<S> IdempotencyService<S> {
     pub(crate) fn new(inner: S, config: Arc<Config>) -> Self {
         Self { inner, config }
+    }
+
+    /// A layer over `engine` that wraps services in `IdempotencyService`; the same as
+    /// [`IdempotencyLayer::new`].
+    pub fn layer(engine: Idempotency) -> IdempotencyLayer {
+        IdempotencyLayer::new(engine)
+    }
+
+    /// The wrapped service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The wrapped service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// The wrapped service, taking the layer away.
+    pub fn into_inner(self) -> S {
+        self.inner
     }
 }
 
@@ -123,7 +144,7 @@ where
 {
     type Response = Answer<ResB>;
     type Error = S::Error;
-    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, S::Error>> + Send>>;
+    type Future = ResponseFuture<ResB, S::Error>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
@@ -135,7 +156,7 @@ where
         let inner = std::mem::replace(&mut self.inner, clone);
         let config = self.config.clone();
         if !config.covers(req.method()) {
-            return Box::pin(pass_through(inner, req));
+            return ResponseFuture::new(pass_through(inner, req));
         }
         let span = tracing::info_span!(
             "idempotency.http",
@@ -147,7 +168,7 @@ where
             http_decision = tracing::field::Empty,
             outcome = tracing::field::Empty,
         );
-        Box::pin(handle(inner, config, req).instrument(span))
+        ResponseFuture::new(handle(inner, config, req).instrument(span))
     }
 }
 
@@ -158,7 +179,7 @@ async fn pass_through<S, ReqB, ResB>(
 where
     S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
 {
-    let resp = inner.call(req.map(Either::Right)).await?;
+    let resp = inner.call(req.map(RequestBody::passed)).await?;
     Ok(resp.map(ResponseBody::inner))
 }
 
@@ -306,7 +327,7 @@ where
     };
     let fingerprint = fingerprint(&config, &parts, &body);
     let id = RecordId::new(scope, key);
-    let req = Request::from_parts(parts, Either::Left(Full::new(body)));
+    let req = Request::from_parts(parts, RequestBody::buffered(body));
 
     let began = Instant::now();
     match config.engine.begin(&id, &fingerprint).await {
