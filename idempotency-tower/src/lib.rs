@@ -9,6 +9,7 @@ mod headers;
 mod hooks;
 mod key;
 mod layer;
+mod observe;
 mod problem;
 mod service;
 mod stored;
@@ -24,9 +25,10 @@ pub use headers::{
     DEFAULT_FINGERPRINT_HEADERS, DEFAULT_REPLAYED, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED,
     NEVER_REPLAYED,
 };
-pub use hooks::{HttpOutcome, ResponseContext};
+pub use hooks::ResponseContext;
 pub use key::{read_key, read_key_header, KeyHeaderError};
 pub use layer::IdempotencyLayer;
+pub use observe::{HttpDecision, HttpOutcome};
 pub use problem::{retry_after_secs, ProblemJson, Refusal, RefusalResponder, PROBLEM_JSON};
-pub use service::{http_scope, HttpDecision, IdempotencyService};
+pub use service::{http_scope, IdempotencyService};
 pub use stored::{DecodeError, NotReplayable, StoredResponse};

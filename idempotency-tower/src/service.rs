@@ -5,7 +5,8 @@ use crate::config::{Config, Unreplayable};
 use crate::fingerprint::FingerprintInput;
 use crate::future::ResponseFuture;
 use crate::headers::{CONNECTION, CONTENT_LENGTH, DIGEST, RETRY_AFTER, WWW_AUTHENTICATE};
-use crate::hooks::{HttpOutcome, ResponseContext};
+use crate::hooks::ResponseContext;
+use crate::observe::{record_decision, record_outcome, HttpDecision, HttpOutcome};
 use crate::problem::Refusal;
 use crate::stored::{NotReplayable, StoredResponse};
 use crate::{read_key_header, IdempotencyLayer, KeyHeaderError, RequestBody, ResponseBody};
@@ -69,65 +70,6 @@ impl<S> IdempotencyService<S> {
     pub fn into_inner(self) -> S {
         self.inner
     }
-}
-
-/// What the layer did with a request, recorded on the `idempotency.http` span (field
-/// `http_decision`) and counted in `idempotency_http_requests_total{decision}`.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-#[non_exhaustive]
-pub enum HttpDecision {
-    /// Not covered, or no key and not required: passed through untouched.
-    PassThrough,
-    /// Refused before the store was asked (bad key, missing key, body too large…).
-    Refused,
-    /// The key was claimed and the handler ran.
-    Executed,
-    /// The stored response was replayed.
-    Replayed,
-    /// The key was used with a different request.
-    Mismatch,
-    /// Another request with the key is running.
-    InProgress,
-    /// The store failed and the layer answered 503.
-    StoreUnavailable,
-    /// The store failed and the handler ran unprotected (fail-open).
-    FailOpen,
-    /// The stored response could not be decoded.
-    Unreadable,
-}
-
-impl HttpDecision {
-    /// The label used in spans and metrics.
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            Self::PassThrough => "pass_through",
-            Self::Refused => "refused",
-            Self::Executed => "executed",
-            Self::Replayed => "replayed",
-            Self::Mismatch => "mismatch",
-            Self::InProgress => "in_progress",
-            Self::StoreUnavailable => "store_unavailable",
-            Self::FailOpen => "fail_open",
-            Self::Unreadable => "stored_response_unreadable",
-        }
-    }
-}
-
-fn record(decision: HttpDecision) {
-    tracing::Span::current().record("http_decision", decision.as_str());
-    tracing::debug!(
-        http_decision = decision.as_str(),
-        "idempotency http decision"
-    );
-    #[cfg(feature = "metrics")]
-    metrics::counter!("idempotency_http_requests_total", "decision" => decision.as_str())
-        .increment(1);
-}
-
-fn record_outcome(outcome: &'static str) {
-    tracing::Span::current().record("outcome", outcome);
-    #[cfg(feature = "metrics")]
-    metrics::counter!("idempotency_http_outcomes_total", "outcome" => outcome).increment(1);
 }
 
 type Answer<B> = Response<ResponseBody<B>>;
@@ -288,15 +230,15 @@ where
     let key = match read_request_key(&config, req.headers()) {
         Ok(Some(key)) => key,
         Ok(None) if config.required => {
-            record(HttpDecision::Refused);
+            record_decision(HttpDecision::Refused);
             return Ok(refuse(&config, Refusal::KeyRequired));
         }
         Ok(None) => {
-            record(HttpDecision::PassThrough);
+            record_decision(HttpDecision::PassThrough);
             return pass_through(inner, req).await;
         }
         Err(e) => {
-            record(HttpDecision::Refused);
+            record_decision(HttpDecision::Refused);
             return Ok(refuse(&config, Refusal::KeyInvalid(e)));
         }
     };
@@ -307,13 +249,13 @@ where
     let route = (config.route)(&parts);
     span.record("route", route.as_str());
     let Some(caller) = (config.scope)(&parts) else {
-        record(HttpDecision::Refused);
+        record_decision(HttpDecision::Refused);
         return Ok(refuse(&config, Refusal::CallerUnidentified));
     };
     let scope = match http_scope(&caller, &parts.method, &route) {
         Ok(scope) => scope,
         Err(e) => {
-            record(HttpDecision::Refused);
+            record_decision(HttpDecision::Refused);
             return Ok(refuse(&config, Refusal::ScopeInvalid(e.to_string())));
         }
     };
@@ -321,7 +263,7 @@ where
     let body = match buffer_request(&parts, body, config.body_limit).await {
         Ok(body) => body,
         Err(refusal) => {
-            record(HttpDecision::Refused);
+            record_decision(HttpDecision::Refused);
             return Ok(refuse_body(&config, refusal, parts.version));
         }
     };
@@ -332,13 +274,13 @@ where
     let began = Instant::now();
     match config.engine.begin(&id, &fingerprint).await {
         Ok(Begin::Execute(lease)) => {
-            record(HttpDecision::Executed);
+            record_decision(HttpDecision::Executed);
             execute(inner, config, req, lease).await
         }
-        Ok(Begin::Replay(record_)) => {
-            let Some(bytes) = record_.outcome.as_deref() else {
-                record(HttpDecision::Unreadable);
-                tracing::error!(record = %record_.id, "completed record has no outcome");
+        Ok(Begin::Replay(record)) => {
+            let Some(bytes) = record.outcome.as_deref() else {
+                record_decision(HttpDecision::Unreadable);
+                tracing::error!(record = %record.id, "completed record has no outcome");
                 return Ok(refuse(
                     &config,
                     Refusal::StoredResponseUnreadable("no outcome".into()),
@@ -346,13 +288,13 @@ where
             };
             match StoredResponse::decode(bytes) {
                 Ok(stored) => {
-                    record(HttpDecision::Replayed);
+                    record_decision(HttpDecision::Replayed);
                     let resp = replay(&config, stored);
-                    let expires_at = system_time(record_.expires_at);
+                    let expires_at = system_time(record.expires_at);
                     Ok(with_hook(&config, &id.key, resp, None, expires_at))
                 }
                 Err(e) => {
-                    record(HttpDecision::Unreadable);
+                    record_decision(HttpDecision::Unreadable);
                     tracing::error!(error = %e, "stored response cannot be decoded");
                     Ok(refuse(
                         &config,
@@ -362,20 +304,20 @@ where
             }
         }
         Ok(Begin::Mismatch) => {
-            record(HttpDecision::Mismatch);
+            record_decision(HttpDecision::Mismatch);
             Ok(refuse(&config, Refusal::Mismatch))
         }
         Ok(Begin::InProgress { retry_after }) => {
-            record(HttpDecision::InProgress);
+            record_decision(HttpDecision::InProgress);
             let retry_after = in_progress_retry_after(&config, retry_after, began);
             Ok(refuse(&config, Refusal::InProgress { retry_after }))
         }
         Ok(Begin::FailedPermanently { .. }) => {
-            record(HttpDecision::Refused);
+            record_decision(HttpDecision::Refused);
             Ok(refuse(&config, Refusal::FailedPermanently))
         }
         Err(e @ (Error::CorruptRecord { .. } | Error::Codec { .. })) => {
-            record(HttpDecision::Unreadable);
+            record_decision(HttpDecision::Unreadable);
             tracing::error!(error = %e, "stored record cannot be decoded");
             Ok(refuse(
                 &config,
@@ -383,12 +325,12 @@ where
             ))
         }
         Err(e) if config.fail_open => {
-            record(HttpDecision::FailOpen);
+            record_decision(HttpDecision::FailOpen);
             tracing::warn!(error = %e, "idempotency store failed; running the request unprotected (fail-open)");
             pass_through_buffered(inner, req).await
         }
         Err(e) => {
-            record(HttpDecision::StoreUnavailable);
+            record_decision(HttpDecision::StoreUnavailable);
             tracing::error!(error = %e, "idempotency store failed; refusing the request (fail closed)");
             Ok(refuse(&config, Refusal::StoreUnavailable(e.to_string())))
         }
@@ -513,15 +455,15 @@ where
             // The handler panicked (its key was released) or the runtime is shutting down
             // (the dropped lease holds the key until it passes).
             tracing::error!(error = %e, "handler task failed");
-            record_outcome("handler_panicked");
+            record_outcome(HttpOutcome::HandlerPanicked);
             Ok(refuse(&config, Refusal::HandlerFailed))
         }
     }
 }
 
-async fn release(lease: Lease, why: &'static str) {
+async fn release(lease: Lease, why: HttpOutcome) {
     record_outcome(why);
-    match lease.fail(Failure::retryable(why)).await {
+    match lease.fail(Failure::retryable(why.as_str())).await {
         Ok(()) => {}
         Err(e @ Error::LeaseLost { .. }) => {
             tracing::warn!(error = %e, "the key was taken over before it could be released");
@@ -535,9 +477,9 @@ fn settled_by_handler(lease: Lease, settlement: Settlement) {
     lease.settled_externally();
     match settlement {
         Settlement::Open => {}
-        Settlement::Committed => record_outcome(HttpOutcome::SettledByHandler.as_str()),
+        Settlement::Committed => record_outcome(HttpOutcome::SettledByHandler),
         Settlement::Lost => {
-            record_outcome(HttpOutcome::LeaseLost.as_str());
+            record_outcome(HttpOutcome::LeaseLost);
             tracing::warn!(
                 "the handler's completion was fenced: its lease had passed and another request \
                  holds the key; its transaction rolled back"
@@ -650,7 +592,7 @@ async fn settle_response<B>(config: &Config, lease: Lease, read: ReadResponse<B>
             (resp, outcome)
         }
         (ReadResponse::TooLarge(parts, body), Unreplayable::Release) => {
-            release(lease, HttpOutcome::ReleasedTooLarge.as_str()).await;
+            release(lease, HttpOutcome::ReleasedTooLarge).await;
             let resp = Response::from_parts(parts, body);
             return with_hook(
                 config,
@@ -670,7 +612,7 @@ async fn settle_response<B>(config: &Config, lease: Lease, read: ReadResponse<B>
         }
         (ReadResponse::Failed(_, e), Unreplayable::Release) => {
             tracing::error!(error = %e, "the handler's response body failed");
-            release(lease, HttpOutcome::ReleasedBodyFailed.as_str()).await;
+            release(lease, HttpOutcome::ReleasedBodyFailed).await;
             return refuse(config, Refusal::HandlerFailed);
         }
         (ReadResponse::Failed(parts, e), Unreplayable::Record) => {
@@ -687,7 +629,7 @@ async fn settle_response<B>(config: &Config, lease: Lease, read: ReadResponse<B>
             )
         }
     };
-    record_outcome(outcome.as_str());
+    record_outcome(outcome);
     let expires_at = match outcome {
         HttpOutcome::Stored | HttpOutcome::RecordedTooLarge | HttpOutcome::RecordedBodyFailed => {
             retained
@@ -733,7 +675,7 @@ where
             // A panic counts as a failed attempt: release the key, then let the task panic.
             // A key the handler settled in its own transaction stays as it committed.
             if let Some(lease) = unless_settled_by_handler(&claim, lease) {
-                release(lease, "handler_panicked").await;
+                release(lease, HttpOutcome::HandlerPanicked).await;
             }
             std::panic::resume_unwind(panic);
         }
@@ -741,7 +683,7 @@ where
     match handled {
         Handled::Error(e) => {
             if let Some(lease) = unless_settled_by_handler(&claim, lease) {
-                release(lease, "handler_error").await;
+                release(lease, HttpOutcome::HandlerError).await;
             }
             Err(e)
         }
@@ -765,7 +707,7 @@ where
         }
         Handled::UnstoredStatus(resp) => {
             let key = lease.id().key.clone();
-            release(lease, HttpOutcome::ReleasedStatus.as_str()).await;
+            release(lease, HttpOutcome::ReleasedStatus).await;
             let resp = resp.map(ResponseBody::inner);
             Ok(with_hook(
                 &config,
