@@ -29,8 +29,9 @@ use tracing::Instrument;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// The service built by [`IdempotencyLayer`]: it answers covered requests per the layer's
-/// options and hands the rest to the service it wraps.
+/// The service built by [`IdempotencyLayer`]: a covered request with a key runs the wrapped
+/// service once, and its retries get the stored response (or a refusal); other requests pass
+/// through to the wrapped service untouched.
 #[derive(Clone)]
 pub struct IdempotencyService<S> {
     inner: S,
@@ -51,7 +52,7 @@ impl<S> IdempotencyService<S> {
     }
 
     /// A layer over `engine` that wraps services in `IdempotencyService`; the same as
-    /// [`IdempotencyLayer::new`].
+    /// [`IdempotencyLayer::new`] (name the service type: `IdempotencyService::<S>::layer`).
     pub fn layer(engine: Idempotency) -> IdempotencyLayer {
         IdempotencyLayer::new(engine)
     }
