@@ -1,4 +1,4 @@
-//! The response body the layer returns.
+//! The request body the wrapped service receives, and the response body the layer returns.
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
@@ -9,6 +9,89 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+pin_project! {
+    /// The request body the wrapped service receives: the buffered body of a covered request,
+    /// or the original body of a request that passed through. A named type, so that its
+    /// insides can change without breaking users.
+    pub struct RequestBody<B> {
+        #[pin]
+        kind: RequestKind<B>,
+    }
+}
+
+pin_project! {
+    #[project = RequestKindProj]
+    enum RequestKind<B> {
+        Buffered { #[pin] body: Full<Bytes> },
+        Passed { #[pin] body: B },
+    }
+}
+
+impl<B> RequestBody<B> {
+    /// The bytes the layer read (and fingerprinted) from a covered request.
+    pub(crate) fn buffered(bytes: Bytes) -> Self {
+        Self {
+            kind: RequestKind::Buffered {
+                body: Full::new(bytes),
+            },
+        }
+    }
+
+    /// The request's own body, untouched.
+    pub(crate) fn passed(body: B) -> Self {
+        Self {
+            kind: RequestKind::Passed { body },
+        }
+    }
+}
+
+impl<B> fmt::Debug for RequestBody<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kind = match &self.kind {
+            RequestKind::Buffered { .. } => "buffered",
+            RequestKind::Passed { .. } => "passed",
+        };
+        f.debug_struct("RequestBody")
+            .field("kind", &kind)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B> Body for RequestBody<B>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match self.project().kind.project() {
+            RequestKindProj::Buffered { body } => {
+                body.poll_frame(cx).map_err(|never| match never {})
+            }
+            RequestKindProj::Passed { body } => body.poll_frame(cx).map_err(Into::into),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.kind {
+            RequestKind::Buffered { body } => body.is_end_stream(),
+            RequestKind::Passed { body } => body.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.kind {
+            RequestKind::Buffered { body } => body.size_hint(),
+            RequestKind::Passed { body } => body.size_hint(),
+        }
+    }
+}
 
 pin_project! {
     /// The response body the layer returns: a stored, replayed or refusal body, the handler's
@@ -123,6 +206,18 @@ where
 mod tests {
     use super::*;
     use http_body_util::BodyExt;
+
+    #[tokio::test]
+    async fn request_bodies_forward_to_what_they_hold() {
+        let buffered = RequestBody::<Full<Bytes>>::buffered(Bytes::from_static(b"read"));
+        assert_eq!(buffered.size_hint().exact(), Some(4));
+        assert!(!buffered.is_end_stream());
+        assert_eq!(&buffered.collect().await.unwrap().to_bytes()[..], b"read");
+        let passed = RequestBody::passed(Full::new(Bytes::from_static(b"as sent")));
+        assert_eq!(passed.size_hint().exact(), Some(7));
+        assert_eq!(&passed.collect().await.unwrap().to_bytes()[..], b"as sent");
+        assert!(RequestBody::<Full<Bytes>>::buffered(Bytes::new()).is_end_stream());
+    }
 
     #[tokio::test]
     async fn spliced_body_is_the_head_then_the_rest() {

@@ -1,7 +1,7 @@
 //! The claim a covered request holds on its key, for handlers that complete the key inside
 //! their own database transaction (exactly-once effects through the layer).
 
-use crate::layer::Config;
+use crate::config::Config;
 use bytes::Bytes;
 use http::Response;
 use http_body_util::Full;

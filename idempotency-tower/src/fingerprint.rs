@@ -1,20 +1,11 @@
 //! What the layer fingerprints: method, path, query, normalised media type, the configured
 //! request headers (preconditions by default) and the body.
 
+use crate::headers::CONTENT_TYPE;
 use bytes::Bytes;
 use http::request::Parts;
-use http::{header, HeaderName};
+use http::HeaderName;
 use idempotency_core::{is_json_media_type, Fingerprint, FingerprintBuilder};
-
-/// Request headers fingerprinted by default: the preconditions of RFC 9110 §13.1 that change
-/// what a request does (`If-Range` only matters to range GETs). A request that sends none of
-/// them has the fingerprint it had before headers counted.
-pub const DEFAULT_FINGERPRINT_HEADERS: &[&str] = &[
-    "if-match",
-    "if-none-match",
-    "if-unmodified-since",
-    "if-modified-since",
-];
 
 /// The request as the layer fingerprints it, handed to a fingerprint hook
 /// ([`crate::IdempotencyLayer::fingerprint_with`]).
@@ -49,7 +40,7 @@ impl<'a> FingerprintInput<'a> {
         if let Some(query) = parts.uri.query() {
             fp = fp.query(query);
         }
-        if let Some(ct) = parts.headers.get(header::CONTENT_TYPE) {
+        if let Some(ct) = parts.headers.get(CONTENT_TYPE) {
             fp = fp.content_type(&normalize_media_type(ct.as_bytes()));
         }
         for name in self.headers {

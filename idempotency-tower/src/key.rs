@@ -1,10 +1,8 @@
 //! Reading the `Idempotency-Key` header.
 
+use crate::headers::IDEMPOTENCY_KEY;
 use http::{HeaderMap, HeaderName};
 use idempotency_core::{IdempotencyKey, KeyError};
-
-/// The header the key is read from.
-pub const IDEMPOTENCY_KEY: http::HeaderName = http::HeaderName::from_static("idempotency-key");
 
 /// Why an `Idempotency-Key` header was refused. Each variant is answered with 400.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

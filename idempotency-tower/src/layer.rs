@@ -1,12 +1,10 @@
-//! The layer and its configuration.
+//! The layer: a builder over the shared configuration.
 
-use crate::fingerprint::{FingerprintInput, DEFAULT_FINGERPRINT_HEADERS};
+use crate::config::{Config, Unreplayable};
+use crate::fingerprint::FingerprintInput;
 use crate::hooks::ResponseContext;
 use crate::problem::{ProblemJson, RefusalResponder};
-use crate::service::{IdempotencyService, IDEMPOTENT_REPLAYED};
-use crate::stored::StoredResponse;
-use crate::IDEMPOTENCY_KEY;
-use bytes::Bytes;
+use crate::service::IdempotencyService;
 use http::request::Parts;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
 use idempotency_core::{Fingerprint, Idempotency, IdempotencyKey};
@@ -14,143 +12,6 @@ use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-
-/// Headers that are never stored or replayed, whatever the allowlist says: credentials,
-/// cookies, and hop-by-hop headers (RFC 9110 §7.6.1), plus `Content-Length`, which is
-/// recomputed from the stored body.
-pub const NEVER_REPLAYED: &[&str] = &[
-    "set-cookie",
-    "set-cookie2",
-    "authorization",
-    "proxy-authorization",
-    "proxy-authenticate",
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-    "content-length",
-    "idempotent-replayed",
-];
-
-/// Headers replayed by default: the ones that describe the stored body and the created
-/// resource.
-pub const DEFAULT_REPLAYED: &[&str] = &[
-    "content-type",
-    "content-encoding",
-    "content-language",
-    "content-location",
-    "location",
-    "etag",
-    "last-modified",
-    "cache-control",
-    "expires",
-    "vary",
-    "link",
-];
-
-type ScopeFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
-type RouteFn = dyn Fn(&Parts) -> String + Send + Sync;
-type StoreStatusFn = dyn Fn(StatusCode) -> bool + Send + Sync;
-type FingerprintFn = dyn Fn(&FingerprintInput<'_>) -> Fingerprint + Send + Sync;
-type KeyValidatorFn = dyn Fn(&IdempotencyKey) -> Result<(), String> + Send + Sync;
-type ResponseHookFn = dyn Fn(&ResponseContext<'_>, &mut HeaderMap) + Send + Sync;
-
-/// What the layer does when the handler ran but its response cannot be stored for replay: the
-/// body is larger than the response limit, or it failed while the layer read it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub enum Unreplayable {
-    /// Record that the handler ran, with its status and allowlisted headers (the default).
-    /// The key is not free for a second execution: a retry gets the original status and
-    /// headers (`Location` included) with an `idempotency-response-not-replayable` problem
-    /// document as the body, marked replayed.
-    #[default]
-    Record,
-    /// Release the key, so a retry runs the handler again (the behaviour before records of
-    /// unreplayable responses existed). Only for handlers that are safe to run twice.
-    Release,
-}
-
-#[derive(Clone)]
-pub(crate) struct Config {
-    pub(crate) engine: Idempotency,
-    pub(crate) methods: Vec<Method>,
-    pub(crate) required: bool,
-    pub(crate) body_limit: usize,
-    pub(crate) response_limit: usize,
-    pub(crate) scope: Arc<ScopeFn>,
-    pub(crate) route: Arc<RouteFn>,
-    pub(crate) store_status: Arc<StoreStatusFn>,
-    pub(crate) replayed: Vec<HeaderName>,
-    pub(crate) fail_open: bool,
-    pub(crate) responder: Arc<dyn RefusalResponder>,
-    pub(crate) fingerprint_headers: Vec<HeaderName>,
-    pub(crate) fingerprint_hook: Option<Arc<FingerprintFn>>,
-    pub(crate) unreplayable: Unreplayable,
-    pub(crate) challenge: HeaderValue,
-    pub(crate) max_retry_after: Duration,
-    pub(crate) unavailable_retry_after: Duration,
-    pub(crate) key_header: HeaderName,
-    pub(crate) key_validator: Option<Arc<KeyValidatorFn>>,
-    pub(crate) replayed_marker: Option<(HeaderName, HeaderValue)>,
-    pub(crate) response_hook: Option<Arc<ResponseHookFn>>,
-    pub(crate) scope_set: bool,
-}
-
-impl Config {
-    pub(crate) fn covers(&self, method: &Method) -> bool {
-        self.methods.contains(method)
-    }
-
-    pub(crate) fn replays(&self, name: &HeaderName) -> bool {
-        !NEVER_REPLAYED.contains(&name.as_str())
-            && self.replayed_marker.as_ref().is_none_or(|(m, _)| m != name)
-            && self.replayed.contains(name)
-    }
-
-    /// The stored form of a response: its status, the headers of the replay allowlist and
-    /// `body`.
-    pub(crate) fn stored_response(
-        &self,
-        parts: &http::response::Parts,
-        body: Bytes,
-    ) -> StoredResponse {
-        StoredResponse {
-            status: parts.status,
-            headers: parts
-                .headers
-                .iter()
-                .filter(|(name, _)| self.replays(name))
-                .map(|(n, v)| (n.clone(), v.clone()))
-                .collect(),
-            body,
-            not_replayable: None,
-        }
-    }
-
-    pub(crate) fn hash_keys(&self) -> bool {
-        self.engine.policy().hash_keys_in_logs
-    }
-}
-
-/// The default rule for which responses are stored: everything except 5xx, 408 and 429,
-/// which release the key so that a retry runs the handler again.
-pub fn default_store_status(status: StatusCode) -> bool {
-    !(status.is_server_error()
-        || status == StatusCode::REQUEST_TIMEOUT
-        || status == StatusCode::TOO_MANY_REQUESTS)
-}
-
-fn default_route(parts: &Parts) -> String {
-    #[cfg(feature = "axum")]
-    if let Some(matched) = parts.extensions.get::<axum::extract::MatchedPath>() {
-        return matched.as_str().to_owned();
-    }
-    parts.uri.path().to_owned()
-}
 
 /// A tower [`Layer`](tower_layer::Layer) that gives the services it wraps the HTTP behaviour
 /// of the IETF `Idempotency-Key` draft. See the crate documentation for the behaviour table.
@@ -217,36 +78,7 @@ impl IdempotencyLayer {
     /// preconditions fingerprinted, unreplayable responses recorded.
     pub fn new(engine: Idempotency) -> Self {
         Self {
-            config: Arc::new(Config {
-                engine,
-                methods: vec![Method::POST, Method::PATCH],
-                required: false,
-                body_limit: Self::DEFAULT_LIMIT,
-                response_limit: Self::DEFAULT_LIMIT,
-                scope: Arc::new(|_| Some("anonymous".to_owned())),
-                route: Arc::new(default_route),
-                store_status: Arc::new(default_store_status),
-                replayed: DEFAULT_REPLAYED
-                    .iter()
-                    .map(|h| HeaderName::from_static(h))
-                    .collect(),
-                fail_open: false,
-                responder: Arc::new(ProblemJson::default()),
-                fingerprint_headers: DEFAULT_FINGERPRINT_HEADERS
-                    .iter()
-                    .map(|h| HeaderName::from_static(h))
-                    .collect(),
-                fingerprint_hook: None,
-                unreplayable: Unreplayable::Record,
-                challenge: HeaderValue::from_static("Bearer"),
-                max_retry_after: Self::DEFAULT_MAX_RETRY_AFTER,
-                unavailable_retry_after: Self::DEFAULT_UNAVAILABLE_RETRY_AFTER,
-                key_header: IDEMPOTENCY_KEY,
-                key_validator: None,
-                replayed_marker: Some((IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"))),
-                response_hook: None,
-                scope_set: false,
-            }),
+            config: Arc::new(Config::new(engine)),
             warned: Arc::new(AtomicBool::new(false)),
         }
     }
@@ -315,7 +147,7 @@ impl IdempotencyLayer {
         self.edit(|c| c.route = Arc::new(f))
     }
 
-    /// Which statuses are stored and replayed (default [`default_store_status`]). A status
+    /// Which statuses are stored and replayed (default [`default_store_status`](crate::default_store_status)). A status
     /// that is not stored releases the key, so a retry runs the handler again.
     pub fn store_status<F>(self, f: F) -> Self
     where
@@ -324,9 +156,9 @@ impl IdempotencyLayer {
         self.edit(|c| c.store_status = Arc::new(f))
     }
 
-    /// Adds a header to the replay allowlist ([`DEFAULT_REPLAYED`] to start with). Headers in
-    /// [`NEVER_REPLAYED`] are ignored: cookies, credentials and hop-by-hop headers are never
-    /// stored.
+    /// Adds a header to the replay allowlist ([`DEFAULT_REPLAYED`](crate::DEFAULT_REPLAYED)
+    /// to start with). Headers in [`NEVER_REPLAYED`](crate::NEVER_REPLAYED) are ignored:
+    /// cookies, credentials and hop-by-hop headers are never stored.
     pub fn replay_header(self, name: HeaderName) -> Self {
         self.edit(|c| {
             if !c.replayed.contains(&name) {
@@ -475,7 +307,8 @@ impl IdempotencyLayer {
         self.edit(|c| c.unavailable_retry_after = after)
     }
 
-    /// The header the key is read from (default `Idempotency-Key`).
+    /// The header the key is read from (default [`IDEMPOTENCY_KEY`](crate::IDEMPOTENCY_KEY),
+    /// `Idempotency-Key`).
     ///
     /// ```
     /// # use idempotency_core::{Idempotency, Policy};
@@ -518,8 +351,8 @@ impl IdempotencyLayer {
         self.edit(|c| c.key_validator = Some(Arc::new(f)))
     }
 
-    /// The header that marks a replayed response (default `Idempotent-Replayed: true`), or
-    /// `None` for no marker. The marker's name is never stored, whatever the allowlist says.
+    /// The header that marks a replayed response (default
+    /// [`IDEMPOTENT_REPLAYED`](crate::IDEMPOTENT_REPLAYED)`: true`), or `None` for no marker. The marker's name is never stored, whatever the allowlist says.
     ///
     /// ```
     /// # use idempotency_core::{Idempotency, Policy};

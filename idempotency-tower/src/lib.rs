@@ -2,28 +2,33 @@
 
 mod body;
 mod claim;
+mod config;
 mod fingerprint;
+mod future;
+mod headers;
 mod hooks;
 mod key;
 mod layer;
+mod observe;
 mod problem;
 mod service;
 mod stored;
 
-pub use body::ResponseBody;
+pub use body::{RequestBody, ResponseBody};
 #[cfg(feature = "axum")]
 pub use claim::NoClaim;
 pub use claim::{ClaimedKey, PrepareError, Prepared};
-pub use fingerprint::{normalize_media_type, FingerprintInput, DEFAULT_FINGERPRINT_HEADERS};
-pub use hooks::{HttpOutcome, ResponseContext};
-pub use key::{read_key, read_key_header, KeyHeaderError, IDEMPOTENCY_KEY};
-pub use layer::{
-    default_store_status, IdempotencyLayer, Unreplayable, DEFAULT_REPLAYED, NEVER_REPLAYED,
+pub use config::{default_store_status, Unreplayable};
+pub use fingerprint::{normalize_media_type, FingerprintInput};
+pub use future::ResponseFuture;
+pub use headers::{
+    DEFAULT_FINGERPRINT_HEADERS, DEFAULT_REPLAYED, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED,
+    NEVER_REPLAYED,
 };
+pub use hooks::ResponseContext;
+pub use key::{read_key, read_key_header, KeyHeaderError};
+pub use layer::IdempotencyLayer;
+pub use observe::{HttpDecision, HttpOutcome};
 pub use problem::{retry_after_secs, ProblemJson, Refusal, RefusalResponder, PROBLEM_JSON};
-pub use service::{http_scope, HttpDecision, IdempotencyService, IDEMPOTENT_REPLAYED};
+pub use service::{http_scope, IdempotencyService};
 pub use stored::{DecodeError, NotReplayable, StoredResponse};
-
-/// The request body the wrapped service receives: the buffered body of a covered request
-/// (`Left`), or the original body of a request that passed through (`Right`).
-pub type RequestBody<B> = http_body_util::Either<http_body_util::Full<bytes::Bytes>, B>;

@@ -1,8 +1,9 @@
 //! Refusals and how they are written: RFC 9457 problem documents by default, or your format.
 
+use crate::headers::CONTENT_TYPE;
 use crate::{KeyHeaderError, NotReplayable};
 use bytes::Bytes;
-use http::{header, HeaderValue, Response, StatusCode};
+use http::{HeaderValue, Response, StatusCode};
 use std::fmt;
 use std::time::Duration;
 
@@ -282,7 +283,7 @@ impl RefusalResponder for ProblemJson {
         *response.status_mut() = status;
         response
             .headers_mut()
-            .insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+            .insert(CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
         response
     }
 }
@@ -326,7 +327,7 @@ mod tests {
         for r in &all {
             let resp = ProblemJson::default().respond(r);
             assert_eq!(resp.status(), r.status());
-            assert_eq!(resp.headers()[header::CONTENT_TYPE], PROBLEM_JSON);
+            assert_eq!(resp.headers()[CONTENT_TYPE], PROBLEM_JSON);
             let doc: serde_json::Value = serde_json::from_slice(resp.body()).unwrap();
             assert_eq!(doc["status"], r.status().as_u16());
             assert_eq!(

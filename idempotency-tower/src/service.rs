@@ -1,39 +1,37 @@
 //! The service: read the key, fingerprint, claim, run or replay, store.
 
 use crate::claim::{ClaimedKey, Settlement};
+use crate::config::{Config, Unreplayable};
 use crate::fingerprint::FingerprintInput;
-use crate::hooks::{HttpOutcome, ResponseContext};
-use crate::layer::{Config, Unreplayable};
+use crate::future::ResponseFuture;
+use crate::headers::{CONNECTION, CONTENT_LENGTH, DIGEST, RETRY_AFTER, WWW_AUTHENTICATE};
+use crate::hooks::ResponseContext;
+use crate::observe::{record_decision, record_outcome, HttpDecision, HttpOutcome};
 use crate::problem::Refusal;
 use crate::stored::{NotReplayable, StoredResponse};
-use crate::{read_key_header, KeyHeaderError, RequestBody, ResponseBody};
+use crate::{read_key_header, IdempotencyLayer, KeyHeaderError, RequestBody, ResponseBody};
 use bytes::Bytes;
 use futures::FutureExt;
-use http::{header, HeaderName, HeaderValue, Request, Response, Version};
+use http::{HeaderName, HeaderValue, Request, Response, Version};
 use http_body::Body;
-use http_body_util::{BodyExt, Either, Full, LengthLimitError, Limited};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
 use idempotency_core::{
-    loggable_key, Begin, Error, Failure, Fingerprint, IdempotencyKey, Lease, RecordId, Scope,
-    ScopeError,
+    loggable_key, Begin, Error, Failure, Fingerprint, Idempotency, IdempotencyKey, Lease, RecordId,
+    Scope, ScopeError,
 };
 use std::fmt;
-use std::future::Future;
 use std::panic::AssertUnwindSafe;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tower_service::Service;
 use tracing::Instrument;
 
-/// The header that marks a replayed response (by default; see
-/// [`crate::IdempotencyLayer::replayed_header`]).
-pub const IDEMPOTENT_REPLAYED: http::HeaderName =
-    http::HeaderName::from_static("idempotent-replayed");
-
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// The service built by [`crate::IdempotencyLayer`].
+/// The service built by [`IdempotencyLayer`]: a covered request with a key runs the wrapped
+/// service once, and its retries get the stored response (or a refusal); other requests pass
+/// through to the wrapped service untouched.
 #[derive(Clone)]
 pub struct IdempotencyService<S> {
     inner: S,
@@ -52,65 +50,27 @@ impl<S> IdempotencyService<S> {
     pub(crate) fn new(inner: S, config: Arc<Config>) -> Self {
         Self { inner, config }
     }
-}
 
-/// What the layer did with a request, recorded on the `idempotency.http` span (field
-/// `http_decision`) and counted in `idempotency_http_requests_total{decision}`.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-#[non_exhaustive]
-pub enum HttpDecision {
-    /// Not covered, or no key and not required: passed through untouched.
-    PassThrough,
-    /// Refused before the store was asked (bad key, missing key, body too large…).
-    Refused,
-    /// The key was claimed and the handler ran.
-    Executed,
-    /// The stored response was replayed.
-    Replayed,
-    /// The key was used with a different request.
-    Mismatch,
-    /// Another request with the key is running.
-    InProgress,
-    /// The store failed and the layer answered 503.
-    StoreUnavailable,
-    /// The store failed and the handler ran unprotected (fail-open).
-    FailOpen,
-    /// The stored response could not be decoded.
-    Unreadable,
-}
-
-impl HttpDecision {
-    /// The label used in spans and metrics.
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            Self::PassThrough => "pass_through",
-            Self::Refused => "refused",
-            Self::Executed => "executed",
-            Self::Replayed => "replayed",
-            Self::Mismatch => "mismatch",
-            Self::InProgress => "in_progress",
-            Self::StoreUnavailable => "store_unavailable",
-            Self::FailOpen => "fail_open",
-            Self::Unreadable => "stored_response_unreadable",
-        }
+    /// A layer over `engine` that wraps services in `IdempotencyService`; the same as
+    /// [`IdempotencyLayer::new`] (name the service type: `IdempotencyService::<S>::layer`).
+    pub fn layer(engine: Idempotency) -> IdempotencyLayer {
+        IdempotencyLayer::new(engine)
     }
-}
 
-fn record(decision: HttpDecision) {
-    tracing::Span::current().record("http_decision", decision.as_str());
-    tracing::debug!(
-        http_decision = decision.as_str(),
-        "idempotency http decision"
-    );
-    #[cfg(feature = "metrics")]
-    metrics::counter!("idempotency_http_requests_total", "decision" => decision.as_str())
-        .increment(1);
-}
+    /// The wrapped service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
 
-fn record_outcome(outcome: &'static str) {
-    tracing::Span::current().record("outcome", outcome);
-    #[cfg(feature = "metrics")]
-    metrics::counter!("idempotency_http_outcomes_total", "outcome" => outcome).increment(1);
+    /// The wrapped service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// The wrapped service, taking the layer away.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
 }
 
 type Answer<B> = Response<ResponseBody<B>>;
@@ -127,7 +87,7 @@ where
 {
     type Response = Answer<ResB>;
     type Error = S::Error;
-    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, S::Error>> + Send>>;
+    type Future = ResponseFuture<ResB, S::Error>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
@@ -139,7 +99,7 @@ where
         let inner = std::mem::replace(&mut self.inner, clone);
         let config = self.config.clone();
         if !config.covers(req.method()) {
-            return Box::pin(pass_through(inner, req));
+            return ResponseFuture::new(pass_through(inner, req));
         }
         let span = tracing::info_span!(
             "idempotency.http",
@@ -151,7 +111,7 @@ where
             http_decision = tracing::field::Empty,
             outcome = tracing::field::Empty,
         );
-        Box::pin(handle(inner, config, req).instrument(span))
+        ResponseFuture::new(handle(inner, config, req).instrument(span))
     }
 }
 
@@ -162,7 +122,7 @@ async fn pass_through<S, ReqB, ResB>(
 where
     S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
 {
-    let resp = inner.call(req.map(Either::Right)).await?;
+    let resp = inner.call(req.map(RequestBody::passed)).await?;
     Ok(resp.map(ResponseBody::inner))
 }
 
@@ -176,18 +136,18 @@ fn refuse<B>(config: &Config, refusal: Refusal) -> Answer<B> {
     // Headers the status calls for, unless the responder set them itself.
     let (name, value) = match &refusal {
         Refusal::InProgress { retry_after } => (
-            header::RETRY_AFTER,
+            RETRY_AFTER,
             HeaderValue::from(crate::problem::retry_after_secs(*retry_after)),
         ),
         Refusal::StoreUnavailable(_) => (
-            header::RETRY_AFTER,
+            RETRY_AFTER,
             HeaderValue::from(crate::problem::retry_after_secs(
                 config.unavailable_retry_after,
             )),
         ),
         // The request that took the key over is running: its outcome is the retry's answer.
-        Refusal::LeaseLost => (header::RETRY_AFTER, HeaderValue::from(1u64)),
-        Refusal::CallerUnidentified => (header::WWW_AUTHENTICATE, config.challenge.clone()),
+        Refusal::LeaseLost => (RETRY_AFTER, HeaderValue::from(1u64)),
+        Refusal::CallerUnidentified => (WWW_AUTHENTICATE, config.challenge.clone()),
         _ => return resp.map(ResponseBody::full),
     };
     if !resp.headers().contains_key(&name) {
@@ -204,7 +164,7 @@ fn refuse_body<B>(config: &Config, refusal: Refusal, version: Version) -> Answer
     let mut resp = refuse(config, refusal);
     if too_large && version < Version::HTTP_2 {
         resp.headers_mut()
-            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            .insert(CONNECTION, HeaderValue::from_static("close"));
     }
     resp
 }
@@ -271,15 +231,15 @@ where
     let key = match read_request_key(&config, req.headers()) {
         Ok(Some(key)) => key,
         Ok(None) if config.required => {
-            record(HttpDecision::Refused);
+            record_decision(HttpDecision::Refused);
             return Ok(refuse(&config, Refusal::KeyRequired));
         }
         Ok(None) => {
-            record(HttpDecision::PassThrough);
+            record_decision(HttpDecision::PassThrough);
             return pass_through(inner, req).await;
         }
         Err(e) => {
-            record(HttpDecision::Refused);
+            record_decision(HttpDecision::Refused);
             return Ok(refuse(&config, Refusal::KeyInvalid(e)));
         }
     };
@@ -290,13 +250,13 @@ where
     let route = (config.route)(&parts);
     span.record("route", route.as_str());
     let Some(caller) = (config.scope)(&parts) else {
-        record(HttpDecision::Refused);
+        record_decision(HttpDecision::Refused);
         return Ok(refuse(&config, Refusal::CallerUnidentified));
     };
     let scope = match http_scope(&caller, &parts.method, &route) {
         Ok(scope) => scope,
         Err(e) => {
-            record(HttpDecision::Refused);
+            record_decision(HttpDecision::Refused);
             return Ok(refuse(&config, Refusal::ScopeInvalid(e.to_string())));
         }
     };
@@ -304,24 +264,24 @@ where
     let body = match buffer_request(&parts, body, config.body_limit).await {
         Ok(body) => body,
         Err(refusal) => {
-            record(HttpDecision::Refused);
+            record_decision(HttpDecision::Refused);
             return Ok(refuse_body(&config, refusal, parts.version));
         }
     };
     let fingerprint = fingerprint(&config, &parts, &body);
     let id = RecordId::new(scope, key);
-    let req = Request::from_parts(parts, Either::Left(Full::new(body)));
+    let req = Request::from_parts(parts, RequestBody::buffered(body));
 
     let began = Instant::now();
     match config.engine.begin(&id, &fingerprint).await {
         Ok(Begin::Execute(lease)) => {
-            record(HttpDecision::Executed);
+            record_decision(HttpDecision::Executed);
             execute(inner, config, req, lease).await
         }
-        Ok(Begin::Replay(record_)) => {
-            let Some(bytes) = record_.outcome.as_deref() else {
-                record(HttpDecision::Unreadable);
-                tracing::error!(record = %record_.id, "completed record has no outcome");
+        Ok(Begin::Replay(record)) => {
+            let Some(bytes) = record.outcome.as_deref() else {
+                record_decision(HttpDecision::Unreadable);
+                tracing::error!(record = %record.id, "completed record has no outcome");
                 return Ok(refuse(
                     &config,
                     Refusal::StoredResponseUnreadable("no outcome".into()),
@@ -329,13 +289,13 @@ where
             };
             match StoredResponse::decode(bytes) {
                 Ok(stored) => {
-                    record(HttpDecision::Replayed);
+                    record_decision(HttpDecision::Replayed);
                     let resp = replay(&config, stored);
-                    let expires_at = system_time(record_.expires_at);
+                    let expires_at = system_time(record.expires_at);
                     Ok(with_hook(&config, &id.key, resp, None, expires_at))
                 }
                 Err(e) => {
-                    record(HttpDecision::Unreadable);
+                    record_decision(HttpDecision::Unreadable);
                     tracing::error!(error = %e, "stored response cannot be decoded");
                     Ok(refuse(
                         &config,
@@ -345,20 +305,20 @@ where
             }
         }
         Ok(Begin::Mismatch) => {
-            record(HttpDecision::Mismatch);
+            record_decision(HttpDecision::Mismatch);
             Ok(refuse(&config, Refusal::Mismatch))
         }
         Ok(Begin::InProgress { retry_after }) => {
-            record(HttpDecision::InProgress);
+            record_decision(HttpDecision::InProgress);
             let retry_after = in_progress_retry_after(&config, retry_after, began);
             Ok(refuse(&config, Refusal::InProgress { retry_after }))
         }
         Ok(Begin::FailedPermanently { .. }) => {
-            record(HttpDecision::Refused);
+            record_decision(HttpDecision::Refused);
             Ok(refuse(&config, Refusal::FailedPermanently))
         }
         Err(e @ (Error::CorruptRecord { .. } | Error::Codec { .. })) => {
-            record(HttpDecision::Unreadable);
+            record_decision(HttpDecision::Unreadable);
             tracing::error!(error = %e, "stored record cannot be decoded");
             Ok(refuse(
                 &config,
@@ -366,12 +326,12 @@ where
             ))
         }
         Err(e) if config.fail_open => {
-            record(HttpDecision::FailOpen);
+            record_decision(HttpDecision::FailOpen);
             tracing::warn!(error = %e, "idempotency store failed; running the request unprotected (fail-open)");
             pass_through_buffered(inner, req).await
         }
         Err(e) => {
-            record(HttpDecision::StoreUnavailable);
+            record_decision(HttpDecision::StoreUnavailable);
             tracing::error!(error = %e, "idempotency store failed; refusing the request (fail closed)");
             Ok(refuse(&config, Refusal::StoreUnavailable(e.to_string())))
         }
@@ -400,7 +360,7 @@ where
 {
     let declared = parts
         .headers
-        .get(header::CONTENT_LENGTH)
+        .get(CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > limit as u64) {
@@ -448,7 +408,7 @@ fn replay<B>(config: &Config, stored: StoredResponse) -> Answer<B> {
 /// Headers that describe the body they came with, so they are not sent with a problem
 /// document in its place.
 fn describes_body(name: &HeaderName) -> bool {
-    name.as_str().starts_with("content-") || name == "digest"
+    name.as_str().starts_with("content-") || name == DIGEST
 }
 
 /// The answer for a handler that ran but whose response was not kept: the responder's
@@ -496,15 +456,15 @@ where
             // The handler panicked (its key was released) or the runtime is shutting down
             // (the dropped lease holds the key until it passes).
             tracing::error!(error = %e, "handler task failed");
-            record_outcome("handler_panicked");
+            record_outcome(HttpOutcome::HandlerPanicked);
             Ok(refuse(&config, Refusal::HandlerFailed))
         }
     }
 }
 
-async fn release(lease: Lease, why: &'static str) {
+async fn release(lease: Lease, why: HttpOutcome) {
     record_outcome(why);
-    match lease.fail(Failure::retryable(why)).await {
+    match lease.fail(Failure::retryable(why.as_str())).await {
         Ok(()) => {}
         Err(e @ Error::LeaseLost { .. }) => {
             tracing::warn!(error = %e, "the key was taken over before it could be released");
@@ -518,9 +478,9 @@ fn settled_by_handler(lease: Lease, settlement: Settlement) {
     lease.settled_externally();
     match settlement {
         Settlement::Open => {}
-        Settlement::Committed => record_outcome(HttpOutcome::SettledByHandler.as_str()),
+        Settlement::Committed => record_outcome(HttpOutcome::SettledByHandler),
         Settlement::Lost => {
-            record_outcome(HttpOutcome::LeaseLost.as_str());
+            record_outcome(HttpOutcome::LeaseLost);
             tracing::warn!(
                 "the handler's completion was fenced: its lease had passed and another request \
                  holds the key; its transaction rolled back"
@@ -633,7 +593,7 @@ async fn settle_response<B>(config: &Config, lease: Lease, read: ReadResponse<B>
             (resp, outcome)
         }
         (ReadResponse::TooLarge(parts, body), Unreplayable::Release) => {
-            release(lease, HttpOutcome::ReleasedTooLarge.as_str()).await;
+            release(lease, HttpOutcome::ReleasedTooLarge).await;
             let resp = Response::from_parts(parts, body);
             return with_hook(
                 config,
@@ -653,7 +613,7 @@ async fn settle_response<B>(config: &Config, lease: Lease, read: ReadResponse<B>
         }
         (ReadResponse::Failed(_, e), Unreplayable::Release) => {
             tracing::error!(error = %e, "the handler's response body failed");
-            release(lease, HttpOutcome::ReleasedBodyFailed.as_str()).await;
+            release(lease, HttpOutcome::ReleasedBodyFailed).await;
             return refuse(config, Refusal::HandlerFailed);
         }
         (ReadResponse::Failed(parts, e), Unreplayable::Record) => {
@@ -670,7 +630,7 @@ async fn settle_response<B>(config: &Config, lease: Lease, read: ReadResponse<B>
             )
         }
     };
-    record_outcome(outcome.as_str());
+    record_outcome(outcome);
     let expires_at = match outcome {
         HttpOutcome::Stored | HttpOutcome::RecordedTooLarge | HttpOutcome::RecordedBodyFailed => {
             retained
@@ -716,7 +676,7 @@ where
             // A panic counts as a failed attempt: release the key, then let the task panic.
             // A key the handler settled in its own transaction stays as it committed.
             if let Some(lease) = unless_settled_by_handler(&claim, lease) {
-                release(lease, "handler_panicked").await;
+                release(lease, HttpOutcome::HandlerPanicked).await;
             }
             std::panic::resume_unwind(panic);
         }
@@ -724,7 +684,7 @@ where
     match handled {
         Handled::Error(e) => {
             if let Some(lease) = unless_settled_by_handler(&claim, lease) {
-                release(lease, "handler_error").await;
+                release(lease, HttpOutcome::HandlerError).await;
             }
             Err(e)
         }
@@ -748,7 +708,7 @@ where
         }
         Handled::UnstoredStatus(resp) => {
             let key = lease.id().key.clone();
-            release(lease, HttpOutcome::ReleasedStatus.as_str()).await;
+            release(lease, HttpOutcome::ReleasedStatus).await;
             let resp = resp.map(ResponseBody::inner);
             Ok(with_hook(
                 &config,

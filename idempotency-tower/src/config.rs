@@ -1,0 +1,148 @@
+//! The configuration the layer builds and every service it makes shares.
+
+use crate::fingerprint::FingerprintInput;
+use crate::headers::{
+    DEFAULT_FINGERPRINT_HEADERS, DEFAULT_REPLAYED, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED,
+    NEVER_REPLAYED,
+};
+use crate::hooks::ResponseContext;
+use crate::problem::{ProblemJson, RefusalResponder};
+use crate::stored::StoredResponse;
+use crate::IdempotencyLayer;
+use bytes::Bytes;
+use http::request::Parts;
+use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
+use idempotency_core::{Fingerprint, Idempotency, IdempotencyKey};
+use std::sync::Arc;
+use std::time::Duration;
+
+type ScopeFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
+type RouteFn = dyn Fn(&Parts) -> String + Send + Sync;
+type StoreStatusFn = dyn Fn(StatusCode) -> bool + Send + Sync;
+type FingerprintFn = dyn Fn(&FingerprintInput<'_>) -> Fingerprint + Send + Sync;
+type KeyValidatorFn = dyn Fn(&IdempotencyKey) -> Result<(), String> + Send + Sync;
+type ResponseHookFn = dyn Fn(&ResponseContext<'_>, &mut HeaderMap) + Send + Sync;
+
+/// What the layer does when the handler ran but its response cannot be stored for replay: the
+/// body is larger than the response limit, or it failed while the layer read it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Unreplayable {
+    /// Record that the handler ran, with its status and allowlisted headers (the default).
+    /// The key is not free for a second execution: a retry gets the original status and
+    /// headers (`Location` included) with an `idempotency-response-not-replayable` problem
+    /// document as the body, marked replayed.
+    #[default]
+    Record,
+    /// Release the key, so a retry runs the handler again (the behaviour before records of
+    /// unreplayable responses existed). Only for handlers that are safe to run twice.
+    Release,
+}
+
+/// The layer's options, shared (behind an `Arc`) by every service the layer makes and by the
+/// claims it hands to handlers.
+#[derive(Clone)]
+pub(crate) struct Config {
+    pub(crate) engine: Idempotency,
+    pub(crate) methods: Vec<Method>,
+    pub(crate) required: bool,
+    pub(crate) body_limit: usize,
+    pub(crate) response_limit: usize,
+    pub(crate) scope: Arc<ScopeFn>,
+    pub(crate) route: Arc<RouteFn>,
+    pub(crate) store_status: Arc<StoreStatusFn>,
+    pub(crate) replayed: Vec<HeaderName>,
+    pub(crate) fail_open: bool,
+    pub(crate) responder: Arc<dyn RefusalResponder>,
+    pub(crate) fingerprint_headers: Vec<HeaderName>,
+    pub(crate) fingerprint_hook: Option<Arc<FingerprintFn>>,
+    pub(crate) unreplayable: Unreplayable,
+    pub(crate) challenge: HeaderValue,
+    pub(crate) max_retry_after: Duration,
+    pub(crate) unavailable_retry_after: Duration,
+    pub(crate) key_header: HeaderName,
+    pub(crate) key_validator: Option<Arc<KeyValidatorFn>>,
+    pub(crate) replayed_marker: Option<(HeaderName, HeaderValue)>,
+    pub(crate) response_hook: Option<Arc<ResponseHookFn>>,
+    pub(crate) scope_set: bool,
+}
+
+impl Config {
+    /// The defaults documented on [`IdempotencyLayer::new`].
+    pub(crate) fn new(engine: Idempotency) -> Self {
+        Self {
+            engine,
+            methods: vec![Method::POST, Method::PATCH],
+            required: false,
+            body_limit: IdempotencyLayer::DEFAULT_LIMIT,
+            response_limit: IdempotencyLayer::DEFAULT_LIMIT,
+            scope: Arc::new(|_| Some("anonymous".to_owned())),
+            route: Arc::new(default_route),
+            store_status: Arc::new(default_store_status),
+            replayed: DEFAULT_REPLAYED.to_vec(),
+            fail_open: false,
+            responder: Arc::new(ProblemJson::default()),
+            fingerprint_headers: DEFAULT_FINGERPRINT_HEADERS.to_vec(),
+            fingerprint_hook: None,
+            unreplayable: Unreplayable::Record,
+            challenge: HeaderValue::from_static("Bearer"),
+            max_retry_after: IdempotencyLayer::DEFAULT_MAX_RETRY_AFTER,
+            unavailable_retry_after: IdempotencyLayer::DEFAULT_UNAVAILABLE_RETRY_AFTER,
+            key_header: IDEMPOTENCY_KEY,
+            key_validator: None,
+            replayed_marker: Some((IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"))),
+            response_hook: None,
+            scope_set: false,
+        }
+    }
+
+    pub(crate) fn covers(&self, method: &Method) -> bool {
+        self.methods.contains(method)
+    }
+
+    pub(crate) fn replays(&self, name: &HeaderName) -> bool {
+        !NEVER_REPLAYED.contains(name)
+            && self.replayed_marker.as_ref().is_none_or(|(m, _)| m != name)
+            && self.replayed.contains(name)
+    }
+
+    /// The stored form of a response: its status, the headers of the replay allowlist and
+    /// `body`.
+    pub(crate) fn stored_response(
+        &self,
+        parts: &http::response::Parts,
+        body: Bytes,
+    ) -> StoredResponse {
+        StoredResponse {
+            status: parts.status,
+            headers: parts
+                .headers
+                .iter()
+                .filter(|(name, _)| self.replays(name))
+                .map(|(n, v)| (n.clone(), v.clone()))
+                .collect(),
+            body,
+            not_replayable: None,
+        }
+    }
+
+    pub(crate) fn hash_keys(&self) -> bool {
+        self.engine.policy().hash_keys_in_logs
+    }
+}
+
+/// The default rule for which responses are stored: everything except 5xx, 408 and 429,
+/// which release the key so that a retry runs the handler again.
+pub fn default_store_status(status: StatusCode) -> bool {
+    !(status.is_server_error()
+        || status == StatusCode::REQUEST_TIMEOUT
+        || status == StatusCode::TOO_MANY_REQUESTS)
+}
+
+fn default_route(parts: &Parts) -> String {
+    #[cfg(feature = "axum")]
+    if let Some(matched) = parts.extensions.get::<axum::extract::MatchedPath>() {
+        return matched.as_str().to_owned();
+    }
+    parts.uri.path().to_owned()
+}
