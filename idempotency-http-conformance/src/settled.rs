@@ -105,7 +105,7 @@ async fn create(State(app): State<Arc<App>>, claim: ClaimedKey, headers: HeaderM
                     "failed after the commit",
                 )
                     .into_response(),
-                None => response.into_response(),
+                None => response.map(axum::body::Body::from).into_response(),
             }
         }
         Ok(Cas::Fenced) => {

@@ -4,7 +4,6 @@
 use crate::config::Config;
 use bytes::Bytes;
 use http::Response;
-use http_body_util::Full;
 use idempotency_core::{FencingToken, Lease, RecordId, WorkContext};
 use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -75,7 +74,7 @@ impl Shared {
 ///     Ok(())
 /// }
 ///
-/// fn create(claim: ClaimedKey) -> Response<http_body_util::Full<bytes::Bytes>> {
+/// fn create(claim: ClaimedKey) -> Response<bytes::Bytes> {
 ///     let response = Response::builder()
 ///         .status(StatusCode::CREATED)
 ///         .header("content-type", "application/json")
@@ -90,8 +89,8 @@ impl Shared {
 ///         Err(e) => server_error(e),
 ///     }
 /// }
-/// # fn server_error(e: String) -> Response<http_body_util::Full<bytes::Bytes>> {
-/// #     let mut r = Response::new(http_body_util::Full::new(bytes::Bytes::from(e)));
+/// # fn server_error(e: String) -> Response<bytes::Bytes> {
+/// #     let mut r = Response::new(bytes::Bytes::from(e));
 /// #     *r.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
 /// #     r
 /// # }
@@ -203,9 +202,9 @@ impl Prepared {
 
     /// Tells the layer the completion committed, and gives back the response to answer with.
     /// Call it only after the commit succeeded.
-    pub fn committed(self) -> Response<Full<Bytes>> {
+    pub fn committed(self) -> Response<Bytes> {
         self.claim.shared.set(Settlement::Committed);
-        self.response.map(Full::new)
+        self.response
     }
 }
 

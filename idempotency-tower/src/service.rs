@@ -281,7 +281,14 @@ where
         Ok(Begin::Replay(record)) => {
             let Some(bytes) = record.outcome.as_deref() else {
                 record_decision(HttpDecision::Unreadable);
-                tracing::error!(record = %record.id, "completed record has no outcome");
+                tracing::error!(
+                    record = %format_args!(
+                        "{}#{}",
+                        record.id.scope,
+                        loggable_key(&record.id.key, config.hash_keys())
+                    ),
+                    "completed record has no outcome"
+                );
                 return Ok(refuse(
                     &config,
                     Refusal::StoredResponseUnreadable("no outcome".into()),
@@ -464,6 +471,11 @@ where
 
 async fn release(lease: Lease, why: HttpOutcome) {
     record_outcome(why);
+    release_key(lease, why).await;
+}
+
+/// Releases the key without counting an outcome (for a panic, the failed task counts it).
+async fn release_key(lease: Lease, why: HttpOutcome) {
     match lease.fail(Failure::retryable(why.as_str())).await {
         Ok(()) => {}
         Err(e @ Error::LeaseLost { .. }) => {
@@ -675,8 +687,9 @@ where
         Err(panic) => {
             // A panic counts as a failed attempt: release the key, then let the task panic.
             // A key the handler settled in its own transaction stays as it committed.
+            // The task's failure counts the outcome, once.
             if let Some(lease) = unless_settled_by_handler(&claim, lease) {
-                release(lease, HttpOutcome::HandlerPanicked).await;
+                release_key(lease, HttpOutcome::HandlerPanicked).await;
             }
             std::panic::resume_unwind(panic);
         }

@@ -477,7 +477,10 @@ async fn create(
         .create_completing(&book, &claim, prepared.outcome())
         .await
     {
-        Ok(()) => prepared.committed().into_response(),
+        Ok(()) => prepared
+            .committed()
+            .map(axum::body::Body::from)
+            .into_response(),
         Err(RepoError::LeaseLost) => {
             // Rolled back: the request that took the key over creates the book. The layer
             // answers 409 lease-lost in place of this response.
