@@ -293,11 +293,6 @@ impl IdempotencyStore for MemoryStore {
     }
 }
 
-/// The root README's Rust examples, compiled and run as doctests so the quickstart stays true.
-#[cfg(doctest)]
-#[doc = include_str!("../../README.md")]
-struct RootReadme;
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -32,3 +32,10 @@ pub use observe::{HttpDecision, HttpOutcome};
 pub use problem::{retry_after_secs, ProblemJson, Refusal, RefusalResponder, PROBLEM_JSON};
 pub use service::{http_scope, IdempotencyService};
 pub use stored::{DecodeError, NotReplayable, StoredResponse};
+
+/// The workspace README's examples (the engine quickstart and the layer in front of an axum
+/// service), compiled and run as doctests of this crate, where the quickstart ends, so that
+/// they stay true.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+pub struct WorkspaceReadme;
