@@ -126,7 +126,7 @@ macro_rules! __with_case_list {
 /// // Builds one isolated store per case.
 /// async fn factory() -> TestStore {
 ///     let clock = ManualClock::new();
-///     TestStore::manual_time(Arc::new(MemoryStore::with_clock(Arc::new(clock.clone()))), clock)
+///     TestStore::manual_time(Arc::new(MemoryStore::builder().clock(Arc::new(clock.clone())).build()), clock)
 /// }
 ///
 /// idempotency_conformance::conformance_tests!(factory);

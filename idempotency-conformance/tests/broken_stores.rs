@@ -203,7 +203,7 @@ async fn bounded(case: CaseFn, t: TestStore) {
 fn assert_rejected(bug: Bug, expected: &[&str]) {
     let failed = failing_cases(|clock| {
         Arc::new(Broken {
-            inner: MemoryStore::with_clock(Arc::new(clock)),
+            inner: MemoryStore::builder().clock(Arc::new(clock)).build(),
             bug,
         })
     });
@@ -223,7 +223,8 @@ fn assert_rejected(bug: Bug, expected: &[&str]) {
 
 #[test]
 fn memory_store_passes_every_case() {
-    let failed = failing_cases(|clock| Arc::new(MemoryStore::with_clock(Arc::new(clock))));
+    let failed =
+        failing_cases(|clock| Arc::new(MemoryStore::builder().clock(Arc::new(clock)).build()));
     assert!(
         failed.is_empty(),
         "the reference memory store fails {failed:?}"

@@ -76,28 +76,54 @@ impl Default for MemoryStore {
     }
 }
 
-impl MemoryStore {
-    /// A store on the system clock with 64 shards.
-    pub fn new() -> Self {
-        Self::with_clock(Arc::new(SystemClock))
+/// Configures a [`MemoryStore`]: its clock and how many lock shards it has.
+#[derive(Clone, Debug)]
+pub struct MemoryStoreBuilder {
+    clock: Arc<dyn Clock>,
+    shards: usize,
+}
+
+impl MemoryStoreBuilder {
+    /// The clock that decides leases and expiry (default: the system clock; a
+    /// [`idempotency_core::ManualClock`] in tests).
+    pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
     }
 
-    /// A store on the given clock (a [`idempotency_core::ManualClock`] in tests).
-    pub fn with_clock(clock: Arc<dyn Clock>) -> Self {
-        Self::with_clock_and_shards(clock, 64)
+    /// How many lock shards the records are spread over (default 64; rounded up to a power of
+    /// two, at least 1).
+    pub fn shards(mut self, shards: usize) -> Self {
+        self.shards = shards;
+        self
     }
 
-    /// A store with `shards` lock shards (rounded up to a power of two, at least 1).
-    pub fn with_clock_and_shards(clock: Arc<dyn Clock>, shards: usize) -> Self {
-        let n = shards.max(1).next_power_of_two();
+    /// Builds the store. Nothing can fail: there is nothing to open or migrate.
+    pub fn build(self) -> MemoryStore {
+        let n = self.shards.max(1).next_power_of_two();
         let hasher = RandomState::default();
-        Self {
+        MemoryStore {
             shards: (0..n)
                 .map(|_| Mutex::new(HashMap::with_hasher(hasher.clone())))
                 .collect(),
             hasher,
-            clock,
+            clock: self.clock,
         }
+    }
+}
+
+impl MemoryStore {
+    /// Starts configuring a store.
+    pub fn builder() -> MemoryStoreBuilder {
+        MemoryStoreBuilder {
+            clock: Arc::new(SystemClock),
+            shards: 64,
+        }
+    }
+
+    /// A store on the system clock with 64 shards.
+    pub fn new() -> Self {
+        Self::builder().build()
     }
 
     /// How many records are held, expired ones included.
@@ -321,7 +347,9 @@ mod tests {
     #[tokio::test]
     async fn len_counts_held_records() {
         let clock = ManualClock::new();
-        let store = MemoryStore::with_clock(Arc::new(clock.clone()));
+        let store = MemoryStore::builder()
+            .clock(Arc::new(clock.clone()))
+            .build();
         assert!(store.is_empty());
         assert_eq!(store.len(), 0);
         fill(&store, 5, Duration::from_secs(1)).await;
@@ -337,7 +365,10 @@ mod tests {
     /// serialises the whole store behind one mutex).
     #[tokio::test]
     async fn keys_spread_over_shards() {
-        let store = MemoryStore::with_clock_and_shards(Arc::new(ManualClock::new()), 16);
+        let store = MemoryStore::builder()
+            .clock(Arc::new(ManualClock::new()))
+            .shards(16)
+            .build();
         fill(&store, 256, Duration::from_secs(60)).await;
         let used = store.shards.iter().filter(|s| !s.lock().is_empty()).count();
         assert!(used >= 12, "256 keys landed in only {used} of 16 shards");
@@ -349,7 +380,10 @@ mod tests {
     async fn purge_honours_its_batch_across_shards() {
         for _ in 0..20 {
             let clock = ManualClock::new();
-            let store = MemoryStore::with_clock_and_shards(Arc::new(clock.clone()), 8);
+            let store = MemoryStore::builder()
+                .clock(Arc::new(clock.clone()))
+                .shards(8)
+                .build();
             fill(&store, 16, Duration::from_secs(1)).await;
             clock.advance(Duration::from_secs(2));
             let mut total = 0;

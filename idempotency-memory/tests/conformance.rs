@@ -6,7 +6,11 @@ use std::sync::Arc;
 async fn factory() -> TestStore {
     let clock = ManualClock::new();
     TestStore::manual_time(
-        Arc::new(MemoryStore::with_clock(Arc::new(clock.clone()))),
+        Arc::new(
+            MemoryStore::builder()
+                .clock(Arc::new(clock.clone()))
+                .build(),
+        ),
         clock,
     )
 }
