@@ -210,8 +210,9 @@ pub async fn released_key_accepts_corrected_request(store: TestStore) {
 }
 
 /// A handler that runs longer than its lease is not run a second time by a retry: the layer
-/// extends the lease while the handler runs. (300 ms lease, 1.5 s handler, retry at 700 ms:
-/// 409, then the replay.)
+/// extends the lease while the handler runs. (300 ms lease, 3 s handler, retry after about
+/// 1.1 s: 409, then the replay. The handler runs long past the retry so that a loaded machine,
+/// slow to send the retry, still sends it while the handler runs.)
 pub async fn handler_outliving_its_lease_runs_once(store: TestStore) {
     let policy = Policy::default()
         .lease(Duration::from_millis(300))
@@ -222,7 +223,7 @@ pub async fn handler_outliving_its_lease_runs_once(store: TestStore) {
     let first = {
         let (c, s, body) = (c.clone(), s.clone(), body.clone());
         tokio::spawn(async move {
-            send(post(&c, &s, "/items", "slow", &body).header(control::DELAY_MS, "1500")).await
+            send(post(&c, &s, "/items", "slow", &body).header(control::DELAY_MS, "3000")).await
         })
     };
     tokio::time::sleep(Duration::from_millis(700)).await;
