@@ -194,10 +194,17 @@ impl Error {
 
     /// Where a store error happened, when the engine recorded it.
     pub fn store_call(&self) -> Option<&StoreCall> {
+        self.find_source::<StoreCall>()
+    }
+
+    /// The first error of type `T` in this error's source chain: how a store crate finds its
+    /// own error behind a core one (`PostgresError::find`, `SqliteError::find`), or a caller
+    /// the driver's.
+    pub fn find_source<T: std::error::Error + 'static>(&self) -> Option<&T> {
         let mut cur = std::error::Error::source(self);
         while let Some(e) = cur {
-            if let Some(call) = e.downcast_ref::<StoreCall>() {
-                return Some(call);
+            if let Some(found) = e.downcast_ref::<T>() {
+                return Some(found);
             }
             cur = e.source();
         }

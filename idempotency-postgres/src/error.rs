@@ -104,14 +104,7 @@ impl PostgresError {
 
     /// The `PostgresError` behind a core error, if there is one in its source chain.
     pub fn find(error: &Error) -> Option<&PostgresError> {
-        let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
-        while let Some(e) = source {
-            if let Some(found) = e.downcast_ref::<PostgresError>() {
-                return Some(found);
-            }
-            source = e.source();
-        }
-        None
+        error.find_source::<Self>()
     }
 }
 

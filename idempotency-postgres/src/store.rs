@@ -17,13 +17,6 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Durations reach SQL in milliseconds, capped at [`idempotency_core::MAX_DURATION`], so a huge
-/// lease or TTL (`Duration::MAX`) cannot overflow PostgreSQL's timestamp range: its deadline
-/// saturates a century from now and the record is, in effect, eternal.
-fn millis(d: Duration) -> i64 {
-    duration_millis(d)
-}
-
 /// Builds a [`PostgresStore`] with a chosen schema, table and pool settings.
 ///
 /// Names are validated when the store is built ([`PostgresStoreBuilder::connect`] or
@@ -285,7 +278,7 @@ impl PostgresStore {
             .bind(id.key.as_str())
             .bind(t)
             .bind(outcome)
-            .bind(millis(ttl))
+            .bind(duration_millis(ttl))
             .fetch_optional(&mut *tx)
             .await
             // Nothing commits until the caller commits: a lost connection applied nothing.
@@ -498,8 +491,8 @@ fn decode_record(row: &PgRow, id: &RecordId, table: &str) -> Result<Record, Erro
 #[async_trait]
 impl IdempotencyStore for PostgresStore {
     async fn claim(&self, request: &ClaimRequest) -> Result<Claim, Error> {
-        let lease_ms = millis(request.lease);
-        let hold_ms = millis(claim_retention(request.lease, request.ttl));
+        let lease_ms = duration_millis(request.lease);
+        let hold_ms = duration_millis(claim_retention(request.lease, request.ttl));
         let row = self
             .run(Effect::Write, || {
                 sqlx::query(&self.sql.claim)
@@ -549,7 +542,7 @@ impl IdempotencyStore for PostgresStore {
     ) -> Result<Cas, Error> {
         let extra = Extra::Complete {
             outcome,
-            ttl_ms: millis(ttl),
+            ttl_ms: duration_millis(ttl),
         };
         self.cas(&self.sql.complete, CasBinds { id, token, extra })
             .await
@@ -565,7 +558,7 @@ impl IdempotencyStore for PostgresStore {
         let extra = Extra::Fail {
             retryable: failure.retryable,
             message: &failure.message,
-            ttl_ms: millis(ttl),
+            ttl_ms: duration_millis(ttl),
         };
         self.cas(&self.sql.fail, CasBinds { id, token, extra })
             .await
@@ -578,7 +571,7 @@ impl IdempotencyStore for PostgresStore {
         lease: Duration,
     ) -> Result<Cas, Error> {
         let extra = Extra::Extend {
-            lease_ms: millis(lease),
+            lease_ms: duration_millis(lease),
         };
         self.cas(&self.sql.extend, CasBinds { id, token, extra })
             .await
@@ -595,7 +588,10 @@ impl IdempotencyStore for PostgresStore {
         let Ok(expected) = i64::try_from(expected.0) else {
             return Ok(Reclaim::Lost);
         };
-        let (lease_ms, hold_ms) = (millis(lease), millis(claim_retention(lease, ttl)));
+        let (lease_ms, hold_ms) = (
+            duration_millis(lease),
+            duration_millis(claim_retention(lease, ttl)),
+        );
         let row = self
             .run(Effect::Write, || {
                 sqlx::query(&self.sql.reclaim)

@@ -437,15 +437,7 @@ fn encode<R: Serialize>(result: &R) -> Result<Vec<u8>, Error> {
 
 /// Whether a core error wraps a serialization failure or deadlock from the driver.
 fn is_serialization_failure(e: &Error) -> bool {
-    if !matches!(e, Error::Backend { .. }) {
-        return false;
-    }
-    let mut cur = std::error::Error::source(e);
-    while let Some(source) = cur {
-        if let Some(sqlx) = source.downcast_ref::<sqlx::Error>() {
-            return crate::error::is_serialization_failure(sqlx);
-        }
-        cur = source.source();
-    }
-    false
+    matches!(e, Error::Backend { .. })
+        && e.find_source::<sqlx::Error>()
+            .is_some_and(crate::error::is_serialization_failure)
 }

@@ -104,14 +104,7 @@ impl SqliteError {
     /// assert!(matches!(SqliteError::find(&err), Some(SqliteError::Closed)));
     /// ```
     pub fn find(error: &idempotency_core::Error) -> Option<&SqliteError> {
-        let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
-        while let Some(e) = source {
-            if let Some(found) = e.downcast_ref::<SqliteError>() {
-                return Some(found);
-            }
-            source = e.source();
-        }
-        None
+        error.find_source::<Self>()
     }
 }
 
