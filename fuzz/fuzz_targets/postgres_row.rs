@@ -237,7 +237,7 @@ fuzz_target!(|row: Row| {
                 id: id.clone(),
                 fingerprint: Fingerprint::from_bytes(b"fuzz"),
                 lease: Duration::from_secs(30),
-                ttl: Duration::from_secs(60),
+                ttl: Duration::from_secs(60), count_hit: true,
             };
             if let Ok(Claim::Existing { record, .. }) = s.store.claim(&request).await {
                 assert!(record.token.0 >= 1, "{record:?}");

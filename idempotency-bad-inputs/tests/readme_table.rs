@@ -43,6 +43,7 @@ fn request(id: &RecordId) -> ClaimRequest {
         fingerprint: Fingerprint::from_bytes(b"payload"),
         lease: Duration::from_secs(600),
         ttl: Duration::from_secs(3600),
+        count_hit: true,
     }
 }
 

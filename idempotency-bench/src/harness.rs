@@ -232,6 +232,7 @@ pub async fn store_cycle(store: &dyn IdempotencyStore, id: RecordId) -> Result<(
         fingerprint: fingerprint(),
         lease: Duration::from_secs(30),
         ttl: Duration::from_secs(3600),
+        count_hit: true,
     };
     match store.claim(&req).await? {
         Claim::Claimed { token, .. } => {
@@ -251,6 +252,7 @@ pub async fn store_replay(store: &dyn IdempotencyStore, id: RecordId) -> Result<
         fingerprint: fingerprint(),
         lease: Duration::from_secs(30),
         ttl: Duration::from_secs(3600),
+        count_hit: true,
     };
     match store.claim(&req).await? {
         Claim::Existing { .. } => Ok(()),

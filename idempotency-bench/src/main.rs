@@ -401,6 +401,7 @@ async fn round_trips(
             fingerprint: harness::fingerprint(),
             lease: Duration::from_secs(30),
             ttl: Duration::from_secs(3600),
+            count_hit: true,
         };
         match store.claim(&req).await? {
             idempotency_core::Claim::Claimed { token, .. } => tokens.push(token),

@@ -82,6 +82,7 @@ fn hot_loop(
                         fingerprint: fp,
                         lease: Duration::from_secs(30),
                         ttl: Duration::from_secs(3600),
+                        count_hit: true,
                     };
                     let Claim::Existing { .. } =
                         idempotency_core::IdempotencyStore::claim(store.as_ref(), &req).await?

@@ -80,6 +80,7 @@ macro_rules! __with_case_list {
             purge_removes_only_expired,
             scopes_are_independent,
             hits_are_counted,
+            uncounted_claims_only_read,
             keys_and_scopes_round_trip,
             model_based_random_sequences,
             engine_concurrent_runs_execute_once,

@@ -273,6 +273,7 @@ impl Idempotency {
             fingerprint: *fingerprint,
             lease: self.policy.lease,
             ttl: self.policy.ttl,
+            count_hit: self.policy.count_hits,
         }
     }
 

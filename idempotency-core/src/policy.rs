@@ -111,6 +111,13 @@ pub struct Policy {
     pub settle_retry: SettleRetry,
     /// Log keys as a short SHA-256 prefix instead of in clear. Default `false`.
     pub hash_keys_in_logs: bool,
+    /// Count every replay and duplicate in the record's `hits`. Default `true`.
+    ///
+    /// Counting makes each replay a small write on the store (a row update on SQL stores, a
+    /// byte-range write on Redis); turning it off makes a replay a pure read, the cheapest
+    /// operation each store has, and leaves `hits` inexact (near 0). Nothing else depends on
+    /// the count: replays, conflicts and reclaims decide the same either way.
+    pub count_hits: bool,
 }
 
 impl Default for Policy {
@@ -125,6 +132,7 @@ impl Default for Policy {
             max_work_time: Duration::from_secs(600),
             settle_retry: SettleRetry::default(),
             hash_keys_in_logs: false,
+            count_hits: true,
         }
     }
 }
@@ -168,6 +176,11 @@ impl Policy {
     /// Sets how failed completions are retried.
     pub fn settle_retry(mut self, retry: SettleRetry) -> Self {
         self.settle_retry = retry;
+        self
+    }
+    /// Sets whether replays and duplicates are counted in the record's `hits`.
+    pub fn count_hits(mut self, count: bool) -> Self {
+        self.count_hits = count;
         self
     }
     /// Sets whether keys are hashed in logs.

@@ -245,6 +245,11 @@ pub struct ClaimRequest {
     pub lease: Duration,
     /// How long the record is kept; a new Pending record expires after `max(lease, ttl)`.
     pub ttl: Duration,
+    /// Whether observing a live record counts a hit. `false` makes the observation a pure
+    /// read (no write, no commit), at the price of inexact [`Record::hits`]: a store may
+    /// still count an observation that raced with the record's claim, but a claim that finds
+    /// the record already live never changes it. See [`crate::Policy::count_hits`].
+    pub count_hit: bool,
 }
 
 impl ClaimRequest {

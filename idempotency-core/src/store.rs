@@ -34,6 +34,9 @@ pub trait IdempotencyStore: Send + Sync + Debug + 'static {
     /// - A live record: increments its `hits` in the same atomic step and returns
     ///   [`Claim::Existing`] with the record as it stands after the increment and the store's
     ///   `now`. Nothing else changes: a live record is never overwritten, whatever its status.
+    ///   When [`ClaimRequest::count_hit`] is `false`, a claim that finds the record live
+    ///   writes nothing at all (a pure read) and returns it unchanged; only a claim that
+    ///   raced with the record's own claim may still count its hit.
     /// - Exactly one of any number of concurrent claims of an absent key gets `Claimed`.
     async fn claim(&self, request: &ClaimRequest) -> Result<Claim, Error>;
 

@@ -186,7 +186,9 @@ impl IdempotencyStore for MemoryStore {
         let mut shard = self.shard(&request.id).lock();
         let token = match shard.get_mut(&request.id) {
             Some(slot) if !slot.is_expired(now) => {
-                slot.hits = slot.hits.saturating_add(1);
+                if request.count_hit {
+                    slot.hits = slot.hits.saturating_add(1);
+                }
                 return Ok(Claim::Existing {
                     record: slot.to_record(&request.id),
                     now,
@@ -333,6 +335,7 @@ mod tests {
             fingerprint: Fingerprint::from_bytes(b"f"),
             lease: ttl,
             ttl,
+            count_hit: true,
         }
     }
 

@@ -44,6 +44,7 @@ const NOW_CTE: &str =
 #[derive(Debug)]
 pub(crate) struct Statements {
     pub claim: String,
+    pub observe: String,
     pub complete: String,
     pub fail: String,
     pub extend: String,
@@ -80,16 +81,16 @@ impl Statements {
         // synchronous_commit). The store's statements always run in their own implicit
         // transaction, so the setting never reaches a caller's transaction.
         let expired = "r.expires_at <= excluded.created_at";
-        let claim = format!(
-            "{NOW_CTE},
-up AS (
-    INSERT INTO {t} AS r (scope, key, fingerprint, status, token, lease_until, outcome,
+        // The upsert itself, `guard` limiting when it inserts at all.
+        let upsert = |guard: &str| {
+            format!(
+                "INSERT INTO {t} AS r (scope, key, fingerprint, status, token, lease_until, outcome,
                           attempts, failure_retryable, failure_message, hits,
                           created_at, updated_at, expires_at)
     SELECT $1, $2, $3, 'pending', greatest(1, c.now_us), c.now + $4 * interval '1 millisecond', NULL,
            1, NULL, NULL, 0,
            c.now, c.now, c.now + $5 * interval '1 millisecond'
-    FROM c
+    FROM c {guard}
     ON CONFLICT (scope, key) DO UPDATE SET
         fingerprint = CASE WHEN {expired} THEN excluded.fingerprint ELSE r.fingerprint END,
         status = CASE WHEN {expired} THEN excluded.status ELSE r.status END,
@@ -103,15 +104,37 @@ up AS (
         created_at = CASE WHEN {expired} THEN excluded.created_at ELSE r.created_at END,
         updated_at = CASE WHEN {expired} THEN excluded.updated_at ELSE r.updated_at END,
         expires_at = CASE WHEN {expired} THEN excluded.expires_at ELSE r.expires_at END
-    RETURNING {cols}
-)
-SELECT up.*, {now} AS now_ms,
+    RETURNING {cols}"
+            )
+        };
+        let now_ms = ms("c.now");
+        let written = format!(
+            "SELECT up.*, {now_ms} AS now_ms, true AS written,
        set_config('synchronous_commit',
                   CASE WHEN up.hits = 0 THEN current_setting('synchronous_commit')
                        ELSE 'off' END,
                   true) AS commit_mode
-FROM up, c",
-            now = ms("c.now"),
+FROM up, c"
+        );
+        let claim = format!("{NOW_CTE},\nup AS (\n    {}\n)\n{written}", upsert(""));
+        // The claim that counts no hit: a live record is only read (`written` false), and
+        // the upsert inserts nothing, so the statement writes nothing and its commit costs
+        // no WAL. When the read finds no live record the upsert runs as in `claim`; if a
+        // concurrent claim inserted the row meanwhile, its conflict branch observes that row
+        // and counts the hit, the one observation this mode still counts.
+        let observe = format!(
+            "{NOW_CTE},
+live AS (
+    SELECT {cols} FROM {t} AS r, c
+    WHERE r.scope = $1 AND r.key = $2 AND r.expires_at > c.now
+),
+up AS (
+    {}
+)
+SELECT live.*, {now_ms} AS now_ms, false AS written, NULL::text AS commit_mode FROM live, c
+UNION ALL
+{written}",
+            upsert("WHERE NOT EXISTS (SELECT 1 FROM live)")
         );
         // The CAS on a live Pending record holding the token; shared by complete, fail, extend.
         let held = "r.scope = $1 AND r.key = $2 AND r.token = $3 AND r.status = 'pending' \
@@ -200,6 +223,7 @@ FROM c",
         );
         Self {
             claim,
+            observe,
             complete,
             fail,
             extend,

@@ -495,7 +495,11 @@ impl IdempotencyStore for PostgresStore {
         let hold_ms = duration_millis(claim_retention(request.lease, request.ttl));
         let row = self
             .run(Effect::Write, || {
-                sqlx::query(&self.sql.claim)
+                let sql = match request.count_hit {
+                    true => &self.sql.claim,
+                    false => &self.sql.observe,
+                };
+                sqlx::query(sql)
                     .bind(request.id.scope.as_str())
                     .bind(request.id.key.as_str())
                     .bind(&request.fingerprint.as_bytes()[..])
@@ -508,10 +512,12 @@ impl IdempotencyStore for PostgresStore {
         let hits: i64 = get(&row, "hits", table)?;
         let created_ms: i64 = get(&row, "created_ms", table)?;
         let now_ms: i64 = get(&row, "now_ms", table)?;
+        let written: bool = get(&row, "written", table)?;
         // A claim leaves hits = 0 and created_at = this statement's now; an observation adds
         // one to the stored hits, so even a corrupt negative count is not taken for a claim
         // unless the record was also created in this very millisecond.
-        if hits == 0 && created_ms == now_ms {
+        // A row the statement only read (`written` false) is always an observation.
+        if written && hits == 0 && created_ms == now_ms {
             // Claimed: a fresh record, or an expired one replaced.
             let token: i64 = get(&row, "token", table)?;
             let lease_until: Option<i64> = get(&row, "lease_until_ms", table)?;

@@ -19,6 +19,7 @@ fn request() -> ClaimRequest {
         fingerprint: Fingerprint::from_bytes(b"payload"),
         lease: Duration::from_secs(60),
         ttl: Duration::from_secs(3600),
+        count_hit: true,
     }
 }
 

@@ -19,6 +19,7 @@ fn request(ttl: Duration) -> ClaimRequest {
         fingerprint: Fingerprint::from_bytes(b"payload"),
         lease: Duration::from_secs(60),
         ttl,
+        count_hit: true,
     }
 }
 
@@ -330,4 +331,49 @@ async fn transactional_engine_releases_on_error() {
             assert_eq!(record.attempts, 2);
         }
     }
+}
+
+/// A claim that counts no hit writes nothing: the live row keeps its row version (`xmin`,
+/// `ctid`) through any number of uncounted observations, while one counted observation writes
+/// a new one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uncounted_claims_write_no_row_version() {
+    let (store, guard) = common::store(Isolation::ReadCommitted).await;
+    let table = format!(r#""{}".records"#, guard.schema);
+    let req = request(Duration::from_secs(3600));
+    let Claim::Claimed { token, .. } = store.claim(&req).await.unwrap() else {
+        panic!("a fresh key was not claimed");
+    };
+    store
+        .complete(&req.id, token, b"done", Duration::from_secs(3600))
+        .await
+        .unwrap();
+    let version = || async {
+        let row: (String, String) = sqlx::query_as(&format!(
+            "SELECT xmin::text, ctid::text FROM {table} WHERE key = $1"
+        ))
+        .bind(req.id.key.as_str())
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+        row
+    };
+    let before = version().await;
+    let uncounted = ClaimRequest {
+        count_hit: false,
+        ..req.clone()
+    };
+    for _ in 0..5 {
+        let Claim::Existing { record, .. } = store.claim(&uncounted).await.unwrap() else {
+            panic!("a completed record was claimed again");
+        };
+        assert_eq!(record.status, RecordStatus::Completed);
+    }
+    assert_eq!(version().await, before, "an uncounted claim wrote the row");
+    store.claim(&req).await.unwrap();
+    assert_ne!(
+        version().await,
+        before,
+        "a counted claim wrote no row version"
+    );
 }

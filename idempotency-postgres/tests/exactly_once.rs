@@ -444,6 +444,7 @@ async fn kill_once(store: PostgresStore, orders: Arc<str>, level: Isolation) -> 
         fingerprint: fingerprint(),
         lease: KILL_LEASE,
         ttl: Duration::from_secs(3600),
+        count_hit: true,
     };
     let Claim::Claimed { token, .. } = store.claim(&request).await.unwrap() else {
         panic!("a fresh key is claimed");

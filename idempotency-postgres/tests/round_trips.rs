@@ -76,6 +76,7 @@ fn request(key: &IdempotencyKey) -> ClaimRequest {
         fingerprint: Fingerprint::from_bytes(b"payload"),
         lease: Duration::from_secs(60),
         ttl: Duration::from_secs(3600),
+        count_hit: true,
     }
 }
 

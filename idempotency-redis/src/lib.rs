@@ -421,6 +421,7 @@ impl IdempotencyStore for RedisStore {
                     &ms_arg(request.lease),
                     &ms_arg(request.ttl),
                     retention.as_bytes(),
+                    if request.count_hit { b"1" } else { b"0" },
                 ],
             )
             .await?;

@@ -118,7 +118,7 @@ local function keep_until(exp, retention)
 end
 "#;
 
-/// ARGV: fingerprint hex, lease ms, ttl ms, retention ms.
+/// ARGV: fingerprint hex, lease ms, ttl ms, retention ms, count hit (`1`/`0`).
 const CLAIM: &str = r#"
 local fp, lease, ttl, retention = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local now = now_ms()
@@ -140,6 +140,9 @@ if r == nil or r.exp <= now then
     'att', '1', 'hits', '0', 'ca', int(now), 'ua', int(now), 'exp', int(exp))
   keep_until(exp, retention)
   return { 'claimed', int(tok), int(lease_until), int(now) }
+end
+if ARGV[5] == '0' then
+  return { 'record', int(now), r.flat }
 end
 local hits = redis.call('HINCRBY', key, 'hits', 1)
 for i = 1, #r.flat, 2 do

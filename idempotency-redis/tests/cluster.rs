@@ -47,6 +47,7 @@ async fn records_spread_over_every_primary(h: support::Harness) {
             fingerprint: Fingerprint::from_bytes(b"x"),
             lease: Duration::from_secs(60),
             ttl: Duration::from_secs(60),
+            count_hit: true,
         };
         assert!(matches!(
             h.store.claim(&req).await.expect("claim"),

@@ -26,6 +26,7 @@ fn req(id: &RecordId) -> ClaimRequest {
         fingerprint: Fingerprint::from_bytes(b"payload"),
         lease: HOUR,
         ttl: HOUR,
+        count_hit: true,
     }
 }
 

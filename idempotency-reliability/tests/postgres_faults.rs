@@ -127,6 +127,7 @@ async fn terminated_during_complete_is_outcome_unknown() {
             fingerprint: fingerprint(),
             lease: LEASE,
             ttl: HOUR,
+            count_hit: true,
         };
         let Claim::Claimed { token, .. } = store.claim(&request).await.expect("claim") else {
             panic!("a fresh key is claimed");

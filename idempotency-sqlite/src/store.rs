@@ -142,25 +142,23 @@ impl SqliteStore {
 #[async_trait]
 impl IdempotencyStore for SqliteStore {
     async fn claim(&self, request: &ClaimRequest) -> Result<Claim, Error> {
-        let request = request.clone();
-        if self.inner.synchronous == Synchronous::Full {
-            // Read first: a claim of a live record (a replay, a duplicate) only counts a hit,
-            // which is committed without a sync (see `count_hit`).
+        let mut request = request.clone();
+        if !request.count_hit || self.inner.synchronous == Synchronous::Full {
+            // Read first: a claim of a live record (a replay, a duplicate) is a pure read, or
+            // only counts a hit, which is committed without a sync (see `observe`).
             let inner = self.inner.clone();
-            let (request, hit) = self
+            let (returned, seen) = self
                 .inner
                 .exec
                 .run(move |conn| {
-                    let hit = inner.count_hit(conn, &request);
-                    (request, hit)
+                    let seen = inner.observe(conn, &request);
+                    (request, seen)
                 })
                 .await?;
-            if let Some(claim) = hit? {
+            if let Some(claim) = seen? {
                 return Ok(claim);
             }
-            return self
-                .write(move |inner, tx, now| inner.claim(tx, &request, now))
-                .await;
+            request = returned;
         }
         self.write(move |inner, tx, now| inner.claim(tx, &request, now))
             .await
@@ -252,19 +250,7 @@ impl IdempotencyStore for SqliteStore {
         let inner = self.inner.clone();
         self.inner
             .exec
-            .run(move |conn| {
-                let now = inner.clock.now();
-                let mut stmt = conn
-                    .prepare_cached(&inner.sql.get)
-                    .map_err(|e| inner.sql_error(e))?;
-                let mut rows = stmt
-                    .query(params![id.scope.as_str(), id.key.as_str(), now.as_millis()])
-                    .map_err(|e| inner.sql_error(e))?;
-                match rows.next().map_err(|e| inner.sql_error(e))? {
-                    Some(row) => decode_record(row).map(Some),
-                    None => Ok(None),
-                }
-            })
+            .run(move |conn| inner.read_live(conn, &id, inner.clock.now()))
             .await?
     }
 
@@ -373,6 +359,25 @@ impl Inner {
         Ok(Claim::Existing { record, now })
     }
 
+    /// The live record, read without a lock, or `None`.
+    fn read_live(
+        &self,
+        conn: &Connection,
+        id: &RecordId,
+        now: Timestamp,
+    ) -> Result<Option<Record>, Error> {
+        let mut stmt = conn
+            .prepare_cached(&self.sql.get)
+            .map_err(|e| self.sql_error(e))?;
+        let mut rows = stmt
+            .query(params![id.scope.as_str(), id.key.as_str(), now.as_millis()])
+            .map_err(|e| self.sql_error(e))?;
+        match rows.next().map_err(|e| self.sql_error(e))? {
+            Some(row) => decode_record(row).map(Some),
+            None => Ok(None),
+        }
+    }
+
     /// The claim of a live record, whose only write is `hits + 1`, committed without a sync:
     /// a replay must not cost a durable write.
     ///
@@ -385,11 +390,20 @@ impl Inner {
     /// may forget the last hit counts; a claim, completion or failure is always synced,
     /// and its sync also covers every hit appended before it.
     ///
+    /// A claim that does not count hits ([`ClaimRequest::count_hit`] `false`) stops at a read
+    /// of the live record: no transaction, no write.
+    ///
     /// Returns `None` when there is no live record (or it expired or was purged between the
     /// read and the lock): the caller then claims under `synchronous = FULL`, and that
     /// statement still decides between a new claim and an observation.
-    fn count_hit(&self, conn: &Connection, req: &ClaimRequest) -> Result<Option<Claim>, Error> {
+    fn observe(&self, conn: &Connection, req: &ClaimRequest) -> Result<Option<Claim>, Error> {
         let id = &req.id;
+        if !req.count_hit {
+            let now = self.clock.now();
+            return Ok(self
+                .read_live(conn, id, now)?
+                .map(|record| Claim::Existing { record, now }));
+        }
         let live = conn
             .prepare_cached(&self.sql.live)
             .and_then(|mut s| {

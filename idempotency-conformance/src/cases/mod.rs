@@ -48,6 +48,7 @@ pub fn request(
         fingerprint,
         lease,
         ttl,
+        count_hit: true,
     }
 }
 

@@ -308,6 +308,7 @@ impl Sequence {
                     fingerprint,
                     lease: *lease,
                     ttl: *ttl,
+                    count_hit: true,
                 };
                 let got = store.claim(&req).await.map_err(|e| format!("claim: {e}"))?;
                 let before = self.reference.stored(key).cloned();

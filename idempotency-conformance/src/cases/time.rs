@@ -4,7 +4,10 @@ use super::{
     absent, fp, must_claim, must_claim_with_lease, must_observe, present, request, unique_id,
 };
 use crate::{TestStore, TimeControl};
-use idempotency_core::{Cas, ClaimRequest, Failure, FencingToken, Reclaim, Record, RecordStatus};
+use idempotency_core::{
+    Cas, Claim, ClaimRequest, Failure, FencingToken, Reclaim, Record, RecordStatus,
+};
+use std::sync::Arc;
 
 /// Claims `req` and settles it: `Completed`, `Failed`, or left `Pending`.
 async fn make(
@@ -383,5 +386,90 @@ pub async fn extend_moves_lease(t: TestStore) {
         t.store.extend(&a, token_a, t.long()).await.expect("extend"),
         Cas::Fenced,
         "the old holder extended after a reclaim"
+    );
+}
+
+/// A claim with [`ClaimRequest::count_hit`] `false` only reads a live record, whatever its
+/// status and whether its fingerprint matches: the record comes back exactly as `get` shows
+/// it, hits included, and stays so. It still claims an absent key, exactly once among
+/// concurrent callers, and an expired one, with a greater token.
+pub async fn uncounted_claims_only_read(t: TestStore) {
+    let uncounted = |req: ClaimRequest| ClaimRequest {
+        count_hit: false,
+        ..req
+    };
+    for status in [
+        RecordStatus::Completed,
+        RecordStatus::Failed,
+        RecordStatus::Pending,
+    ] {
+        let id = unique_id("uncounted");
+        let counted = request(&id, fp("a"), t.long(), t.long());
+        make(&t, &counted, status, t.long()).await;
+        // One counted observation, so an uncounted claim that counts anyway shows.
+        must_observe(&t, &counted).await;
+        let before = present(&t, &id).await;
+        assert_eq!(before.hits, 1, "the counted claim of a {status} record");
+        for req in [
+            uncounted(counted.clone()),
+            uncounted(request(&id, fp("other"), t.long(), t.long())),
+        ] {
+            for _ in 0..3 {
+                assert_eq!(
+                    must_observe(&t, &req).await,
+                    before,
+                    "an uncounted claim of a {status} record returned it changed"
+                );
+            }
+        }
+        assert_eq!(
+            present(&t, &id).await,
+            before,
+            "an uncounted claim of a {status} record changed it"
+        );
+    }
+
+    // An absent key: exactly one of many concurrent uncounted claims wins.
+    let id = unique_id("uncounted-new");
+    let req = uncounted(request(&id, fp("a"), t.short_lease(), t.short_ttl()));
+    let barrier = Arc::new(tokio::sync::Barrier::new(16));
+    let tasks: Vec<_> = (0..16)
+        .map(|_| {
+            let (store, req, barrier) = (t.store.clone(), req.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                store.claim(&req).await.expect("claim")
+            })
+        })
+        .collect();
+    let mut winners = Vec::new();
+    for task in tasks {
+        if let Claim::Claimed { token, .. } = task.await.expect("task") {
+            winners.push(token);
+        }
+    }
+    assert_eq!(
+        winners.len(),
+        1,
+        "uncounted claims of an absent key: winners {winners:?}"
+    );
+    let first = present(&t, &id).await;
+    assert_eq!(
+        (first.status, first.token, first.attempts),
+        (RecordStatus::Pending, winners[0], 1)
+    );
+
+    // Expired: an uncounted claim replaces it, with a greater token.
+    t.advance(t.short_ttl() + t.short_ttl() / 2).await;
+    let token = must_claim(&t, &req).await;
+    assert!(
+        token > first.token,
+        "the claim of an expired record reused token {token} (was {})",
+        first.token
+    );
+    let r = present(&t, &id).await;
+    assert_eq!(
+        (r.status, r.token, r.hits),
+        (RecordStatus::Pending, token, 0)
     );
 }

@@ -181,6 +181,7 @@ async fn seed(store: &TestStore, id: &RecordId, fp: Fingerprint, status: StatusC
             fingerprint: fp,
             lease: Duration::from_secs(60),
             ttl: Duration::from_secs(3600),
+            count_hit: true,
         })
         .await
         .expect("claim");

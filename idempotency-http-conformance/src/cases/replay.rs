@@ -235,6 +235,7 @@ pub async fn corrupt_stored_response_is_500(store: TestStore) {
             fingerprint,
             lease: Duration::from_secs(60),
             ttl: Duration::from_secs(3600),
+            count_hit: true,
         })
         .await
         .expect("claim");

@@ -18,6 +18,7 @@ fn req(id: &RecordId, lease: Duration, ttl: Duration) -> ClaimRequest {
         fingerprint: Fingerprint::from_bytes(b"payload"),
         lease,
         ttl,
+        count_hit: true,
     }
 }
 

@@ -33,5 +33,6 @@ pub fn req(id: &RecordId, payload: &[u8], lease: Duration, ttl: Duration) -> Cla
         fingerprint: Fingerprint::from_bytes(payload),
         lease,
         ttl,
+        count_hit: true,
     }
 }
