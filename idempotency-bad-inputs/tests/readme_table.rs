@@ -9,7 +9,6 @@ use idempotency_core::{
 };
 use idempotency_memory::MemoryStore;
 use idempotency_postgres::PostgresStore;
-use idempotency_redis::redis::Value as RedisValue;
 use idempotency_redis::RedisStore;
 use idempotency_sqlite::SqliteStore;
 use idempotency_tower::{read_key, StoredResponse, IDEMPOTENCY_KEY};
@@ -55,20 +54,6 @@ fn err_of<T: std::fmt::Debug, E: std::fmt::Debug>(ty: &str, r: Result<T, E>) -> 
 }
 
 /// A valid Redis record hash, field by field.
-fn redis_fields() -> Vec<(&'static str, Vec<u8>)> {
-    vec![
-        ("fp", "ab".repeat(32).into_bytes()),
-        ("st", b"completed".to_vec()),
-        ("tok", b"3".to_vec()),
-        ("out", b"{}".to_vec()),
-        ("att", b"1".to_vec()),
-        ("hits", b"0".to_vec()),
-        ("ca", b"1000".to_vec()),
-        ("ua", b"1000".to_vec()),
-        ("exp", b"9000".to_vec()),
-    ]
-}
-
 async fn sqlite_open(row: &Row, dir: &Path) -> String {
     let path = match row.example.as_str() {
         "missing/dir/x.db" => dir.join("missing").join("dir").join("x.db"),
@@ -153,25 +138,42 @@ async fn sqlite_record(row: &Row, dir: &Path) -> String {
     err_of("Error", store.get(&id).await)
 }
 
+/// A well-formed completed record in the Redis store's encoding, damaged at one field.
 fn redis_record(row: &Row) -> String {
     let (field, value) = row
         .example
         .split_once(" = ")
         .unwrap_or_else(|| panic!("README line {}: expected `field = value`", row.line));
-    let mut fields = redis_fields();
-    fields.retain(|(k, _)| *k != field);
-    if value != "<missing>" {
-        let value = literal(value).expect("a literal value");
-        let name: &'static str = Box::leak(field.to_owned().into_boxed_str());
-        fields.push((name, value));
+    let good = Record {
+        id: id("k"),
+        fingerprint: Fingerprint::from_bytes(b"payload"),
+        status: RecordStatus::Completed,
+        token: FencingToken(3),
+        lease_until: None,
+        outcome: Some(b"{}".to_vec()),
+        attempts: 1,
+        failure: None,
+        hits: 0,
+        created_at: Timestamp::from_millis(1000),
+        updated_at: Timestamp::from_millis(1000),
+        expires_at: Timestamp::from_millis(9000),
+    };
+    let mut bytes = idempotency_redis::__fuzz::encode_record(&good);
+    let number = || -> u64 { value.parse().expect("a number") };
+    let mut put = |at: usize, b: &[u8]| bytes[at..at + b.len()].copy_from_slice(b);
+    match field {
+        "tag" => put(0, &literal(value).expect("a literal value")),
+        "status" => put(4, &[number() as u8]),
+        "flags" => put(5, &[number() as u8]),
+        "token" => put(6, &number().to_be_bytes()),
+        "expiry" => put(50, &number().to_be_bytes()),
+        "message length" => put(90, &(number() as u32).to_be_bytes()),
+        "length" => bytes.truncate(number() as usize),
+        other => panic!("README line {}: no field {other:?}", row.line),
     }
-    let flat: Vec<RedisValue> = fields
-        .into_iter()
-        .flat_map(|(k, v)| [RedisValue::BulkString(k.into()), RedisValue::BulkString(v)])
-        .collect();
     err_of(
         "Error",
-        idempotency_redis::__fuzz::decode_record(&id("k"), &flat),
+        idempotency_redis::__fuzz::decode_record(&id("k"), &bytes),
     )
 }
 

@@ -462,6 +462,16 @@ async fn round_trips(
                 format!("{per:.2}"),
                 *trips == N as u64,
             );
+            // Redis runs scripts on its one thread: their server time bounds throughput.
+            let of = |label: &str| detail.iter().find(|(k, _)| k == label).map(|(_, v)| *v);
+            if let (Some(usec), Some(calls)) = (of("evalsha server µs"), of("evalsha")) {
+                let per_call = usec as f64 / calls.max(1) as f64;
+                targets.check(
+                    format!("{backend}: {name}, server time per script call ≤ 6 µs"),
+                    format!("{per_call:.1} µs (INFO commandstats, idle private server)"),
+                    per_call <= 6.0,
+                );
+            }
         }
     }
     Ok(())

@@ -23,17 +23,9 @@ pub fn url() -> String {
 }
 
 /// Commands the store's Lua scripts run inside `EVALSHA`: `INFO commandstats` counts them too,
-/// but they are not round trips.
-const SCRIPT_INTERNAL: &[&str] = &[
-    "del",
-    "hdel",
-    "hgetall",
-    "hincrby",
-    "hset",
-    "pexpireat",
-    "time",
-    "type",
-];
+/// but they are not round trips. The raw baseline sends some of the same commands (`GET`,
+/// `SET`) itself, so it is counted on a server of its own.
+const SCRIPT_INTERNAL: &[&str] = &["get", "set", "setrange", "time", "type"];
 
 /// A connection manager with the settings `RedisStore::connect` uses.
 async fn manager(url: &str) -> Result<ConnectionManager, BoxError> {
@@ -172,65 +164,96 @@ impl Drop for PrivateServer {
     }
 }
 
-struct CommandStats {
-    conn: ConnectionManager,
-    _server: PrivateServer,
+/// One command's counters from `INFO commandstats`.
+#[derive(Clone, Copy, Default)]
+struct CommandCount {
+    calls: u64,
+    usec: u64,
 }
 
-impl CommandStats {
-    /// Calls per command so far, minus the `INFO` this call is.
-    async fn calls(&self) -> Result<BTreeMap<String, u64>, BoxError> {
-        let mut c = self.conn.clone();
-        let info: String = redis::cmd("INFO")
-            .arg("commandstats")
-            .query_async(&mut c)
-            .await?;
-        let mut out = BTreeMap::new();
-        for line in info.lines() {
-            let Some(rest) = line.strip_prefix("cmdstat_") else {
-                continue;
-            };
-            let Some((name, fields)) = rest.split_once(':') else {
-                continue;
-            };
-            let calls = fields
+/// Reads `INFO commandstats` of a private server, minus the `INFO` that reading is.
+async fn command_stats(
+    conn: &ConnectionManager,
+) -> Result<BTreeMap<String, CommandCount>, BoxError> {
+    let mut c = conn.clone();
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut c)
+        .await?;
+    let mut out = BTreeMap::new();
+    for line in info.lines() {
+        let Some(rest) = line.strip_prefix("cmdstat_") else {
+            continue;
+        };
+        let Some((name, fields)) = rest.split_once(':') else {
+            continue;
+        };
+        let field = |key: &str| {
+            fields
                 .split(',')
-                .find_map(|f| f.strip_prefix("calls="))
+                .find_map(|f| f.strip_prefix(key))
                 .and_then(|v| v.parse::<u64>().ok())
-                .ok_or_else(|| format!("unreadable commandstats line {line:?}"))?;
-            out.insert(name.to_owned(), calls);
-        }
-        // The server counts an INFO once it has answered it: the ones before this one are in
-        // `info`, this one is not. Every INFO comes from this counter.
-        out.remove("info");
-        Ok(out)
+                .ok_or_else(|| format!("unreadable commandstats line {line:?}"))
+        };
+        out.insert(
+            name.to_owned(),
+            CommandCount {
+                calls: field("calls=")?,
+                usec: field("usec=")?,
+            },
+        );
     }
+    // The server counts an INFO once it has answered it: the ones before this one are in
+    // `info`, this one is not. Every INFO comes from this counter.
+    out.remove("info");
+    Ok(out)
+}
+
+/// Round trips on two private servers: the store's (commands inside scripts excluded) and the
+/// raw baseline's (every command counted).
+struct CommandStats {
+    store: ConnectionManager,
+    raw: ConnectionManager,
+    _servers: [PrivateServer; 2],
 }
 
 #[async_trait]
 impl RoundTripCounter for CommandStats {
     async fn count(&self) -> Result<u64, BoxError> {
-        let calls = self.calls().await?;
-        Ok(calls
+        let store = command_stats(&self.store).await?;
+        let raw = command_stats(&self.raw).await?;
+        Ok(store
             .iter()
             .filter(|(name, _)| !SCRIPT_INTERNAL.contains(&name.as_str()))
-            .map(|(_, n)| n)
+            .chain(raw.iter())
+            .map(|(_, n)| n.calls)
             .sum())
     }
 
     async fn detail(&self) -> Result<Vec<(String, u64)>, BoxError> {
-        let calls = self.calls().await?;
-        Ok(calls
-            .into_iter()
+        let store = command_stats(&self.store).await?;
+        let mut out: Vec<(String, u64)> = store
+            .iter()
             .map(|(name, n)| {
                 let label = if SCRIPT_INTERNAL.contains(&name.as_str()) {
                     format!("{name} (inside scripts)")
                 } else {
-                    name
+                    name.clone()
                 };
-                (label, n)
+                (label, n.calls)
             })
-            .collect())
+            .collect();
+        // Server time of the scripts, in µs: per call, it is the phase's delta divided by
+        // the calls' delta.
+        for (name, n) in &store {
+            if name == "evalsha" {
+                out.push(("evalsha server µs".to_owned(), n.usec));
+            }
+        }
+        for (name, n) in command_stats(&self.raw).await? {
+            out.push((format!("raw {name}"), n.calls));
+        }
+        Ok(out)
     }
 }
 
@@ -251,13 +274,14 @@ pub async fn backend() -> Result<(Backend, Cleanup), BoxError> {
         Cleanup::new(move || delete_prefix(url, prefix))
     };
 
-    let server = PrivateServer::start().await?;
-    let counted_conn = manager(&server.url()).await?;
+    let (store_server, raw_server) = (PrivateServer::start().await?, PrivateServer::start().await?);
+    let counted_conn = manager(&store_server.url()).await?;
     let counted_store = RedisStore::builder()
         .prefix(prefix.clone())
         .build(counted_conn.clone())?;
+    let raw_conn = manager(&raw_server.url()).await?;
     let counted_raw = RawRedis {
-        conn: counted_conn.clone(),
+        conn: raw_conn.clone(),
         prefix: format!("{prefix}raw:"),
     };
     Ok((
@@ -269,11 +293,13 @@ pub async fn backend() -> Result<(Backend, Cleanup), BoxError> {
                 store: Arc::new(counted_store),
                 raw: Arc::new(counted_raw),
                 counter: Arc::new(CommandStats {
-                    conn: counted_conn,
-                    _server: server,
+                    store: counted_conn,
+                    raw: raw_conn,
+                    _servers: [store_server, raw_server],
                 }),
-                method: "INFO commandstats deltas on a redis-server of the harness's own (the \
-                         INFO calls and the commands scripts run inside EVALSHA excluded)",
+                method: "INFO commandstats deltas on two redis-servers of the harness's own, \
+                         one for the store and one for the raw baseline (the INFO calls and \
+                         the commands scripts run inside EVALSHA excluded)",
             }),
         },
         cleanup,

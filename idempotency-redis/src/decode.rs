@@ -1,9 +1,22 @@
 //! Turning script replies into records and results, with a typed error for anything off.
+//!
+//! A record is stored as one string in the encoding `idk1` that [`crate::scripts`]
+//! describes; [`decode_record`] reads it and checks every rule a record must keep.
 
 use idempotency_core::{
     Error, Failure, FencingToken, Fingerprint, Record, RecordId, RecordStatus, Timestamp,
 };
 use redis::Value;
+
+/// The encoding's tag and version, the record's first four bytes.
+pub(crate) const TAG: &[u8; 4] = b"idk1";
+/// The fixed part of a record, before the failure message and the outcome.
+pub(crate) const HEADER_LEN: usize = 94;
+
+const HAS_LEASE: u8 = 1;
+const HAS_FAILURE: u8 = 2;
+const RETRYABLE: u8 = 4;
+const HAS_OUTCOME: u8 = 8;
 
 /// A script reply split into its tag and the values after it.
 pub(crate) struct Reply {
@@ -32,36 +45,45 @@ impl Reply {
         Ok(reply)
     }
 
+    /// The `i`-th value after the tag as an integer (an integer reply, or its decimal text).
+    fn integer(&self, i: usize, what: &str) -> Result<i64, Error> {
+        match self.rest.get(i) {
+            Some(Value::Int(n)) => Ok(*n),
+            Some(v) => {
+                let s = text(v, what)?;
+                s.parse::<i64>()
+                    .map_err(|e| unexpected_with(format!("{what} {s:?} is not an integer"), e))
+            }
+            None => Err(unexpected(format!("reply has no {what}"))),
+        }
+    }
+
     /// The `i`-th value after the tag as a timestamp.
     pub(crate) fn millis(&self, i: usize, what: &str) -> Result<Timestamp, Error> {
-        let v = self
-            .rest
-            .get(i)
-            .ok_or_else(|| unexpected(format!("reply has no {what}")))?;
-        let s = text(v, what)?;
-        s.parse::<i64>()
-            .map(Timestamp::from_millis)
-            .map_err(|e| unexpected_with(format!("{what} {s:?} is not an integer"), e))
+        self.integer(i, what).map(Timestamp::from_millis)
     }
 
     /// The `i`-th value after the tag as a fencing token.
     pub(crate) fn token(&self, i: usize) -> Result<FencingToken, Error> {
-        let v = self
-            .rest
-            .get(i)
-            .ok_or_else(|| unexpected("reply has no token"))?;
-        let s = text(v, "token")?;
-        s.parse::<u64>()
+        let n = self.integer(i, "token")?;
+        u64::try_from(n)
             .map(FencingToken)
-            .map_err(|e| unexpected_with(format!("token {s:?} is not an integer"), e))
+            .map_err(|e| unexpected_with(format!("token {n} is negative"), e))
     }
 
-    /// The `i`-th value after the tag as a record (an `HGETALL`-style field/value array).
+    /// The `i`-th value after the tag as a stored record; a hit count after it, when the
+    /// script counted one, replaces the stored count (the script wrote it after the read).
     pub(crate) fn record(&self, i: usize, id: &RecordId) -> Result<Record, Error> {
-        match self.rest.get(i) {
-            Some(Value::Array(flat)) => decode_record(id, flat),
-            other => Err(unexpected(format!("expected a record, got {other:?}"))),
+        let mut record = match self.rest.get(i) {
+            Some(Value::BulkString(bytes)) => decode_record(id, bytes)?,
+            other => return Err(unexpected(format!("expected a record, got {other:?}"))),
+        };
+        if self.rest.len() > i + 1 {
+            let hits = self.integer(i + 1, "hit count")?;
+            record.hits = u64::try_from(hits)
+                .map_err(|e| unexpected_with(format!("hit count {hits} is negative"), e))?;
         }
+        Ok(record)
     }
 
     /// An error for a tag the caller did not expect.
@@ -80,122 +102,164 @@ fn unexpected_with(reason: String, source: impl std::error::Error) -> Error {
     Error::backend(false, format!("unexpected Redis reply: {reason}: {source}"))
 }
 
-fn bytes<'a>(v: &'a Value, what: &str) -> Result<&'a [u8], Error> {
-    match v {
-        Value::BulkString(b) => Ok(b),
-        Value::SimpleString(s) => Ok(s.as_bytes()),
-        other => Err(unexpected(format!(
-            "{what}: expected a string, got {other:?}"
-        ))),
-    }
-}
-
 fn text(v: &Value, what: &str) -> Result<String, Error> {
-    String::from_utf8(bytes(v, what)?.to_vec())
+    let bytes: &[u8] = match v {
+        Value::BulkString(b) => b,
+        Value::SimpleString(s) => s.as_bytes(),
+        other => {
+            return Err(unexpected(format!(
+                "{what}: expected a string, got {other:?}"
+            )))
+        }
+    };
+    String::from_utf8(bytes.to_vec())
         .map_err(|e| unexpected_with(format!("{what} is not UTF-8"), e))
 }
 
-/// The fields of a stored record, looked up by name.
-struct Fields<'a> {
-    pairs: Vec<(&'a [u8], &'a [u8])>,
-}
+/// The fixed-width fields of a record's header, read at their offsets.
+struct Header<'a>(&'a [u8; HEADER_LEN]);
 
-impl<'a> Fields<'a> {
-    fn new(flat: &'a [Value]) -> Result<Self, Error> {
-        if flat.len() % 2 != 0 {
-            return Err(Error::corrupt("record hash has an odd number of elements"));
-        }
-        let mut pairs = Vec::with_capacity(flat.len() / 2);
-        for pair in flat.chunks_exact(2) {
-            pairs.push((bytes(&pair[0], "field name")?, bytes(&pair[1], "field")?));
-        }
-        Ok(Self { pairs })
+impl Header<'_> {
+    fn bytes<const N: usize>(&self, at: usize) -> [u8; N] {
+        let mut out = [0; N];
+        out.copy_from_slice(&self.0[at..at + N]);
+        out
     }
 
-    fn get(&self, name: &str) -> Option<&'a [u8]> {
-        self.pairs
-            .iter()
-            .find(|(k, _)| *k == name.as_bytes())
-            .map(|(_, v)| *v)
+    fn u64(&self, at: usize) -> u64 {
+        u64::from_be_bytes(self.bytes(at))
     }
 
-    fn str(&self, name: &str) -> Result<Option<&'a str>, Error> {
-        self.get(name)
-            .map(|v| {
-                std::str::from_utf8(v)
-                    .map_err(|e| Error::corrupt_with(format!("field {name} is not UTF-8"), e))
-            })
-            .transpose()
+    /// A time or count that must fit an `i64`.
+    fn i64(&self, at: usize, what: &str) -> Result<i64, Error> {
+        let n = self.u64(at);
+        i64::try_from(n).map_err(|e| Error::corrupt_with(format!("{what} {n} is out of range"), e))
     }
 
-    fn required(&self, name: &str) -> Result<&'a str, Error> {
-        self.str(name)?
-            .ok_or_else(|| Error::corrupt(format!("missing field {name}")))
-    }
-
-    fn number<T: std::str::FromStr>(&self, name: &str) -> Result<T, Error>
-    where
-        T::Err: std::error::Error + Send + Sync + 'static,
-    {
-        let s = self.required(name)?;
-        s.parse()
-            .map_err(|e| Error::corrupt_with(format!("field {name} = {s:?} is not a number"), e))
-    }
-
-    fn millis(&self, name: &str) -> Result<Timestamp, Error> {
-        self.number::<i64>(name).map(Timestamp::from_millis)
+    fn millis(&self, at: usize, what: &str) -> Result<Timestamp, Error> {
+        self.i64(at, what).map(Timestamp::from_millis)
     }
 }
 
-/// Decodes a record hash. The scripts already refuse malformed records; this checks again so
-/// that nothing reaches the caller unchecked.
-pub(crate) fn decode_record(id: &RecordId, flat: &[Value]) -> Result<Record, Error> {
-    let record = decode_fields(id, flat)?;
+/// Decodes a stored record. The scripts already refuse what they cannot read; this checks
+/// every field again, and [`Record::validate`], so that nothing reaches the caller unchecked.
+pub(crate) fn decode_record(id: &RecordId, bytes: &[u8]) -> Result<Record, Error> {
+    let Some((head, tail)) = bytes.split_first_chunk::<HEADER_LEN>() else {
+        return Err(Error::corrupt(format!(
+            "record of {} bytes is shorter than its {HEADER_LEN}-byte header",
+            bytes.len()
+        )));
+    };
+    let h = Header(head);
+    if &h.bytes::<4>(0) != TAG {
+        return Err(Error::corrupt(format!(
+            "record is not of encoding idk1 (it starts with {:?})",
+            String::from_utf8_lossy(&head[..4])
+        )));
+    }
+    let status = match head[4] {
+        1 => RecordStatus::Pending,
+        2 => RecordStatus::Completed,
+        3 => RecordStatus::Failed,
+        other => {
+            return Err(Error::corrupt(format!(
+                "status byte {other} is not 1, 2 or 3"
+            )))
+        }
+    };
+    let flags = head[5];
+    if flags > HAS_LEASE | HAS_FAILURE | RETRYABLE | HAS_OUTCOME {
+        return Err(Error::corrupt(format!("flags {flags} out of range")));
+    }
+    let message_len = u32::from_be_bytes(h.bytes(90)) as usize;
+    if message_len > tail.len() {
+        return Err(Error::corrupt(format!(
+            "failure message of {message_len} bytes runs past the end of the record"
+        )));
+    }
+    let (message, outcome) = tail.split_at(message_len);
+    let failure = if flags & HAS_FAILURE != 0 {
+        Some(Failure {
+            retryable: flags & RETRYABLE != 0,
+            message: std::str::from_utf8(message)
+                .map_err(|e| Error::corrupt_with("failure message is not UTF-8", e))?
+                .to_owned(),
+        })
+    } else if !message.is_empty() || flags & RETRYABLE != 0 {
+        return Err(Error::corrupt("failure details without a failure"));
+    } else {
+        None
+    };
+    let outcome = if flags & HAS_OUTCOME != 0 {
+        Some(outcome.to_vec())
+    } else if !outcome.is_empty() {
+        return Err(Error::corrupt("outcome bytes without an outcome"));
+    } else {
+        None
+    };
+    let lease_until = match flags & HAS_LEASE != 0 {
+        true => Some(h.millis(26, "lease deadline")?),
+        false => None,
+    };
+    let record = Record {
+        id: id.clone(),
+        fingerprint: Fingerprint::from_digest(h.bytes(58)),
+        status,
+        token: FencingToken(h.u64(6)),
+        lease_until,
+        outcome,
+        attempts: u32::from_be_bytes(h.bytes(14)),
+        failure,
+        hits: h.i64(18, "hit count")? as u64,
+        created_at: h.millis(34, "creation time")?,
+        updated_at: h.millis(42, "update time")?,
+        expires_at: h.millis(50, "expiry")?,
+    };
     record.validate()?;
     Ok(record)
 }
 
-fn decode_fields(id: &RecordId, flat: &[Value]) -> Result<Record, Error> {
-    let f = Fields::new(flat)?;
-    let fp = f.required("fp")?;
-    let fingerprint = Fingerprint::from_hex(fp)
-        .map_err(|e| Error::corrupt_with(format!("field fp = {fp:?} is not a fingerprint"), e))?;
-    let st = f.required("st")?;
-    let status = RecordStatus::parse(st)
-        .ok_or_else(|| Error::corrupt(format!("field st = {st:?} is not a status")))?;
-    let lease_until = match f.str("lease")? {
-        Some(_) => Some(f.millis("lease")?),
-        None => None,
+/// Encodes a record as the scripts store it: for the fuzz targets and tests, which build
+/// stored records without a server.
+#[cfg(any(test, feature = "fuzzing"))]
+pub(crate) fn encode_record(record: &Record) -> Vec<u8> {
+    let message = record.failure.as_ref().map_or("", |f| f.message.as_str());
+    let mut flags = 0;
+    if record.lease_until.is_some() {
+        flags |= HAS_LEASE;
+    }
+    if let Some(failure) = &record.failure {
+        flags |= HAS_FAILURE;
+        if failure.retryable {
+            flags |= RETRYABLE;
+        }
+    }
+    if record.outcome.is_some() {
+        flags |= HAS_OUTCOME;
+    }
+    let status = match record.status {
+        RecordStatus::Pending => 1,
+        RecordStatus::Completed => 2,
+        RecordStatus::Failed => 3,
     };
-    let failure = match f.str("fr")? {
-        Some(fr) => Some(Failure {
-            retryable: match fr {
-                "1" => true,
-                "0" => false,
-                other => {
-                    return Err(Error::corrupt(format!(
-                        "field fr = {other:?} is not 0 or 1"
-                    )))
-                }
-            },
-            message: f.str("fm")?.unwrap_or_default().to_owned(),
-        }),
-        None => None,
-    };
-    Ok(Record {
-        id: id.clone(),
-        fingerprint,
-        status,
-        token: FencingToken(f.number("tok")?),
-        lease_until,
-        outcome: f.get("out").map(<[u8]>::to_vec),
-        attempts: f.number("att")?,
-        failure,
-        hits: f.number("hits")?,
-        created_at: f.millis("ca")?,
-        updated_at: f.millis("ua")?,
-        expires_at: f.millis("exp")?,
-    })
+    let millis = |t: Timestamp| (t.as_millis().max(0) as u64).to_be_bytes();
+    let mut out = Vec::with_capacity(HEADER_LEN + message.len());
+    out.extend_from_slice(TAG);
+    out.extend_from_slice(&[status, flags]);
+    out.extend_from_slice(&record.token.0.to_be_bytes());
+    out.extend_from_slice(&record.attempts.to_be_bytes());
+    out.extend_from_slice(&record.hits.to_be_bytes());
+    out.extend_from_slice(&millis(
+        record.lease_until.unwrap_or(Timestamp::from_millis(0)),
+    ));
+    out.extend_from_slice(&millis(record.created_at));
+    out.extend_from_slice(&millis(record.updated_at));
+    out.extend_from_slice(&millis(record.expires_at));
+    out.extend_from_slice(record.fingerprint.as_bytes());
+    out.extend_from_slice(&(message.len() as u32).to_be_bytes());
+    out.extend_from_slice(message.as_bytes());
+    out.extend_from_slice(record.outcome.as_deref().unwrap_or_default());
+    out
 }
 
 #[cfg(test)]
@@ -207,91 +271,95 @@ mod tests {
         RecordId::new(Scope::new("s").unwrap(), IdempotencyKey::new("k").unwrap())
     }
 
-    fn flat(pairs: &[(&str, &[u8])]) -> Vec<Value> {
-        pairs
-            .iter()
-            .flat_map(|(k, v)| {
-                [
-                    Value::BulkString(k.as_bytes().to_vec()),
-                    Value::BulkString(v.to_vec()),
-                ]
-            })
-            .collect()
-    }
-
-    fn good() -> Vec<(&'static str, &'static [u8])> {
-        vec![
-            ("fp", b"aa".repeat(32).leak()),
-            ("st", b"completed"),
-            ("tok", b"3"),
-            ("out", b"\x00\xffbytes"),
-            ("att", b"2"),
-            ("fr", b"1"),
-            ("fm", b"timeout"),
-            ("hits", b"7"),
-            ("ca", b"1000"),
-            ("ua", b"2000"),
-            ("exp", b"3000"),
-            ("future-field", b"ignored"),
-        ]
+    fn good() -> Record {
+        Record {
+            id: id(),
+            fingerprint: Fingerprint::from_bytes(b"payload"),
+            status: RecordStatus::Completed,
+            token: FencingToken(3),
+            lease_until: None,
+            outcome: Some(b"\x00\xffbytes".to_vec()),
+            attempts: 2,
+            failure: Some(Failure::retryable("timeout")),
+            hits: 7,
+            created_at: Timestamp::from_millis(1000),
+            updated_at: Timestamp::from_millis(2000),
+            expires_at: Timestamp::from_millis(3000),
+        }
     }
 
     #[test]
-    fn decodes_every_field() {
-        let r = decode_record(&id(), &flat(&good())).unwrap();
-        assert_eq!(r.status, RecordStatus::Completed);
-        assert_eq!(r.token, FencingToken(3));
-        assert_eq!(r.outcome.as_deref(), Some(&b"\x00\xffbytes"[..]));
-        assert_eq!(r.attempts, 2);
-        assert_eq!(r.failure, Some(Failure::retryable("timeout")));
-        assert_eq!(r.hits, 7);
-        assert_eq!(r.lease_until, None);
-        assert_eq!(r.expires_at, Timestamp::from_millis(3000));
+    fn decodes_what_it_encodes() {
+        let mut pending = good();
+        pending.status = RecordStatus::Pending;
+        pending.lease_until = Some(Timestamp::from_millis(2500));
+        pending.outcome = None;
+        pending.failure = None;
+        let mut empty_outcome = good();
+        empty_outcome.outcome = Some(Vec::new());
+        empty_outcome.failure = None;
+        for record in [good(), pending, empty_outcome] {
+            assert_eq!(
+                decode_record(&id(), &encode_record(&record)).unwrap(),
+                record
+            );
+        }
     }
 
     #[test]
     fn every_damage_is_a_corrupt_record() {
-        let damaged: Vec<(&str, Option<&[u8]>)> = vec![
-            ("fp", None),
-            ("fp", Some(b"xyz")),
-            ("st", Some(b"done")),
-            ("tok", Some(b"-1")),
-            ("tok", Some(b"1e3")),
-            ("att", Some(b"99999999999")),
-            ("hits", None),
-            ("lease", Some(b"soon")),
-            ("fr", Some(b"yes")),
-            ("exp", Some(b"")),
-            ("fm", Some(b"\xff\xfe")),
+        let good = encode_record(&good());
+        let set = |at: usize, bytes: &[u8]| {
+            let mut v = good.clone();
+            v[at..at + bytes.len()].copy_from_slice(bytes);
+            v
+        };
+        let damaged: Vec<(&str, Vec<u8>)> = vec![
+            ("another tag", set(0, b"idk2")),
+            ("truncated", good[..HEADER_LEN - 1].to_vec()),
+            ("empty", Vec::new()),
+            ("status 0", set(4, &[0])),
+            ("status 4", set(4, &[4])),
+            ("unknown flag", set(5, &[16 | 8 | 2])),
+            ("no outcome flag", set(5, &[2 | 4])),
+            ("token 0", set(6, &0u64.to_be_bytes())),
+            ("attempts 0", set(14, &0u32.to_be_bytes())),
+            ("hits above i64", set(18, &u64::MAX.to_be_bytes())),
+            ("expiry above i64", set(50, &u64::MAX.to_be_bytes())),
+            ("message too long", set(90, &1000u32.to_be_bytes())),
+            ("message not UTF-8", set(HEADER_LEN, b"\xff")),
         ];
-        for (field, value) in damaged {
-            let mut pairs = good();
-            pairs.retain(|(k, _)| *k != field);
-            if let Some(v) = value {
-                pairs.push((field, v));
-            }
-            match decode_record(&id(), &flat(&pairs)) {
+        for (what, bytes) in damaged {
+            match decode_record(&id(), &bytes) {
                 Err(Error::CorruptRecord { .. }) => {}
-                other => panic!("{field} = {value:?}: expected CorruptRecord, got {other:?}"),
+                other => panic!("{what}: expected CorruptRecord, got {other:?}"),
             }
         }
-        let odd = &flat(&good())[1..];
-        assert!(matches!(
-            decode_record(&id(), odd),
-            Err(Error::CorruptRecord { .. })
-        ));
     }
 
     #[test]
     fn corrupt_tag_becomes_corrupt_record() {
         let v = Value::Array(vec![
             Value::BulkString(b"corrupt".to_vec()),
-            Value::BulkString(b"the key holds a string, not a hash".to_vec()),
+            Value::BulkString(b"the key holds a hash, not a record".to_vec()),
         ]);
         match Reply::parse(v) {
-            Err(Error::CorruptRecord { reason, .. }) => assert!(reason.contains("string")),
+            Err(Error::CorruptRecord { reason, .. }) => assert!(reason.contains("hash")),
             Err(other) => panic!("expected CorruptRecord, got {other:?}"),
             Ok(_) => panic!("expected CorruptRecord, got a reply"),
         }
+    }
+
+    #[test]
+    fn a_counted_hit_replaces_the_stored_count() {
+        let reply = Reply::parse(Value::Array(vec![
+            Value::BulkString(b"record".to_vec()),
+            Value::Int(5),
+            Value::BulkString(encode_record(&good())),
+            Value::Int(8),
+        ]))
+        .unwrap();
+        assert_eq!(reply.record(1, &id()).unwrap().hits, 8);
+        assert_eq!(reply.millis(0, "now").unwrap(), Timestamp::from_millis(5));
     }
 }

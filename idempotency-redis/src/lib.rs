@@ -97,7 +97,7 @@ impl Scripts {
 
 /// An [`IdempotencyStore`] on Redis or Redis Cluster.
 ///
-/// Each record is one hash at `<prefix>{<scope>:<key>}` (the braces are a cluster hash tag),
+/// Each record is one string at `<prefix>{<scope>:<key>}` (the braces are a cluster hash tag),
 /// and each operation is one Lua script over that one key, called with `EVALSHA`: one round
 /// trip, atomic, and cluster-safe by construction. Leases and expiry follow the server's
 /// `TIME`. Cloning is cheap and clones share the connection.
@@ -362,7 +362,7 @@ fn get_reply(value: Value, id: &RecordId) -> Result<Option<Record>, Error> {
     }
 }
 
-/// The pure decoders of script replies and stored record hashes, for the fuzz targets and the
+/// The pure decoders of script replies and stored records, for the fuzz targets and the
 /// bad-input tests: built only with the `fuzzing` feature. Not part of the API: they may change
 /// at any time.
 #[cfg(feature = "fuzzing")]
@@ -371,9 +371,14 @@ pub mod __fuzz {
     use idempotency_core::{Cas, Claim, Error, Reclaim, Record, RecordId};
     use redis::Value;
 
-    /// Decodes an `HGETALL`-style field/value array into a record.
-    pub fn decode_record(id: &RecordId, flat: &[Value]) -> Result<Record, Error> {
-        crate::decode::decode_record(id, flat)
+    /// Decodes a stored record (the bytes at its key).
+    pub fn decode_record(id: &RecordId, bytes: &[u8]) -> Result<Record, Error> {
+        crate::decode::decode_record(id, bytes)
+    }
+
+    /// Encodes a record as the scripts store it.
+    pub fn encode_record(record: &Record) -> Vec<u8> {
+        crate::decode::encode_record(record)
     }
 
     /// Decodes the claim script's reply.
@@ -410,14 +415,13 @@ fn cas_reply(value: Value, op: &str) -> Result<Cas, Error> {
 impl IdempotencyStore for RedisStore {
     async fn claim(&self, request: &ClaimRequest) -> Result<Claim, Error> {
         let s = &self.scripts;
-        let fp = request.fingerprint.to_hex();
         let retention = self.retention_ms.to_string();
         let value = self
             .eval(
                 &s.claim,
                 &request.id,
                 &[
-                    fp.as_bytes(),
+                    request.fingerprint.as_bytes(),
                     &ms_arg(request.lease),
                     &ms_arg(request.ttl),
                     retention.as_bytes(),
@@ -507,7 +511,7 @@ impl IdempotencyStore for RedisStore {
                 id,
                 &[
                     expected.0.to_string().as_bytes(),
-                    fingerprint.to_hex().as_bytes(),
+                    fingerprint.as_bytes(),
                     &ms_arg(lease),
                     &ms_arg(ttl),
                     self.retention_ms.to_string().as_bytes(),

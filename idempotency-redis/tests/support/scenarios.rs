@@ -220,60 +220,52 @@ pub async fn script_flush_mid_run(h: Harness) {
     assert_eq!(s.purge_expired(100).await.expect("purge"), 0);
 }
 
-/// A well-formed record's fields, for building damaged ones.
-fn good_fields() -> Vec<(&'static str, String)> {
-    vec![
-        ("fp", Fingerprint::from_bytes(b"payload").to_hex()),
-        ("st", "pending".to_owned()),
-        ("tok", "4".to_owned()),
-        ("lease", "1".to_owned()),
-        ("att", "1".to_owned()),
-        ("hits", "0".to_owned()),
-        ("ca", "1".to_owned()),
-        ("ua", "1".to_owned()),
-        ("exp", "99999999999999".to_owned()),
-    ]
-}
-
 /// Foreign or damaged data at a record's key: every operation answers
 /// [`Error::CorruptRecord`], none panics, and the data is left exactly as it was.
 pub async fn corrupt_data_is_a_typed_error(h: Harness) {
     let raw = h.topology.raw().await;
     let s = &h.store;
-    let damages: Vec<(&str, Option<&str>)> = vec![
-        ("tok", Some("abc")),
-        ("tok", Some("12345678901234567")),
-        ("tok", None),
-        ("st", Some("done")),
-        ("st", None),
-        ("fp", Some("zz")),
-        ("exp", Some("-5")),
-        ("exp", Some("1.5")),
-        ("hits", Some("")),
-        ("lease", Some("later")),
-        ("fr", Some("maybe")),
-        ("att", Some("99999999999")),
-    ];
-    // (what, command, arguments after the key)
-    let mut cases: Vec<(String, &str, Vec<String>)> = vec![
-        ("a string".into(), "SET", vec!["hello".into()]),
-        ("a list".into(), "RPUSH", vec!["a".into(), "b".into()]),
-        ("a set".into(), "SADD", vec!["a".into()]),
+    // A well-formed Pending record, as the store wrote it, to damage byte by byte.
+    let model = unique_id("corrupt-model");
+    s.claim(&req(&model, HOUR, HOUR)).await.expect("claim");
+    let good: Vec<u8> = raw.query(redis::cmd("GET").arg(s.record_key(&model))).await;
+    assert_eq!(&good[..4], b"idk1", "records are stored in encoding idk1");
+    let set = |at: usize, bytes: &[u8]| {
+        let mut v = good.clone();
+        v[at..at + bytes.len()].copy_from_slice(bytes);
+        v
+    };
+    let damages: Vec<(&str, Vec<u8>)> = vec![
+        ("another encoding version", set(0, b"idk0")),
+        ("a truncated record", good[..60].to_vec()),
+        ("status byte 7", set(4, &[7])),
+        ("flags 200", set(5, &[200])),
+        ("a token of 2^53", set(6, &(1u64 << 53).to_be_bytes())),
+        ("a token of 0", set(6, &0u64.to_be_bytes())),
+        ("an expiry of 2^63", set(50, &(1u64 << 63).to_be_bytes())),
         (
-            "a foreign hash".into(),
-            "HSET",
-            vec!["name".into(), "x".into()],
+            "a failure message past the end",
+            set(90, &1000u32.to_be_bytes()),
         ),
     ];
-    for (field, value) in damages {
-        let mut args = Vec::new();
-        for (k, v) in good_fields().into_iter().filter(|(k, _)| *k != field) {
-            args.extend([k.to_owned(), v]);
-        }
-        if let Some(v) = value {
-            args.extend([field.to_owned(), v.to_owned()]);
-        }
-        cases.push((format!("field {field} = {value:?}"), "HSET", args));
+    // (what, command, arguments after the key)
+    let mut cases: Vec<(String, &str, Vec<Vec<u8>>)> = vec![
+        ("a string".into(), "SET", vec![b"hello".to_vec()]),
+        ("a list".into(), "RPUSH", vec![b"a".to_vec(), b"b".to_vec()]),
+        ("a set".into(), "SADD", vec![b"a".to_vec()]),
+        (
+            "a hash (a record of the encoding before idk1)".into(),
+            "HSET",
+            vec![
+                b"st".to_vec(),
+                b"pending".to_vec(),
+                b"tok".to_vec(),
+                b"4".to_vec(),
+            ],
+        ),
+    ];
+    for (what, bytes) in damages {
+        cases.push((what.to_owned(), "SET", vec![bytes]));
     }
 
     for (label, command, args) in cases {
