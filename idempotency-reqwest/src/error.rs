@@ -165,9 +165,9 @@ impl Error {
             | Self::Rejected { key, .. }
             | Self::GaveUp { key, .. }
             | Self::Send { key, .. } => Some(key),
-            Self::BodyNotReplayable { .. } | Self::InvalidKey { .. } | Self::ConflictingKeys { .. } => {
-                None
-            }
+            Self::BodyNotReplayable { .. }
+            | Self::InvalidKey { .. }
+            | Self::ConflictingKeys { .. } => None,
         }
     }
 
@@ -179,9 +179,9 @@ impl Error {
             | Self::Rejected { attempts, .. }
             | Self::GaveUp { attempts, .. }
             | Self::Send { attempts, .. } => *attempts,
-            Self::BodyNotReplayable { .. } | Self::InvalidKey { .. } | Self::ConflictingKeys { .. } => {
-                0
-            }
+            Self::BodyNotReplayable { .. }
+            | Self::InvalidKey { .. }
+            | Self::ConflictingKeys { .. } => 0,
         }
     }
 
@@ -368,7 +368,10 @@ mod tests {
         assert_eq!(refusal_kind(Some(&other)), None);
         assert_eq!(Problem::parse(&json("text/plain"), body), None);
         assert_eq!(Problem::parse(&json("application/json"), b"[1]"), None);
-        assert_eq!(Problem::parse(&json("application/json"), b"{\"a\":1}"), None);
+        assert_eq!(
+            Problem::parse(&json("application/json"), b"{\"a\":1}"),
+            None
+        );
         assert_eq!(Problem::parse(&HeaderMap::new(), body), None);
         assert_eq!(Problem::parse(&json("application/json"), b"\xff{"), None);
     }
@@ -380,7 +383,9 @@ mod tests {
             attempts: 1,
             problem: None,
         };
-        assert!(e.to_string().contains("used before with a different request"));
+        assert!(e
+            .to_string()
+            .contains("used before with a different request"));
         let wrapped: reqwest_middleware::Error = e.into();
         let found = Error::find(&wrapped).unwrap();
         assert_eq!(found.attempts(), 1);

@@ -38,7 +38,11 @@ pub(crate) fn read_key_header(
                 Some(s) => s.as_str().to_owned(),
                 None => return Err(format!("the {name} header is not a quoted string")),
             },
-            Err(e) => return Err(format!("the {name} header is not a valid quoted string: {e}")),
+            Err(e) => {
+                return Err(format!(
+                    "the {name} header is not a valid quoted string: {e}"
+                ))
+            }
         }
     } else if text.contains(',') {
         return Err(format!(
@@ -149,9 +153,16 @@ mod tests {
             let value = key_header_value(&key(k)).unwrap();
             let mut h = HeaderMap::new();
             h.insert(IDEMPOTENCY_KEY, value);
-            assert_eq!(read_key_header(&h, &IDEMPOTENCY_KEY), Ok(Some(key(k))), "{k}");
+            assert_eq!(
+                read_key_header(&h, &IDEMPOTENCY_KEY),
+                Ok(Some(key(k))),
+                "{k}"
+            );
         }
-        assert_eq!(key_header_value(&key("with,comma")).unwrap(), "\"with,comma\"");
+        assert_eq!(
+            key_header_value(&key("with,comma")).unwrap(),
+            "\"with,comma\""
+        );
         assert!(key_header_value(&key("ключ,")).is_err());
     }
 
@@ -159,7 +170,12 @@ mod tests {
     fn replay_marker() {
         let mut h = HeaderMap::new();
         assert!(!is_replayed(&h, &IDEMPOTENT_REPLAYED));
-        for (v, expected) in [("true", true), ("True", true), ("?1", true), ("false", false)] {
+        for (v, expected) in [
+            ("true", true),
+            ("True", true),
+            ("?1", true),
+            ("false", false),
+        ] {
             h.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static(v));
             assert_eq!(is_replayed(&h, &IDEMPOTENT_REPLAYED), expected, "{v}");
         }

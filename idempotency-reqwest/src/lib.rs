@@ -17,7 +17,7 @@ pub use policy::{GiveUpReason, RetryPolicy};
 /// The key type, shared with the server half: the same rules (1 to 255 bytes, no control
 /// characters) and the same [`IdempotencyKey::derive`].
 pub use idempotency_core::{IdempotencyKey, KeyError};
-/// How the backoff between attempts is randomised (see [`RetryPolicy::jitter`]).
-pub use retry_policies::Jitter;
 /// The middleware stack this crate plugs into.
 pub use reqwest_middleware;
+/// How the backoff between attempts is randomised (see [`RetryPolicy::jitter`]).
+pub use retry_policies::Jitter;

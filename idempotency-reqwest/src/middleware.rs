@@ -2,7 +2,9 @@
 //! where they are safe.
 
 use crate::error::{refusal_kind, Error, LastFailure, Problem, RefusalKind};
-use crate::key::{is_replayed, key_header_value, read_key_header, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
+use crate::key::{
+    is_replayed, key_header_value, read_key_header, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED,
+};
 use crate::mark::Idempotent;
 use crate::outcome::IdempotencyOutcome;
 use crate::policy::{classify, is_retryable_transport, retry_after, RetryPolicy, StatusClass};
@@ -123,7 +125,8 @@ impl IdempotencyMiddleware {
             },
             Ok(None) => {
                 let key = mark.key().cloned().unwrap_or_else(IdempotencyKey::random);
-                let value = key_header_value(&key).map_err(|reason| Error::InvalidKey { reason })?;
+                let value =
+                    key_header_value(&key).map_err(|reason| Error::InvalidKey { reason })?;
                 req.headers_mut().insert(self.key_header.clone(), value);
                 Ok(key)
             }
@@ -209,7 +212,10 @@ impl IdempotencyMiddleware {
                 // Another middleware's failure: not ours to judge or retry.
                 Err(e) => return Err(e),
             };
-            match self.policy.next_wait(attempts, started.elapsed(), retry_after) {
+            match self
+                .policy
+                .next_wait(attempts, started.elapsed(), retry_after)
+            {
                 Ok(wait) => {
                     tracing::info!(
                         attempt = attempts,
@@ -287,7 +293,10 @@ async fn refused(resp: Response, key: IdempotencyKey, attempts: u32) -> Error {
     let kind = (status == http::StatusCode::UNPROCESSABLE_ENTITY)
         .then(|| refusal_kind(problem.as_ref()))
         .flatten();
-    tracing::info!(status = status.as_u16(), "idempotent request refused; not retried");
+    tracing::info!(
+        status = status.as_u16(),
+        "idempotent request refused; not retried"
+    );
     match kind {
         Some(RefusalKind::KeyReused) => Error::KeyReused {
             key,

@@ -217,7 +217,11 @@ pub(crate) fn is_retryable_transport(e: &reqwest::Error) -> bool {
 /// The server's `Retry-After`: delay-seconds or an HTTP date (a date in the past is zero).
 /// `None` when absent or unreadable.
 pub(crate) fn retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
-    let value = headers.get(http::header::RETRY_AFTER)?.to_str().ok()?.trim();
+    let value = headers
+        .get(http::header::RETRY_AFTER)?
+        .to_str()
+        .ok()?
+        .trim();
     if let Ok(secs) = value.parse::<u64>() {
         return Some(Duration::from_secs(secs));
     }
@@ -233,13 +237,22 @@ mod tests {
     #[test]
     fn classes() {
         for s in [200, 201, 204, 304] {
-            assert_eq!(classify(StatusCode::from_u16(s).unwrap()), StatusClass::Final);
+            assert_eq!(
+                classify(StatusCode::from_u16(s).unwrap()),
+                StatusClass::Final
+            );
         }
         for s in [408, 409, 425, 429, 500, 502, 503, 504, 599] {
-            assert_eq!(classify(StatusCode::from_u16(s).unwrap()), StatusClass::Retry);
+            assert_eq!(
+                classify(StatusCode::from_u16(s).unwrap()),
+                StatusClass::Retry
+            );
         }
         for s in [400, 401, 403, 404, 412, 413, 422, 499] {
-            assert_eq!(classify(StatusCode::from_u16(s).unwrap()), StatusClass::Refused);
+            assert_eq!(
+                classify(StatusCode::from_u16(s).unwrap()),
+                StatusClass::Refused
+            );
         }
     }
 
@@ -254,7 +267,10 @@ mod tests {
         assert_eq!(retry_after(&HeaderMap::new(), now), None);
         assert_eq!(read("3"), Some(Duration::from_secs(3)));
         assert_eq!(read(" 0 "), Some(Duration::ZERO));
-        assert_eq!(read("18446744073709551615"), Some(Duration::from_secs(u64::MAX)));
+        assert_eq!(
+            read("18446744073709551615"),
+            Some(Duration::from_secs(u64::MAX))
+        );
         let later = httpdate::fmt_http_date(now + Duration::from_secs(7));
         assert_eq!(read(&later), Some(Duration::from_secs(7)));
         let earlier = httpdate::fmt_http_date(now - Duration::from_secs(7));

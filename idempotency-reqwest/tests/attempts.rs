@@ -84,16 +84,15 @@ async fn answer(
     let reply = |status: u16| hyper::Response::builder().status(status);
     let resp = match fault {
         None => reply(201)
-            .header("idempotent-replayed", if earlier { "true" } else { "false" })
+            .header(
+                "idempotent-replayed",
+                if earlier { "true" } else { "false" },
+            )
             .body(Full::from("created")),
         Some(Fault::Drop) => return Err(std::io::Error::other("dropped on purpose")),
         Some(Fault::ServerError) => reply(500).body(Full::from("boom")),
-        Some(Fault::Unavailable) => reply(503)
-            .header("retry-after", "0")
-            .body(Full::default()),
-        Some(Fault::TooMany) => reply(429)
-            .header("retry-after", "1")
-            .body(Full::default()),
+        Some(Fault::Unavailable) => reply(503).header("retry-after", "0").body(Full::default()),
+        Some(Fault::TooMany) => reply(429).header("retry-after", "1").body(Full::default()),
         Some(Fault::InProgress) => reply(409)
             .header(
                 "retry-after",
@@ -243,10 +242,7 @@ fn every_attempt_sends_one_key_and_the_same_bytes() {
                 header(first, "idempotency-key"),
                 Some(outcome.key().as_str().as_bytes().to_vec())
             );
-            prop_assert_eq!(
-                header(first, "if-match"),
-                if_match.map(|t| t.into_bytes())
-            );
+            prop_assert_eq!(header(first, "if-match"), if_match.map(|t| t.into_bytes()));
             for later in &seen[1..] {
                 prop_assert_eq!(later, first);
             }
@@ -277,7 +273,10 @@ async fn a_400_is_not_retried_and_says_why() {
         matches!(e, Error::Rejected { status, attempts: 1, .. } if *status == 400),
         "{e:?}"
     );
-    assert_eq!(e.problem().unwrap().detail.as_deref(), Some("no such field"));
+    assert_eq!(
+        e.problem().unwrap().detail.as_deref(),
+        Some("no such field")
+    );
     assert!(e.to_string().contains("no such field"), "{e}");
     assert!(!e.is_retryable());
     assert_eq!(state.lock().unwrap().seen.len(), 1);
@@ -308,14 +307,16 @@ async fn the_policy_gives_up_with_the_key_and_the_last_failure() {
     };
     assert_eq!(*attempts, 3);
     assert_eq!(*reason, GiveUpReason::AttemptsExhausted);
-    assert!(matches!(last, LastFailure::Status { status, retry_after: Some(d), .. }
-        if *status == 503 && d.is_zero()));
+    assert!(
+        matches!(last, LastFailure::Status { status, retry_after: Some(d), .. }
+        if *status == 503 && d.is_zero())
+    );
     assert!(e.is_retryable());
     let seen = state.lock().unwrap().seen.clone();
     assert_eq!(seen.len(), 3);
-    assert!(seen
-        .iter()
-        .all(|s| s.headers.contains(&("idempotency-key".into(), key.as_str().into()))));
+    assert!(seen.iter().all(|s| s
+        .headers
+        .contains(&("idempotency-key".into(), key.as_str().into()))));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
