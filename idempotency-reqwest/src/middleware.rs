@@ -113,8 +113,12 @@ impl IdempotencyMiddleware {
     }
 
     /// The key for this operation, after writing it in the request when the caller did not.
-    fn settle_key(&self, req: &mut Request, mark: &Idempotent) -> Result<IdempotencyKey, Error> {
-        match read_key_header(req.headers(), &self.key_header) {
+    fn settle_key(
+        &self,
+        req: &mut Request,
+        mark: &Idempotent,
+    ) -> reqwest_middleware::Result<IdempotencyKey> {
+        let key = match read_key_header(req.headers(), &self.key_header) {
             Err(reason) => Err(Error::InvalidKey { reason }),
             Ok(Some(header)) => match mark.key() {
                 Some(marked) if *marked != header => Err(Error::ConflictingKeys {
@@ -125,12 +129,16 @@ impl IdempotencyMiddleware {
             },
             Ok(None) => {
                 let key = mark.key().cloned().unwrap_or_else(IdempotencyKey::random);
-                let value =
-                    key_header_value(&key).map_err(|reason| Error::InvalidKey { reason })?;
+                let value = match key_header_value(&key) {
+                    Ok(value) => value,
+                    Err(reason) => return Err(Error::InvalidKey { reason }.into()),
+                };
                 req.headers_mut().insert(self.key_header.clone(), value);
                 Ok(key)
             }
-        }
+        };
+        // Into the middleware's error at once: `Error` is large, and anyhow boxes it.
+        key.map_err(Into::into)
     }
 
     async fn run(
