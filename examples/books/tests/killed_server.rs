@@ -12,10 +12,12 @@
 use idempotency_postgres::sqlx::{self, PgPool};
 use reqwest::{Client, StatusCode};
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+#[path = "support/server_process.rs"]
+mod server_process;
+use server_process::Server;
 
 const RUNS: usize = 100;
 /// Short, so that a retry after a kill before the commit does not wait long for the lease.
@@ -55,41 +57,6 @@ impl Books {
     }
 }
 
-struct Server {
-    child: Child,
-    url: String,
-}
-
-impl Server {
-    fn start(env: &[(&str, String)]) -> Self {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_books-api"));
-        cmd.env("BOOKS_PORT", "0")
-            .env("BOOKS_LEASE_SECS", LEASE_SECS)
-            .env("RUST_LOG", "error")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null());
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        let mut child = cmd.spawn().expect("start the books-api binary");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let url = line
-            .trim()
-            .strip_prefix("books API listening on ")
-            .unwrap_or_else(|| panic!("unexpected first line from the server: {line:?}"))
-            .to_owned();
-        Self { child, url }
-    }
-
-    fn kill(mut self) {
-        self.child.kill().expect("SIGKILL the server");
-        self.child.wait().unwrap();
-    }
-}
-
 /// What happened in one run, for the figures.
 #[derive(Default, Debug)]
 struct Tally {
@@ -100,7 +67,8 @@ struct Tally {
     retries_executed: usize,
 }
 
-async fn campaign(books: Books, env: Vec<(&str, String)>, label: &str) {
+async fn campaign(books: Books, mut env: Vec<(&str, String)>, label: &str) {
+    env.push(("BOOKS_LEASE_SECS", LEASE_SECS.to_owned()));
     let client = Client::builder().no_proxy().build().unwrap();
     let body = json!({"title": "Kindred", "author": "Octavia E. Butler", "year": 1979});
     let mut server = Server::start(&env);
