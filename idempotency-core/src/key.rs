@@ -1,6 +1,7 @@
 //! Validated idempotency keys.
 
 use std::fmt;
+use std::sync::Arc;
 
 /// Why a string is not a valid [`IdempotencyKey`]. Each variant names the rule it breaks.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -42,7 +43,7 @@ pub enum KeyError {
 /// # Ok::<(), idempotency_core::KeyError>(())
 /// ```
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct IdempotencyKey(String);
+pub struct IdempotencyKey(Arc<str>);
 
 impl IdempotencyKey {
     /// The longest key accepted, in bytes.
@@ -52,12 +53,12 @@ impl IdempotencyKey {
     pub fn new(key: impl Into<String>) -> Result<Self, KeyError> {
         let key = key.into();
         validate_key(&key)?;
-        Ok(Self(key))
+        Ok(Self(key.into()))
     }
 
     /// A fresh random key (UUID v4), for clients that mint their own keys.
     pub fn random() -> Self {
-        Self(uuid::Uuid::new_v4().to_string())
+        Self(uuid::Uuid::new_v4().to_string().into())
     }
 
     /// A key derived deterministically from a namespace and a message id (UUID v5), so every
@@ -65,7 +66,11 @@ impl IdempotencyKey {
     /// deduplicating redelivered messages.
     pub fn derive(namespace: &str, message_id: &str) -> Self {
         let ns = uuid::Uuid::new_v5(&uuid::Uuid::NAMESPACE_OID, namespace.as_bytes());
-        Self(uuid::Uuid::new_v5(&ns, message_id.as_bytes()).to_string())
+        Self(
+            uuid::Uuid::new_v5(&ns, message_id.as_bytes())
+                .to_string()
+                .into(),
+        )
     }
 
     /// The key as a string slice.
@@ -75,7 +80,7 @@ impl IdempotencyKey {
 
     /// Consumes the key, returning the inner string.
     pub fn into_inner(self) -> String {
-        self.0
+        String::from(&*self.0)
     }
 }
 

@@ -1,6 +1,7 @@
 //! Scopes: who is calling and what operation it is.
 
 use std::fmt;
+use std::sync::Arc;
 
 /// Why a string is not a valid [`Scope`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -40,7 +41,7 @@ pub enum ScopeError {
 /// # Ok::<(), idempotency_core::ScopeError>(())
 /// ```
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Scope(String);
+pub struct Scope(Arc<str>);
 
 impl Scope {
     /// The longest scope accepted, in bytes.
@@ -61,7 +62,7 @@ impl Scope {
         if let Some((position, _)) = scope.char_indices().find(|(_, c)| c.is_control()) {
             return Err(ScopeError::ControlCharacter { position });
         }
-        Ok(Self(scope))
+        Ok(Self(scope.into()))
     }
 
     /// Joins parts (tenant, user, method, route…) with `|`, escaping `\` and `|` inside parts
@@ -88,7 +89,7 @@ impl Scope {
 
     /// Appends one more part, for example the method and route added by the HTTP layer.
     pub fn join(&self, part: &str) -> Result<Self, ScopeError> {
-        let mut out = self.0.clone();
+        let mut out = String::from(&*self.0);
         out.push('|');
         for c in part.chars() {
             if c == '|' || c == '\\' {

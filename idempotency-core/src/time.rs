@@ -26,9 +26,16 @@ impl Timestamp {
 
     /// The process clock, now.
     pub fn now() -> Self {
+        // Whole seconds and milliseconds in u64 arithmetic: `as_millis` would divide a u128.
         let ms = SystemTime::now()
             .duration_since(UNIX_EPOCH)
-            .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+            .map(|d| {
+                let ms = d
+                    .as_secs()
+                    .saturating_mul(1000)
+                    .saturating_add(u64::from(d.subsec_millis()));
+                i64::try_from(ms).unwrap_or(i64::MAX)
+            })
             .unwrap_or(0);
         Self(ms)
     }
@@ -52,7 +59,9 @@ pub const MAX_DURATION: Duration = Duration::from_secs(100 * 366 * 24 * 3600);
 /// A duration in whole milliseconds, capped at [`MAX_DURATION`] and rounded up so a non-zero
 /// duration never becomes zero. Every store converts durations with it.
 pub fn duration_millis(d: Duration) -> i64 {
-    let ms = d.min(MAX_DURATION).as_nanos().div_ceil(1_000_000);
+    // u64 arithmetic (`as_nanos` is a u128): MAX_DURATION in milliseconds fits easily.
+    let d = d.min(MAX_DURATION);
+    let ms = d.as_secs() * 1000 + u64::from(d.subsec_nanos()).div_ceil(1_000_000);
     i64::try_from(ms).unwrap_or(i64::MAX)
 }
 

@@ -3,12 +3,12 @@
 
 use async_trait::async_trait;
 use foldhash::fast::RandomState;
+use hashbrown::hash_table::{Entry, HashTable};
 use idempotency_core::{
     claim_retention, Cas, Claim, ClaimRequest, Clock, Error, Failure, FencingToken, Fingerprint,
     IdempotencyStore, Reclaim, Record, RecordId, RecordStatus, SystemClock, Timestamp,
 };
 use parking_lot::Mutex;
-use std::collections::HashMap;
 use std::hash::BuildHasher;
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,7 +25,8 @@ pub struct MemoryStore {
     clock: Arc<dyn Clock>,
 }
 
-type Shard = HashMap<RecordId, Slot, RandomState>;
+/// One shard: records with their address, found by a hash computed once per call.
+type Shard = HashTable<(RecordId, Slot)>;
 
 /// A record without its address (the map key holds that once).
 #[derive(Debug, Clone)]
@@ -103,9 +104,7 @@ impl MemoryStoreBuilder {
         let n = self.shards.max(1).next_power_of_two();
         let hasher = RandomState::default();
         MemoryStore {
-            shards: (0..n)
-                .map(|_| Mutex::new(HashMap::with_hasher(hasher.clone())))
-                .collect(),
+            shards: (0..n).map(|_| Mutex::new(HashTable::new())).collect(),
             hasher,
             clock: self.clock,
         }
@@ -136,11 +135,20 @@ impl MemoryStore {
         self.len() == 0
     }
 
-    fn shard(&self, id: &RecordId) -> &Mutex<Shard> {
-        // High bits pick the shard; the map inside uses the whole hash, so keys that share a
-        // shard still spread over its buckets.
+    /// The address's hash, computed once per call, and its shard. High bits pick the shard;
+    /// the table inside uses the whole hash, so keys that share a shard still spread over its
+    /// buckets.
+    fn shard(&self, id: &RecordId) -> (u64, &Mutex<Shard>) {
         let h = self.hasher.hash_one(id);
-        &self.shards[(h >> 32) as usize & (self.shards.len() - 1)]
+        (
+            h,
+            &self.shards[(h >> 32) as usize & (self.shards.len() - 1)],
+        )
+    }
+
+    /// The slot of `id` in `shard`, if any.
+    fn slot<'s>(shard: &'s mut Shard, hash: u64, id: &RecordId) -> Option<&'s mut Slot> {
+        shard.find_mut(hash, |(k, _)| k == id).map(|(_, slot)| slot)
     }
 
     /// Applies `f` to the live Pending record held by `token`, if there is one.
@@ -151,8 +159,9 @@ impl MemoryStore {
         f: impl FnOnce(&mut Slot, Timestamp),
     ) -> Cas {
         let now = self.clock.now();
-        let mut shard = self.shard(id).lock();
-        match shard.get_mut(id) {
+        let (hash, shard) = self.shard(id);
+        let mut shard = shard.lock();
+        match Self::slot(&mut shard, hash, id) {
             Some(r)
                 if !r.is_expired(now) && r.status == RecordStatus::Pending && r.token == token =>
             {
@@ -183,9 +192,16 @@ impl IdempotencyStore for MemoryStore {
             updated_at: now,
             expires_at: request.expires_at(now),
         };
-        let mut shard = self.shard(&request.id).lock();
-        let token = match shard.get_mut(&request.id) {
-            Some(slot) if !slot.is_expired(now) => {
+        let (hash, shard) = self.shard(&request.id);
+        let mut shard = shard.lock();
+        let entry = shard.entry(
+            hash,
+            |(k, _)| *k == request.id,
+            |(k, _)| self.hasher.hash_one(k),
+        );
+        let token = match entry {
+            Entry::Occupied(mut e) if !e.get().1.is_expired(now) => {
+                let slot = &mut e.get_mut().1;
                 if request.count_hit {
                     slot.hits = slot.hits.saturating_add(1);
                 }
@@ -194,16 +210,17 @@ impl IdempotencyStore for MemoryStore {
                     now,
                 });
             }
-            Some(expired) => {
+            Entry::Occupied(mut e) => {
+                let expired = &mut e.get_mut().1;
                 let token = FencingToken::fresh(now, Some(expired.token));
                 *expired = fresh(token);
                 token
             }
-            None => {
+            Entry::Vacant(e) => {
                 // Derived from the clock, so a key whose record was purged never gets a
                 // token back that an old holder may still have.
                 let token = FencingToken::fresh(now, None);
-                shard.insert(request.id.clone(), fresh(token));
+                e.insert((request.id.clone(), fresh(token)));
                 token
             }
         };
@@ -263,8 +280,9 @@ impl IdempotencyStore for MemoryStore {
         ttl: Duration,
     ) -> Result<Reclaim, Error> {
         let now = self.clock.now();
-        let mut shard = self.shard(id).lock();
-        let Some(r) = shard.get_mut(id) else {
+        let (hash, shard) = self.shard(id);
+        let mut shard = shard.lock();
+        let Some(r) = Self::slot(&mut shard, hash, id) else {
             return Ok(Reclaim::Lost);
         };
         let takeable = match r.status {
@@ -291,11 +309,12 @@ impl IdempotencyStore for MemoryStore {
 
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
         let now = self.clock.now();
-        let shard = self.shard(id).lock();
+        let (hash, shard) = self.shard(id);
+        let shard = shard.lock();
         Ok(shard
-            .get(id)
-            .filter(|r| !r.is_expired(now))
-            .map(|r| r.to_record(id)))
+            .find(hash, |(k, _)| k == id)
+            .filter(|(_, r)| !r.is_expired(now))
+            .map(|(_, r)| r.to_record(id)))
     }
 
     async fn purge_expired(&self, batch: usize) -> Result<u64, Error> {
@@ -306,16 +325,14 @@ impl IdempotencyStore for MemoryStore {
                 break;
             }
             let mut shard = shard.lock();
-            let expired: Vec<RecordId> = shard
-                .iter()
-                .filter(|(_, r)| r.is_expired(now))
-                .map(|(k, _)| k.clone())
-                .take(batch - removed)
-                .collect();
-            for k in expired {
-                shard.remove(&k);
-                removed += 1;
-            }
+            let room = batch - removed;
+            let mut taken = 0;
+            shard.retain(|(_, r)| {
+                let drop = taken < room && r.is_expired(now);
+                taken += usize::from(drop);
+                !drop
+            });
+            removed += taken;
         }
         Ok(removed as u64)
     }
