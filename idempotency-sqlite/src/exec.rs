@@ -1,30 +1,243 @@
 //! Where SQLite calls run: never on an async worker thread.
+//!
+//! On the dedicated connection thread, the store's writes are **group-committed**: the
+//! thread takes every write queued behind the first (up to [`MAX_BATCH`]) into one
+//! transaction, each in its own savepoint, so one failing write does not undo the others,
+//! and commits them with one sync. A write is answered only once that commit has
+//! succeeded; if it fails, every write of the batch gets the error and nothing of the batch
+//! was written.
 
 use crate::SqliteError;
-use rusqlite::Connection;
+use idempotency_core::Error;
+use rusqlite::{Connection, ErrorCode};
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use tokio::sync::{oneshot, Semaphore};
 
 type Job = Box<dyn FnOnce(&mut Connection) + Send>;
 type Caught<R> = std::thread::Result<R>;
 
+/// The most writes one transaction takes.
+pub(crate) const MAX_BATCH: usize = 64;
+
+/// What the connection thread is asked to do.
+pub(crate) enum Message {
+    /// Anything on the connection, alone.
+    Plain(Job),
+    /// A store write, which may share a transaction with the writes queued behind it.
+    Write(Box<dyn Batched>),
+}
+
+/// A write run inside the batch's transaction.
+pub(crate) trait Batched: Send {
+    /// Runs the write (its savepoint is open). Returns whether it succeeded, and how to
+    /// answer its caller once the batch's commit is known.
+    fn run(self: Box<Self>, conn: &Connection) -> (bool, Box<dyn Answer>);
+    /// Answers without running: the batch's transaction could not begin.
+    fn refuse(self: Box<Self>, error: &rusqlite::Error);
+}
+
+/// The answer of a write that ran, sent once the batch's fate is known.
+pub(crate) trait Answer: Send {
+    /// `Err` when the batch was not committed (the write's effects are gone).
+    fn answer(self: Box<Self>, commit: Result<(), &rusqlite::Error>);
+}
+
+struct Write<F, R> {
+    f: F,
+    reply: oneshot::Sender<Caught<Result<R, Error>>>,
+}
+
+impl<F, R> Batched for Write<F, R>
+where
+    F: FnOnce(&Connection) -> Result<R, Error> + Send,
+    R: Send + 'static,
+{
+    fn run(self: Box<Self>, conn: &Connection) -> (bool, Box<dyn Answer>) {
+        let Write { f, reply } = *self;
+        let result = catch_unwind(AssertUnwindSafe(|| f(conn)));
+        let ok = matches!(result, Ok(Ok(_)));
+        (ok, Box::new(Reply { reply, result }))
+    }
+
+    fn refuse(self: Box<Self>, error: &rusqlite::Error) {
+        let _ = self.reply.send(Ok(Err(batch_error(error))));
+    }
+}
+
+struct Reply<R> {
+    reply: oneshot::Sender<Caught<Result<R, Error>>>,
+    result: Caught<Result<R, Error>>,
+}
+
+impl<R: Send> Answer for Reply<R> {
+    fn answer(self: Box<Self>, commit: Result<(), &rusqlite::Error>) {
+        let result = match (commit, self.result) {
+            // A write that failed or panicked keeps its own answer: its savepoint was rolled
+            // back whatever happened to the batch.
+            (_, r @ (Err(_) | Ok(Err(_)))) | (Ok(()), r) => r,
+            (Err(e), Ok(Ok(_))) => Ok(Err(batch_error(e))),
+        };
+        let _ = self.reply.send(result);
+    }
+}
+
+/// The error each write of a batch gets when the batch could not begin or commit: nothing
+/// of the batch was written. rusqlite's error is not `Clone`, so each write gets its own
+/// copy of the code and message.
+fn batch_error(e: &rusqlite::Error) -> Error {
+    let copy = match e {
+        rusqlite::Error::SqliteFailure(code, message) => {
+            rusqlite::Error::SqliteFailure(*code, message.clone())
+        }
+        other => rusqlite::Error::SqliteFailure(
+            rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_ERROR),
+            Some(other.to_string()),
+        ),
+    };
+    SqliteError::Sqlite(copy).into()
+}
+
+/// What a batch whose transaction SQLite rolled back by itself (after an I/O error, a full
+/// disk, out of memory) tells the writes that had succeeded in it.
+fn rolled_back() -> rusqlite::Error {
+    rusqlite::Error::SqliteFailure(
+        rusqlite::ffi::Error {
+            code: ErrorCode::SystemIoFailure,
+            extended_code: rusqlite::ffi::SQLITE_IOERR,
+        },
+        Some(
+            "the transaction was rolled back by an error of another write in the same batch".into(),
+        ),
+    )
+}
+
+/// How many store writes were committed, and in how many transactions.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WriteStats {
+    /// Store writes (claims, completions, failures, extensions, reclaims, purges) committed;
+    /// a write that failed (its savepoint rolled back) is not counted.
+    pub writes: u64,
+    /// Transactions that committed them. On the dedicated connection thread, writes queued
+    /// together share one (group commit), so this is at most `writes`.
+    pub transactions: u64,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    writes: AtomicU64,
+    transactions: AtomicU64,
+}
+
+impl Counters {
+    fn committed(&self, writes: usize) {
+        self.writes.fetch_add(writes as u64, Ordering::Relaxed);
+        self.transactions.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn read(&self) -> WriteStats {
+        WriteStats {
+            writes: self.writes.load(Ordering::Relaxed),
+            transactions: self.transactions.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// Runs one batch: `first`, then every write already queued behind it, up to
+/// [`MAX_BATCH`], in one transaction. Returns a plain job met while collecting the batch,
+/// to run after it.
+fn run_batch(
+    conn: &mut Connection,
+    first: Box<dyn Batched>,
+    queue: &mpsc::Receiver<Message>,
+    counters: &Counters,
+) -> Option<Job> {
+    // IMMEDIATE takes the write lock up front (waiting up to the busy timeout), so the
+    // transaction never has to upgrade a read lock, the upgrade that fails with SQLITE_BUSY
+    // at once under WAL.
+    if let Err(e) = conn.execute_batch("BEGIN IMMEDIATE") {
+        first.refuse(&e);
+        return None;
+    }
+    let mut answers: Vec<Box<dyn Answer>> = Vec::new();
+    let mut succeeded = 0;
+    let mut next = Some(first);
+    let mut after = None;
+    let mut broken = false;
+    while let Some(write) = next.take() {
+        let opened = conn.execute_batch("SAVEPOINT w");
+        if let Err(e) = opened {
+            write.refuse(&e);
+            broken = true;
+            break;
+        }
+        let (ok, answer) = write.run(conn);
+        if conn.is_autocommit() {
+            // SQLite rolled the whole transaction back (an I/O error, a full disk): the
+            // writes before this one are gone too.
+            answer.answer(Err(&rolled_back()));
+            broken = true;
+            break;
+        }
+        succeeded += usize::from(ok);
+        let closed = if ok {
+            conn.execute_batch("RELEASE w")
+        } else {
+            conn.execute_batch("ROLLBACK TO w; RELEASE w")
+        };
+        answers.push(answer);
+        if closed.is_err() {
+            broken = true;
+            break;
+        }
+        if answers.len() >= MAX_BATCH {
+            break;
+        }
+        match queue.try_recv() {
+            Ok(Message::Write(w)) => next = Some(w),
+            Ok(Message::Plain(job)) => after = Some(job),
+            Err(_) => {}
+        }
+    }
+    let commit = if broken {
+        Err(rolled_back())
+    } else {
+        conn.execute_batch("COMMIT")
+    };
+    match &commit {
+        Ok(()) => counters.committed(succeeded),
+        Err(_) if !conn.is_autocommit() => {
+            let _ = conn.execute_batch("ROLLBACK");
+        }
+        Err(_) => {}
+    }
+    for answer in answers {
+        answer.answer(commit.as_ref().map(|_| ()));
+    }
+    after
+}
+
 /// Runs closures against a connection off the async runtime.
 pub(crate) enum Executor {
     /// One connection owned by one OS thread; jobs queue on a channel.
-    Thread(mpsc::Sender<Job>),
+    Thread {
+        jobs: mpsc::Sender<Message>,
+        counters: Arc<Counters>,
+    },
     /// A few connections handed to `spawn_blocking`; a semaphore bounds how many are in use.
     Pool {
         connections: Arc<Mutex<Vec<Connection>>>,
         permits: Arc<Semaphore>,
         size: usize,
+        counters: Arc<Counters>,
     },
 }
 
 impl std::fmt::Debug for Executor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Self::Thread(_) => f.write_str("DedicatedThread"),
+            Self::Thread { .. } => f.write_str("DedicatedThread"),
             Self::Pool { size, .. } => write!(f, "BlockingPool({size})"),
         }
     }
@@ -36,7 +249,9 @@ impl Executor {
         name: String,
         open: impl FnOnce() -> Result<Connection, SqliteError> + Send + 'static,
     ) -> Result<Self, SqliteError> {
-        let (jobs, queue) = mpsc::channel::<Job>();
+        let (jobs, queue) = mpsc::channel::<Message>();
+        let counters = Arc::new(Counters::default());
+        let thread_counters = counters.clone();
         let (ready, opened) = oneshot::channel::<Result<(), SqliteError>>();
         std::thread::Builder::new()
             .name(name)
@@ -52,13 +267,26 @@ impl Executor {
                     }
                 };
                 // Ends when the last sender (the last clone of the store) is dropped.
-                while let Ok(job) = queue.recv() {
-                    job(&mut conn);
+                let mut after = None;
+                loop {
+                    let message = match after.take() {
+                        Some(job) => Message::Plain(job),
+                        None => match queue.recv() {
+                            Ok(message) => message,
+                            Err(_) => return,
+                        },
+                    };
+                    match message {
+                        Message::Plain(job) => job(&mut conn),
+                        Message::Write(first) => {
+                            after = run_batch(&mut conn, first, &queue, &thread_counters)
+                        }
+                    }
                 }
             })
             .map_err(|e| SqliteError::Config(format!("cannot start the connection thread: {e}")))?;
         opened.await.map_err(|_| SqliteError::Closed)??;
-        Ok(Self::Thread(jobs))
+        Ok(Self::Thread { jobs, counters })
     }
 
     /// Opens `size` connections on the blocking pool.
@@ -77,6 +305,7 @@ impl Executor {
             connections: Arc::new(Mutex::new(connections)),
             permits: Arc::new(Semaphore::new(size)),
             size,
+            counters: Arc::default(),
         })
     }
 
@@ -90,11 +319,12 @@ impl Executor {
     {
         let (reply, result) = oneshot::channel::<Caught<R>>();
         match self {
-            Self::Thread(jobs) => {
+            Self::Thread { jobs, .. } => {
                 let job: Job = Box::new(move |conn| {
                     let _ = reply.send(catch_unwind(AssertUnwindSafe(|| f(conn))));
                 });
-                jobs.send(job).map_err(|_| SqliteError::Closed)?;
+                jobs.send(Message::Plain(job))
+                    .map_err(|_| SqliteError::Closed)?;
             }
             Self::Pool {
                 connections,
@@ -129,6 +359,57 @@ impl Executor {
             Ok(Ok(r)) => Ok(r),
             Ok(Err(panic)) => resume_unwind(panic),
             Err(_) => Err(SqliteError::Closed),
+        }
+    }
+}
+
+impl Executor {
+    /// Writes committed so far, and the transactions that committed them.
+    pub(crate) fn write_stats(&self) -> WriteStats {
+        match self {
+            Self::Thread { counters, .. } | Self::Pool { counters, .. } => counters.read(),
+        }
+    }
+
+    /// Runs the store write `f` in a write transaction (`BEGIN IMMEDIATE`) and returns its
+    /// result once the transaction has committed. On the dedicated thread the transaction is
+    /// shared with the writes queued behind it (group commit), `f` in its own savepoint; in
+    /// the pool mode it is `f`'s alone. An `Err` from `f` rolls back `f`'s writes only. A
+    /// panic in `f` is resumed in the caller.
+    pub(crate) async fn write<R, F>(&self, f: F) -> Result<R, Error>
+    where
+        R: Send + 'static,
+        F: FnOnce(&Connection) -> Result<R, Error> + Send + 'static,
+    {
+        let caught = match self {
+            Self::Thread { jobs, .. } => {
+                let (reply, result) = oneshot::channel();
+                jobs.send(Message::Write(Box::new(Write { f, reply })))
+                    .map_err(|_| SqliteError::Closed)?;
+                result.await.map_err(|_| SqliteError::Closed)?
+            }
+            Self::Pool { counters, .. } => {
+                let counters = counters.clone();
+                let r = self
+                    .run(move |conn| {
+                        catch_unwind(AssertUnwindSafe(|| {
+                            let tx = conn
+                                .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
+                                .map_err(|e| Error::from(SqliteError::Sqlite(e)))?;
+                            let r = f(&tx)?;
+                            tx.commit()
+                                .map_err(|e| Error::from(SqliteError::Sqlite(e)))?;
+                            counters.committed(1);
+                            Ok(r)
+                        }))
+                    })
+                    .await?;
+                r
+            }
+        };
+        match caught {
+            Ok(r) => r,
+            Err(panic) => resume_unwind(panic),
         }
     }
 }

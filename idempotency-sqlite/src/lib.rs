@@ -12,6 +12,7 @@ mod store;
 pub use builder::{ConnectionMode, SqliteStoreBuilder, Synchronous, DEFAULT_TABLE};
 pub use error::SqliteError;
 pub use exactly_once::SqliteIdempotency;
+pub use exec::WriteStats;
 /// The driver this store runs on, re-exported so your business code uses the same version.
 pub use rusqlite;
 pub use schema::{validate_table_name, MAX_TABLE_NAME_LEN, SCHEMA_VERSION};

@@ -3,7 +3,7 @@
 use crate::builder::{SqliteStoreBuilder, Synchronous};
 use crate::decode::decode_record;
 use crate::error::SqliteError;
-use crate::exec::Executor;
+use crate::exec::{Executor, WriteStats};
 use crate::schema;
 use crate::sql::Sql;
 use async_trait::async_trait;
@@ -78,6 +78,14 @@ impl SqliteStore {
         &self.inner.path
     }
 
+    /// How many store writes this store (and its clones) committed, and in how many
+    /// transactions. On the dedicated connection thread, writes queued while a transaction
+    /// commits share the next one (group commit, one sync for all of them), so
+    /// `writes / transactions` is the average batch.
+    pub fn write_stats(&self) -> WriteStats {
+        self.inner.exec.write_stats()
+    }
+
     /// Runs `f` with one of the store's connections, off the async runtime: for your own
     /// schema setup, reads and business transactions on the same file. Start write
     /// transactions with `TransactionBehavior::Immediate` (see the crate docs). A panic in `f`
@@ -116,26 +124,18 @@ impl SqliteStore {
     async fn write<R, F>(&self, f: F) -> Result<R, Error>
     where
         R: Send + 'static,
-        F: FnOnce(&Inner, &Transaction<'_>, Timestamp) -> Result<R, Error> + Send + 'static,
+        F: FnOnce(&Inner, &Connection, Timestamp) -> Result<R, Error> + Send + 'static,
     {
         let inner = self.inner.clone();
         self.inner
             .exec
-            .run(move |conn| {
-                // IMMEDIATE takes the write lock up front (waiting up to the busy timeout), so
-                // the transaction never has to upgrade a read lock, the upgrade that fails
-                // with SQLITE_BUSY at once under WAL.
-                let tx = conn
-                    .transaction_with_behavior(TransactionBehavior::Immediate)
-                    .map_err(|e| inner.sql_error(e))?;
-                // Read the clock only once the lock is held, so writers across processes see
-                // time move forward in commit order.
+            .write(move |conn| {
+                // Read the clock only once the write lock is held, so writers across
+                // processes see time move forward in commit order.
                 let now = inner.clock.now();
-                let r = f(&inner, &tx, now)?;
-                tx.commit().map_err(|e| inner.sql_error(e))?;
-                Ok(r)
+                f(&inner, conn, now)
             })
-            .await?
+            .await
     }
 }
 
@@ -305,7 +305,7 @@ impl Inner {
 
     fn exec_cached(
         &self,
-        tx: &Transaction<'_>,
+        tx: &Connection,
         sql: &str,
         params: impl rusqlite::Params,
     ) -> Result<usize, Error> {
@@ -314,12 +314,7 @@ impl Inner {
             .map_err(|e| self.sql_error(e))
     }
 
-    fn claim(
-        &self,
-        tx: &Transaction<'_>,
-        req: &ClaimRequest,
-        now: Timestamp,
-    ) -> Result<Claim, Error> {
+    fn claim(&self, tx: &Connection, req: &ClaimRequest, now: Timestamp) -> Result<Claim, Error> {
         let lease_until = now.saturating_add(req.lease);
         let expires_at = req.expires_at(now);
         let mut stmt = tx
@@ -467,7 +462,7 @@ impl Inner {
     /// on. Applied when it changed the row: the token still held the live Pending record.
     fn cas(
         &self,
-        tx: &Transaction<'_>,
+        tx: &Connection,
         sql: &str,
         id: &RecordId,
         token: FencingToken,
@@ -491,7 +486,7 @@ impl Inner {
     /// ([`SqliteStore::complete_in`]).
     fn complete_cas(
         &self,
-        tx: &Transaction<'_>,
+        tx: &Connection,
         id: &RecordId,
         token: FencingToken,
         outcome: &[u8],

@@ -304,3 +304,110 @@ async fn replays_count_hits_and_leave_every_connection_at_synchronous_full() {
         }
     }
 }
+
+/// Group commit: writes queued together share one transaction (one sync), and a write that
+/// fails inside it (a reclaim the table's CHECK constraint refuses, its record's attempts
+/// being corrupt) undoes only its own changes: every other write of the batch is committed and
+/// answered, and the corrupt record is left as it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn group_commit_shares_transactions_and_isolates_a_failing_write() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = idempotency_sqlite::SqliteStore::open(dir.path().join("group.db"))
+        .await
+        .unwrap();
+    store.migrate().await.unwrap();
+    let bad = id("corrupt");
+    let Claim::Claimed {
+        token: bad_token, ..
+    } = store
+        .claim(&req(&bad, b"x", 600 * S, 600 * S))
+        .await
+        .unwrap()
+    else {
+        panic!("a fresh key was not claimed");
+    };
+    store
+        .fail(&bad, bad_token, &Failure::retryable("x"), 600 * S)
+        .await
+        .unwrap();
+    let bad_key = bad.key.as_str().to_owned();
+    store
+        .call(move |c| {
+            c.pragma_update(None, "ignore_check_constraints", true)?;
+            c.execute(
+                "UPDATE idempotency_records SET attempts = -3 WHERE key = ?1",
+                [&bad_key],
+            )?;
+            c.pragma_update(None, "ignore_check_constraints", false)
+        })
+        .await
+        .unwrap()
+        .unwrap();
+    let before = store.write_stats();
+    let mut completed = 0u64;
+    for round in 0..10 {
+        let mut tasks = Vec::new();
+        for i in 0..32 {
+            let (store, id) = (store.clone(), id(&format!("fresh-{round}-{i}")));
+            tasks.push(tokio::spawn(async move {
+                let Claim::Claimed { token, .. } =
+                    store.claim(&req(&id, b"x", 60 * S, 600 * S)).await.unwrap()
+                else {
+                    panic!("{id} was not claimed");
+                };
+                let cas = store.complete(&id, token, b"done", 600 * S).await.unwrap();
+                assert_eq!(cas, Cas::Applied, "{id}");
+                id
+            }));
+        }
+        let failing = {
+            let store = store.clone();
+            let bad = bad.clone();
+            tokio::spawn(async move {
+                let fp = Fingerprint::from_bytes(b"x");
+                store.reclaim(&bad, bad_token, &fp, 60 * S, 600 * S).await
+            })
+        };
+        for task in tasks {
+            let id = task.await.unwrap();
+            let record = store
+                .get(&id)
+                .await
+                .unwrap()
+                .expect("a committed write is there");
+            assert_eq!(record.status, RecordStatus::Completed, "{id}");
+            assert_eq!(record.outcome.as_deref(), Some(&b"done"[..]));
+            completed += 1;
+        }
+        match failing.await.unwrap() {
+            Err(idempotency_core::Error::CorruptRecord { .. }) => {}
+            other => panic!("the reclaim of a corrupt record answered {other:?}"),
+        }
+    }
+    let after = store.write_stats();
+    let (writes, transactions) = (
+        after.writes - before.writes,
+        after.transactions - before.transactions,
+    );
+    println!("{writes} writes committed in {transactions} transactions");
+    // Every claim and completion of a fresh key; not the refused reclaims (their savepoints
+    // rolled back, the rest of their batches committed).
+    assert_eq!(writes, 2 * completed);
+    assert!(
+        transactions < writes,
+        "{writes} concurrent writes took {transactions} transactions: nothing was batched"
+    );
+    let bad_key = bad.key.as_str().to_owned();
+    let (attempts, status): (i64, String) = store
+        .call(move |c| {
+            c.query_row(
+                "SELECT attempts, status FROM idempotency_records WHERE key = ?1",
+                [&bad_key],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+        })
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((attempts, status.as_str()), (-3, "failed"));
+}
