@@ -34,7 +34,7 @@ const MAX_RETRIED_BODY: usize = 16 * 1024;
 /// - the response carries an [`IdempotencyOutcome`] (key, attempts, replayed).
 ///
 /// Requests that are not marked pass through untouched. Put the middleware before others that
-/// retry (it must see every attempt's answer), and after those that sign or decorate the
+/// retry (so that its policy decides what is retried), and after those that sign or decorate the
 /// request only if they do so identically every time.
 ///
 /// Each operation runs in an `idempotency.request` span (method, target, key, attempts,
@@ -262,6 +262,12 @@ impl Middleware for IdempotencyMiddleware {
             return next.run(req, extensions).await;
         };
         let key = self.settle_key(&mut req, &mark)?;
+        // Kept with the operation: a retrying middleware before this one sends a clone of the
+        // request it was given, without the header, and the same extensions; its retries must
+        // carry this key, not a newly minted one.
+        if mark.key().is_none() {
+            extensions.insert(Idempotent::with_key(key.clone()));
+        }
         // Refused before anything is sent: a second attempt could not send the same bytes.
         if req.try_clone().is_none() {
             return Err(not_replayable(&req).into());

@@ -402,3 +402,49 @@ async fn requests_not_marked_pass_through_untouched() {
     assert_eq!(seen.len(), 1);
     assert!(seen[0].headers.iter().all(|(n, _)| n != "idempotency-key"));
 }
+
+/// Sends every request twice, as a retrying middleware does when the first answer is lost:
+/// a clone of the request it was given, with the same extensions.
+struct SendTwice;
+
+#[async_trait::async_trait]
+impl reqwest_middleware::Middleware for SendTwice {
+    async fn handle(
+        &self,
+        req: reqwest::Request,
+        extensions: &mut http::Extensions,
+        next: reqwest_middleware::Next<'_>,
+    ) -> reqwest_middleware::Result<reqwest::Response> {
+        let again = req.try_clone().unwrap();
+        let _lost = next.clone().run(req, extensions).await?;
+        next.run(again, extensions).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retrying_middleware_before_it_resends_the_same_key() {
+    let state = Arc::new(Mutex::new(Recorder::default()));
+    let url = serve(state.clone()).await;
+    let client = reqwest_middleware::ClientBuilder::new(
+        reqwest::Client::builder().no_proxy().build().unwrap(),
+    )
+    .with(SendTwice)
+    .with(IdempotencyMiddleware::new().retry_policy(fast_policy()))
+    .build();
+    let r = client
+        .post(format!("{url}/orders"))
+        .body("{}")
+        .idempotent()
+        .send()
+        .await
+        .unwrap();
+    assert!(r.was_replayed());
+    let seen = state.lock().unwrap().seen.clone();
+    assert_eq!(seen.len(), 2);
+    assert_eq!(seen[0], seen[1], "the resent request differs");
+    assert!(seen[0]
+        .headers
+        .iter()
+        .any(|(n, v)| n == "idempotency-key"
+            && v == r.idempotency().unwrap().key().as_str().as_bytes()));
+}

@@ -1,15 +1,20 @@
 //! The exactly-once create, with the real `books-api` binary killed (SIGKILL) between the
 //! insert and the answer, many times, on SQLite (the default) and on the real Postgres server.
 //!
-//! Each run sends a create with a fresh key, kills the server either the moment the book's row
-//! becomes visible in the database (the insert committed; the answer may not be written yet)
-//! or after a random delay, starts it again on the same database, and retries the same request
-//! until it is no longer in progress. Whatever the moment of the kill, the key ends with
-//! exactly one book: the retry replays the committed create, or (nothing was committed) runs it
-//! once.
+//! Each run sends a create with a fresh key, kills the server at one of three points, starts
+//! it again on the same database, and retries the same request until it is no longer in
+//! progress. The kill points: the moment the book's row becomes visible in the database (the
+//! insert committed; the answer may not be written yet), after a random delay, or while the
+//! test holds the books' writes (so the kill surely lands before the commit, whatever the
+//! machine's load). Whatever the moment of the kill, the key ends with exactly one book: the
+//! retry replays the committed create, or (nothing was committed) runs it once.
+//!
+//! What was committed is read only once it is settled: the killed process is reaped, and on
+//! Postgres its backends, which finish the statement in hand (a COMMIT included) before they
+//! notice their client is gone, have exited.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use idempotency_postgres::sqlx::{self, PgPool};
+use idempotency_postgres::sqlx::{self, PgPool, Postgres, Transaction};
 use reqwest::{Client, StatusCode};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
@@ -22,11 +27,28 @@ use server_process::Server;
 const RUNS: usize = 100;
 /// Short, so that a retry after a kill before the commit does not wait long for the lease.
 const LEASE_SECS: &str = "0.5";
+/// How long the test waits for the database to reach a state it expects.
+const SETTLE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Where the books are, to see the insert commit from outside the server.
 enum Books {
     Sqlite(PathBuf),
-    Postgres { pool: PgPool, schema: String },
+    Postgres {
+        pool: PgPool,
+        schema: String,
+        /// The `application_name` of the server's connections, and of no other: unique to the
+        /// test, so that `pg_stat_activity` tells when the killed server's backends are gone.
+        application_name: String,
+    },
+}
+
+/// The books' writes held by the test, so that a kill lands before the commit.
+enum WritesBlocked {
+    /// `BEGIN IMMEDIATE` on the file: the server can neither claim the key nor insert.
+    Sqlite(rusqlite::Connection),
+    /// `LOCK TABLE books IN EXCLUSIVE MODE`: reads go on and the claim commits; the insert
+    /// waits.
+    Postgres(Transaction<'static, Postgres>),
 }
 
 impl Books {
@@ -47,12 +69,131 @@ impl Books {
                 .await
                 .unwrap()
             }
-            Books::Postgres { pool, schema } => {
+            Books::Postgres { pool, schema, .. } => {
                 sqlx::query_scalar(&format!("SELECT count(*) FROM \"{schema}\".books"))
                     .fetch_one(pool)
                     .await
                     .unwrap_or(0)
             }
+        }
+    }
+
+    /// The count once a killed server can no longer change it. SQLite: at once, as the
+    /// process was reaped and no other one writes the file. Postgres: once no backend of the
+    /// server is left, as a backend whose client died still finishes the statement in hand,
+    /// a COMMIT included, before it reads the closed socket and exits.
+    async fn settled_count(&self) -> i64 {
+        if let Books::Postgres {
+            pool,
+            application_name,
+            ..
+        } = self
+        {
+            let deadline = Instant::now() + SETTLE_TIMEOUT;
+            loop {
+                let live = backends(pool, application_name, "").await;
+                if live == 0 {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "{live} backends of the killed server still run after {SETTLE_TIMEOUT:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        }
+        self.count().await
+    }
+
+    async fn block_writes(&self) -> WritesBlocked {
+        match self {
+            Books::Sqlite(path) => {
+                let conn = rusqlite::Connection::open(path).unwrap();
+                conn.busy_timeout(Duration::from_secs(5)).unwrap();
+                conn.execute_batch("BEGIN IMMEDIATE").unwrap();
+                WritesBlocked::Sqlite(conn)
+            }
+            Books::Postgres { pool, schema, .. } => {
+                let mut tx = pool.begin().await.unwrap();
+                sqlx::query(&format!("LOCK TABLE \"{schema}\".books IN EXCLUSIVE MODE"))
+                    .execute(&mut *tx)
+                    .await
+                    .unwrap();
+                WritesBlocked::Postgres(tx)
+            }
+        }
+    }
+
+    /// Returns once the server has the request in hand and waits for the writes: on Postgres,
+    /// when its insert waits for the lock (the key is claimed by then); on SQLite, which shows
+    /// no waiter from outside, after a random delay of up to 20 ms.
+    async fn wait_for_blocked_server(&self) {
+        match self {
+            Books::Sqlite(_) => random_delay().await,
+            Books::Postgres {
+                pool,
+                application_name,
+                ..
+            } => {
+                let deadline = Instant::now() + SETTLE_TIMEOUT;
+                while backends(pool, application_name, "AND wait_event_type = 'Lock'").await == 0 {
+                    assert!(
+                        Instant::now() < deadline,
+                        "the server's insert did not wait for the test's lock within \
+                         {SETTLE_TIMEOUT:?}"
+                    );
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            }
+        }
+    }
+}
+
+impl WritesBlocked {
+    async fn release(self) {
+        match self {
+            WritesBlocked::Sqlite(conn) => conn.execute_batch("ROLLBACK").unwrap(),
+            WritesBlocked::Postgres(tx) => tx.rollback().await.unwrap(),
+        }
+    }
+}
+
+/// The backends named `application_name` (and matching `and`, an extra condition).
+async fn backends(pool: &PgPool, application_name: &str, and: &str) -> i64 {
+    sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 {and}"
+    ))
+    .bind(application_name)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+async fn random_delay() {
+    let micros = rand::Rng::gen_range(&mut rand::thread_rng(), 0..20_000);
+    tokio::time::sleep(Duration::from_micros(micros)).await;
+}
+
+/// Where a run kills the server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum KillPoint {
+    /// The moment the book's row is visible: after the commit, maybe before the answer.
+    RowVisible,
+    /// After a random delay of up to 20 ms: either side of the commit, by chance.
+    RandomDelay,
+    /// While the test holds the books' writes: surely before the commit.
+    WritesBlocked,
+}
+
+impl KillPoint {
+    /// A fixed share of each: one run in four after a random delay, one in eight with the
+    /// writes blocked (on Postgres the claim is left in progress, so its retry waits out the
+    /// lease), the rest at the row.
+    fn of_run(run: usize) -> Self {
+        match (run % 4, run % 8) {
+            (3, _) => KillPoint::RandomDelay,
+            (_, 1) => KillPoint::WritesBlocked,
+            _ => KillPoint::RowVisible,
         }
     }
 }
@@ -62,6 +203,10 @@ impl Books {
 struct Tally {
     killed_after_commit: usize,
     killed_before_commit: usize,
+    killed_with_writes_blocked: usize,
+    /// Runs whose commit became visible only after the kill (a Postgres backend outliving
+    /// its killed client).
+    committed_after_kill: usize,
     answered_before_kill: usize,
     retries_replayed: usize,
     retries_executed: usize,
@@ -87,23 +232,44 @@ async fn campaign(books: Books, mut env: Vec<(&str, String)>, label: &str) {
                 .send()
         };
         let before = books.count().await;
+        let point = KillPoint::of_run(run);
+        let blocked = match point {
+            KillPoint::WritesBlocked => Some(books.block_writes().await),
+            _ => None,
+        };
         let first = tokio::spawn(send(&server.url));
-        // Two kill points: the moment the insert is visible (most runs), or a random delay.
-        if run % 4 != 3 {
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while books.count().await == before && Instant::now() < deadline {
-                tokio::task::yield_now().await;
+        match point {
+            KillPoint::RowVisible => {
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while books.count().await == before && Instant::now() < deadline {
+                    tokio::task::yield_now().await;
+                }
             }
-        } else {
-            let micros = rand::Rng::gen_range(&mut rand::thread_rng(), 0..20_000);
-            tokio::time::sleep(Duration::from_micros(micros)).await;
+            KillPoint::RandomDelay => random_delay().await,
+            KillPoint::WritesBlocked => books.wait_for_blocked_server().await,
         }
         server.kill();
-        let committed = books.count().await > before;
+        if let Some(blocked) = blocked {
+            blocked.release().await;
+        }
+        // Read at once too, to count the commits that land after the kill.
+        let at_kill = books.count().await;
+        let settled = books.settled_count().await;
+        if settled != at_kill {
+            tally.committed_after_kill += 1;
+        }
+        let committed = settled > before;
         if committed {
             tally.killed_after_commit += 1;
         } else {
             tally.killed_before_commit += 1;
+        }
+        if point == KillPoint::WritesBlocked {
+            assert!(
+                !committed,
+                "{label} run {run}: the create committed while the test held its writes"
+            );
+            tally.killed_with_writes_blocked += 1;
         }
         let first = first.await.unwrap();
         let first_book = match first {
@@ -168,11 +334,14 @@ async fn campaign(books: Books, mut env: Vec<(&str, String)>, label: &str) {
     server.kill();
     println!(
         "{label}: {RUNS} runs in {:.1} s, books per key always 1; killed after the commit {} \
-         (answer already read {}), before it {}; retries replayed {}, executed {}",
+         (answer already read {}), before it {} (with the writes blocked {}), committed after \
+         the kill {}; retries replayed {}, executed {}",
         started.elapsed().as_secs_f64(),
         tally.killed_after_commit,
         tally.answered_before_kill,
         tally.killed_before_commit,
+        tally.killed_with_writes_blocked,
+        tally.committed_after_kill,
         tally.retries_replayed,
         tally.retries_executed,
     );
@@ -205,11 +374,14 @@ async fn postgres_create_killed_between_insert_and_answer_makes_one_book() {
     let pool = PgPool::connect(&url).await.unwrap_or_else(|e| {
         panic!("cannot reach Postgres at {url} ({e}); start it with `bash .ci/services`")
     });
+    // The schema's name also names the server's connections (63 bytes at most).
     let schema = format!("books_killed_{}", uuid::Uuid::new_v4().simple());
+    let separator = if url.contains('?') { '&' } else { '?' };
+    let server_url = format!("{url}{separator}application_name={schema}");
     let dir = tempfile::tempdir().unwrap();
     let env = vec![
         ("BOOKS_STORE", "postgres".to_owned()),
-        ("BOOKS_POSTGRES_URL", url.clone()),
+        ("BOOKS_POSTGRES_URL", server_url),
         ("BOOKS_POSTGRES_SCHEMA", schema.clone()),
         (
             "BOOKS_DATABASE",
@@ -221,6 +393,7 @@ async fn postgres_create_killed_between_insert_and_answer_makes_one_book() {
         Books::Postgres {
             pool: pool.clone(),
             schema: schema.clone(),
+            application_name: schema.clone(),
         },
         env,
         "postgres",
