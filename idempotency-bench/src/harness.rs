@@ -29,6 +29,30 @@ pub fn receipt() -> Receipt {
 /// [`Receipt`] as JSON (39 bytes): what the raw baselines store and replay.
 pub const OUTCOME: &str = "{\"order_id\":\"ord_0123456789\",\"ok\":true}";
 
+/// A workload whose physical limit on the server can be measured by another client.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LimitWorkload {
+    /// The store's claim and complete statements on fresh keys.
+    NewKey,
+    /// The store's uncounted claim of a completed key.
+    UncountedReplay,
+}
+
+/// The same statements the store sends, run by the server's own benchmark client (PostgreSQL's
+/// `pgbench -M prepared`): the most any client library reaches on this server.
+#[async_trait]
+pub trait PhysicalLimit: Send + Sync {
+    /// What the limit is measured with, for the report.
+    fn method(&self) -> String;
+    /// Operations per second of `workload` with `clients` connections for `duration`.
+    async fn ops_per_sec(
+        &self,
+        workload: LimitWorkload,
+        clients: usize,
+        duration: Duration,
+    ) -> Result<f64, BoxError>;
+}
+
 /// What a hand-written implementation would send for each workload, on the same driver and
 /// connection settings as the store.
 #[async_trait]
@@ -67,6 +91,7 @@ pub struct Backend {
     pub store: Arc<dyn IdempotencyStore>,
     pub raw: Arc<dyn RawBaseline>,
     pub round_trips: Option<Counted>,
+    pub limit: Option<Arc<dyn PhysicalLimit>>,
 }
 
 /// Runs a blocking clean-up (dropping a schema, deleting keys) when dropped, also on error
@@ -171,6 +196,11 @@ where
 /// An engine over `store` with the default policy (heartbeat on, as users run it).
 pub fn engine(store: Arc<dyn IdempotencyStore>) -> Result<Idempotency, Error> {
     Idempotency::new(store, Policy::default())
+}
+
+/// The engine with hit counting off: a replay is a pure read.
+pub fn uncounted_engine(store: Arc<dyn IdempotencyStore>) -> Result<Idempotency, Error> {
+    Idempotency::new(store, Policy::default().count_hits(false))
 }
 
 pub fn scope() -> Scope {

@@ -41,5 +41,6 @@ pub fn backend() -> Backend {
         store: Arc::new(MemoryStore::new()),
         raw: Arc::new(RawMemory::default()),
         round_trips: None,
+        limit: None,
     }
 }

@@ -5,9 +5,11 @@
 //! Round trips are counted on the wire by `idempotency_testing::pg_wire::CountingProxy`, on a
 //! second, single-connection pool used only for counting.
 
-use crate::harness::{self, Backend, Cleanup, Counted, RawBaseline, RoundTripCounter};
+use crate::harness::{
+    self, Backend, Cleanup, Counted, LimitWorkload, PhysicalLimit, RawBaseline, RoundTripCounter,
+};
 use async_trait::async_trait;
-use idempotency_core::BoxError;
+use idempotency_core::{BoxError, IdempotencyKey, IdempotencyStore, RecordId};
 use idempotency_postgres::sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
 use idempotency_postgres::sqlx::{self, Connection, PgConnection, PgPool};
 use idempotency_postgres::PostgresStore;
@@ -185,6 +187,10 @@ pub async fn backend(max_clients: usize) -> Result<(Backend, Schema), BoxError> 
         .ssl_mode(PgSslMode::Disable);
     let counted_pool = pool(proxied, 1).await?;
     let counted = store(counted_pool.clone(), &schema.name).await?;
+    let pgbench = Pgbench {
+        proxy: proxy.clone(),
+        store: counted.clone(),
+    };
 
     Ok((
         Backend {
@@ -198,6 +204,7 @@ pub async fn backend(max_clients: usize) -> Result<(Backend, Schema), BoxError> 
                 method: "frontend messages counted by a loopback proxy (every Sync or Query is \
                          one round trip)",
             }),
+            limit: Some(Arc::new(pgbench)),
         },
         schema,
     ))
@@ -316,4 +323,138 @@ pub async fn scaling_store() -> Result<(PostgresStore, Schema), BoxError> {
     let options = PgConnectOptions::from_str(&url())?;
     let one = pool(options, 1).await?;
     Ok((store(one, &schema.name).await?, schema))
+}
+
+/// `pgbench -M prepared` running the statements the store sends (as the counting proxy saw
+/// them) against the same server, on the same schema: the physical limit of the workloads.
+struct Pgbench {
+    proxy: CountingProxy,
+    store: PostgresStore,
+}
+
+/// How many completed records the replay script reads, keyed `pgb-replay-<n>`.
+const PGBENCH_REPLAY_KEYS: usize = 1000;
+
+impl Pgbench {
+    /// The store's claim, uncounted claim and complete statements: sent once each through
+    /// the proxy, then read back from it.
+    async fn statements(&self) -> Result<(String, String, String), BoxError> {
+        let engine = harness::engine(Arc::new(self.store.clone()))?;
+        let uncounted = harness::uncounted_engine(Arc::new(self.store.clone()))?;
+        let key = IdempotencyKey::new(format!("pgb-prime-{}", uuid::Uuid::new_v4()))?;
+        harness::engine_cycle(&engine, &harness::scope(), &key).await?;
+        harness::engine_replay(&uncounted, &harness::scope(), &key).await?;
+        let seen = self.proxy.statements();
+        let find = |what: &str, f: &dyn Fn(&str) -> bool| {
+            seen.iter()
+                .find(|q| f(q))
+                .cloned()
+                .ok_or_else(|| format!("the proxy saw no {what} statement"))
+        };
+        let claim = find("claim", &|q| {
+            q.contains("ON CONFLICT") && !q.contains("live AS")
+        })?;
+        let observe = find("uncounted claim", &|q| q.contains("live AS"))?;
+        let complete = find("complete", &|q| q.contains("SET status = 'completed'"))?;
+        Ok((claim, observe, complete))
+    }
+
+    /// The pgbench script of `workload`, built from the store's statements with their
+    /// parameters replaced by the values the harness binds.
+    async fn script(&self, workload: LimitWorkload) -> Result<String, BoxError> {
+        let (claim, observe, complete) = self.statements().await?;
+        let scope = format!("'{}'", harness::scope().as_str().replace('\'', "''"));
+        let fp = format!("decode('{}', 'hex')", harness::fingerprint().to_hex());
+        let bind = |sql: &str, params: &[&str]| {
+            let mut sql = sql.to_owned();
+            // Highest first, so `$1` never matches the start of `$10`.
+            for (i, p) in params.iter().enumerate().rev() {
+                sql = sql.replace(&format!("${}", i + 1), p);
+            }
+            sql
+        };
+        let lease = "30000";
+        let ttl = "86400000";
+        Ok(match workload {
+            LimitWorkload::NewKey => {
+                let key = "('pgb-' || :k::text)";
+                format!(
+                    "\\set k random(1, 1000000000000000)\n{} \\gset\n{};\n",
+                    bind(&claim, &[&scope, key, &fp, lease, ttl]),
+                    bind(
+                        &complete,
+                        &[&scope, key, ":token", "decode('7b7d', 'hex')", ttl]
+                    ),
+                )
+            }
+            LimitWorkload::UncountedReplay => {
+                let key = "('pgb-replay-' || :n::text)";
+                format!(
+                    "\\set n random(0, {})\n{};\n",
+                    PGBENCH_REPLAY_KEYS - 1,
+                    bind(&observe, &[&scope, key, &fp, lease, ttl]),
+                )
+            }
+        })
+    }
+}
+
+#[async_trait]
+impl PhysicalLimit for Pgbench {
+    fn method(&self) -> String {
+        "pgbench -M prepared, the store's own statements (as the counting proxy saw them), same \
+         server and schema"
+            .to_owned()
+    }
+
+    async fn ops_per_sec(
+        &self,
+        workload: LimitWorkload,
+        clients: usize,
+        duration: Duration,
+    ) -> Result<f64, BoxError> {
+        if workload == LimitWorkload::UncountedReplay {
+            let engine = harness::engine(Arc::new(self.store.clone()))?;
+            for n in 0..PGBENCH_REPLAY_KEYS {
+                let key = IdempotencyKey::new(format!("pgb-replay-{n}"))?;
+                let id = RecordId::new(harness::scope(), key.clone());
+                if self.store.get(&id).await?.is_none() {
+                    harness::engine_cycle(&engine, &harness::scope(), &key).await?;
+                }
+            }
+        }
+        let script = self.script(workload).await?;
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("workload.sql");
+        std::fs::write(&path, &script)?;
+        let seconds = duration.as_secs().max(1).to_string();
+        let out = tokio::process::Command::new("pgbench")
+            .args(["-n", "-M", "prepared", "-T", &seconds])
+            .args([
+                "-c",
+                &clients.to_string(),
+                "-j",
+                &clients.min(2).to_string(),
+            ])
+            .arg("-f")
+            .arg(&path)
+            .arg(url())
+            .output()
+            .await
+            .map_err(|e| format!("cannot run pgbench ({e}); it ships with PostgreSQL"))?;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        if !out.status.success() {
+            return Err(format!(
+                "pgbench failed: {}\n{stdout}\nscript:\n{script}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+            .into());
+        }
+        stdout
+            .lines()
+            .find_map(|l| l.strip_prefix("tps = "))
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|v| v.parse::<f64>().ok())
+            .ok_or_else(|| format!("no tps in pgbench's output:\n{stdout}").into())
+    }
 }

@@ -301,6 +301,7 @@ pub async fn backend() -> Result<(Backend, Cleanup), BoxError> {
                          one for the store and one for the raw baseline (the INFO calls and \
                          the commands scripts run inside EVALSHA excluded)",
             }),
+            limit: None,
         },
         cleanup,
     ))

@@ -83,6 +83,7 @@ pub async fn backend(
             store: Arc::new(store.clone()),
             raw: Arc::new(RawSqlite { store }),
             round_trips: None,
+            limit: None,
         },
         dir,
     ))

@@ -1,7 +1,7 @@
 //! A round-trip counting proxy for the PostgreSQL frontend protocol.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -11,6 +11,8 @@ struct Counters {
     bare_syncs: AtomicU64,
     simple_queries: AtomicU64,
     parses: AtomicU64,
+    /// Every distinct statement text prepared, in the order first seen.
+    statements: Mutex<Vec<String>>,
 }
 
 /// What the clients of a [`CountingProxy`] have sent so far.
@@ -85,6 +87,16 @@ impl CountingProxy {
         self.port
     }
 
+    /// Every distinct statement text the clients prepared (`Parse`), in the order first seen:
+    /// what a driver really sends, to replay it with another client (`pgbench`).
+    pub fn statements(&self) -> Vec<String> {
+        self.counters
+            .statements
+            .lock()
+            .map(|s| s.clone())
+            .unwrap_or_default()
+    }
+
     /// What has been sent so far.
     pub fn snapshot(&self) -> Counts {
         let c = &self.counters;
@@ -139,6 +151,16 @@ async fn pump(
             b'P' => {
                 c.parses.fetch_add(1, Ordering::SeqCst);
                 since_sync += 1;
+                // Body: statement name, then the query, both NUL-terminated.
+                let mut parts = body.split(|b| *b == 0);
+                if let (Some(_), Some(query)) = (parts.next(), parts.next()) {
+                    let query = String::from_utf8_lossy(query).into_owned();
+                    if let Ok(mut seen) = c.statements.lock() {
+                        if !seen.contains(&query) {
+                            seen.push(query);
+                        }
+                    }
+                }
             }
             _ => since_sync += 1,
         }
