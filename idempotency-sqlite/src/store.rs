@@ -11,7 +11,7 @@ use idempotency_core::{
     claim_retention, Cas, Claim, ClaimRequest, Clock, Error, Failure, FencingToken, Fingerprint,
     IdempotencyStore, Reclaim, Record, RecordId, RecordStatus, Timestamp,
 };
-use rusqlite::{params, Connection, ToSql, Transaction, TransactionBehavior};
+use rusqlite::{params, Connection, ToSql, Transaction};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -412,12 +412,22 @@ impl Inner {
         if !live {
             return Ok(None);
         }
-        conn.pragma_update(None, "synchronous", Synchronous::Normal.pragma())
-            .map_err(|e| self.sql_error(e))?;
-        // Puts FULL back if what follows panics (the executor keeps the connection).
+        // Every statement of this path is prepared once per connection (`prepare_cached`):
+        // parsing the pragmas, BEGIN and COMMIT on every replay cost more than the update.
+        let exec = |sql: &str| {
+            conn.prepare_cached(sql)
+                .and_then(|mut s| s.execute([]))
+                .map_err(|e| self.sql_error(e))
+        };
+        exec("PRAGMA synchronous = NORMAL")?;
+        // Puts FULL back (and ends a transaction left open) if what follows panics: the
+        // executor keeps the connection.
         struct Restore<'c>(&'c Connection);
         impl Drop for Restore<'_> {
             fn drop(&mut self) {
+                if !self.0.is_autocommit() {
+                    let _ = self.0.execute_batch("ROLLBACK");
+                }
                 let _ = self
                     .0
                     .pragma_update(None, "synchronous", Synchronous::Full.pragma());
@@ -425,35 +435,41 @@ impl Inner {
         }
         let guard = Restore(conn);
         let hit = (|| -> Result<Option<Claim>, Error> {
-            let tx = Transaction::new_unchecked(conn, TransactionBehavior::Immediate)
-                .map_err(|e| self.sql_error(e))?;
+            exec("BEGIN IMMEDIATE")?;
             let now = self.clock.now();
-            let record = {
-                let mut stmt = tx
+            let record = (|| {
+                let mut stmt = conn
                     .prepare_cached(&self.sql.hit)
                     .map_err(|e| self.sql_error(e))?;
                 let mut rows = stmt
                     .query(params![id.scope.as_str(), id.key.as_str(), now.as_millis()])
                     .map_err(|e| self.sql_error(e))?;
                 match rows.next().map_err(|e| self.sql_error(e))? {
-                    Some(row) => Some(decode_record(row)?),
-                    None => None,
+                    Some(row) => decode_record(row).map(Some),
+                    None => Ok(None),
                 }
-            };
+            })();
             match record {
-                Some(record) => {
-                    tx.commit().map_err(|e| self.sql_error(e))?;
+                Ok(Some(record)) => {
+                    exec("COMMIT")?;
                     Ok(Some(Claim::Existing { record, now }))
                 }
-                // Nothing was written; dropping the transaction rolls it back.
-                None => Ok(None),
+                // Nothing was written (or the write failed): roll back.
+                other => {
+                    exec("ROLLBACK")?;
+                    other.map(|_| None)
+                }
             }
         })();
+        if !conn.is_autocommit() {
+            // A COMMIT or ROLLBACK that failed: end the transaction before anything else runs.
+            let _ = conn.execute_batch("ROLLBACK");
+        }
         // Put FULL back here, where a failure can be reported; the guard is then not needed.
-        let restored = conn.pragma_update(None, "synchronous", Synchronous::Full.pragma());
+        let restored = exec("PRAGMA synchronous = FULL");
         std::mem::forget(guard);
         let hit = hit?;
-        restored.map_err(|e| self.sql_error(e))?;
+        restored?;
         Ok(hit)
     }
 
