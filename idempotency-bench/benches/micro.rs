@@ -98,7 +98,7 @@ fn request(key: &str) -> http::Request<axum::body::Body> {
     http::Request::post("/orders")
         .header("content-type", "application/json")
         .header("idempotency-key", key)
-        .body(axum::body::Body::from(r#"{"sku":"A-1","qty":1}"#))
+        .body(axum::body::Body::from(body_1k()))
         .expect("request")
 }
 
@@ -113,7 +113,8 @@ async fn call(app: &Router, key: &str) -> http::StatusCode {
 
 /// The same axum handler with and without the layer, on the memory store, driven in process
 /// (no sockets) on a current-thread runtime: the difference is what the layer adds. Both
-/// requests carry the same headers and body.
+/// requests carry the same headers and the same 1 KiB JSON body, which the layer
+/// fingerprints (canonical JSON) on every request, replays included.
 fn tower_layer(c: &mut Criterion) {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -229,8 +229,10 @@ async fn child_race() {
     let store = SqliteStore::builder(&db).mode(mode).open().await.unwrap();
     // Every process runs the (already applied) migrations at start-up, as services do.
     store.migrate().await.unwrap();
+    // Hits are counted: the parent checks that every caller observed the one execution.
     let policy = Policy::default()
         .lease(Duration::from_secs(30))
+        .count_hits(true)
         .in_flight(InFlight::wait(Duration::from_secs(60)));
     let engine = Idempotency::new(Arc::new(store.clone()), policy).unwrap();
     println!("ready");

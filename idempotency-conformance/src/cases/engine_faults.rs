@@ -200,6 +200,7 @@ pub async fn engine_wait_policy_takes_over_and_gives_up(t: TestStore) {
         Policy::default()
             .lease(t.long())
             .ttl(t.long())
+            .count_hits(true)
             .in_flight(InFlight::Wait {
                 max_wait,
                 initial_backoff: Duration::from_millis(5),
@@ -268,7 +269,10 @@ pub async fn engine_wait_policy_takes_over_and_gives_up(t: TestStore) {
 pub async fn engine_each_request_counts_one_hit(t: TestStore) {
     let e = engine_on(
         t.store.clone(),
-        Policy::default().lease(t.short_lease()).ttl(t.long()),
+        Policy::default()
+            .lease(t.short_lease())
+            .ttl(t.long())
+            .count_hits(true),
     );
     let (key, scope, id) = address("hits");
     let Begin::Execute(stalled) = e.begin(&id, &fp("f")).await.expect("begin") else {
