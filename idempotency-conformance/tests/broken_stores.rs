@@ -488,7 +488,9 @@ impl IdempotencyStore for RefStore {
             let mut records = self.lock();
             match records.get_mut(&addr) {
                 Some(r) if !r.is_expired(now) => {
-                    r.hits += 1;
+                    if request.count_hit {
+                        r.hits += 1;
+                    }
                     return Ok(Claim::Existing {
                         record: r.clone(),
                         now,

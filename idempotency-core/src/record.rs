@@ -159,7 +159,8 @@ pub struct Record {
     pub attempts: u32,
     /// While `Failed`: what the last failure was.
     pub failure: Option<Failure>,
-    /// How many times the record was observed by a later claim (retries, duplicates).
+    /// How many times the record was observed by a later claim (retries, duplicates) that
+    /// asked for its hit to be counted ([`ClaimRequest::count_hit`]).
     pub hits: u64,
     /// When the key was first claimed.
     pub created_at: Timestamp,
@@ -270,9 +271,10 @@ pub enum Claim {
         /// When the caller's lease passes, on the store's clock.
         lease_until: Timestamp,
     },
-    /// A live record exists; its `hits` already include this observation.
+    /// A live record exists; its `hits` already include this observation when the claim
+    /// counted it.
     Existing {
-        /// The record as it stood after the hit was counted.
+        /// The record as it stood after the observation (and its hit, when counted).
         record: Record,
         /// The store's clock at the moment of the observation.
         now: Timestamp,

@@ -69,11 +69,17 @@ local function load()
   if tok < 1 or att < 1 then
     return false, 'a token or attempt count of 0'
   end
-  if tok >= EXACT or hits >= EXACT or lease >= EXACT or ca >= EXACT or exp >= EXACT then
+  if tok >= EXACT or hits >= EXACT or lease >= EXACT or ca >= EXACT or ua >= EXACT
+      or exp >= EXACT then
     return false, 'a token, count or time at or above 2^53'
   end
   if 94 + fml > #v then
     return false, 'the failure message runs past the end of the record'
+  end
+  -- Bytes only where the flags say: a message only with a failure (retryable only then
+  -- too), outcome bytes only with an outcome.
+  if (fl % 4 < 2 and (fml > 0 or fl % 8 >= 4)) or (fl < 8 and #v > 94 + fml) then
+    return false, 'flags ' .. fl .. ' do not match the failure and outcome bytes'
   end
   return { v = v, st = st, fl = fl, tok = tok, att = att, hits = hits, lease = lease,
            ca = ca, exp = exp, fp = fp, fml = fml }

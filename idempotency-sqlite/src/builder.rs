@@ -28,6 +28,14 @@ pub enum Synchronous {
 }
 
 impl Synchronous {
+    /// The statement that sets this level on a connection.
+    pub(crate) fn statement(self) -> &'static str {
+        match self {
+            Self::Full => "PRAGMA synchronous = FULL",
+            Self::Normal => "PRAGMA synchronous = NORMAL",
+        }
+    }
+
     pub(crate) fn pragma(self) -> &'static str {
         match self {
             Self::Full => "FULL",
@@ -118,9 +126,10 @@ impl SqliteStoreBuilder {
             synchronous: self.synchronous,
             busy_timeout: self.busy_timeout,
         };
+        let durability = self.synchronous.statement();
         let exec = match self.mode {
             ConnectionMode::DedicatedThread => {
-                Executor::thread(format!("sqlite-{}", self.table), move || {
+                Executor::thread(format!("sqlite-{}", self.table), durability, move || {
                     open_connection(&settings)
                 })
                 .await?
@@ -131,7 +140,7 @@ impl SqliteStoreBuilder {
                         "a blocking pool needs at least one connection".into(),
                     ));
                 }
-                Executor::pool(connections, move || open_connection(&settings)).await?
+                Executor::pool(connections, durability, move || open_connection(&settings)).await?
             }
         };
         Ok(SqliteStore {

@@ -113,6 +113,9 @@ impl SqliteIdempotency {
         let ttl = lease.ttl();
         let store = self.store.clone();
         let in_tx = self.store.call(move |conn| -> Result<Step<T, E>, Error> {
+            // The store's durability, whatever ran on this connection before.
+            conn.pragma_update(None, "synchronous", store.inner.synchronous.pragma())
+                .map_err(|e| store.inner.sql_error(e))?;
             let tx = conn
                 .transaction_with_behavior(TransactionBehavior::Immediate)
                 .map_err(|e| store.inner.sql_error(e))?;

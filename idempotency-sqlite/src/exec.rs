@@ -152,7 +152,18 @@ fn run_batch(
     first: Box<dyn Batched>,
     queue: &mpsc::Receiver<Message>,
     counters: &Counters,
+    durability: &str,
 ) -> Option<Job> {
+    // The store's durability, set again before every batch: nothing that ran on this
+    // connection before (a replay's hit committed at NORMAL whose restore failed) can leave
+    // a batch of claims and completions committed without their sync.
+    if let Err(e) = conn
+        .prepare_cached(durability)
+        .and_then(|mut s| s.execute([]))
+    {
+        first.refuse(&e);
+        return None;
+    }
     // IMMEDIATE takes the write lock up front (waiting up to the busy timeout), so the
     // transaction never has to upgrade a read lock, the upgrade that fails with SQLITE_BUSY
     // at once under WAL.
@@ -231,6 +242,7 @@ pub(crate) enum Executor {
         permits: Arc<Semaphore>,
         size: usize,
         counters: Arc<Counters>,
+        durability: &'static str,
     },
 }
 
@@ -245,8 +257,11 @@ impl std::fmt::Debug for Executor {
 
 impl Executor {
     /// Starts a connection thread; `open` runs on it and its error is returned here.
+    /// `durability` is the `PRAGMA synchronous = …` statement run before every write
+    /// transaction.
     pub(crate) async fn thread(
         name: String,
+        durability: &'static str,
         open: impl FnOnce() -> Result<Connection, SqliteError> + Send + 'static,
     ) -> Result<Self, SqliteError> {
         let (jobs, queue) = mpsc::channel::<Message>();
@@ -279,7 +294,8 @@ impl Executor {
                     match message {
                         Message::Plain(job) => job(&mut conn),
                         Message::Write(first) => {
-                            after = run_batch(&mut conn, first, &queue, &thread_counters)
+                            after =
+                                run_batch(&mut conn, first, &queue, &thread_counters, durability)
                         }
                     }
                 }
@@ -292,6 +308,7 @@ impl Executor {
     /// Opens `size` connections on the blocking pool.
     pub(crate) async fn pool(
         size: usize,
+        durability: &'static str,
         open: impl Fn() -> Result<Connection, SqliteError> + Send + 'static,
     ) -> Result<Self, SqliteError> {
         let handle = tokio::runtime::Handle::try_current().map_err(|_| {
@@ -306,6 +323,7 @@ impl Executor {
             permits: Arc::new(Semaphore::new(size)),
             size,
             counters: Arc::default(),
+            durability,
         })
     }
 
@@ -388,11 +406,18 @@ impl Executor {
                     .map_err(|_| SqliteError::Closed)?;
                 result.await.map_err(|_| SqliteError::Closed)?
             }
-            Self::Pool { counters, .. } => {
-                let counters = counters.clone();
+            Self::Pool {
+                counters,
+                durability,
+                ..
+            } => {
+                let (counters, durability) = (counters.clone(), *durability);
                 let r = self
                     .run(move |conn| {
                         catch_unwind(AssertUnwindSafe(|| {
+                            conn.prepare_cached(durability)
+                                .and_then(|mut s| s.execute([]))
+                                .map_err(|e| Error::from(SqliteError::Sqlite(e)))?;
                             let tx = conn
                                 .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
                                 .map_err(|e| Error::from(SqliteError::Sqlite(e)))?;

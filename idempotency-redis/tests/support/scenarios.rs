@@ -247,6 +247,15 @@ pub async fn corrupt_data_is_a_typed_error(h: Harness) {
             "a failure message past the end",
             set(90, &1000u32.to_be_bytes()),
         ),
+        (
+            "an update time of 2^63",
+            set(42, &(1u64 << 63).to_be_bytes()),
+        ),
+        (
+            "outcome bytes without an outcome",
+            [&good[..], b"tail"].concat(),
+        ),
+        ("a retryable flag without a failure", set(5, &[1 | 4])),
     ];
     // (what, command, arguments after the key)
     let mut cases: Vec<(String, &str, Vec<Vec<u8>>)> = vec![
