@@ -101,6 +101,11 @@ async fn warm_up(store: &PostgresStore) {
         .await
         .unwrap();
     store.claim(&req).await.unwrap();
+    let uncounted = ClaimRequest {
+        count_hit: false,
+        ..req.clone()
+    };
+    store.claim(&uncounted).await.unwrap();
     store.purge_expired(10).await.unwrap();
     let mut tx = store.pool().begin().await.unwrap();
     let _ = store
@@ -139,6 +144,13 @@ async fn one_round_trip_per_operation() {
     let (seen, replay) = rig.count(store.claim(&req)).await;
     assert!(matches!(seen.unwrap(), Claim::Existing { .. }));
     table.push(("claim (replay of a completed key)", replay));
+    let uncounted = ClaimRequest {
+        count_hit: false,
+        ..req.clone()
+    };
+    let (seen, replay) = rig.count(store.claim(&uncounted)).await;
+    assert!(matches!(seen.unwrap(), Claim::Existing { .. }));
+    table.push(("claim, hit not counted (replay)", replay));
     let (_, get) = rig.count(store.get(&req.id)).await;
     table.push(("get", get));
 
