@@ -34,7 +34,7 @@ pub const OUTCOME: &str = "{\"order_id\":\"ord_0123456789\",\"ok\":true}";
 pub enum LimitWorkload {
     /// The store's claim and complete statements on fresh keys.
     NewKey,
-    /// The store's uncounted claim of a completed key.
+    /// The store's claim of a completed key, counting no hit (the default).
     UncountedReplay,
 }
 
@@ -198,9 +198,9 @@ pub fn engine(store: Arc<dyn IdempotencyStore>) -> Result<Idempotency, Error> {
     Idempotency::new(store, Policy::default())
 }
 
-/// The engine with hit counting off: a replay is a pure read.
-pub fn uncounted_engine(store: Arc<dyn IdempotencyStore>) -> Result<Idempotency, Error> {
-    Idempotency::new(store, Policy::default().count_hits(false))
+/// The engine with hit counting on: a replay also counts its hit (a write on every store).
+pub fn counted_engine(store: Arc<dyn IdempotencyStore>) -> Result<Idempotency, Error> {
+    Idempotency::new(store, Policy::default().count_hits(true))
 }
 
 pub fn scope() -> Scope {
@@ -262,7 +262,7 @@ pub async fn store_cycle(store: &dyn IdempotencyStore, id: RecordId) -> Result<(
         fingerprint: fingerprint(),
         lease: Duration::from_secs(30),
         ttl: Duration::from_secs(3600),
-        count_hit: true,
+        count_hit: false,
     };
     match store.claim(&req).await? {
         Claim::Claimed { token, .. } => {
@@ -282,7 +282,7 @@ pub async fn store_replay(store: &dyn IdempotencyStore, id: RecordId) -> Result<
         fingerprint: fingerprint(),
         lease: Duration::from_secs(30),
         ttl: Duration::from_secs(3600),
-        count_hit: true,
+        count_hit: false,
     };
     match store.claim(&req).await? {
         Claim::Existing { .. } => Ok(()),

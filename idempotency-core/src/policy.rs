@@ -118,10 +118,10 @@ pub struct Policy {
     /// also a small write: a new row version and a WAL record on Postgres, a write
     /// transaction (and the database's write lock) on SQLite, an 8-byte write on Redis. The
     /// default is off because nothing in the library reads the count (replays, conflicts
-    /// and reclaims decide the same either way) while counting cost SQLite a third of its
-    /// replay throughput at one client and three quarters at 16, and Postgres a quarter at
-    /// 16 clients (the workspace's BENCHMARKS.md has the figures). Turn it on when you
-    /// watch `hits` for duplicate traffic.
+    /// and reclaims decide the same either way) while counting cost SQLite more than half
+    /// its replay throughput (three quarters at 16 clients) and Postgres a quarter to a
+    /// third (the workspace's BENCHMARKS.md has the figures). Turn it on when you watch
+    /// `hits` for duplicate traffic.
     pub count_hits: bool,
 }
 
