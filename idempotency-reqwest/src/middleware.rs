@@ -204,11 +204,15 @@ impl IdempotencyMiddleware {
                         }
                     }
                 }
+                // reqwest's message names the whole URL, query included: the query may hold
+                // a secret, so it is dropped before the error is logged or kept.
                 Err(reqwest_middleware::Error::Reqwest(e)) if is_retryable_transport(&e) => {
+                    let e = e.without_url();
                     attempt_span.record("error", tracing::field::display(&e));
                     (None, LastFailure::Transport(e))
                 }
                 Err(reqwest_middleware::Error::Reqwest(source)) => {
+                    let source = source.without_url();
                     attempt_span.record("error", tracing::field::display(&source));
                     return Err(Error::Send {
                         key,

@@ -448,3 +448,32 @@ async fn a_retrying_middleware_before_it_resends_the_same_key() {
         .any(|(n, v)| n == "idempotency-key"
             && v == r.idempotency().unwrap().key().as_str().as_bytes()));
 }
+
+/// A transport failure's message never carries the request's query string (it may hold a
+/// token): not in the error the caller gets, nor anywhere down its source chain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transport_errors_leave_the_query_out() {
+    // A port nothing listens on: every attempt is refused.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let err = client(fast_policy().max_attempts(2))
+        .post(format!("http://127.0.0.1:{port}/orders?token=s3cr3t"))
+        .body("{}")
+        .idempotent()
+        .send()
+        .await
+        .unwrap_err();
+    let mut messages = vec![err.to_string(), format!("{err:?}")];
+    let mut source: Option<&(dyn std::error::Error + 'static)> =
+        Error::find(&err).map(|e| e as &(dyn std::error::Error + 'static));
+    while let Some(e) = source {
+        messages.push(e.to_string());
+        source = e.source();
+    }
+    for m in &messages {
+        assert!(!m.contains("s3cr3t"), "the query leaked: {m}");
+    }
+}
