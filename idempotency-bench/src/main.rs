@@ -96,7 +96,7 @@ fn parse_list(s: &str) -> Result<Vec<usize>, String> {
         .collect()
 }
 
-/// The targets of the issue, judged as the run goes and printed at the end.
+/// The speed targets, judged as the run goes and printed at the end.
 #[derive(Default)]
 struct Targets(Vec<(String, String, bool)>);
 
