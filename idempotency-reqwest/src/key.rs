@@ -2,59 +2,39 @@
 
 use http::{HeaderMap, HeaderName, HeaderValue};
 use idempotency_core::IdempotencyKey;
+use idempotency_tower::KeyHeaderError;
 
 /// The header the key is sent in (by default; see
-/// [`IdempotencyMiddleware::key_header`](crate::IdempotencyMiddleware::key_header)).
-pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
-
-/// The header a server sets on a replayed response (by default; see
-/// [`IdempotencyMiddleware::replayed_header`](crate::IdempotencyMiddleware::replayed_header)).
-pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+/// [`IdempotencyMiddleware::key_header`](crate::IdempotencyMiddleware::key_header)), and the
+/// header a server sets on a replayed response (by default; see
+/// [`IdempotencyMiddleware::replayed_header`](crate::IdempotencyMiddleware::replayed_header)):
+/// the server half's own names.
+pub use idempotency_tower::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
 
 /// The key in the caller's `name` header: `Ok(None)` without one, `Err(why)` when the header
-/// is not one valid key. The bare form and the draft's quoted structured-field form
-/// (`"abc"`, parameters ignored) name the same key, as servers read it.
+/// is not one valid key. It is read by the server half's own reader
+/// ([`idempotency_tower::read_key_header`]), so the client refuses exactly what such a server
+/// refuses: the bare form and the draft's quoted structured-field form (`"abc"`, parameters
+/// ignored) name the same key.
 pub(crate) fn read_key_header(
     headers: &HeaderMap,
     name: &HeaderName,
 ) -> Result<Option<IdempotencyKey>, String> {
-    let mut values = headers.get_all(name).iter();
-    let Some(value) = values.next() else {
-        return Ok(None);
-    };
-    let extra = values.count();
-    if extra > 0 {
-        return Err(format!(
-            "the {name} header is set {} times; a server cannot know which key is meant",
-            extra + 1
-        ));
-    }
-    let text = std::str::from_utf8(value.as_bytes())
-        .map_err(|_| format!("the {name} header is not valid UTF-8"))?;
-    let text = text.trim_matches(|c| c == ' ' || c == '\t');
-    let key = if text.starts_with('"') {
-        match sfv::Parser::new(text).parse::<sfv::Item>() {
-            Ok(item) => match item.bare_item.as_string() {
-                Some(s) => s.as_str().to_owned(),
-                None => return Err(format!("the {name} header is not a quoted string")),
-            },
-            Err(e) => {
-                return Err(format!(
-                    "the {name} header is not a valid quoted string: {e}"
-                ))
-            }
+    idempotency_tower::read_key_header(headers, name).map_err(|e| match e {
+        KeyHeaderError::Duplicated { count } => format!(
+            "the {name} header is set {count} times; a server cannot know which key is meant"
+        ),
+        KeyHeaderError::NotUtf8 => format!("the {name} header is not valid UTF-8"),
+        KeyHeaderError::BadQuoting { reason } => {
+            format!("the {name} header is not a valid quoted string: {reason}")
         }
-    } else if text.contains(',') {
-        return Err(format!(
+        KeyHeaderError::AmbiguousComma => format!(
             "the unquoted {name} header contains a comma, which servers read as two joined \
              values; quote the key (\"...\")"
-        ));
-    } else {
-        text.to_owned()
-    };
-    IdempotencyKey::new(key)
-        .map(Some)
-        .map_err(|e| format!("the {name} header holds no valid key: {e}"))
+        ),
+        KeyHeaderError::Key(e) => format!("the {name} header holds no valid key: {e}"),
+        other => format!("the {name} header: {other}"),
+    })
 }
 
 /// The header value for `key`: the bare key, or the quoted structured-field string when the
