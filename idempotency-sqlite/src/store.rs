@@ -361,9 +361,18 @@ impl Inner {
         id: &RecordId,
         now: Timestamp,
     ) -> Result<Option<Record>, Error> {
-        let mut stmt = conn
-            .prepare_cached(&self.sql.get)
-            .map_err(|e| self.sql_error(e))?;
+        self.query_record(conn, &self.sql.get, id, now)
+    }
+
+    /// The one record `sql` returns for `?1` scope, `?2` key and `?3` now, or `None`.
+    fn query_record(
+        &self,
+        conn: &Connection,
+        sql: &str,
+        id: &RecordId,
+        now: Timestamp,
+    ) -> Result<Option<Record>, Error> {
+        let mut stmt = conn.prepare_cached(sql).map_err(|e| self.sql_error(e))?;
         let mut rows = stmt
             .query(params![id.scope.as_str(), id.key.as_str(), now.as_millis()])
             .map_err(|e| self.sql_error(e))?;
@@ -437,18 +446,7 @@ impl Inner {
         let hit = (|| -> Result<Option<Claim>, Error> {
             exec("BEGIN IMMEDIATE")?;
             let now = self.clock.now();
-            let record = (|| {
-                let mut stmt = conn
-                    .prepare_cached(&self.sql.hit)
-                    .map_err(|e| self.sql_error(e))?;
-                let mut rows = stmt
-                    .query(params![id.scope.as_str(), id.key.as_str(), now.as_millis()])
-                    .map_err(|e| self.sql_error(e))?;
-                match rows.next().map_err(|e| self.sql_error(e))? {
-                    Some(row) => decode_record(row).map(Some),
-                    None => Ok(None),
-                }
-            })();
+            let record = self.query_record(conn, &self.sql.hit, id, now);
             match record {
                 Ok(Some(record)) => {
                     exec("COMMIT")?;

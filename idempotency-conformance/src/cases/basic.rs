@@ -1,14 +1,13 @@
 //! Single-caller behaviour: the failure path, settled records, addressing and hit counts.
 
 use super::{
-    absent, fp, must_claim, must_claim_with_lease, must_complete, must_observe, present, request,
-    unique_id, with_hits,
+    absent, concurrent_claims, fp, must_claim, must_claim_with_lease, must_complete, must_observe,
+    present, request, unique_id, with_hits,
 };
 use crate::TestStore;
 use idempotency_core::{
     Cas, Claim, Failure, FencingToken, IdempotencyKey, Reclaim, RecordId, RecordStatus, Scope,
 };
-use std::sync::Arc;
 
 /// Fail, then reclaim: the failure is stored, the holder's further writes are refused, and a
 /// reclaim bumps the token, increments `attempts`, replaces the fingerprint and clears the
@@ -291,19 +290,9 @@ pub async fn hits_are_counted(t: TestStore) {
 
     // Concurrent observations: none is lost.
     let before = present(&t, &id).await.hits;
-    let barrier = Arc::new(tokio::sync::Barrier::new(64));
-    let tasks: Vec<_> = (0..64)
-        .map(|_| {
-            let (store, req, barrier) = (t.store.clone(), req.clone(), barrier.clone());
-            tokio::spawn(async move {
-                barrier.wait().await;
-                store.claim(&req).await.expect("claim")
-            })
-        })
-        .collect();
     let mut seen = Vec::new();
-    for task in tasks {
-        match task.await.expect("task") {
+    for answer in concurrent_claims(&t, &req, 64).await {
+        match answer {
             Claim::Existing { record, .. } => seen.push(record.hits),
             Claim::Claimed { token, .. } => {
                 panic!("a claim overwrote a Completed record (Claimed({token}))")

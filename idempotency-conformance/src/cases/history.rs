@@ -2,7 +2,7 @@
 //! remove records, deadlines on the store's own clock, extreme values, and addresses that a
 //! store could truncate or hash weakly.
 
-use super::{absent, fp, must_claim, present, request, unique_id};
+use super::{absent, concurrent_claims, fp, must_claim, present, request, unique_id};
 use crate::{TestStore, TimeControl};
 use idempotency_core::{
     Cas, Claim, Failure, FencingToken, IdempotencyKey, Reclaim, Record, RecordId, RecordStatus,
@@ -125,20 +125,10 @@ pub async fn concurrent_claims_of_expired_record_one_winner(t: TestStore) {
                 RecordStatus::Pending => {}
             }
             t.advance(t.short_ttl().max(t.short_lease())).await;
-            let req = Arc::new(request(&id, fp("x"), t.long(), t.long()));
-            let barrier = Arc::new(Barrier::new(32));
-            let tasks: Vec<_> = (0..32)
-                .map(|_| {
-                    let (store, req, barrier) = (t.store.clone(), req.clone(), barrier.clone());
-                    tokio::spawn(async move {
-                        barrier.wait().await;
-                        store.claim(&req).await.expect("claim")
-                    })
-                })
-                .collect();
+            let req = request(&id, fp("x"), t.long(), t.long());
             let mut winners = Vec::new();
-            for task in tasks {
-                if let Claim::Claimed { token, .. } = task.await.expect("task") {
+            for answer in concurrent_claims(&t, &req, 32).await {
+                if let Claim::Claimed { token, .. } = answer {
                     winners.push(token);
                 }
             }

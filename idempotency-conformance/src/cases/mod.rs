@@ -92,6 +92,27 @@ pub async fn must_observe_at(t: &TestStore, req: &ClaimRequest) -> (Record, Time
     }
 }
 
+/// `n` claims of `req` released together behind a barrier, each in its own task; their
+/// answers, in spawn order.
+pub async fn concurrent_claims(t: &TestStore, req: &ClaimRequest, n: usize) -> Vec<Claim> {
+    let req = Arc::new(req.clone());
+    let barrier = Arc::new(tokio::sync::Barrier::new(n));
+    let tasks: Vec<_> = (0..n)
+        .map(|_| {
+            let (store, req, barrier) = (t.store.clone(), req.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                store.claim(&req).await.expect("claim")
+            })
+        })
+        .collect();
+    let mut answers = Vec::with_capacity(n);
+    for task in tasks {
+        answers.push(task.await.expect("task"));
+    }
+    answers
+}
+
 /// Reads `id`, asserting that it is present (live).
 pub async fn present(t: &TestStore, id: &RecordId) -> Record {
     t.store
@@ -215,20 +236,11 @@ pub async fn mismatch_leaves_record_unchanged(t: TestStore) {
 pub async fn concurrent_claims_one_winner(t: TestStore) {
     for round in 0..5 {
         let id = unique_id("race");
-        let req = Arc::new(request(&id, fp("x"), t.long(), t.long()));
-        let barrier = Arc::new(tokio::sync::Barrier::new(64));
-        let mut tasks = Vec::new();
-        for _ in 0..64 {
-            let (store, req, barrier) = (t.store.clone(), req.clone(), barrier.clone());
-            tasks.push(tokio::spawn(async move {
-                barrier.wait().await;
-                store.claim(&req).await.expect("claim")
-            }));
-        }
+        let req = request(&id, fp("x"), t.long(), t.long());
         let mut winners = Vec::new();
         let mut observed = Vec::new();
-        for task in tasks {
-            match task.await.expect("task") {
+        for answer in concurrent_claims(&t, &req, 64).await {
+            match answer {
                 Claim::Claimed { token, .. } => winners.push(token),
                 Claim::Existing { record, .. } => observed.push(record.token),
             }

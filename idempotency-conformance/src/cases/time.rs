@@ -1,13 +1,13 @@
 //! Time: retention, expiry, purge and lease extension, on the store's clock.
 
 use super::{
-    absent, fp, must_claim, must_claim_with_lease, must_observe, present, request, unique_id,
+    absent, concurrent_claims, fp, must_claim, must_claim_with_lease, must_observe, present,
+    request, unique_id,
 };
 use crate::{TestStore, TimeControl};
 use idempotency_core::{
     Cas, Claim, ClaimRequest, Failure, FencingToken, Reclaim, Record, RecordStatus,
 };
-use std::sync::Arc;
 
 /// Claims `req` and settles it: `Completed`, `Failed`, or left `Pending`.
 async fn make(
@@ -432,19 +432,9 @@ pub async fn uncounted_claims_only_read(t: TestStore) {
     // An absent key: exactly one of many concurrent uncounted claims wins.
     let id = unique_id("uncounted-new");
     let req = uncounted(request(&id, fp("a"), t.short_lease(), t.short_ttl()));
-    let barrier = Arc::new(tokio::sync::Barrier::new(16));
-    let tasks: Vec<_> = (0..16)
-        .map(|_| {
-            let (store, req, barrier) = (t.store.clone(), req.clone(), barrier.clone());
-            tokio::spawn(async move {
-                barrier.wait().await;
-                store.claim(&req).await.expect("claim")
-            })
-        })
-        .collect();
     let mut winners = Vec::new();
-    for task in tasks {
-        if let Claim::Claimed { token, .. } = task.await.expect("task") {
+    for answer in concurrent_claims(&t, &req, 16).await {
+        if let Claim::Claimed { token, .. } = answer {
             winners.push(token);
         }
     }
