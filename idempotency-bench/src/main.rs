@@ -28,7 +28,7 @@ struct Args {
 
 const USAGE: &str = "usage: idempotency-bench [--backend memory|sqlite|postgres|redis|all|a,b] \
 [--clients 1,16] [--ops N] [--duration SECS] [--sizes 1000,10000,100000,1000000]
-       idempotency-bench --profile store-cycle|store-replay|engine-cycle|engine-replay|raw-cycle|raw-replay [--ops N]
+       idempotency-bench --profile store-cycle|store-replay|engine-cycle|engine-replay|raw-cycle|raw-replay|fingerprint-1k [--ops N]
 
 --ops and --duration bound every measurement (whichever ends first). --sizes are the live-key
 counts of the scaling tables (memory and SQLite; PostgreSQL takes the sizes up to 100000).

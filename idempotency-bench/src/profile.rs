@@ -17,6 +17,7 @@ pub const WORKLOADS: &[&str] = &[
     "engine-replay",
     "raw-cycle",
     "raw-replay",
+    "fingerprint-1k",
 ];
 
 pub fn run(workload: &str, ops: usize) -> Result<(), BoxError> {
@@ -99,6 +100,21 @@ fn hot_loop(
             "engine-replay" => {
                 for id in ids {
                     harness::engine_replay(engine, &id.scope, &id.key).await?;
+                }
+            }
+            "fingerprint-1k" => {
+                // The request fingerprint the HTTP layer takes of every request, replays
+                // included: method, path, content type and a 1 KiB JSON body, canonicalised.
+                let body = idempotency_testing::payloads::order_json_1k();
+                for _ in ids {
+                    std::hint::black_box(
+                        idempotency_core::Fingerprint::builder()
+                            .method("POST")
+                            .path("/orders")
+                            .content_type("application/json")
+                            .body(std::hint::black_box(&body))
+                            .finish(),
+                    );
                 }
             }
             "raw-cycle" => {

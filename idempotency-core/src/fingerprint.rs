@@ -6,6 +6,7 @@
 //! merge payloads that differ.
 
 use sha2::{Digest, Sha256};
+use std::borrow::Cow;
 use std::fmt;
 
 /// A SHA-256 digest identifying the payload sent with a key.
@@ -86,7 +87,7 @@ impl Fingerprint {
     }
 
     /// Starts a fingerprint over method, path, query, content type and body.
-    pub fn builder() -> FingerprintBuilder {
+    pub fn builder<'a>() -> FingerprintBuilder<'a> {
         FingerprintBuilder::default()
     }
 
@@ -251,7 +252,7 @@ impl Sink for HashSink {
     #[inline]
     fn put(&mut self, bytes: &[u8]) {
         if let Some(room) = self.buf.get_mut(self.len..self.len + bytes.len()) {
-            room.copy_from_slice(bytes);
+            copy_short(room, bytes);
             self.len += bytes.len();
         } else {
             self.hasher.update(&self.buf[..self.len]);
@@ -263,6 +264,29 @@ impl Sink for HashSink {
                 self.hasher.update(bytes);
             }
         }
+    }
+}
+
+/// `dst.copy_from_slice(src)` for slices of one length, in a few fixed-size moves when they
+/// are short (most pieces of canonical text are), rather than a call to `memcpy`.
+#[inline(always)]
+fn copy_short(dst: &mut [u8], src: &[u8]) {
+    let n = src.len();
+    if n > 32 || n != dst.len() {
+        dst.copy_from_slice(src);
+    } else if n >= 16 {
+        dst[..16].copy_from_slice(&src[..16]);
+        dst[n - 16..].copy_from_slice(&src[n - 16..]);
+    } else if n >= 8 {
+        dst[..8].copy_from_slice(&src[..8]);
+        dst[n - 8..].copy_from_slice(&src[n - 8..]);
+    } else if n >= 4 {
+        dst[..4].copy_from_slice(&src[..4]);
+        dst[n - 4..].copy_from_slice(&src[n - 4..]);
+    } else if n > 0 {
+        dst[0] = src[0];
+        dst[n / 2] = src[n / 2];
+        dst[n - 1] = src[n - 1];
     }
 }
 
@@ -618,8 +642,17 @@ const MAX_DEPTH: usize = 127;
 /// text possibly written) when `bytes` are not JSON or nest too deep.
 ///
 /// One pass parses the text into a flat tape (a node per value, no allocation per value),
-/// a second writes it with object members sorted.
+/// noting which values are already written in canonical form; a second writes it with object
+/// members sorted, copying each such value (and each member from its name to the end of such
+/// a value) from the input in one piece.
 fn canonicalise<S: Sink>(bytes: &[u8], out: &mut S) -> bool {
+    canonicalise_with::<S, true>(bytes, out)
+}
+
+/// [`canonicalise`], with `VERBATIM` saying whether spans of the input that are already in
+/// canonical form are copied whole. Without it every token is written one by one: the
+/// tests compare both writers, which must give the same text.
+fn canonicalise_with<S: Sink, const VERBATIM: bool>(bytes: &[u8], out: &mut S) -> bool {
     // Outside strings JSON is ASCII, so this checks the UTF-8 of every string at once.
     if std::str::from_utf8(bytes).is_err() {
         return false;
@@ -633,7 +666,7 @@ fn canonicalise<S: Sink>(bytes: &[u8], out: &mut S) -> bool {
     if parser.document().is_none() {
         return false;
     }
-    let mut writer = Writer {
+    let mut writer = Writer::<VERBATIM> {
         s: bytes,
         tape: &parser.tape,
         arena: &parser.arena,
@@ -645,6 +678,7 @@ fn canonicalise<S: Sink>(bytes: &[u8], out: &mut S) -> bool {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Tag {
+    /// `a..b`: the literal's text in the input (as for the other literals).
     Null,
     True,
     False,
@@ -655,18 +689,48 @@ enum Tag {
     Plain,
     /// `a..b`: the decoded string in the arena.
     Decoded,
-    /// `b`: the tape index after the array's last node.
+    /// `a`: where the array starts in the input; `b`: the tape index after its last node.
     Array,
-    /// `b`: the tape index after the object's last node; its members are name and value
-    /// nodes in turn.
+    /// `a`: where the object starts in the input; `b`: the tape index after its last node.
+    /// Its members are name and value nodes in turn.
     Object,
 }
+
+/// The node's input text is its canonical text: a literal, a plain string, an integer
+/// written as canonical, or an array or object without whitespace whose members are in
+/// order and whose values are all verbatim.
+const VERBATIM: u8 = 1;
+/// On a member name: the name, the colon and the value follow each other without
+/// whitespace, so the member's input text runs from the name's opening quote to the end of
+/// the value.
+const TIGHT: u8 = 2;
+/// On an object: its members' names are plain and in canonical order as written.
+const SORTED: u8 = 4;
 
 #[derive(Debug, Clone, Copy)]
 struct Node {
     tag: Tag,
+    flags: u8,
     a: usize,
     b: usize,
+    /// Where the value's text ends in the input.
+    end: usize,
+}
+
+impl Node {
+    fn has(&self, flag: u8) -> bool {
+        self.flags & flag != 0
+    }
+
+    /// Where the value's text starts in the input.
+    fn start(&self) -> usize {
+        match self.tag {
+            // After the opening quote.
+            Tag::Plain => self.a - 1,
+            // Decoded strings are never copied from the input, so their start is not needed.
+            _ => self.a,
+        }
+    }
 }
 
 struct Parser<'a> {
@@ -685,22 +749,32 @@ impl Parser<'_> {
         (self.i == self.s.len()).then_some(())
     }
 
-    fn ws(&mut self) {
+    /// Skips whitespace; whether there was any.
+    fn ws(&mut self) -> bool {
+        let from = self.i;
         while let Some(b' ' | b'\t' | b'\n' | b'\r') = self.s.get(self.i) {
             self.i += 1;
         }
+        self.i != from
     }
 
-    fn node(&mut self, tag: Tag, a: usize, b: usize) {
-        self.tape.push(Node { tag, a, b });
+    fn node(&mut self, tag: Tag, flags: u8, a: usize, b: usize) {
+        self.tape.push(Node {
+            tag,
+            flags,
+            a,
+            b,
+            end: self.i,
+        });
     }
 
     fn literal(&mut self, text: &[u8], tag: Tag) -> Option<()> {
         if !self.s.get(self.i..)?.starts_with(text) {
             return None;
         }
+        let start = self.i;
         self.i += text.len();
-        self.node(tag, 0, 0);
+        self.node(tag, VERBATIM, start, self.i);
         Some(())
     }
 
@@ -712,82 +786,128 @@ impl Parser<'_> {
             b'f' => self.literal(b"false", Tag::False),
             b'"' => self.string(),
             b'-' | b'0'..=b'9' => {
-                let (_, end) = scan_number(self.s, self.i)?;
-                self.node(Tag::Number, self.i, end);
+                let (number, end) = scan_number(self.s, self.i)?;
+                let start = self.i;
                 self.i = end;
-                Some(())
-            }
-            b'[' => {
-                if depth >= MAX_DEPTH {
-                    return None;
-                }
-                let at = self.tape.len();
-                self.node(Tag::Array, 0, 0);
-                self.i += 1;
-                self.ws();
-                if self.s.get(self.i) == Some(&b']') {
-                    self.i += 1;
+                let flags = if is_canonical_integer(&number) {
+                    VERBATIM
                 } else {
-                    loop {
-                        self.value(depth + 1)?;
-                        self.ws();
-                        match self.s.get(self.i)? {
-                            b',' => {
-                                self.i += 1;
-                                self.ws();
-                            }
-                            b']' => {
-                                self.i += 1;
-                                break;
-                            }
-                            _ => return None,
-                        }
-                    }
-                }
-                self.tape[at].b = self.tape.len();
+                    0
+                };
+                self.node(Tag::Number, flags, start, end);
                 Some(())
             }
-            b'{' => {
-                if depth >= MAX_DEPTH {
-                    return None;
-                }
-                let at = self.tape.len();
-                self.node(Tag::Object, 0, 0);
-                self.i += 1;
-                self.ws();
-                if self.s.get(self.i) == Some(&b'}') {
-                    self.i += 1;
-                } else {
-                    loop {
-                        if self.s.get(self.i) != Some(&b'"') {
-                            return None;
-                        }
-                        self.string()?;
-                        self.ws();
-                        if self.s.get(self.i) != Some(&b':') {
-                            return None;
-                        }
-                        self.i += 1;
-                        self.ws();
-                        self.value(depth + 1)?;
-                        self.ws();
-                        match self.s.get(self.i)? {
-                            b',' => {
-                                self.i += 1;
-                                self.ws();
-                            }
-                            b'}' => {
-                                self.i += 1;
-                                break;
-                            }
-                            _ => return None,
-                        }
-                    }
-                }
-                self.tape[at].b = self.tape.len();
-                Some(())
-            }
+            b'[' => self.array(depth),
+            b'{' => self.object(depth),
             _ => None,
+        }
+    }
+
+    fn array(&mut self, depth: usize) -> Option<()> {
+        if depth >= MAX_DEPTH {
+            return None;
+        }
+        let at = self.tape.len();
+        self.node(Tag::Array, 0, self.i, 0);
+        self.i += 1;
+        let mut verbatim = !self.ws();
+        if self.s.get(self.i) == Some(&b']') {
+            self.i += 1;
+        } else {
+            loop {
+                let element = self.tape.len();
+                self.value(depth + 1)?;
+                verbatim &= self.tape[element].has(VERBATIM) & !self.ws();
+                match self.s.get(self.i)? {
+                    b',' => {
+                        self.i += 1;
+                        verbatim &= !self.ws();
+                    }
+                    b']' => {
+                        self.i += 1;
+                        break;
+                    }
+                    _ => return None,
+                }
+            }
+        }
+        self.close(at, verbatim);
+        Some(())
+    }
+
+    fn object(&mut self, depth: usize) -> Option<()> {
+        if depth >= MAX_DEPTH {
+            return None;
+        }
+        let at = self.tape.len();
+        self.node(Tag::Object, 0, self.i, 0);
+        self.i += 1;
+        let mut tight = !self.ws();
+        let mut sorted = true;
+        let mut values_verbatim = true;
+        let mut previous: Option<NameKey<'_>> = None;
+        if self.s.get(self.i) == Some(&b'}') {
+            self.i += 1;
+        } else {
+            loop {
+                if self.s.get(self.i) != Some(&b'"') {
+                    return None;
+                }
+                let name = self.tape.len();
+                self.string()?;
+                let mut member_tight = !self.ws();
+                if self.s.get(self.i) != Some(&b':') {
+                    return None;
+                }
+                self.i += 1;
+                member_tight &= !self.ws();
+                let value = self.tape.len();
+                self.value(depth + 1)?;
+                let Node { tag, a, b, .. } = self.tape[name];
+                if member_tight {
+                    self.tape[name].flags |= TIGHT;
+                }
+                // Names in order as written (ties keep their order): compared as they are
+                // in the input, so only plain names count.
+                // (`a..b` index the arena for a decoded name, so only plain names are read.)
+                if sorted {
+                    sorted = tag == Tag::Plain && {
+                        let key = NameKey::of(&self.s[a..b]);
+                        let in_order = previous.is_none_or(|p| p <= key);
+                        previous = Some(key);
+                        in_order
+                    };
+                }
+                values_verbatim &= self.tape[value].has(VERBATIM);
+                tight &= member_tight & !self.ws();
+                match self.s.get(self.i)? {
+                    b',' => {
+                        self.i += 1;
+                        tight &= !self.ws();
+                    }
+                    b'}' => {
+                        self.i += 1;
+                        break;
+                    }
+                    _ => return None,
+                }
+            }
+        }
+        self.close(at, sorted && tight && values_verbatim);
+        if sorted {
+            self.tape[at].flags |= SORTED;
+        }
+        Some(())
+    }
+
+    /// Ends the array or object whose node is at `at`, now that its text has been read.
+    fn close(&mut self, at: usize, verbatim: bool) {
+        let after = self.tape.len();
+        let node = &mut self.tape[at];
+        node.b = after;
+        node.end = self.i;
+        if verbatim {
+            node.flags |= VERBATIM;
         }
     }
 
@@ -798,8 +918,9 @@ impl Parser<'_> {
         self.i += plain_run(self.s.get(self.i..)?);
         match self.s.get(self.i)? {
             b'"' => {
-                self.node(Tag::Plain, start, self.i);
+                let end = self.i;
                 self.i += 1;
+                self.node(Tag::Plain, VERBATIM, start, end);
                 return Some(());
             }
             b'\\' => {}
@@ -812,7 +933,7 @@ impl Parser<'_> {
             match *self.s.get(self.i)? {
                 b'"' => {
                     self.i += 1;
-                    self.node(Tag::Decoded, from, self.arena.len());
+                    self.node(Tag::Decoded, 0, from, self.arena.len());
                     return Some(());
                 }
                 b'\\' => {
@@ -883,23 +1004,80 @@ impl Parser<'_> {
     }
 }
 
-/// The length of the run of string bytes that need no decoding: up to a quote, a backslash,
-/// a control character (not allowed in a string) or the end.
-fn plain_run(s: &[u8]) -> usize {
-    s.iter()
-        .position(|&b| b == b'"' || b == b'\\' || b < 0x20)
-        .unwrap_or(s.len())
+/// Whether a number's text is its canonical text: an integer without a fraction or an
+/// exponent, without leading zeros, of at most 21 digits (beyond them the canonical text
+/// has an exponent), and not `-0` (which is `0`).
+fn is_canonical_integer(n: &Number<'_>) -> bool {
+    n.frac.is_empty()
+        && n.exp.is_empty()
+        && n.int.len() <= 21
+        && match n.int {
+            b"0" => !n.negative,
+            int => int[0] != b'0',
+        }
 }
 
-struct Writer<'a> {
+/// The length of the run of string bytes that need no decoding: up to a quote, a backslash,
+/// a control character (not allowed in a string) or the end. Eight bytes at a time.
+fn plain_run(s: &[u8]) -> usize {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    // The high bit of each byte of `v` that is zero. A borrow can also flag a byte above a
+    // zero byte, never one below it, so the lowest flag is exact.
+    let zero = |v: u64| v.wrapping_sub(ONES) & !v & HIGH;
+    let mut i = 0;
+    while let Some(chunk) = s.get(i..i + 8) {
+        let w = u64::from_le_bytes(chunk.try_into().unwrap_or_default());
+        // Bytes below 0x20; bytes from 0x80 up are never flagged (`!w` clears their bit).
+        let control = w.wrapping_sub(0x20 * ONES) & !w & HIGH;
+        let found =
+            zero(w ^ (u64::from(b'"') * ONES)) | zero(w ^ (u64::from(b'\\') * ONES)) | control;
+        if found != 0 {
+            return i + (found.trailing_zeros() / 8) as usize;
+        }
+        i += 8;
+    }
+    i + s[i..]
+        .iter()
+        .position(|&b| b == b'"' || b == b'\\' || b < 0x20)
+        .unwrap_or(s.len() - i)
+}
+
+struct Writer<'a, const VERBATIM: bool> {
     s: &'a [u8],
     tape: &'a [Node],
     arena: &'a [u8],
-    /// (name, value) tape indices of the objects being written, innermost last.
-    members: Vec<(usize, usize)>,
+    /// (name, name's tape index) of the members of the objects being written, innermost
+    /// last; a member's value is the node after its name.
+    members: Vec<(NameKey<'a>, usize)>,
 }
 
-impl Writer<'_> {
+/// A member name, ordered by its bytes; most comparisons are settled by the first eight,
+/// read once as a number, without comparing the slices.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct NameKey<'a> {
+    /// The first eight bytes, big-endian, zero-padded: a shorter name can only tie with a
+    /// longer one here, never be ordered after it.
+    head: u64,
+    name: &'a [u8],
+}
+
+impl<'a> NameKey<'a> {
+    #[inline]
+    fn of(name: &'a [u8]) -> Self {
+        let head = match name.first_chunk::<8>() {
+            Some(first) => u64::from_be_bytes(*first),
+            None => {
+                let mut head = [0u8; 8];
+                copy_short(&mut head[..name.len()], name);
+                u64::from_be_bytes(head)
+            }
+        };
+        Self { head, name }
+    }
+}
+
+impl<'a, const COPY: bool> Writer<'a, COPY> {
     /// The tape index after the value at `at`.
     fn after(&self, at: usize) -> usize {
         match self.tape[at].tag {
@@ -908,9 +1086,24 @@ impl Writer<'_> {
         }
     }
 
+    /// The decoded bytes of the string at `at`.
+    fn name(&self, at: usize) -> &'a [u8] {
+        let Node { tag, a, b, .. } = self.tape[at];
+        if tag == Tag::Decoded {
+            &self.arena[a..b]
+        } else {
+            &self.s[a..b]
+        }
+    }
+
     /// Writes the value at tape index `at`.
     fn value<S: Sink>(&mut self, at: usize, out: &mut S) {
-        let Node { tag, a, b } = self.tape[at];
+        let node = self.tape[at];
+        if COPY && node.has(VERBATIM) {
+            out.put(&self.s[node.start()..node.end]);
+            return;
+        }
+        let Node { tag, a, b, .. } = node;
         match tag {
             Tag::Null => out.put(b"null"),
             Tag::True => out.put(b"true"),
@@ -945,30 +1138,29 @@ impl Writer<'_> {
                 let base = self.members.len();
                 let mut i = at + 1;
                 while i < b {
-                    self.members.push((i, i + 1));
+                    self.members.push((NameKey::of(self.name(i)), i));
                     i = self.after(i + 1);
                 }
-                let (s, tape, arena) = (self.s, self.tape, self.arena);
-                let name = |at: usize| {
-                    let Node { tag, a, b } = tape[at];
-                    if tag == Tag::Decoded {
-                        &arena[a..b]
-                    } else {
-                        &s[a..b]
-                    }
-                };
-                // By name, then by position: a stable sort without its buffer.
-                self.members[base..]
-                    .sort_unstable_by(|x, y| name(x.0).cmp(name(y.0)).then(x.0.cmp(&y.0)));
+                // By name, then by position: a stable sort without its buffer. Members
+                // already in order as written stay as they are.
+                if !(COPY && node.has(SORTED)) {
+                    self.members[base..].sort_unstable();
+                }
                 out.put(b"{");
                 for j in base..self.members.len() {
                     if j > base {
                         out.put(b",");
                     }
-                    let (k, v) = self.members[j];
+                    let (_, k) = self.members[j];
+                    let (name, value) = (self.tape[k], self.tape[k + 1]);
+                    if COPY && name.has(TIGHT) && name.has(VERBATIM) && value.has(VERBATIM) {
+                        // `"name":value`, as written.
+                        out.put(&self.s[name.start()..value.end]);
+                        continue;
+                    }
                     self.value(k, out);
                     out.put(b":");
-                    self.value(v, out);
+                    self.value(k + 1, out);
                 }
                 self.members.truncate(base);
                 out.put(b"}");
@@ -987,39 +1179,44 @@ impl Writer<'_> {
 /// the same digest as before headers could be added, so records stored by older versions
 /// still match.
 #[derive(Debug, Default, Clone)]
-pub struct FingerprintBuilder {
-    method: Option<String>,
-    path: Option<String>,
-    query: Option<String>,
-    content_type: Option<String>,
-    body: Option<Vec<u8>>,
-    headers: Vec<(String, Vec<u8>)>,
+pub struct FingerprintBuilder<'a> {
+    method: Option<Cow<'a, str>>,
+    path: Option<Cow<'a, str>>,
+    query: Option<Cow<'a, str>>,
+    content_type: Option<Cow<'a, str>>,
+    body: Option<&'a [u8]>,
+    headers: Vec<(Cow<'a, str>, Vec<u8>)>,
 }
 
-impl FingerprintBuilder {
+impl<'a> FingerprintBuilder<'a> {
     /// The HTTP method (case-insensitive: it is upper-cased).
-    pub fn method(mut self, method: &str) -> Self {
-        self.method = Some(method.to_ascii_uppercase());
+    pub fn method(mut self, method: impl Into<Cow<'a, str>>) -> Self {
+        let method = method.into();
+        self.method = Some(if method.bytes().any(|b| b.is_ascii_lowercase()) {
+            Cow::Owned(method.to_ascii_uppercase())
+        } else {
+            method
+        });
         self
     }
     /// The request path.
-    pub fn path(mut self, path: &str) -> Self {
-        self.path = Some(path.to_owned());
+    pub fn path(mut self, path: impl Into<Cow<'a, str>>) -> Self {
+        self.path = Some(path.into());
         self
     }
     /// The raw query string (without `?`).
-    pub fn query(mut self, query: &str) -> Self {
-        self.query = Some(query.to_owned());
+    pub fn query(mut self, query: impl Into<Cow<'a, str>>) -> Self {
+        self.query = Some(query.into());
         self
     }
     /// The `Content-Type` header value.
-    pub fn content_type(mut self, content_type: &str) -> Self {
-        self.content_type = Some(content_type.to_owned());
+    pub fn content_type(mut self, content_type: impl Into<Cow<'a, str>>) -> Self {
+        self.content_type = Some(content_type.into());
         self
     }
-    /// The request body.
-    pub fn body(mut self, body: &[u8]) -> Self {
-        self.body = Some(body.to_vec());
+    /// The request body, borrowed until [`FingerprintBuilder::finish`] (it is not copied).
+    pub fn body(mut self, body: &'a [u8]) -> Self {
+        self.body = Some(body);
         self
     }
     /// A request header that is part of the request's meaning (a precondition such as
@@ -1038,9 +1235,14 @@ impl FingerprintBuilder {
     /// // Without headers the digest is the one older versions computed.
     /// assert_ne!(base().finish(), v1);
     /// ```
-    pub fn header(mut self, name: &str, value: impl AsRef<[u8]>) -> Self {
-        self.headers
-            .push((name.to_ascii_lowercase(), value.as_ref().to_vec()));
+    pub fn header(mut self, name: impl Into<Cow<'a, str>>, value: impl AsRef<[u8]>) -> Self {
+        let name = name.into();
+        let name = if name.bytes().any(|b| b.is_ascii_uppercase()) {
+            Cow::Owned(name.to_ascii_lowercase())
+        } else {
+            name
+        };
+        self.headers.push((name, value.as_ref().to_vec()));
         self
     }
 
@@ -1062,7 +1264,7 @@ impl FingerprintBuilder {
             }
         }
         let is_json = self.content_type.as_deref().is_some_and(is_json_media_type);
-        match &self.body {
+        match self.body {
             None => h.update([0u8]),
             Some(body) => match is_json.then(|| canonical_digest(body)).flatten() {
                 Some(digest) => hash_part(&mut h, &[b"J", &digest]),
@@ -1760,5 +1962,129 @@ mod tests {
         assert!(is_json_media_type("application/merge-patch+json"));
         assert!(!is_json_media_type("text/plain"));
         assert!(!is_json_media_type("application/jsonx"));
+    }
+
+    /// Random JSON text, written the way clients write it: compact or spaced, members in
+    /// order or not, duplicate names, escapes, numbers in every form.
+    fn random_json(next: &mut dyn FnMut(u64) -> u64, depth: u32, out: &mut String) {
+        const NAMES: [&str; 9] = ["a", "b", "ab", r"a\u0062", "zz", "sku", r"\u00e9", "", "a"];
+        const NUMBERS: [&str; 10] = [
+            "0",
+            "-0",
+            "7",
+            "-12",
+            "100",
+            "1.0",
+            "2.50e1",
+            "1e400",
+            "0.000001",
+            "123456789012345678901234",
+        ];
+        const STRINGS: [&str; 6] = [
+            "x",
+            "",
+            "item number 1 with some text",
+            r#"q\\\""#,
+            r"\/",
+            r"\n\u0001é😀",
+        ];
+        let ws = |next: &mut dyn FnMut(u64) -> u64, out: &mut String| {
+            if next(4) == 0 {
+                out.push_str([" ", "\n  ", "\t", "\r\n"][next(4) as usize]);
+            }
+        };
+        ws(next, out);
+        match if depth >= 4 { next(4) } else { next(6) } {
+            0 => out.push_str(["null", "true", "false"][next(3) as usize]),
+            1 => out.push_str(NUMBERS[next(NUMBERS.len() as u64) as usize]),
+            2 | 3 => {
+                out.push('"');
+                out.push_str(STRINGS[next(STRINGS.len() as u64) as usize]);
+                out.push('"');
+            }
+            4 => {
+                out.push('[');
+                for i in 0..next(4) {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    random_json(next, depth + 1, out);
+                }
+                ws(next, out);
+                out.push(']');
+            }
+            _ => {
+                out.push('{');
+                let n = next(5) as usize;
+                let mut names: Vec<&str> = (0..n)
+                    .map(|_| NAMES[next(NAMES.len() as u64) as usize])
+                    .collect();
+                if next(2) == 0 {
+                    // In canonical order as written, as many serialisers leave them.
+                    names.sort_unstable();
+                }
+                for (i, name) in names.iter().enumerate() {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    ws(next, out);
+                    out.push('"');
+                    out.push_str(name);
+                    out.push('"');
+                    ws(next, out);
+                    out.push(':');
+                    random_json(next, depth + 1, out);
+                    ws(next, out);
+                }
+                out.push('}');
+            }
+        }
+        ws(next, out);
+    }
+
+    /// The writer copies spans of input that are already canonical (whole values, and
+    /// members from the name's quote to the end of the value); writing every token instead
+    /// must give the same text, for random text and for the canonical text itself (where
+    /// everything is a span).
+    #[test]
+    fn copied_spans_are_the_text_written_token_by_token() {
+        let mut state = 0x2545_f491_4f6c_dd1d_u64;
+        let mut next = move |n: u64| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state % n
+        };
+        let by_tokens = |text: &[u8]| {
+            let mut out = Vec::new();
+            canonicalise_with::<_, false>(text, &mut out).then_some(out)
+        };
+        let mut copied_whole = 0;
+        for round in 0..20_000 {
+            let mut text = String::new();
+            random_json(&mut next, 0, &mut text);
+            let expected = by_tokens(text.as_bytes()).expect("random JSON is JSON");
+            let written = canonical_json_slice(text.as_bytes()).unwrap();
+            assert_eq!(written.as_bytes(), expected, "round {round}: {text}");
+            // The canonical text is copied as it is, and is its own canonical text.
+            let again = canonical_json_slice(written.as_bytes()).unwrap();
+            assert_eq!(again, written, "round {round}: {text}");
+            assert_eq!(by_tokens(written.as_bytes()).unwrap(), expected);
+            copied_whole += usize::from(text == written);
+            // And the digest is the digest of that text.
+            assert_eq!(
+                Fingerprint::from_json_slice(text.as_bytes()).unwrap(),
+                Fingerprint::from_bytes(&expected),
+                "round {round}: {text}"
+            );
+        }
+        assert!(
+            copied_whole > 1_000,
+            "only {copied_whole} texts were already canonical"
+        );
+        // A body of the shape the HTTP layer sees most, compact and in order, is one span.
+        let compact = canonical_json_slice(br#"{"b":[1,{"y":"\u00e9","x":-0}],"a":1.50}"#).unwrap();
+        assert_eq!(compact, r#"{"a":1.5,"b":[1,{"x":0,"y":"é"}]}"#);
+        assert_eq!(canonical_json_slice(compact.as_bytes()).unwrap(), compact);
     }
 }

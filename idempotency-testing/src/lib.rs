@@ -1,5 +1,6 @@
 #![doc = include_str!("../README.md")]
 
+pub mod payloads;
 pub mod pg_wire;
 #[cfg(feature = "postgres")]
 pub mod postgres;

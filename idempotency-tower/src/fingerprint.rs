@@ -6,6 +6,7 @@ use bytes::Bytes;
 use http::request::Parts;
 use http::HeaderName;
 use idempotency_core::{is_json_media_type, Fingerprint, FingerprintBuilder};
+use std::borrow::Cow;
 
 /// The request as the layer fingerprints it, handed to a fingerprint hook
 /// ([`crate::IdempotencyLayer::fingerprint_with`]).
@@ -32,7 +33,7 @@ impl<'a> FingerprintInput<'a> {
 
     /// The layer's fingerprint so far: method, path, query, normalised content type and the
     /// configured headers that are present, but no body.
-    pub fn builder(&self) -> FingerprintBuilder {
+    pub fn builder(&self) -> FingerprintBuilder<'a> {
         let parts = self.parts;
         let mut fp = Fingerprint::builder()
             .method(parts.method.as_str())
@@ -41,7 +42,7 @@ impl<'a> FingerprintInput<'a> {
             fp = fp.query(query);
         }
         if let Some(ct) = parts.headers.get(CONTENT_TYPE) {
-            fp = fp.content_type(&normalize_media_type(ct.as_bytes()));
+            fp = fp.content_type(normalized_media_type(ct.as_bytes()));
         }
         for name in self.headers {
             if let Some(value) = header_value(parts, name) {
@@ -123,8 +124,24 @@ fn split_list(value: &[u8]) -> impl Iterator<Item = &[u8]> {
 /// );
 /// ```
 pub fn normalize_media_type(value: &[u8]) -> String {
+    normalized_media_type(value).into_owned()
+}
+
+/// [`normalize_media_type`], borrowing a value that is already in normal form (a lower-case
+/// `type/subtype` without parameters, the common case).
+fn normalized_media_type(value: &[u8]) -> Cow<'_, str> {
+    if let Ok(text) = std::str::from_utf8(value) {
+        let lower_token = |s: &str| is_token(s) && !s.bytes().any(|b| b.is_ascii_uppercase());
+        // Tokens hold no `;`, `/`, whitespace or quote: nothing to normalise.
+        if text
+            .split_once('/')
+            .is_some_and(|(ty, sub)| lower_token(ty) && lower_token(sub))
+        {
+            return Cow::Borrowed(text);
+        }
+    }
     let raw = String::from_utf8_lossy(value);
-    normalize(&raw).unwrap_or_else(|| raw.into_owned())
+    Cow::Owned(normalize(&raw).unwrap_or_else(|| raw.into_owned()))
 }
 
 fn is_token(s: &str) -> bool {
