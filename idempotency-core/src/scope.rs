@@ -59,7 +59,13 @@ impl Scope {
                 max: Self::MAX_LEN,
             });
         }
-        if let Some((position, _)) = scope.char_indices().find(|(_, c)| c.is_control()) {
+        // Printable ASCII (the usual scope) has no control character; anything else is read
+        // character by character.
+        let printable_ascii = scope.bytes().all(|b| (0x20..0x7f).contains(&b));
+        if let Some((position, _)) = (!printable_ascii)
+            .then(|| scope.char_indices().find(|(_, c)| c.is_control()))
+            .flatten()
+        {
             return Err(ScopeError::ControlCharacter { position });
         }
         Ok(Self(scope.into()))
@@ -72,31 +78,22 @@ impl Scope {
         I: IntoIterator<Item = S>,
         S: AsRef<str>,
     {
-        let mut out = String::new();
+        let mut out = String::with_capacity(64);
         for (i, part) in parts.into_iter().enumerate() {
             if i > 0 {
                 out.push('|');
             }
-            for c in part.as_ref().chars() {
-                if c == '|' || c == '\\' {
-                    out.push('\\');
-                }
-                out.push(c);
-            }
+            push_escaped(&mut out, part.as_ref());
         }
         Self::new(out)
     }
 
     /// Appends one more part, for example the method and route added by the HTTP layer.
     pub fn join(&self, part: &str) -> Result<Self, ScopeError> {
-        let mut out = String::from(&*self.0);
+        let mut out = String::with_capacity(self.0.len() + 1 + part.len());
+        out.push_str(&self.0);
         out.push('|');
-        for c in part.chars() {
-            if c == '|' || c == '\\' {
-                out.push('\\');
-            }
-            out.push(c);
-        }
+        push_escaped(&mut out, part);
         Self::new(out)
     }
 
@@ -104,6 +101,18 @@ impl Scope {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+}
+
+/// Appends `part` with `\\` and `|` escaped by a `\\`.
+fn push_escaped(out: &mut String, part: &str) {
+    let mut rest = part;
+    while let Some(at) = rest.find(['|', '\\']) {
+        out.push_str(&rest[..at]);
+        out.push('\\');
+        out.push_str(&rest[at..=at]);
+        rest = &rest[at + 1..];
+    }
+    out.push_str(rest);
 }
 
 impl fmt::Debug for Scope {
@@ -160,5 +169,33 @@ mod tests {
         assert_ne!(a, b);
         let joined = Scope::from_parts(["t"]).unwrap().join("POST /x").unwrap();
         assert_eq!(joined, Scope::from_parts(["t", "POST /x"]).unwrap());
+        let escaped = Scope::from_parts(["a|b\\", "|", "é\\|"]).unwrap();
+        assert_eq!(escaped.as_str(), r"a\|b\\|\||é\\\|");
+        assert_eq!(
+            Scope::from_parts(["x"])
+                .unwrap()
+                .join("|\\")
+                .unwrap()
+                .as_str(),
+            r"x|\|\\"
+        );
+    }
+
+    #[test]
+    fn control_characters_are_found_past_ascii() {
+        assert!(Scope::new("tenant é 😀 /books/{id}").is_ok());
+        assert_eq!(
+            Scope::new("ab\u{7f}"),
+            Err(ScopeError::ControlCharacter { position: 2 })
+        );
+        // U+0085 (NEXT LINE) is a control character of two bytes in UTF-8.
+        assert_eq!(
+            Scope::new("é\u{85}"),
+            Err(ScopeError::ControlCharacter { position: 2 })
+        );
+        assert_eq!(
+            Scope::from_parts(["ok", "b\nc"]),
+            Err(ScopeError::ControlCharacter { position: 4 })
+        );
     }
 }
