@@ -74,6 +74,14 @@ fn benches(c: &mut Criterion) {
     c.bench_function("fingerprint 1 KiB raw bytes", |b| {
         b.iter(|| Fingerprint::from_bytes(black_box(&body)))
     });
+    // What reading the same text costs serde_json, which neither sorts nor writes anything:
+    // a floor for any canonicaliser that must parse every byte.
+    c.bench_function("serde_json: validate 1 KiB (IgnoredAny)", |b| {
+        b.iter(|| serde_json::from_slice::<serde::de::IgnoredAny>(black_box(&body)).expect("JSON"))
+    });
+    c.bench_function("serde_json: parse 1 KiB into a Value", |b| {
+        b.iter(|| serde_json::from_slice::<serde_json::Value>(black_box(&body)).expect("JSON"))
+    });
 }
 
 async fn create_order() -> ([(http::HeaderName, &'static str); 1], &'static str) {
