@@ -10,6 +10,10 @@
 //! connection is never kept), a cancelled operation (a future dropped mid-statement), a
 //! closed pool.
 //!
+//! An operation that finds nothing kept waits on the pool; a connection another operation
+//! keeps meanwhile is handed to it directly (it would otherwise wait until the reaper gives
+//! the kept connection back).
+//!
 //! Only the store's single autocommit statements run on kept connections, so a kept
 //! connection is never inside a transaction or in the middle of a result.
 //!
@@ -29,12 +33,14 @@
 //!   while it waits, operations give their connections back, and one kept connection is
 //!   handed back at once if the pool has none to offer.
 
+use futures::FutureExt;
 use sqlx::pool::PoolConnection;
 use sqlx::{Connection, PgConnection, PgPool, Postgres};
 use std::fmt;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
+use tokio::sync::Notify;
 
 /// A connection kept unused this long goes back to the pool.
 pub(crate) const IDLE: Duration = Duration::from_millis(100);
@@ -55,6 +61,10 @@ pub(crate) struct Kept {
     ours: AtomicUsize,
     /// Transactions waiting for a connection (see [`Kept::begin`]).
     wanted: AtomicUsize,
+    /// The store's operations waiting for a connection from the pool.
+    waiting: AtomicUsize,
+    /// Wakes one of them when a connection is kept.
+    handoff: Notify,
     lap: Duration,
 }
 
@@ -91,6 +101,8 @@ impl Kept {
             state: Mutex::default(),
             ours: AtomicUsize::new(0),
             wanted: AtomicUsize::new(0),
+            waiting: AtomicUsize::new(0),
+            handoff: Notify::new(),
             lap,
         })
     }
@@ -100,22 +112,51 @@ impl Kept {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A connection for one statement: a kept one, else one from the pool.
+    /// A connection for one statement: a kept one, else one from the pool. While it waits
+    /// for the pool, a connection another operation keeps is handed to it directly (else the
+    /// operations queued on the pool would wait for kept connections to be reaped).
     pub(crate) async fn checkout(self: &Arc<Self>) -> Result<Out, sqlx::Error> {
         if let Some(p) = self.take() {
-            return Ok(Out {
-                conn: Some(p.conn),
-                out_since: p.out_since,
-                kept: Some(self.clone()),
-            });
+            return Ok(self.kept_out(p));
         }
-        let conn = self.pool.acquire().await?;
-        self.ours.fetch_add(1, Ordering::Relaxed);
-        Ok(Out {
-            conn: Some(conn),
-            out_since: Instant::now(),
+        self.waiting.fetch_add(1, Ordering::Relaxed);
+        let _waiting = Waiting(self);
+        // One acquire for the whole wait, so its place in the pool's queue is kept.
+        let acquire = self.pool.acquire();
+        tokio::pin!(acquire);
+        loop {
+            let notified = self.handoff.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(p) = self.take() {
+                return Ok(self.kept_out(p));
+            }
+            tokio::select! {
+                biased;
+                conn = &mut acquire => {
+                    if notified.as_mut().now_or_never().is_some() {
+                        // A kept connection was meant for us: pass the word on.
+                        self.handoff.notify_one();
+                    }
+                    let conn = conn?;
+                    self.ours.fetch_add(1, Ordering::Relaxed);
+                    return Ok(Out {
+                        conn: Some(conn),
+                        out_since: Instant::now(),
+                        kept: Some(self.clone()),
+                    });
+                }
+                () = &mut notified => {}
+            }
+        }
+    }
+
+    fn kept_out(self: &Arc<Self>, p: Parked) -> Out {
+        Out {
+            conn: Some(p.conn),
+            out_since: p.out_since,
             kept: Some(self.clone()),
-        })
+        }
     }
 
     /// The most recently used kept connection (the others age out), unless the pool is closed.
@@ -152,9 +193,13 @@ impl Kept {
             return;
         }
         state.parked.push(parked);
-        if !state.reaper {
-            state.reaper = true;
-            drop(state);
+        let spawn = !state.reaper;
+        state.reaper = true;
+        drop(state);
+        if self.waiting.load(Ordering::Relaxed) > 0 {
+            self.handoff.notify_one();
+        }
+        if spawn {
             let close = self.pool.close_event();
             runtime.spawn(reap(Arc::downgrade(self), close));
         }
@@ -319,6 +364,15 @@ impl Drop for Out {
             }
             drop(conn);
         }
+    }
+}
+
+/// An operation waiting for a connection: see [`Kept::checkout`].
+struct Waiting<'a>(&'a Kept);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.waiting.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
