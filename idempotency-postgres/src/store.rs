@@ -114,9 +114,10 @@ impl PostgresStoreBuilder {
     /// Builds the store over an existing pool.
     ///
     /// The pool's settings are kept, and every operation takes a connection from it and gives
-    /// it back (see [`PostgresStoreBuilder::keep_connections`] to opt out). Note that sqlx
-    /// pools by default ping every connection before handing it out (`test_before_acquire`),
-    /// one extra round trip per operation; turn it off to get one round trip per step.
+    /// it back, paying sqlx's release ping ([`PostgresStoreBuilder::keep_connections`] opts in
+    /// to keeping connections between operations). Note that sqlx pools by default also ping
+    /// every connection before handing it out (`test_before_acquire`), one extra round trip
+    /// per operation; turn it off to get one round trip per step.
     pub fn build(self, pool: PgPool) -> Result<PostgresStore, PostgresError> {
         let name = TableName::new(&self.schema, &self.table)?;
         Ok(PostgresStore::assemble(
