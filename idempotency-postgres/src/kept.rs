@@ -30,8 +30,8 @@
 //! - whatever the pool's state, a connection goes back after [`LAP`] out of it (or the pool's
 //!   `max_lifetime`, if shorter), so the pool's lifetime checks still run;
 //! - a transaction [`PgIdempotency`](crate::PgIdempotency) is about to begin takes priority:
-//!   while it waits, operations give their connections back, and one kept connection is
-//!   handed back at once if the pool has none to offer.
+//!   while it waits and the pool is exhausted, operations give their connections back, and
+//!   one kept connection is handed back at once.
 
 use futures::FutureExt;
 use sqlx::pool::PoolConnection;
@@ -207,7 +207,7 @@ impl Kept {
 
     fn should_keep(&self, out: &Out) -> bool {
         let pool = &self.pool;
-        if pool.is_closed() || self.wanted.load(Ordering::Relaxed) > 0 {
+        if pool.is_closed() {
             return false;
         }
         // Never the case after the store's own statements; a guard, not a check of the
@@ -222,9 +222,10 @@ impl Kept {
         let max = pool.options().get_max_connections();
         let (size, idle) = (pool.size(), pool.num_idle());
         if size >= max && idle == 0 {
+            // Exhausted: whoever else wants a connection waits for one to come back.
             let in_use = usize::try_from(size).unwrap_or(usize::MAX);
             let others = in_use.saturating_sub(self.ours.load(Ordering::Relaxed));
-            if others > 0 || out_for >= EXHAUSTED_LAP {
+            if others > 0 || self.wanted.load(Ordering::Relaxed) > 0 || out_for >= EXHAUSTED_LAP {
                 return false;
             }
         }
