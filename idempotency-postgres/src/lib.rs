@@ -2,6 +2,7 @@
 #![cfg_attr(docsrs, feature(doc_auto_cfg))]
 
 mod error;
+mod kept;
 mod migrate;
 mod names;
 mod sql;

@@ -1,18 +1,20 @@
 //! The store.
 
 use crate::error::{is_serialization_failure, map_sqlx, Effect};
+use crate::kept::{Kept, Out};
 use crate::migrate;
 use crate::sql::Statements;
 use crate::{PostgresError, TableName};
 use async_trait::async_trait;
+use futures::future::BoxFuture;
 use idempotency_core::{
     claim_retention, duration_millis, Cas, Claim, ClaimRequest, Error, Failure, FencingToken,
     Fingerprint, IdempotencyStore, Reclaim, Record, RecordId, RecordStatus, Timestamp,
 };
 use rand::Rng;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
-use sqlx::{ConnectOptions, Connection, PgConnection, PgPool, Row};
-use std::future::Future;
+use sqlx::postgres::{PgArguments, PgConnectOptions, PgPoolOptions, PgQueryResult, PgRow};
+use sqlx::query::Query;
+use sqlx::{ConnectOptions, Connection, PgConnection, PgPool, Postgres, Row};
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -29,6 +31,7 @@ pub struct PostgresStoreBuilder {
     acquire_timeout: Duration,
     connect_timeout: Duration,
     serialization_retries: u32,
+    keep_connections: Option<bool>,
 }
 
 impl Default for PostgresStoreBuilder {
@@ -40,6 +43,7 @@ impl Default for PostgresStoreBuilder {
             acquire_timeout: Duration::from_secs(10),
             connect_timeout: Duration::from_secs(10),
             serialization_retries: 16,
+            keep_connections: None,
         }
     }
 }
@@ -84,17 +88,43 @@ impl PostgresStoreBuilder {
         self
     }
 
+    /// Whether the store keeps connections checked out between its operations instead of
+    /// giving each back to the pool after its statement. On by default for the pool
+    /// [`PostgresStoreBuilder::connect`] builds, off by default for a pool passed to
+    /// [`PostgresStoreBuilder::build`].
+    ///
+    /// sqlx's pool pings every connection it takes back (a bare `Sync` and its answer, in a
+    /// spawned task): through the pool, each operation costs its statement's round trip plus
+    /// that ping, a task and their system calls on both sides, which bounds the throughput of
+    /// replays. A kept connection runs the next operation's statement directly. It goes back
+    /// to the pool (and is pinged there) on any error, when an operation is cancelled
+    /// mid-statement, when it has been unused for 100 ms, when the pool is closed, at least
+    /// every 10 s (or the pool's `max_lifetime`, if shorter), and, while the pool is
+    /// exhausted, at once if someone else holds one of its connections, else within 100 ms.
+    /// Your own queries on [`PostgresStore::pool`] may therefore wait up to about 100 ms for
+    /// a connection the store keeps when the pool has none idle and cannot open another;
+    /// [`crate::PgIdempotency`]'s transactions do not (the store hands a connection back as
+    /// soon as one of them waits). Kept connections also skip the pool's per-checkout hooks
+    /// (`before_acquire`, `after_release`, `test_before_acquire`) between those returns.
+    pub fn keep_connections(mut self, keep: bool) -> Self {
+        self.keep_connections = Some(keep);
+        self
+    }
+
     /// Builds the store over an existing pool.
     ///
-    /// The pool's settings are kept. Note that sqlx pools by default ping every connection
-    /// before handing it out (`test_before_acquire`), one extra round trip per operation;
-    /// turn it off to get one round trip per step.
+    /// The pool's settings are kept, and every operation takes a connection from it and gives
+    /// it back, paying sqlx's release ping ([`PostgresStoreBuilder::keep_connections`] opts in
+    /// to keeping connections between operations). Note that sqlx pools by default also ping
+    /// every connection before handing it out (`test_before_acquire`), one extra round trip
+    /// per operation; turn it off to get one round trip per step.
     pub fn build(self, pool: PgPool) -> Result<PostgresStore, PostgresError> {
         let name = TableName::new(&self.schema, &self.table)?;
         Ok(PostgresStore::assemble(
             pool,
             name,
             self.serialization_retries,
+            self.keep_connections.unwrap_or(false),
         ))
     }
 
@@ -103,7 +133,9 @@ impl PostgresStoreBuilder {
     ///
     /// One connection is opened at once to check that the server is reachable and accepts
     /// the credentials, then closed; the pool opens connections as operations need them and
-    /// does not ping them before use.
+    /// does not ping them before use. The store keeps connections between its operations
+    /// (see [`PostgresStoreBuilder::keep_connections`]), so a busy store's operations cost one
+    /// round trip each and no release ping.
     pub async fn connect(self, url: &str) -> Result<PostgresStore, PostgresError> {
         let name = TableName::new(&self.schema, &self.table)?;
         let lower = url.trim_start().to_ascii_lowercase();
@@ -141,6 +173,7 @@ impl PostgresStoreBuilder {
             pool,
             name,
             self.serialization_retries,
+            self.keep_connections.unwrap_or(true),
         ))
     }
 }
@@ -151,10 +184,12 @@ impl PostgresStoreBuilder {
 /// decides leases and expiry. See the crate documentation for the exactly-once path
 /// ([`PostgresStore::complete_in`] and [`crate::PgIdempotency`]).
 ///
-/// Cloning is cheap: clones share the pool.
+/// Cloning is cheap: clones share the pool and the connections kept between operations
+/// ([`PostgresStoreBuilder::keep_connections`]).
 #[derive(Clone, Debug)]
 pub struct PostgresStore {
     pool: PgPool,
+    kept: Option<Arc<Kept>>,
     name: TableName,
     qualified: Arc<str>,
     sql: Arc<Statements>,
@@ -180,25 +215,30 @@ impl PostgresStore {
     }
 
     /// A store over an existing pool with the default table `public.idempotency_records`.
+    /// Every operation takes a connection from the pool and gives it back.
     pub fn from_pool(pool: PgPool) -> Self {
         Self::assemble(
             pool,
             TableName::default(),
             PostgresStoreBuilder::default().serialization_retries,
+            false,
         )
     }
 
-    fn assemble(pool: PgPool, name: TableName, serialization_retries: u32) -> Self {
+    fn assemble(pool: PgPool, name: TableName, serialization_retries: u32, keep: bool) -> Self {
         Self {
             qualified: name.qualified().into(),
             sql: Arc::new(Statements::new(&name)),
+            kept: keep.then(|| Kept::new(pool.clone())),
             pool,
             name,
             serialization_retries,
         }
     }
 
-    /// The pool.
+    /// The pool. When the store keeps connections between operations
+    /// ([`PostgresStoreBuilder::keep_connections`]), some of the pool's connections may be
+    /// checked out by the store while it is busy (and for 100 ms after).
     pub fn pool(&self) -> &PgPool {
         &self.pool
     }
@@ -216,22 +256,20 @@ impl PostgresStore {
     /// [`PostgresError::TableShape`] and nothing is changed.
     pub async fn migrate(&self) -> Result<(), PostgresError> {
         let mut conn = self
-            .pool
-            .acquire()
+            .connection()
             .await
             .map_err(|source| PostgresError::Connect { source })?;
-        migrate::migrate(&mut conn, &self.name).await
+        migrate::migrate(conn.conn(), &self.name).await
     }
 
     /// Checks that the table exists and has the shape this crate needs, without changing
     /// anything: [`PostgresError::MissingTable`] or [`PostgresError::TableShape`] otherwise.
     pub async fn verify(&self) -> Result<(), PostgresError> {
         let mut conn = self
-            .pool
-            .acquire()
+            .connection()
             .await
             .map_err(|source| PostgresError::Connect { source })?;
-        migrate::verify(&mut conn, &self.name).await
+        migrate::verify(conn.conn(), &self.name).await
     }
 
     /// The completion compare-and-swap, inside the caller's transaction.
@@ -321,16 +359,43 @@ impl PostgresStore {
         })
     }
 
-    /// Runs one statement, re-running it after serialization failures and deadlocks (the
-    /// implicit transaction was rolled back, so nothing was applied).
-    async fn run<T, F, Fut>(&self, effect: Effect, mut statement: F) -> Result<T, Error>
-    where
-        F: FnMut() -> Fut,
-        Fut: Future<Output = Result<T, sqlx::Error>>,
-    {
+    /// A connection for one statement or a migration: kept by the store, else from the pool.
+    async fn connection(&self) -> Result<Out, sqlx::Error> {
+        match &self.kept {
+            Some(kept) => kept.checkout().await,
+            None => Ok(Out::pooled(self.pool.acquire().await?)),
+        }
+    }
+
+    /// Begins a transaction on the pool for [`crate::PgIdempotency`]. While it waits for a
+    /// connection the store gives back the ones it would keep.
+    pub(crate) fn begin_transaction(
+        &self,
+    ) -> impl std::future::Future<Output = Result<sqlx::Transaction<'static, Postgres>, sqlx::Error>>
+           + Send
+           + 'static {
+        let wanted = self.kept.as_ref().map(Kept::begin);
+        let pool = self.pool.clone();
+        async move {
+            let tx = pool.begin().await;
+            drop(wanted);
+            tx
+        }
+    }
+
+    /// Runs the statement `query` builds on one connection, re-running it after serialization
+    /// failures and deadlocks (the implicit transaction was rolled back, so nothing was
+    /// applied). Each attempt takes a connection and, unless its statement completed, gives it
+    /// back to the pool, so an attempt after an error runs on another connection.
+    async fn run<'q, X: Fetch>(
+        &self,
+        effect: Effect,
+        fetch: X,
+        mut query: impl FnMut() -> Query<'q, Postgres, PgArguments> + Send,
+    ) -> Result<X::Out, Error> {
         let mut attempt = 0u32;
         loop {
-            match statement().await {
+            match self.once(fetch, query()).await {
                 Ok(v) => return Ok(v),
                 Err(e) if is_serialization_failure(&e) && attempt < self.serialization_retries => {
                     attempt += 1;
@@ -344,6 +409,19 @@ impl PostgresStore {
         }
     }
 
+    async fn once<'q, X: Fetch>(
+        &self,
+        fetch: X,
+        query: Query<'q, Postgres, PgArguments>,
+    ) -> Result<X::Out, sqlx::Error> {
+        let mut out = self.connection().await?;
+        // Dropped mid-statement (the operation was cancelled) or on an error, `out` gives the
+        // connection back to the pool, whose release ping or clean-up deals with its state.
+        let done = fetch.run(query, out.conn()).await?;
+        out.done();
+        Ok(done)
+    }
+
     /// A CAS statement that returns the token when it applied.
     async fn cas(&self, sql: &str, binds: CasBinds<'_>) -> Result<Cas, Error> {
         let Ok(token) = i64::try_from(binds.token.0) else {
@@ -351,12 +429,12 @@ impl PostgresStore {
             return Ok(Cas::Fenced);
         };
         let row = self
-            .run(Effect::Write, || {
+            .run(Effect::Write, Optional, || {
                 let q = sqlx::query(sql)
                     .bind(binds.id.scope.as_str())
                     .bind(binds.id.key.as_str())
                     .bind(token);
-                let q = match binds.extra {
+                match binds.extra {
                     Extra::Complete { outcome, ttl_ms } => q.bind(outcome).bind(ttl_ms),
                     Extra::Fail {
                         retryable,
@@ -364,8 +442,7 @@ impl PostgresStore {
                         ttl_ms,
                     } => q.bind(retryable).bind(message).bind(ttl_ms),
                     Extra::Extend { lease_ms } => q.bind(lease_ms),
-                };
-                q.fetch_optional(&self.pool)
+                }
             })
             .await?;
         Ok(if row.is_some() {
@@ -373,6 +450,61 @@ impl PostgresStore {
         } else {
             Cas::Fenced
         })
+    }
+}
+
+/// How [`PostgresStore::run`] runs a statement on a connection, and what it returns.
+trait Fetch: Copy + Send {
+    type Out: Send;
+    fn run<'q: 'e, 'e>(
+        self,
+        query: Query<'q, Postgres, PgArguments>,
+        conn: &'e mut PgConnection,
+    ) -> BoxFuture<'e, Result<Self::Out, sqlx::Error>>;
+}
+
+/// Exactly one row.
+#[derive(Clone, Copy)]
+struct One;
+
+/// At most one row.
+#[derive(Clone, Copy)]
+struct Optional;
+
+/// No rows: the rows affected.
+#[derive(Clone, Copy)]
+struct Execute;
+
+impl Fetch for One {
+    type Out = PgRow;
+    fn run<'q: 'e, 'e>(
+        self,
+        query: Query<'q, Postgres, PgArguments>,
+        conn: &'e mut PgConnection,
+    ) -> BoxFuture<'e, Result<PgRow, sqlx::Error>> {
+        Box::pin(query.fetch_one(conn))
+    }
+}
+
+impl Fetch for Optional {
+    type Out = Option<PgRow>;
+    fn run<'q: 'e, 'e>(
+        self,
+        query: Query<'q, Postgres, PgArguments>,
+        conn: &'e mut PgConnection,
+    ) -> BoxFuture<'e, Result<Option<PgRow>, sqlx::Error>> {
+        Box::pin(query.fetch_optional(conn))
+    }
+}
+
+impl Fetch for Execute {
+    type Out = PgQueryResult;
+    fn run<'q: 'e, 'e>(
+        self,
+        query: Query<'q, Postgres, PgArguments>,
+        conn: &'e mut PgConnection,
+    ) -> BoxFuture<'e, Result<PgQueryResult, sqlx::Error>> {
+        Box::pin(query.execute(conn))
     }
 }
 
@@ -494,7 +626,7 @@ impl IdempotencyStore for PostgresStore {
         let lease_ms = duration_millis(request.lease);
         let hold_ms = duration_millis(claim_retention(request.lease, request.ttl));
         let row = self
-            .run(Effect::Write, || {
+            .run(Effect::Write, One, || {
                 let sql = match request.count_hit {
                     true => &self.sql.claim,
                     false => &self.sql.observe,
@@ -505,7 +637,6 @@ impl IdempotencyStore for PostgresStore {
                     .bind(&request.fingerprint.as_bytes()[..])
                     .bind(lease_ms)
                     .bind(hold_ms)
-                    .fetch_one(&self.pool)
             })
             .await?;
         let table = &*self.qualified;
@@ -599,7 +730,7 @@ impl IdempotencyStore for PostgresStore {
             duration_millis(claim_retention(lease, ttl)),
         );
         let row = self
-            .run(Effect::Write, || {
+            .run(Effect::Write, Optional, || {
                 sqlx::query(&self.sql.reclaim)
                     .bind(id.scope.as_str())
                     .bind(id.key.as_str())
@@ -607,7 +738,6 @@ impl IdempotencyStore for PostgresStore {
                     .bind(&fingerprint.as_bytes()[..])
                     .bind(lease_ms)
                     .bind(hold_ms)
-                    .fetch_optional(&self.pool)
             })
             .await?;
         let Some(row) = row else {
@@ -629,11 +759,10 @@ impl IdempotencyStore for PostgresStore {
 
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
         let row = self
-            .run(Effect::None, || {
+            .run(Effect::None, Optional, || {
                 sqlx::query(&self.sql.get)
                     .bind(id.scope.as_str())
                     .bind(id.key.as_str())
-                    .fetch_optional(&self.pool)
             })
             .await?;
         row.map(|row| decode_record(&row, id, &self.qualified))
@@ -646,8 +775,8 @@ impl IdempotencyStore for PostgresStore {
         }
         let limit = i64::try_from(batch).unwrap_or(i64::MAX);
         let done = self
-            .run(Effect::Write, || {
-                sqlx::query(&self.sql.purge).bind(limit).execute(&self.pool)
+            .run(Effect::Write, Execute, || {
+                sqlx::query(&self.sql.purge).bind(limit)
             })
             .await?;
         Ok(done.rows_affected())

@@ -196,8 +196,7 @@ impl PgIdempotency {
             // of that connection then runs its statements inside a transaction nobody
             // commits, holding their row locks for ever. Spawned, BEGIN always finishes, and
             // a transaction dropped unused (our caller was cancelled) rolls back.
-            let pool = self.store.pool().clone();
-            let mut tx = tokio::spawn(async move { pool.begin().await })
+            let mut tx = tokio::spawn(self.store.begin_transaction())
                 .await
                 .map_err(|e| Error::backend(true, e))?
                 .map_err(|e| map_sqlx(e, &table, Effect::None))?;

@@ -40,3 +40,31 @@ mod serializable {
     }
     idempotency_conformance::conformance_tests!(factory);
 }
+
+/// The same suite on stores that keep connections between operations
+/// (`keep_connections(true)`, what the store's own pool does), at the lowest and the highest
+/// level.
+async fn kept_factory(level: Isolation) -> TestStore {
+    let (store, guard) = common::kept_store(level, 8).await;
+    TestStore::real_time(Arc::new(store))
+        .with_server_clock(Arc::new(|| {
+            Box::pin(async {
+                Timestamp::from_millis(idempotency_testing::postgres::server_now_millis().await)
+            })
+        }))
+        .with_guard(guard)
+}
+
+mod read_committed_kept_connections {
+    async fn factory() -> idempotency_conformance::TestStore {
+        super::kept_factory(super::Isolation::ReadCommitted).await
+    }
+    idempotency_conformance::conformance_tests!(factory);
+}
+
+mod serializable_kept_connections {
+    async fn factory() -> idempotency_conformance::TestStore {
+        super::kept_factory(super::Isolation::Serializable).await
+    }
+    idempotency_conformance::conformance_tests!(factory);
+}

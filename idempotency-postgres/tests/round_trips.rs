@@ -6,6 +6,10 @@
 //! client then waits for `ReadyForQuery`. A `Sync` with nothing before it is sqlx's pool
 //! pinging a connection as it is released (a background task, off the caller's path); it is
 //! counted apart. `Parse` messages show whether statements were prepared again.
+//!
+//! Each case runs twice: on a pool of the caller's (`build(pool)`, each operation takes a
+//! connection from the pool and gives it back, so sqlx pings it), and on the store's own pool
+//! (`connect`, which keeps connections between operations: no ping at all).
 
 mod common;
 
@@ -26,35 +30,56 @@ use std::time::Duration;
 struct Rig {
     store: PostgresStore,
     proxy: CountingProxy,
+    /// The store's own pool, which keeps connections between operations.
+    own: bool,
     _guard: SchemaGuard,
 }
 
-/// A migrated store whose single pooled connection goes through the counting proxy.
-async fn rig() -> Rig {
+/// Which pool the store runs on.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum PoolKind {
+    /// The caller's pool of one connection, passed to `build`.
+    User,
+    /// The pool `connect` builds, of two connections (one to spare, so the store keeps the
+    /// connection it uses: with none to spare it would hand it back to the pool every 100 ms).
+    Own,
+}
+
+/// A migrated store whose pooled connections go through the counting proxy.
+async fn rig(kind: PoolKind) -> Rig {
     let (direct, guard) = common::store(Isolation::ReadCommitted).await;
     drop(direct);
     let options = PgConnectOptions::from_str(&common::url()).unwrap();
     let upstream = format!("{}:{}", options.get_host(), options.get_port());
     let proxy = CountingProxy::start(upstream).await.unwrap();
     let port = proxy.port();
-    let options = options
-        .host("127.0.0.1")
-        .port(port)
-        .ssl_mode(PgSslMode::Disable);
-    let pool = PgPoolOptions::new()
-        .max_connections(1)
-        .test_before_acquire(false)
-        .connect_with(options)
-        .await
-        .unwrap();
-    let store = PostgresStore::builder()
+    let builder = PostgresStore::builder()
         .schema(&guard.schema)
-        .table("records")
-        .build(pool)
-        .unwrap();
+        .table("records");
+    let store = match kind {
+        PoolKind::User => {
+            let options = options
+                .host("127.0.0.1")
+                .port(port)
+                .ssl_mode(PgSslMode::Disable);
+            let pool = PgPoolOptions::new()
+                .max_connections(1)
+                .test_before_acquire(false)
+                .connect_with(options)
+                .await
+                .unwrap();
+            builder.build(pool).unwrap()
+        }
+        PoolKind::Own => builder
+            .max_connections(2)
+            .connect(&common::url_with(Some(port), "sslmode=disable"))
+            .await
+            .unwrap(),
+    };
     Rig {
         store,
         proxy,
+        own: kind == PoolKind::Own,
         _guard: guard,
     }
 }
@@ -116,7 +141,16 @@ async fn warm_up(store: &PostgresStore) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_round_trip_per_operation() {
-    let rig = rig().await;
+    round_trips(PoolKind::User).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_round_trip_per_operation_and_no_release_ping_on_the_stores_own_pool() {
+    round_trips(PoolKind::Own).await;
+}
+
+async fn round_trips(kind: PoolKind) {
+    let rig = rig(kind).await;
     let store = &rig.store;
     let mut table = Vec::new();
 
@@ -176,10 +210,17 @@ async fn one_round_trip_per_operation() {
             "{op}: exactly one round trip, got {counts:?}"
         );
         assert_eq!(counts.parses, 0, "{op}: prepared statement reused");
-        assert!(
-            counts.bare_syncs <= 1,
-            "{op}: at most the pool's release ping"
-        );
+        if rig.own {
+            assert_eq!(
+                counts.bare_syncs, 0,
+                "{op}: the store keeps its connection, so the pool never pings it: {counts:?}"
+            );
+        } else {
+            assert!(
+                counts.bare_syncs <= 1,
+                "{op}: at most the pool's release ping"
+            );
+        }
     }
 
     // Through the engine: a new key costs claim + complete, a replay one claim.
@@ -201,6 +242,13 @@ async fn one_round_trip_per_operation() {
     assert!(out.unwrap().is_replayed());
     table.push(("engine run, replay (claim)", replayed));
     assert_eq!(replayed.round_trips(), 1, "{replayed:?}");
+    if rig.own {
+        assert_eq!(
+            run.bare_syncs + replayed.bare_syncs,
+            0,
+            "{run:?} {replayed:?}"
+        );
+    }
 
     // Inside the caller's transaction the completion adds exactly one round trip:
     // BEGIN + complete_in + COMMIT.

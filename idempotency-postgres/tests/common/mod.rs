@@ -22,3 +22,62 @@ pub async fn store_with(level: Isolation, max: u32) -> (PostgresStore, SchemaGua
     store.migrate().await.expect("migrate");
     (store, guard)
 }
+
+/// [`url`] with its host and port replaced by `127.0.0.1:port` (a proxy in front of the
+/// server), when given, and `params` (`key=value&…`) added to its query string.
+pub fn url_with(port: Option<u16>, params: &str) -> String {
+    let url = url();
+    let (scheme, rest) = url.split_once("://").expect("a URL with a scheme");
+    let (auth_host, tail) = rest.split_at(rest.find(['/', '?']).unwrap_or(rest.len()));
+    let host_at = auth_host.rfind('@').map_or(0, |i| i + 1);
+    let host = match port {
+        Some(port) => format!("127.0.0.1:{port}"),
+        None => auth_host[host_at..].to_owned(),
+    };
+    let sep = if tail.contains('?') { '&' } else { '?' };
+    let tail = if params.is_empty() {
+        tail.to_owned()
+    } else {
+        format!("{tail}{sep}{params}")
+    };
+    format!("{scheme}://{}{host}{tail}", &auth_host[..host_at])
+}
+
+/// A migrated store in a fresh schema with a pool of its own
+/// ([`PostgresStoreBuilder::connect`](idempotency_postgres::PostgresStoreBuilder::connect), which
+/// keeps connections between operations) of `max` connections, whose sessions carry
+/// `application_name` (to find them in `pg_stat_activity`).
+pub async fn own_store(
+    max: u32,
+    acquire_timeout: std::time::Duration,
+    application_name: &str,
+) -> (PostgresStore, SchemaGuard) {
+    let guard = SchemaGuard::new();
+    let store = PostgresStore::builder()
+        .schema(&guard.schema)
+        .table("records")
+        .max_connections(max)
+        .acquire_timeout(acquire_timeout)
+        .connect(&url_with(
+            None,
+            &format!("application_name={application_name}"),
+        ))
+        .await
+        .expect("connect");
+    store.migrate().await.expect("migrate");
+    (store, guard)
+}
+
+/// As [`store_with`], with the store keeping connections between operations
+/// ([`PostgresStoreBuilder::keep_connections`](idempotency_postgres::PostgresStoreBuilder::keep_connections)).
+pub async fn kept_store(level: Isolation, max: u32) -> (PostgresStore, SchemaGuard) {
+    let guard = SchemaGuard::new();
+    let store = PostgresStore::builder()
+        .schema(&guard.schema)
+        .table("records")
+        .keep_connections(true)
+        .build(pool(level, max).await)
+        .expect("valid names");
+    store.migrate().await.expect("migrate");
+    (store, guard)
+}
