@@ -201,7 +201,11 @@ impl Kept {
         }
         if spawn {
             let close = self.pool.close_event();
-            runtime.spawn(reap(Arc::downgrade(self), close));
+            // The flag goes with the task's future, so a future dropped before it ever runs
+            // (its runtime shutting down) clears it, and the next connection kept spawns a
+            // reaper again.
+            let flag = ReaperFlag(Some(Arc::downgrade(self)));
+            runtime.spawn(reap(Arc::downgrade(self), close, flag));
         }
     }
 
@@ -279,8 +283,7 @@ impl Drop for Kept {
 
 /// Hands back kept connections unused for [`IDLE`], and all of them when the pool closes;
 /// exits when nothing is kept or the store is gone.
-async fn reap(kept: Weak<Kept>, close: sqlx::pool::CloseEvent) {
-    let mut flag = ReaperFlag(Some(kept.clone()));
+async fn reap(kept: Weak<Kept>, close: sqlx::pool::CloseEvent, mut flag: ReaperFlag) {
     tokio::pin!(close);
     let mut closed = false;
     loop {

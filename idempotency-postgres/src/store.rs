@@ -89,9 +89,7 @@ impl PostgresStoreBuilder {
     }
 
     /// Whether the store keeps connections checked out between its operations instead of
-    /// giving each back to the pool after its statement. On by default for the pool
-    /// [`PostgresStoreBuilder::connect`] builds, off by default for a pool passed to
-    /// [`PostgresStoreBuilder::build`].
+    /// giving each back to the pool after its statement. Off by default.
     ///
     /// sqlx's pool pings every connection it takes back (a bare `Sync` and its answer, in a
     /// spawned task): through the pool, each operation costs its statement's round trip plus
@@ -103,9 +101,20 @@ impl PostgresStoreBuilder {
     /// exhausted, at once if someone else holds one of its connections, else within 100 ms.
     /// Your own queries on [`PostgresStore::pool`] may therefore wait up to about 100 ms for
     /// a connection the store keeps when the pool has none idle and cannot open another;
-    /// [`crate::PgIdempotency`]'s transactions do not (the store hands a connection back as
-    /// soon as one of them waits). Kept connections also skip the pool's per-checkout hooks
+    /// a [`crate::PgIdempotency`] transaction that starts waiting while the pool is exhausted
+    /// gets one handed back at once. Kept connections also skip the pool's per-checkout hooks
     /// (`before_acquire`, `after_release`, `test_before_acquire`) between those returns.
+    ///
+    /// **Turn it on only for a pool whose transactions are never left open.** sqlx 0.8 can
+    /// put a connection back into the pool inside a transaction: when the future of
+    /// `Pool::begin` is dropped after `BEGIN` was sent but before it returned (a request
+    /// timeout around your own `store.pool().begin()`, for example), nothing rolls it back.
+    /// The store cannot see the server's transaction state through sqlx, so its statements
+    /// on such a connection run inside that transaction and are lost when it ends; a kept
+    /// connection would carry that on for every operation it serves (up to 10 s), where a
+    /// pooled one serves one operation at a time. [`crate::PgIdempotency`] begins its own
+    /// transactions safely (on a task of their own); a pool used only by the store and by
+    /// `PgIdempotency` is safe.
     pub fn keep_connections(mut self, keep: bool) -> Self {
         self.keep_connections = Some(keep);
         self
@@ -133,9 +142,9 @@ impl PostgresStoreBuilder {
     ///
     /// One connection is opened at once to check that the server is reachable and accepts
     /// the credentials, then closed; the pool opens connections as operations need them and
-    /// does not ping them before use. The store keeps connections between its operations
-    /// (see [`PostgresStoreBuilder::keep_connections`]), so a busy store's operations cost one
-    /// round trip each and no release ping.
+    /// does not ping them before use. With [`PostgresStoreBuilder::keep_connections`] the
+    /// store also keeps connections between its operations, so a busy store's operations cost
+    /// one round trip each and no release ping.
     pub async fn connect(self, url: &str) -> Result<PostgresStore, PostgresError> {
         let name = TableName::new(&self.schema, &self.table)?;
         let lower = url.trim_start().to_ascii_lowercase();
@@ -173,9 +182,15 @@ impl PostgresStoreBuilder {
             pool,
             name,
             self.serialization_retries,
-            self.keep_connections.unwrap_or(true),
+            self.keep_connections.unwrap_or(false),
         ))
     }
+}
+
+/// How one attempt at a statement failed: before it was sent (no connection), or after.
+enum Attempt {
+    NotSent(sqlx::Error),
+    Sent(sqlx::Error),
 }
 
 /// A PostgreSQL [`IdempotencyStore`].
@@ -397,14 +412,20 @@ impl PostgresStore {
         loop {
             match self.once(fetch, query()).await {
                 Ok(v) => return Ok(v),
-                Err(e) if is_serialization_failure(&e) && attempt < self.serialization_retries => {
+                // No connection, so the statement was never sent: nothing was applied.
+                Err(Attempt::NotSent(e)) => {
+                    return Err(map_sqlx(e, &self.qualified, Effect::None));
+                }
+                Err(Attempt::Sent(e))
+                    if is_serialization_failure(&e) && attempt < self.serialization_retries =>
+                {
                     attempt += 1;
                     // Jittered exponential backoff, so the contenders do not collide again.
                     let cap_ms = 1u64 << attempt.min(6);
                     let ms = rand::thread_rng().gen_range(0..=cap_ms);
                     tokio::time::sleep(Duration::from_millis(ms)).await;
                 }
-                Err(e) => return Err(map_sqlx(e, &self.qualified, effect)),
+                Err(Attempt::Sent(e)) => return Err(map_sqlx(e, &self.qualified, effect)),
             }
         }
     }
@@ -413,11 +434,11 @@ impl PostgresStore {
         &self,
         fetch: X,
         query: Query<'q, Postgres, PgArguments>,
-    ) -> Result<X::Out, sqlx::Error> {
-        let mut out = self.connection().await?;
+    ) -> Result<X::Out, Attempt> {
+        let mut out = self.connection().await.map_err(Attempt::NotSent)?;
         // Dropped mid-statement (the operation was cancelled) or on an error, `out` gives the
         // connection back to the pool, whose release ping or clean-up deals with its state.
-        let done = fetch.run(query, out.conn()).await?;
+        let done = fetch.run(query, out.conn()).await.map_err(Attempt::Sent)?;
         out.done();
         Ok(done)
     }

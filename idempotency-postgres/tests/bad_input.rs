@@ -435,3 +435,42 @@ async fn corrupt_stored_values() {
         .unwrap_err();
     assert!(matches!(err, Error::Codec { .. }), "{err:?}");
 }
+
+/// A write whose connection could not be had was never sent: a retryable backend error, not
+/// "outcome unknown" (which tells the engine the write may have landed).
+#[tokio::test]
+async fn writes_without_a_connection_are_not_outcome_unknown() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let options: sqlx::postgres::PgConnectOptions =
+        format!("postgres://postgres@127.0.0.1:{port}/test")
+            .parse()
+            .unwrap();
+    for keep in [false, true] {
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .acquire_timeout(Duration::from_millis(500))
+            .connect_lazy_with(options.clone());
+        let store = PostgresStore::builder()
+            .keep_connections(keep)
+            .build(pool)
+            .unwrap();
+        let req = request();
+        let token = idempotency_core::FencingToken(1);
+        let claim = store.claim(&req).await;
+        let complete = store.complete(&req.id, token, b"{}", req.ttl).await;
+        for (op, result) in [
+            ("claim", claim.map(|_| ())),
+            ("complete", complete.map(|_| ())),
+        ] {
+            match result {
+                Err(Error::Backend { retryable, .. }) => {
+                    assert!(retryable, "keep {keep}, {op}: a server may come up")
+                }
+                other => panic!("keep {keep}, {op}: expected a backend error, got {other:?}"),
+            }
+        }
+    }
+}

@@ -72,6 +72,7 @@ async fn rig(kind: PoolKind) -> Rig {
         }
         PoolKind::Own => builder
             .max_connections(2)
+            .keep_connections(true)
             .connect(&common::url_with(Some(port), "sslmode=disable"))
             .await
             .unwrap(),
