@@ -67,6 +67,9 @@ impl CountingProxy {
                 let Ok(server) = TcpStream::connect(&upstream).await else {
                     continue;
                 };
+                // Messages are forwarded as they come; don't let Nagle's algorithm hold them.
+                let _ = client.set_nodelay(true);
+                let _ = server.set_nodelay(true);
                 let (mut client_rd, mut client_wr) = client.into_split();
                 let (mut server_rd, mut server_wr) = server.into_split();
                 tokio::spawn(async move {
@@ -119,10 +122,13 @@ async fn pump(
     // startup message.
     loop {
         let len = from.read_u32().await?;
-        let mut body = vec![0; (len as usize).saturating_sub(4)];
-        from.read_exact(&mut body).await?;
-        to.write_all(&len.to_be_bytes()).await?;
-        to.write_all(&body).await?;
+        let mut message = len.to_be_bytes().to_vec();
+        message.resize(4 + (len as usize).saturating_sub(4), 0);
+        from.read_exact(&mut message[4..]).await?;
+        // One write per message: written in pieces, Nagle's algorithm holds each piece after
+        // the first until the server acknowledges it (up to its delayed-ACK time, 40 ms).
+        to.write_all(&message).await?;
+        let body = &message[4..];
         let code = body
             .get(..4)
             .map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
@@ -135,8 +141,11 @@ async fn pump(
     loop {
         let kind = from.read_u8().await?;
         let len = from.read_u32().await?;
-        let mut body = vec![0; (len as usize).saturating_sub(4)];
-        from.read_exact(&mut body).await?;
+        let mut message = vec![kind];
+        message.extend_from_slice(&len.to_be_bytes());
+        message.resize(5 + (len as usize).saturating_sub(4), 0);
+        from.read_exact(&mut message[5..]).await?;
+        let body = &message[5..];
         match kind {
             b'S' if since_sync == 0 => {
                 c.bare_syncs.fetch_add(1, Ordering::SeqCst);
@@ -164,8 +173,6 @@ async fn pump(
             }
             _ => since_sync += 1,
         }
-        to.write_all(&[kind]).await?;
-        to.write_all(&len.to_be_bytes()).await?;
-        to.write_all(&body).await?;
+        to.write_all(&message).await?;
     }
 }
