@@ -91,8 +91,8 @@ async fn pool(options: PgConnectOptions, size: u32) -> Result<PgPool, BoxError> 
         .map_err(unreachable)
 }
 
-/// A store over `pool` that keeps connections between operations, as the store
-/// `PostgresStoreBuilder::connect` builds does (no release ping per operation).
+/// A store over `pool` that keeps connections between operations
+/// (`PostgresStoreBuilder::keep_connections`, off by default): no release ping per operation.
 async fn store(pool: PgPool, schema: &str) -> Result<PostgresStore, BoxError> {
     let store = PostgresStore::builder()
         .schema(schema)

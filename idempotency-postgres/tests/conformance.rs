@@ -42,7 +42,7 @@ mod serializable {
 }
 
 /// The same suite on stores that keep connections between operations
-/// (`keep_connections(true)`, what the store's own pool does), at the lowest and the highest
+/// (`keep_connections(true)`), at the lowest and the highest
 /// level.
 async fn kept_factory(level: Isolation) -> TestStore {
     let (store, guard) = common::kept_store(level, 8).await;

@@ -1,5 +1,5 @@
-//! The connections a store keeps between operations (its own pool, or
-//! `keep_connections(true)`): they never starve the pool's other users, never hold up
+//! The connections a store keeps between operations (`keep_connections(true)`, on its own
+//! pool or on one passed in): they never starve the pool's other users, never hold up
 //! `pool.close()`, and a connection that was cancelled mid-statement or lost its backend is
 //! never used again.
 

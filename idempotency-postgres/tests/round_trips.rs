@@ -9,7 +9,8 @@
 //!
 //! Each case runs twice: on a pool of the caller's (`build(pool)`, each operation takes a
 //! connection from the pool and gives it back, so sqlx pings it), and on the store's own pool
-//! (`connect`, which keeps connections between operations: no ping at all).
+//! with `keep_connections(true)` (`connect`; connections kept between operations: no ping at
+//! all).
 
 mod common;
 
@@ -30,7 +31,7 @@ use std::time::Duration;
 struct Rig {
     store: PostgresStore,
     proxy: CountingProxy,
-    /// The store's own pool, which keeps connections between operations.
+    /// The store's own pool, keeping connections between operations (`keep_connections`).
     own: bool,
     _guard: SchemaGuard,
 }
