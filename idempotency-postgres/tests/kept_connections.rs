@@ -144,6 +144,13 @@ async fn closing_the_pool_after_a_burst_returns_at_once() {
     let (store, _guard) = common::own_store(4, Duration::from_secs(2), &app_name("close")).await;
     let req = completed(&store).await;
     burst(&store, &req, 64).await;
+    // The burst left connections kept (the store's `Debug` shows how many), so the close
+    // below has something to wait for.
+    let shown = format!("{store:?}");
+    assert!(
+        shown.contains("Kept { kept: ") && !shown.contains("Kept { kept: 0"),
+        "nothing kept after the burst: {shown}"
+    );
     let started = Instant::now();
     tokio::time::timeout(Duration::from_secs(2), store.pool().close())
         .await

@@ -89,10 +89,14 @@ async fn rig(kind: PoolKind) -> Rig {
 impl Rig {
     /// Runs `op` and returns what it sent, once the pool's background release has settled.
     async fn count<F: std::future::Future>(&self, op: F) -> (F::Output, Counts) {
-        tokio::time::sleep(Duration::from_millis(30)).await;
+        // A pooled connection's release ping is sent in the background: let it land. A kept
+        // connection sends none, and a long pause would let the store hand it back to the
+        // pool (after 100 ms unused), whose ping would then be counted: keep the pause short.
+        let settle = Duration::from_millis(if self.own { 2 } else { 30 });
+        tokio::time::sleep(settle).await;
         let before = self.proxy.snapshot();
         let out = op.await;
-        tokio::time::sleep(Duration::from_millis(30)).await;
+        tokio::time::sleep(settle).await;
         (out, self.proxy.snapshot() - before)
     }
 }

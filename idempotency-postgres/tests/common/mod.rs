@@ -44,9 +44,9 @@ pub fn url_with(port: Option<u16>, params: &str) -> String {
 }
 
 /// A migrated store in a fresh schema with a pool of its own
-/// ([`PostgresStoreBuilder::connect`](idempotency_postgres::PostgresStoreBuilder::connect), which
-/// keeps connections between operations) of `max` connections, whose sessions carry
-/// `application_name` (to find them in `pg_stat_activity`).
+/// ([`PostgresStoreBuilder::connect`](idempotency_postgres::PostgresStoreBuilder::connect)) of
+/// `max` connections that it keeps between operations (`keep_connections(true)`), whose
+/// sessions carry `application_name` (to find them in `pg_stat_activity`).
 pub async fn own_store(
     max: u32,
     acquire_timeout: std::time::Duration,
@@ -58,6 +58,7 @@ pub async fn own_store(
         .table("records")
         .max_connections(max)
         .acquire_timeout(acquire_timeout)
+        .keep_connections(true)
         .connect(&url_with(
             None,
             &format!("application_name={application_name}"),
