@@ -31,7 +31,7 @@ pub struct PostgresStoreBuilder {
     acquire_timeout: Duration,
     connect_timeout: Duration,
     serialization_retries: u32,
-    keep_connections: Option<bool>,
+    keep_connections: bool,
 }
 
 impl Default for PostgresStoreBuilder {
@@ -43,7 +43,7 @@ impl Default for PostgresStoreBuilder {
             acquire_timeout: Duration::from_secs(10),
             connect_timeout: Duration::from_secs(10),
             serialization_retries: 16,
-            keep_connections: None,
+            keep_connections: false,
         }
     }
 }
@@ -116,7 +116,7 @@ impl PostgresStoreBuilder {
     /// transactions safely (on a task of their own); a pool used only by the store and by
     /// `PgIdempotency` is safe.
     pub fn keep_connections(mut self, keep: bool) -> Self {
-        self.keep_connections = Some(keep);
+        self.keep_connections = keep;
         self
     }
 
@@ -133,7 +133,7 @@ impl PostgresStoreBuilder {
             pool,
             name,
             self.serialization_retries,
-            self.keep_connections.unwrap_or(false),
+            self.keep_connections,
         ))
     }
 
@@ -182,7 +182,7 @@ impl PostgresStoreBuilder {
             pool,
             name,
             self.serialization_retries,
-            self.keep_connections.unwrap_or(false),
+            self.keep_connections,
         ))
     }
 }
