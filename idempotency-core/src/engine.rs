@@ -600,15 +600,17 @@ impl Lease {
         }
     }
 
-    /// Stores the outcome. [`Error::LeaseLost`] if the token was fenced.
+    /// Stores the outcome. [`Error::LeaseLost`] if another holder took the key over.
     ///
     /// A store error is retried per [`Policy::settle_retry`] (the write is a compare-and-swap
-    /// on the token, and a write that was applied although its answer was lost is recognised
-    /// on the next try). If every try fails the key is **not** released: the record stays
-    /// Pending until its lease passes and the result is [`Error::OutcomeUnknown`]. It is
-    /// `OutcomeUnknown` too when a later try is fenced and the record is gone or replaced
-    /// although an earlier try may have applied and its record since expired (a retention
-    /// shorter than the retries).
+    /// on the token). Every refusal is read back: a write that was applied although its
+    /// answer was lost (or that a client resent after it applied) shows as this holder's
+    /// Completed record, and is a success. If every try fails the key is **not** released:
+    /// the record stays Pending until its lease passes and the result is
+    /// [`Error::OutcomeUnknown`]. It is `OutcomeUnknown` too when a try is refused and the
+    /// record is gone (purged, evicted, or lost by a store that restarted without its data),
+    /// or replaced although an earlier try may have applied and its record since expired (a
+    /// retention shorter than the retries).
     pub async fn complete(mut self, outcome: &[u8]) -> Result<(), Error> {
         let this = &self;
         let cas = this
@@ -659,13 +661,19 @@ impl Lease {
         self.settle(cas)
     }
 
-    /// Tries `write` per the settle policy. A `Fenced` answer after a failed try is checked
-    /// with a read: if the record is in `status` with this token, an earlier try was applied
-    /// and only its answer was lost. If the record is gone or holds another token, an
-    /// earlier try may still have applied and its record since expired (a retention shorter
-    /// than the retries, plus a margin): then the answer is [`Error::OutcomeUnknown`], not
-    /// `Fenced`. Within the retention an applied try would still show, so `Fenced` is
-    /// certain.
+    /// Tries `write` per the settle policy. Every `Fenced` answer is checked with a read of
+    /// the record, because a fence is not always another holder:
+    /// - the record is in `status` with this token: a try was applied and only its answer
+    ///   was lost (a failed try, or a client that resent a write which had already applied);
+    /// - the record still holds this token in another state: another writer settled it;
+    /// - the record is gone (a purge, an eviction, a store that lost its data): no other
+    ///   holder fenced this one. A completion's outcome is then [`Error::OutcomeUnknown`] (an
+    ///   applied try's record may have expired, or been lost with the data), never
+    ///   `LeaseLost`; a release has nothing left to release, so it counts as applied;
+    /// - another token holds the record: fenced, unless an earlier try failed and may have
+    ///   applied before its record expired and was replaced (a retention shorter than the
+    ///   retries, plus a margin): then [`Error::OutcomeUnknown`]. Within the retention an
+    ///   applied try would still show, so `Fenced` is certain.
     async fn settle_with_retries<'a, W, Fut>(
         &self,
         status: RecordStatus,
@@ -689,8 +697,6 @@ impl Lease {
         W: Fn() -> Fut,
         Fut: Future<Output = Result<Cas, Error>> + 'a,
     {
-        /// Room for the store's clock (millisecond timestamps, another host's rate).
-        const RETENTION_MARGIN: Duration = Duration::from_secs(1);
         let retry = self.policy.settle_retry;
         let mut backoff = retry.initial_backoff;
         let mut failed_before = false;
@@ -701,29 +707,10 @@ impl Lease {
         loop {
             match write().await {
                 Ok(Cas::Applied) => return Ok(Cas::Applied),
-                Ok(Cas::Fenced) if failed_before => {
-                    return match self.store.as_ref().get(&self.id).await {
-                        Ok(Some(r)) if r.status == status && r.token == self.token => {
-                            Ok(Cas::Applied)
-                        }
-                        // Still this holder's token in another state: another writer settled
-                        // it, and no try of ours applied.
-                        Ok(Some(r)) if r.token == self.token => Ok(Cas::Fenced),
-                        Ok(_)
-                            if first_try.elapsed().saturating_add(RETENTION_MARGIN)
-                                >= self.policy.ttl =>
-                        {
-                            Err(Error::OutcomeUnknown {
-                                source: "an earlier try may have applied, and its record has \
-                                         since expired"
-                                    .into(),
-                            })
-                        }
-                        Ok(_) => Ok(Cas::Fenced),
-                        Err(e) => Err(e),
-                    };
+                Ok(Cas::Fenced) => {
+                    let window = failed_before.then(|| first_try.elapsed());
+                    return self.check_fence(status, window).await;
                 }
-                Ok(Cas::Fenced) => return Ok(Cas::Fenced),
                 Err(e) if attempt >= retry.attempts => return Err(e),
                 Err(e) => {
                     tracing::warn!(
@@ -741,10 +728,61 @@ impl Lease {
         }
     }
 
+    /// What a `Fenced` answer to a write that settles the record in `status` means, read
+    /// back from the record (see [`Lease::settle_with_retries`]). `since_failed_try` is how
+    /// long ago the first try was sent when an earlier try failed (and may have applied).
+    async fn check_fence(
+        &self,
+        status: RecordStatus,
+        since_failed_try: Option<Duration>,
+    ) -> Result<Cas, Error> {
+        /// Room for the store's clock (millisecond timestamps, another host's rate).
+        const RETENTION_MARGIN: Duration = Duration::from_secs(1);
+        let record = self.store.as_ref().get(&self.id).await?;
+        match record {
+            Some(r) if r.token == self.token && r.status == status => Ok(Cas::Applied),
+            // Still this holder's token in another state: another writer settled it, and no
+            // try of ours applied.
+            Some(r) if r.token == self.token => Ok(Cas::Fenced),
+            // Gone: nobody took the key over. A release has nothing left to release.
+            None if status == RecordStatus::Failed => Ok(Cas::Applied),
+            None => Err(Error::OutcomeUnknown {
+                source: "the completion was refused and the record is gone (purged, evicted \
+                         or lost by the store): whether the outcome was stored is unknown"
+                    .into(),
+            }),
+            Some(_)
+                if since_failed_try.is_some_and(|elapsed| {
+                    elapsed.saturating_add(RETENTION_MARGIN) >= self.policy.ttl
+                }) =>
+            {
+                Err(Error::OutcomeUnknown {
+                    source: "an earlier try may have applied, and its record has since expired"
+                        .into(),
+                })
+            }
+            Some(_) => Ok(Cas::Fenced),
+        }
+    }
+
     /// Marks the lease settled without writing: the caller committed the completion CAS in
     /// its own transaction (the SQL stores' exactly-once path).
     pub fn settled_externally(mut self) {
         self.settled = true;
+    }
+
+    /// Holds the key without writing anything: the record stays Pending until its lease
+    /// passes (a retry is told [`Error::InProgress`] until then, and takes the key over
+    /// after). For work that may have acted but whose outcome is not stored, so that a
+    /// retry does not run it again at once. Dropping a lease unsettled does the same, but
+    /// counts as abandoned work; this says it was meant.
+    pub fn hold(mut self) {
+        self.settled = true;
+        tracing::debug!(
+            record = %loggable_record(&self.id, &self.policy),
+            token = %self.token,
+            "the key is held until its lease passes"
+        );
     }
 
     fn settle(&mut self, cas: Result<Cas, Error>) -> Result<(), Error> {
@@ -800,6 +838,7 @@ mod tests {
         claim_delay: Duration,
         extend_fenced: bool,
         complete_fenced: bool,
+        fail_fenced: bool,
         /// Answers of the first completions, before `complete_fenced` applies.
         completes: Mutex<VecDeque<Result<Cas, Error>>>,
         extends: Mutex<Vec<Duration>>,
@@ -844,7 +883,11 @@ mod tests {
             _: &Failure,
             _: Duration,
         ) -> Result<Cas, Error> {
-            Ok(Cas::Applied)
+            Ok(if self.fail_fenced {
+                Cas::Fenced
+            } else {
+                Cas::Applied
+            })
         }
         async fn extend(
             &self,
@@ -1136,12 +1179,16 @@ mod tests {
         eternal.settled_externally();
     }
 
-    /// A completion fenced at its first try is `LeaseLost`, also with a retention shorter
-    /// than the retries (only a try that failed before can have applied unseen).
+    /// A completion fenced at its first try, on a record another holder took over, is
+    /// `LeaseLost`, also with a retention shorter than the retries (only a try that failed
+    /// before can have applied unseen). The fence is checked with one read.
     #[tokio::test]
     async fn a_first_try_fenced_is_lease_lost() {
+        let mut theirs = pending(1000);
+        theirs.token = FencingToken(6);
         let store = Arc::new(Scripted {
             complete_fenced: true,
+            get: Some(theirs),
             ..Scripted::default()
         });
         let lease = lease_on(
@@ -1154,9 +1201,73 @@ mod tests {
         }
         assert_eq!(
             store.got.load(Ordering::SeqCst),
-            0,
-            "a fenced first try was read back"
+            1,
+            "a fenced first try is read back once"
         );
+    }
+
+    /// A client that resends a write which had already applied (a cluster client that
+    /// reconnects after a reset and sends the script again) gets `Fenced` for its own
+    /// completion: the read-back finds this holder's Completed record, so it is a success.
+    #[tokio::test]
+    async fn a_fenced_first_try_over_our_own_completion_is_success() {
+        let ours = Record {
+            status: RecordStatus::Completed,
+            lease_until: None,
+            outcome: Some(b"x".to_vec()),
+            ..pending(0)
+        };
+        let store = Arc::new(Scripted {
+            complete_fenced: true,
+            get: Some(ours),
+            ..Scripted::default()
+        });
+        let lease = lease_on(store.clone(), Policy::default());
+        let got = lease.complete(b"x").await;
+        assert!(got.is_ok(), "our own stored completion came back as {got:?}");
+        assert_eq!(store.got.load(Ordering::SeqCst), 1);
+    }
+
+    /// A record that is simply gone (a store restarted without persistence, an eviction, a
+    /// failover) was not fenced by another holder: after a failed try, then `Fenced`, with no
+    /// record to read back, the completion's outcome is unknown, never `LeaseLost`. Also at
+    /// the first try, and with the default (long) retention.
+    #[tokio::test]
+    async fn a_fence_with_no_record_is_outcome_unknown() {
+        for failed_first in [true, false] {
+            let completes = match failed_first {
+                true => VecDeque::from([Err(Error::backend(true, "connection reset"))]),
+                false => VecDeque::new(),
+            };
+            let store = Arc::new(Scripted {
+                completes: Mutex::new(completes),
+                complete_fenced: true,
+                get: None,
+                ..Scripted::default()
+            });
+            let lease = lease_on(store, Policy::default());
+            match lease.complete(b"x").await {
+                Err(Error::OutcomeUnknown { .. }) => {}
+                other => panic!(
+                    "failed first: {failed_first}; a fence with the record gone got {other:?}"
+                ),
+            }
+        }
+    }
+
+    /// A release fenced because the record is gone has released the key all the same: the
+    /// failure is not reported as a lost lease.
+    #[tokio::test]
+    async fn a_fenced_release_with_no_record_is_released() {
+        let store = Arc::new(Scripted {
+            fail_fenced: true,
+            get: None,
+            ..Scripted::default()
+        });
+        let lease = lease_on(store.clone(), Policy::default());
+        let got = lease.fail(Failure::retryable("nothing was done")).await;
+        assert!(got.is_ok(), "a release of a gone record got {got:?}");
+        assert_eq!(store.got.load(Ordering::SeqCst), 1);
     }
 
     /// A completion that failed, then was fenced on its retry, is an applied one only if the
