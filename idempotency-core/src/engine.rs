@@ -1224,7 +1224,10 @@ mod tests {
         });
         let lease = lease_on(store.clone(), Policy::default());
         let got = lease.complete(b"x").await;
-        assert!(got.is_ok(), "our own stored completion came back as {got:?}");
+        assert!(
+            got.is_ok(),
+            "our own stored completion came back as {got:?}"
+        );
         assert_eq!(store.got.load(Ordering::SeqCst), 1);
     }
 

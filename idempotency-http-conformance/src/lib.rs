@@ -24,6 +24,9 @@ macro_rules! __with_http_case_list {
             oversized_body_gets_413,
             uncovered_methods_pass_through,
             server_errors_408_429_release_the_key,
+            unstored_statuses_hold_the_key,
+            handler_cut_off_by_an_inner_timeout_runs_once,
+            handler_that_did_nothing_frees_the_key,
             small_streams_are_stored_oversized_responses_run_once,
             unreplayable_responses_are_recorded_or_released,
             handler_panic_releases_the_key,
@@ -48,6 +51,7 @@ macro_rules! __with_http_case_list {
             handler_settled_key_is_not_written_again,
             handler_5xx_after_its_commit_is_replayed_not_rerun,
             handler_whose_lease_was_lost_gets_409_and_no_effect,
+            handler_rolled_back_frees_the_key,
         }
     };
 }

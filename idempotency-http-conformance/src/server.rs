@@ -37,6 +37,11 @@ pub mod control {
     pub const STREAM_FAIL: &str = "x-test-stream-fail";
     /// The caller identity an earlier layer puts in the extensions.
     pub const PRINCIPAL: &str = "x-test-principal";
+    /// Mark the response [`idempotency_tower::NothingDone`]: the handler says it did nothing.
+    pub const NOTHING_DONE: &str = "x-test-nothing-done";
+    /// A timeout layer inside the idempotency layer cuts the handler off after this many
+    /// milliseconds and answers `408` (as `tower_http::timeout` does).
+    pub const TIMEOUT_MS: &str = "x-test-timeout-ms";
 }
 
 /// The caller identity the test app's "authentication" layer sets.
@@ -71,6 +76,8 @@ impl TestServer {
             .route("/items", post(handler).put(handler).get(handler))
             .route("/items/:id", post(handler).patch(handler))
             .with_state(state.clone())
+            // Inside the idempotency layer: a timeout that cuts the handler off.
+            .layer(axum::middleware::from_fn(inner_timeout))
             .layer(layer)
             // An earlier layer: authentication puts the principal in the extensions.
             .layer(axum::middleware::map_request(
@@ -129,6 +136,21 @@ fn header<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
     h.get(name).and_then(|v| v.to_str().ok())
 }
 
+/// A timeout layer inside the idempotency layer: with [`control::TIMEOUT_MS`], the handler is
+/// dropped when the time is up and the answer is `408`.
+async fn inner_timeout(req: Request, next: axum::middleware::Next) -> Response {
+    let Some(ms) = header(req.headers(), control::TIMEOUT_MS).and_then(|v| v.parse().ok()) else {
+        return next.run(req).await;
+    };
+    match tokio::time::timeout(Duration::from_millis(ms), next.run(req)).await {
+        Ok(resp) => resp,
+        Err(_) => Response::builder()
+            .status(StatusCode::REQUEST_TIMEOUT)
+            .body(Body::from("the handler timed out"))
+            .unwrap_or_default(),
+    }
+}
+
 async fn handler(State(state): State<Arc<AppState>>, req: Request) -> Response {
     let n = state.executions.fetch_add(1, Ordering::SeqCst) + 1;
     let (parts, body) = req.into_parts();
@@ -146,6 +168,12 @@ async fn handler(State(state): State<Arc<AppState>>, req: Request) -> Response {
         .and_then(|v| v.parse::<u16>().ok())
         .and_then(|v| StatusCode::from_u16(v).ok())
         .unwrap_or(StatusCode::CREATED);
+    if header(h, control::NOTHING_DONE).is_some() {
+        let mut resp = Response::new(Body::from("nothing was done"));
+        *resp.status_mut() = status;
+        resp.extensions_mut().insert(idempotency_tower::NothingDone);
+        return resp;
+    }
     let builder = Response::builder()
         .status(status)
         .header("content-type", "application/json")

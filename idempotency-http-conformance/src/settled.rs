@@ -22,6 +22,8 @@ use std::time::Duration;
 const DELAY_MS: &str = "x-test-delay-ms";
 /// Answer with this status after the commit, in place of the committed response.
 const STATUS_AFTER_COMMIT: &str = "x-test-status-after-commit";
+/// Fail before the commit: roll back, tell the layer (`ClaimedKey::rolled_back`), answer 500.
+const ROLL_BACK: &str = "x-test-roll-back";
 
 struct App {
     /// Counts the completions that reach the store.
@@ -89,6 +91,11 @@ async fn create(State(app): State<Arc<App>>, claim: ClaimedKey, headers: HeaderM
         .header("set-cookie", "session=secret")
         .body(bytes::Bytes::from(format!("{{\"run\":{run}}}")))
         .expect("a response");
+    if header(ROLL_BACK).is_some() {
+        // The "transaction" failed before the completion and rolled back: nothing was done.
+        claim.rolled_back();
+        return (StatusCode::INTERNAL_SERVER_ERROR, "rolled back").into_response();
+    }
     let prepared = claim.prepare(answer).expect("a small response");
     let cas = app
         .store
@@ -194,4 +201,36 @@ pub async fn handler_whose_lease_was_lost_gets_409_and_no_effect(store: TestStor
     assert_eq!(later.body, takeover.body);
     assert_eq!(s.effects(), 1, "the stalled holder's effect was kept");
     assert_eq!(s.completes(), 0);
+}
+
+/// A handler whose own transaction rolled back says so (`ClaimedKey::rolled_back`): its 500 is
+/// delivered, the key is released at once, and the retry runs the handler (one effect).
+pub async fn handler_rolled_back_frees_the_key(store: TestStore) {
+    let s = Server::start(&store, Policy::default()).await;
+    let c = client();
+    let key = uuid::Uuid::new_v4().to_string();
+    let failed = send(
+        c.post(&s.base)
+            .header("idempotency-key", &key)
+            .header(ROLL_BACK, "1"),
+    )
+    .await;
+    assert_eq!(
+        failed.status,
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "{failed:?}"
+    );
+    // The key is released by a background write; give it a moment on slow stores.
+    let started = std::time::Instant::now();
+    let retry = loop {
+        let r = send(c.post(&s.base).header("idempotency-key", &key)).await;
+        if r.status != StatusCode::CONFLICT || started.elapsed() > Duration::from_secs(10) {
+            break r;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+    assert!(!retry.replayed());
+    assert_eq!(retry.body.as_ref(), b"{\"run\":2}");
+    assert_eq!((s.effects(), s.completes()), (1, 0));
 }

@@ -96,8 +96,10 @@ pub enum Error {
         /// The server's problem document, when it sent one.
         problem: Option<Problem>,
     },
-    /// Another `4xx` (`400`, `401`, `404`, a validation `422`…): the request itself is wrong,
-    /// and sending it again cannot change that. Not retried.
+    /// Another `4xx` (`400`, `401`, `404`, a validation `422`, a `409` that is the handler's
+    /// own conflict rather than the server's in-progress refusal…), or any `4xx` the server
+    /// replayed (`Idempotent-Replayed: true`, the stored answer of an earlier attempt): the
+    /// request itself is refused, and sending it again cannot change that. Not retried.
     #[error("the server refused the request ({status}){}", detail(problem))]
     Rejected {
         /// The key that was sent.
@@ -231,7 +233,8 @@ impl From<Error> for reqwest_middleware::Error {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum LastFailure {
-    /// An answer worth retrying (`5xx`, `408`, `409`, `425`, `429`).
+    /// An answer worth retrying: an unreplayed `5xx`, `408`, `425` or `429`, or the server's
+    /// `409` saying another attempt holds the key (see [`RetryPolicy`](crate::RetryPolicy)).
     #[error("answer was {status}{}", detail(problem))]
     Status {
         /// The answer's status.

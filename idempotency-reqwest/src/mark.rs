@@ -24,7 +24,9 @@ pub struct Idempotent {
 
 impl Idempotent {
     /// An operation whose key the middleware mints (a UUID v4), unless the request already has
-    /// an `Idempotency-Key` header, which is then used as it is.
+    /// an `Idempotency-Key` header, which is then used as it is. The minted key is kept for the
+    /// request it was minted for: extensions marked with `Idempotent::new()` and reused for
+    /// several different requests give each its own key.
     pub fn new() -> Self {
         Self { key: None }
     }

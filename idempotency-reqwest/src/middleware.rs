@@ -7,12 +7,15 @@ use crate::key::{
 };
 use crate::mark::Idempotent;
 use crate::outcome::IdempotencyOutcome;
-use crate::policy::{classify, is_retryable_transport, retry_after, RetryPolicy, StatusClass};
+use crate::policy::{
+    classify, conflict_is_retryable, is_retryable_transport, retry_after, RetryPolicy, StatusClass,
+};
 use bytes::{Bytes, BytesMut};
-use http::{Extensions, HeaderName};
+use http::{Extensions, HeaderMap, HeaderName, StatusCode};
 use idempotency_core::{loggable_key, IdempotencyKey};
 use reqwest::{Request, Response};
 use reqwest_middleware::{Middleware, Next};
+use std::hash::{BuildHasher, Hash, Hasher, RandomState};
 use std::time::{Instant, SystemTime};
 use tracing::Instrument;
 
@@ -25,11 +28,15 @@ const MAX_RETRIED_BODY: usize = 16 * 1024;
 /// For each marked request (one logical operation):
 /// - the key is the one in the request's `Idempotency-Key` header if the caller set one
 ///   (never overwritten), else the one it was marked with, else a fresh UUID v4; every attempt
-///   carries that key;
+///   carries that key. A minted key is kept in the extensions with the request it was minted
+///   for, so that a retrying middleware in front, resending that request, resends its key; a
+///   different request sent with the same extensions is another operation and gets its own;
 /// - every attempt sends the same bytes: the request is cloned from the one built by the
 ///   caller (same headers, same buffered body); a streaming body is refused before the first
 ///   attempt ([`Error::BodyNotReplayable`]);
-/// - answers and failures are retried as [`RetryPolicy`] says; a refused `4xx` ends the
+/// - answers and failures are retried as [`RetryPolicy`] says: transient failures and the
+///   server's in-progress `409`, never a replayed answer (the operation's stored outcome,
+///   returned at once whatever its status); a refused `4xx` (replayed or not) ends the
 ///   operation with a typed [`Error`];
 /// - the response carries an [`IdempotencyOutcome`] (key, attempts, replayed).
 ///
@@ -95,7 +102,8 @@ impl IdempotencyMiddleware {
         self
     }
 
-    /// The header that marks a replayed answer (default `Idempotent-Replayed`).
+    /// The header that marks a replayed answer (default `Idempotent-Replayed`). A replayed
+    /// answer is the operation's outcome: it is never retried, whatever its status.
     pub fn replayed_header(mut self, name: HeaderName) -> Self {
         self.replayed_header = name;
         self
@@ -117,6 +125,7 @@ impl IdempotencyMiddleware {
         &self,
         req: &mut Request,
         mark: &Idempotent,
+        extensions: &mut Extensions,
     ) -> reqwest_middleware::Result<IdempotencyKey> {
         let key = match read_key_header(req.headers(), &self.key_header) {
             Err(reason) => Err(Error::InvalidKey { reason }),
@@ -128,7 +137,10 @@ impl IdempotencyMiddleware {
                 _ => Ok(header),
             },
             Ok(None) => {
-                let key = mark.key().cloned().unwrap_or_else(IdempotencyKey::random);
+                let key = match mark.key() {
+                    Some(marked) => marked.clone(),
+                    None => minted_key(req, extensions),
+                };
                 let value = match key_header_value(&key) {
                     Ok(value) => value,
                     Err(reason) => return Err(Error::InvalidKey { reason }.into()),
@@ -173,9 +185,9 @@ impl IdempotencyMiddleware {
                     let status = resp.status();
                     attempt_span.record("status", status.as_u16());
                     span.record("status", status.as_u16());
-                    match classify(status) {
+                    let replayed = is_replayed(resp.headers(), &self.replayed_header);
+                    match classify(status, replayed) {
                         StatusClass::Final => {
-                            let replayed = is_replayed(resp.headers(), &self.replayed_header);
                             span.record("replayed", replayed);
                             tracing::debug!(attempts, replayed, "idempotent request answered");
                             resp.extensions_mut().insert(IdempotencyOutcome {
@@ -187,6 +199,30 @@ impl IdempotencyMiddleware {
                         }
                         StatusClass::Refused => {
                             return Err(refused(resp, key, attempts).await.into());
+                        }
+                        StatusClass::Conflict => {
+                            let headers = resp.headers().clone();
+                            let mut body = BodyReader::new(resp);
+                            // One byte past the bound tells a body that is longer.
+                            body.read_to(RetryPolicy::MAX_CONFLICT_BODY + 1).await;
+                            let fits = body.read.len() <= RetryPolicy::MAX_CONFLICT_BODY;
+                            if !conflict_is_retryable(&headers, fits.then_some(&body.read[..])) {
+                                // The answer is final: the caller gets it whole, as any
+                                // refused answer, the bytes read so far included.
+                                body.read_to(Error::MAX_KEPT_BODY).await;
+                                let body = body.read.freeze();
+                                return Err(refusal(status, headers, body, key, attempts).into());
+                            }
+                            let retry_after = retry_after(&headers, SystemTime::now());
+                            let problem = Problem::parse(&headers, &body.read);
+                            (
+                                retry_after,
+                                LastFailure::Status {
+                                    status,
+                                    retry_after,
+                                    problem,
+                                },
+                            )
                         }
                         StatusClass::Retry => {
                             let retry_after = retry_after(resp.headers(), SystemTime::now());
@@ -265,13 +301,7 @@ impl Middleware for IdempotencyMiddleware {
         let Some(mark) = extensions.get::<Idempotent>().cloned() else {
             return next.run(req, extensions).await;
         };
-        let key = self.settle_key(&mut req, &mark)?;
-        // Kept with the operation: a retrying middleware before this one sends a clone of the
-        // request it was given, without the header, and the same extensions; its retries must
-        // carry this key, not a newly minted one.
-        if mark.key().is_none() {
-            extensions.insert(Idempotent::with_key(key.clone()));
-        }
+        let key = self.settle_key(&mut req, &mark, extensions)?;
         // Refused before anything is sent: a second attempt could not send the same bytes.
         if req.try_clone().is_none() {
             return Err(not_replayable(&req).into());
@@ -302,11 +332,90 @@ fn not_replayable(req: &Request) -> Error {
     }
 }
 
+/// The key minted for an operation, kept in its extensions with the request it was minted for.
+///
+/// A retrying middleware in front of this one resends a clone of the request it was given
+/// (without the key header, which is written in this middleware's copy) with the same
+/// extensions: its retries must carry the key minted for the first attempt. A caller may also
+/// reuse one `Extensions` value for several operations (`execute_with_extensions`): a request
+/// that is not the one the key was minted for is another operation, and gets a key of its own.
+/// The request is told by what a server fingerprints: method, URL, content type, precondition
+/// headers and body (other headers, which a middleware between may set per attempt, are left
+/// out), hashed with SipHash under random keys drawn for each minted key.
+#[derive(Clone, Debug)]
+struct MintedKey {
+    key: IdempotencyKey,
+    hasher: RandomState,
+    request: u64,
+}
+
+impl MintedKey {
+    fn new(key: IdempotencyKey, req: &Request) -> Self {
+        let hasher = RandomState::new();
+        let request = request_hash(&hasher, req);
+        Self {
+            key,
+            hasher,
+            request,
+        }
+    }
+
+    /// The key, if it was minted for `req`.
+    fn key_for(&self, req: &Request) -> Option<&IdempotencyKey> {
+        (request_hash(&self.hasher, req) == self.request).then_some(&self.key)
+    }
+}
+
+/// The key minted earlier for this request (a retrying middleware in front resends it), or a
+/// fresh one, kept in the extensions for it.
+fn minted_key(req: &Request, extensions: &mut Extensions) -> IdempotencyKey {
+    if let Some(key) = extensions
+        .get::<MintedKey>()
+        .and_then(|minted| minted.key_for(req))
+    {
+        return key.clone();
+    }
+    let key = IdempotencyKey::random();
+    extensions.insert(MintedKey::new(key.clone(), req));
+    key
+}
+
+/// A hash of what makes `req` one request for a server: method, URL, content type,
+/// precondition headers and body.
+fn request_hash(hasher: &RandomState, req: &Request) -> u64 {
+    let mut h = hasher.build_hasher();
+    req.method().as_str().hash(&mut h);
+    req.url().as_str().hash(&mut h);
+    let names = std::iter::once(&http::header::CONTENT_TYPE)
+        .chain(idempotency_tower::DEFAULT_FINGERPRINT_HEADERS);
+    for name in names {
+        for value in req.headers().get_all(name) {
+            name.as_str().hash(&mut h);
+            value.as_bytes().hash(&mut h);
+        }
+    }
+    // A streaming body has no bytes to tell; such a request is refused before it is sent.
+    req.body().and_then(reqwest::Body::as_bytes).hash(&mut h);
+    h.finish()
+}
+
 /// The typed error for a refused answer.
 async fn refused(resp: Response, key: IdempotencyKey, attempts: u32) -> Error {
     let status = resp.status();
     let headers = resp.headers().clone();
     let body = read_capped(resp, Error::MAX_KEPT_BODY).await;
+    refusal(status, headers, body, key, attempts)
+}
+
+/// The typed error for a refused answer whose body (its first [`Error::MAX_KEPT_BODY`]
+/// bytes) was read.
+fn refusal(
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+    key: IdempotencyKey,
+    attempts: u32,
+) -> Error {
     let problem = Problem::parse(&headers, &body);
     let kind = (status == http::StatusCode::UNPROCESSABLE_ENTITY)
         .then(|| refusal_kind(problem.as_ref()))
@@ -338,16 +447,42 @@ async fn refused(resp: Response, key: IdempotencyKey, attempts: u32) -> Error {
 }
 
 /// The body's first `limit` bytes; what was read when the body fails.
-async fn read_capped(mut resp: Response, limit: usize) -> Bytes {
-    let mut body = BytesMut::new();
-    while body.len() < limit {
-        match resp.chunk().await {
-            Ok(Some(chunk)) => {
-                let room = limit - body.len();
-                body.extend_from_slice(&chunk[..chunk.len().min(room)]);
-            }
-            Ok(None) | Err(_) => break,
+async fn read_capped(resp: Response, limit: usize) -> Bytes {
+    let mut body = BodyReader::new(resp);
+    body.read_to(limit).await;
+    body.read.freeze()
+}
+
+/// A response's body read up to a bound, then, if need be, further: no byte is lost between
+/// the two reads.
+struct BodyReader {
+    resp: Response,
+    /// The bytes read so far, in order.
+    read: BytesMut,
+    /// The rest of the last chunk, past the bound of the last read.
+    rest: Bytes,
+}
+
+impl BodyReader {
+    fn new(resp: Response) -> Self {
+        Self {
+            resp,
+            read: BytesMut::new(),
+            rest: Bytes::new(),
         }
     }
-    body.freeze()
+
+    /// Reads until `limit` bytes are read in all, or the body ends or fails.
+    async fn read_to(&mut self, limit: usize) {
+        while self.read.len() < limit {
+            if self.rest.is_empty() {
+                match self.resp.chunk().await {
+                    Ok(Some(chunk)) => self.rest = chunk,
+                    Ok(None) | Err(_) => break,
+                }
+            }
+            let take = self.rest.len().min(limit - self.read.len());
+            self.read.extend_from_slice(&self.rest.split_to(take));
+        }
+    }
 }

@@ -1,5 +1,6 @@
 //! When an attempt is retried, and how long the middleware waits before it.
 
+use crate::error::Problem;
 use http::{HeaderMap, StatusCode};
 use retry_policies::policies::ExponentialBackoff;
 use retry_policies::{Jitter, RetryDecision, RetryPolicy as _};
@@ -9,10 +10,23 @@ use std::time::{Duration, SystemTime};
 /// until when.
 ///
 /// What is retried is fixed, because only these answers are safe to send again under the same
-/// key: connection errors, timeouts, `408`, `409` (another attempt with the key is still
-/// running), `425`, `429` and every `5xx`. Any other `4xx` is final: a `422` means the key
-/// was used with another request, a `400` that the request itself is wrong, and sending it
-/// again cannot change that.
+/// key and may get another answer: connection errors, timeouts, and answers the server did
+/// not replay that are `408`, `425`, `429`, a `5xx`, or its `409` saying another attempt holds
+/// the key. That `409` is the server's in-progress refusal: a problem document whose `type`
+/// ends in `idempotency-key-in-progress` (whatever the base before it), or in
+/// `idempotency-key-lease-lost` (another request took the key over), or with the code
+/// `IDEMPOTENCY_KEY_IN_PROGRESS` or `IDEMPOTENCY_KEY_LEASE_LOST`; failing a readable problem
+/// type, a `409` with a `Retry-After`. Only the first few KiB of a `409`'s body are read to
+/// tell ([`MAX_CONFLICT_BODY`](Self::MAX_CONFLICT_BODY)): a larger one is not the refusal.
+///
+/// Everything else is final and ends the operation at once:
+/// - a replayed answer (`Idempotent-Replayed: true`), whatever its status: it is the stored
+///   outcome of an earlier attempt, and every retry would be answered with it again. A
+///   replayed `2xx`, `3xx` or `5xx` is returned as the response, a replayed `4xx` as the typed
+///   error of any other `4xx`;
+/// - any other `409` (the handler's own conflict, such as a business rule) and any other `4xx`:
+///   a `422` means the key was used with another request, a `400` that the request itself is
+///   wrong, and sending it again cannot change that.
 ///
 /// Between attempts the middleware waits what the server's `Retry-After` says (seconds or an
 /// HTTP date), capped at [`max_retry_after`](Self::max_retry_after); without one, a
@@ -69,6 +83,10 @@ impl Default for RetryPolicy {
 impl RetryPolicy {
     /// The longest any configured wait or deadline can be; longer values are taken as this.
     pub const MAX_WAIT: Duration = Duration::from_secs(24 * 60 * 60);
+
+    /// How much of an unreplayed `409`'s body is read to find its problem type; a `409` with a
+    /// larger body is not the server's in-progress refusal, and is not retried.
+    pub const MAX_CONFLICT_BODY: usize = 4 * 1024;
 
     /// One attempt, never retried (the key is still sent, so a later retry by hand is safe).
     pub fn no_retries() -> Self {
@@ -190,21 +208,72 @@ impl std::fmt::Display for GiveUpReason {
 /// What to do with an answer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum StatusClass {
-    /// The operation's answer (1xx–3xx).
+    /// The operation's answer, returned as the response (1xx–3xx, or a replayed 5xx).
     Final,
     /// Safe and useful to send again under the same key.
     Retry,
     /// A 4xx that sending again cannot change.
     Refused,
+    /// An unreplayed 409: retried if it is the server's in-progress refusal, else refused; its
+    /// headers and body tell ([`conflict_is_retryable`]).
+    Conflict,
 }
 
-pub(crate) fn classify(status: StatusCode) -> StatusClass {
+/// What to do with an answer with `status`, `replayed` when it carries the replay marker.
+pub(crate) fn classify(status: StatusCode, replayed: bool) -> StatusClass {
     match status.as_u16() {
-        408 | 409 | 425 | 429 => StatusClass::Retry,
+        // The stored outcome of an earlier attempt: every retry would get it again.
+        400..=499 if replayed => StatusClass::Refused,
+        _ if replayed => StatusClass::Final,
+        409 => StatusClass::Conflict,
+        408 | 425 | 429 => StatusClass::Retry,
         400..=499 => StatusClass::Refused,
         500..=599 => StatusClass::Retry,
         _ => StatusClass::Final,
     }
+}
+
+/// The problem type slugs and codes of the `409`s that say another attempt holds the key:
+/// the server's in-progress refusal, and its lease-lost one (the request that took the key
+/// over answers the retry).
+const KEY_HELD_ELSEWHERE: [(&str, &str); 2] = [
+    ("idempotency-key-in-progress", "IDEMPOTENCY_KEY_IN_PROGRESS"),
+    ("idempotency-key-lease-lost", "IDEMPOTENCY_KEY_LEASE_LOST"),
+];
+
+/// Whether an unreplayed `409` says another attempt holds the key, so that a retry may get
+/// another answer. `body` is its body, `None` when it is longer than
+/// [`RetryPolicy::MAX_CONFLICT_BODY`] (then it is not the server's refusal). A problem
+/// document with a type (other than `about:blank`) or a code decides by them; without one,
+/// a `Retry-After` does.
+pub(crate) fn conflict_is_retryable(headers: &HeaderMap, body: Option<&[u8]>) -> bool {
+    let Some(body) = body else {
+        return false;
+    };
+    let problem = Problem::parse(headers, body);
+    let problem_type = problem
+        .as_ref()
+        .and_then(|p| p.problem_type.as_deref())
+        .map(str::trim)
+        .filter(|t| !t.is_empty() && !t.eq_ignore_ascii_case("about:blank"));
+    let code = problem
+        .as_ref()
+        .and_then(|p| p.code.as_deref())
+        .map(str::trim);
+    if problem_type.is_none() && code.is_none() {
+        return headers.contains_key(http::header::RETRY_AFTER);
+    }
+    KEY_HELD_ELSEWHERE.iter().any(|(slug, expected_code)| {
+        problem_type.is_some_and(|t| type_ends_with(t, slug))
+            || code.is_some_and(|c| c.eq_ignore_ascii_case(expected_code))
+    })
+}
+
+/// Whether a problem type ends in `slug`, whatever the base before it (a URN, a URL, a
+/// fragment) and however cased; a trailing `/` is ignored.
+fn type_ends_with(problem_type: &str, slug: &str) -> bool {
+    let t = problem_type.trim_end_matches('/').as_bytes();
+    t.len() >= slug.len() && t[t.len() - slug.len()..].eq_ignore_ascii_case(slug.as_bytes())
 }
 
 /// Whether a transport error is worth another attempt: the request may not have reached the
@@ -236,24 +305,88 @@ mod tests {
 
     #[test]
     fn classes() {
+        let class = |s: u16, replayed: bool| classify(StatusCode::from_u16(s).unwrap(), replayed);
         for s in [200, 201, 204, 304] {
-            assert_eq!(
-                classify(StatusCode::from_u16(s).unwrap()),
-                StatusClass::Final
-            );
+            assert_eq!(class(s, false), StatusClass::Final);
+            assert_eq!(class(s, true), StatusClass::Final);
         }
-        for s in [408, 409, 425, 429, 500, 502, 503, 504, 599] {
-            assert_eq!(
-                classify(StatusCode::from_u16(s).unwrap()),
-                StatusClass::Retry
-            );
+        for s in [408, 425, 429, 500, 502, 503, 504, 599] {
+            assert_eq!(class(s, false), StatusClass::Retry, "{s}");
         }
+        assert_eq!(class(409, false), StatusClass::Conflict);
         for s in [400, 401, 403, 404, 412, 413, 422, 499] {
-            assert_eq!(
-                classify(StatusCode::from_u16(s).unwrap()),
-                StatusClass::Refused
-            );
+            assert_eq!(class(s, false), StatusClass::Refused, "{s}");
         }
+        // A replay is the operation's answer, whatever its status.
+        for s in [400, 408, 409, 422, 425, 429, 499] {
+            assert_eq!(class(s, true), StatusClass::Refused, "{s}");
+        }
+        for s in [500, 503, 599] {
+            assert_eq!(class(s, true), StatusClass::Final, "{s}");
+        }
+    }
+
+    #[test]
+    fn only_the_key_held_elsewhere_409_is_retried() {
+        let headers = |ct: Option<&'static str>, retry_after: bool| {
+            let mut h = HeaderMap::new();
+            if let Some(ct) = ct {
+                h.insert(http::header::CONTENT_TYPE, HeaderValue::from_static(ct));
+            }
+            if retry_after {
+                h.insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
+            }
+            h
+        };
+        let problem = headers(Some("application/problem+json"), false);
+        let problem_ra = headers(Some("application/problem+json"), true);
+        let retried = |h: &HeaderMap, body: &str| conflict_is_retryable(h, Some(body.as_bytes()));
+        for t in [
+            "urn:idempotency:problem:idempotency-key-in-progress",
+            "https://api.example.com/problems/idempotency-key-in-progress",
+            "https://api.example.com/problems/Idempotency-Key-In-Progress/",
+            "https://api.example.com/errors#idempotency-key-in-progress",
+            "idempotency-key-in-progress",
+            "urn:idempotency:problem:idempotency-key-lease-lost",
+        ] {
+            let body = format!(r#"{{"type":"{t}","status":409}}"#);
+            assert!(retried(&problem, &body), "{t}");
+            assert!(retried(&problem_ra, &body), "{t}");
+        }
+        // The code alone names it too (a type that says nothing more).
+        for body in [
+            r#"{"code":"IDEMPOTENCY_KEY_IN_PROGRESS"}"#,
+            r#"{"type":"about:blank","code":"IDEMPOTENCY_KEY_LEASE_LOST"}"#,
+        ] {
+            assert!(retried(&problem, body), "{body}");
+        }
+        // The handler's own conflicts are final, Retry-After or not.
+        for body in [
+            r#"{"type":"https://example.com/problems/out-of-stock","status":409}"#,
+            r#"{"type":"urn:x:idempotency-key-in-progress-elsewhere"}"#,
+            r#"{"code":"SEAT_TAKEN"}"#,
+        ] {
+            assert!(!retried(&problem, body), "{body}");
+            assert!(!retried(&problem_ra, body), "{body}");
+        }
+        // No readable type: a Retry-After decides.
+        for (h, body) in [
+            (headers(Some("text/plain"), true), "busy"),
+            (headers(None, true), ""),
+            (problem_ra.clone(), r#"{"title":"Conflict"}"#),
+            (problem_ra.clone(), r#"{"type":"about:blank"}"#),
+            (
+                headers(Some("application/json"), true),
+                r#"{"error":"busy"}"#,
+            ),
+        ] {
+            assert!(retried(&h, body), "{body}");
+            let mut without = h.clone();
+            without.remove(http::header::RETRY_AFTER);
+            assert!(!retried(&without, body), "{body}");
+        }
+        // A body past the bound is not the server's refusal, whatever else.
+        assert!(!conflict_is_retryable(&problem_ra, None));
     }
 
     #[test]

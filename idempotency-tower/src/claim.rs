@@ -20,6 +20,9 @@ pub(crate) enum Settlement {
     /// The handler's completion was fenced (the lease had passed and another request took the
     /// key over); its transaction rolled back. The layer answers a lease-lost problem.
     Lost,
+    /// The handler's transaction rolled back before it completed the key, and it did nothing
+    /// else: the layer releases the key at once and delivers its answer unstored.
+    RolledBack,
 }
 
 struct Shared {
@@ -178,6 +181,19 @@ impl ClaimedKey {
         })
     }
 
+    /// Tells the layer that the handler's own transaction rolled back and it did nothing else
+    /// (no call to another service, no write elsewhere): the layer releases the key at once,
+    /// whatever the handler answers, and the answer is not stored, so a retry runs the
+    /// handler again. Without it, an answer that is not stored (a 5xx, say) holds the key
+    /// until its lease passes, because the layer cannot know that nothing was done
+    /// ([`crate::Unstored`]).
+    ///
+    /// Call it only when the rollback is certain: not after a `COMMIT` whose outcome is
+    /// unknown (a lost connection during the commit), which may have applied.
+    pub fn rolled_back(&self) {
+        self.shared.set(Settlement::RolledBack);
+    }
+
     /// Tells the layer that the handler's completion was fenced and its transaction rolled
     /// back: the layer answers `409` `idempotency-key-lease-lost` in place of the handler's
     /// response, and writes nothing (the record belongs to the request that took it over).
@@ -185,6 +201,32 @@ impl ClaimedKey {
         self.shared.set(Settlement::Lost);
     }
 }
+
+/// A marker a handler puts in its response's extensions to say that it did nothing: it
+/// failed before acting (a dependency was down, a check refused the request), so a retry may
+/// run it again at once. The layer then releases the key and delivers the response unstored,
+/// whatever its status.
+///
+/// Without it, a response the layer does not store (5xx, 408, 429 by default) holds the key
+/// until its lease passes ([`crate::Unstored`]): the handler may have acted before it failed.
+///
+/// ```
+/// use http::{Response, StatusCode};
+/// use idempotency_tower::NothingDone;
+///
+/// /// The payment provider could not be reached: nothing was charged.
+/// fn provider_down() -> Response<String> {
+///     let mut resp = Response::new("try again".to_owned());
+///     *resp.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+///     resp.extensions_mut().insert(NothingDone);
+///     resp
+/// }
+/// # assert!(provider_down().extensions().get::<NothingDone>().is_some());
+/// ```
+///
+/// With axum, return `(StatusCode::SERVICE_UNAVAILABLE, Extension(NothingDone), body)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct NothingDone;
 
 /// A response ready to be committed with the handler's transaction; see [`ClaimedKey`].
 #[derive(Debug)]

@@ -39,6 +39,29 @@ pub enum Unreplayable {
     Release,
 }
 
+/// What the layer does with the key when the handler answered with a status that is not
+/// stored (5xx, 408 and 429 by default; see [`IdempotencyLayer::store_status`]) or returned an
+/// error.
+///
+/// A handler that failed may have acted first: it charged a card and then could not build its
+/// response, or a timeout layer inside this one cut it off after it wrote. Running it again at
+/// once would act twice, so by default the key is held. A handler that knows it did nothing
+/// frees the key itself, whatever this setting: it puts [`NothingDone`](crate::NothingDone)
+/// in its response's extensions, or calls [`ClaimedKey::rolled_back`](crate::ClaimedKey::rolled_back)
+/// after its own transaction rolled back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Unstored {
+    /// Hold the key until its lease passes (the default): a retry gets `409`
+    /// `idempotency-key-in-progress` with `Retry-After` until then, and runs the handler
+    /// after (the lease is the engine's `Policy::lease`).
+    #[default]
+    Hold,
+    /// Release the key at once, so a retry runs the handler again: only for handlers that
+    /// fail only before they act (the behaviour of earlier versions).
+    Release,
+}
+
 /// The layer's options, shared (behind an `Arc`) by every service the layer makes and by the
 /// claims it hands to handlers.
 #[derive(Clone)]
@@ -57,6 +80,7 @@ pub(crate) struct Config {
     pub(crate) fingerprint_headers: Vec<HeaderName>,
     pub(crate) fingerprint_hook: Option<Arc<FingerprintFn>>,
     pub(crate) unreplayable: Unreplayable,
+    pub(crate) unstored: Unstored,
     pub(crate) challenge: HeaderValue,
     pub(crate) max_retry_after: Duration,
     pub(crate) unavailable_retry_after: Duration,
@@ -85,6 +109,7 @@ impl Config {
             fingerprint_headers: DEFAULT_FINGERPRINT_HEADERS.to_vec(),
             fingerprint_hook: None,
             unreplayable: Unreplayable::Record,
+            unstored: Unstored::Hold,
             challenge: HeaderValue::from_static("Bearer"),
             max_retry_after: IdempotencyLayer::DEFAULT_MAX_RETRY_AFTER,
             unavailable_retry_after: IdempotencyLayer::DEFAULT_UNAVAILABLE_RETRY_AFTER,
@@ -131,8 +156,9 @@ impl Config {
     }
 }
 
-/// The default rule for which responses are stored: everything except 5xx, 408 and 429,
-/// which release the key so that a retry runs the handler again.
+/// The default rule for which responses are stored: everything except 5xx, 408 and 429. What
+/// becomes of the key after a status that is not stored is [`Unstored`]: by default it is held
+/// until its lease passes.
 pub fn default_store_status(status: StatusCode) -> bool {
     !(status.is_server_error()
         || status == StatusCode::REQUEST_TIMEOUT

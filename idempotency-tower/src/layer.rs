@@ -1,6 +1,6 @@
 //! The layer: a builder over the shared configuration.
 
-use crate::config::{Config, Unreplayable};
+use crate::config::{Config, Unreplayable, Unstored};
 use crate::fingerprint::FingerprintInput;
 use crate::hooks::ResponseContext;
 use crate::problem::{ProblemJson, RefusalResponder};
@@ -54,6 +54,7 @@ impl fmt::Debug for IdempotencyLayer {
             .field("fail_open", &c.fail_open)
             .field("fingerprint_headers", &c.fingerprint_headers)
             .field("unreplayable", &c.unreplayable)
+            .field("unstored", &c.unstored)
             .field("max_retry_after", &c.max_retry_after)
             .field("unavailable_retry_after", &c.unavailable_retry_after)
             .field("key_header", &c.key_header)
@@ -74,8 +75,9 @@ impl IdempotencyLayer {
 
     /// A layer over `engine` (its store and policy: lease, retention, in-flight behaviour,
     /// key hashing in logs) with the defaults: POST and PATCH covered, key optional, 1 MiB
-    /// limits, one shared scope, 5xx/408/429 not stored, fail closed, problem+json refusals,
-    /// preconditions fingerprinted, unreplayable responses recorded.
+    /// limits, one shared scope, 5xx/408/429 not stored (and their keys held until the lease
+    /// passes), fail closed, problem+json refusals, preconditions fingerprinted, unreplayable
+    /// responses recorded.
     pub fn new(engine: Idempotency) -> Self {
         Self {
             config: Arc::new(Config::new(engine)),
@@ -124,8 +126,8 @@ impl IdempotencyLayer {
     /// **Without this, every client shares one scope**: two clients that pick the same key
     /// for the same route see each other's responses (the stored response, with its body, is
     /// replayed to whoever sends the key and the same request). Use it whenever callers are
-    /// authenticated. A layer that is [`required`](IdempotencyLayer::required) without a
-    /// scope function logs a warning once.
+    /// authenticated. A layer without a scope function logs a warning once (when it wraps
+    /// its first service).
     pub fn scope<F>(self, f: F) -> Self
     where
         F: Fn(&Parts) -> Option<String> + Send + Sync + 'static,
@@ -147,8 +149,10 @@ impl IdempotencyLayer {
         self.edit(|c| c.route = Arc::new(f))
     }
 
-    /// Which statuses are stored and replayed (default [`default_store_status`](crate::default_store_status)). A status
-    /// that is not stored releases the key, so a retry runs the handler again.
+    /// Which statuses are stored and replayed (default
+    /// [`default_store_status`](crate::default_store_status)). After a status that is not
+    /// stored the key is held until its lease passes, or released at once per
+    /// [`IdempotencyLayer::unstored`].
     pub fn store_status<F>(self, f: F) -> Self
     where
         F: Fn(StatusCode) -> bool + Send + Sync + 'static,
@@ -255,6 +259,16 @@ impl IdempotencyLayer {
     /// keeps the key from running the handler again, [`Unreplayable::Release`] frees it.
     pub fn unreplayable(self, unreplayable: Unreplayable) -> Self {
         self.edit(|c| c.unreplayable = unreplayable)
+    }
+
+    /// What to do with the key when the handler answered a status that is not stored, or
+    /// returned an error: [`Unstored::Hold`] (the default) holds it until its lease passes,
+    /// because the handler may have acted before it failed; [`Unstored::Release`] frees it at
+    /// once, for handlers that fail only before they act. A handler that did nothing can free
+    /// the key itself under either rule ([`NothingDone`](crate::NothingDone),
+    /// [`ClaimedKey::rolled_back`](crate::ClaimedKey::rolled_back)).
+    pub fn unstored(self, unstored: Unstored) -> Self {
+        self.edit(|c| c.unstored = unstored)
     }
 
     /// The `WWW-Authenticate` challenge sent with the `401` for a caller the scope function
@@ -405,11 +419,11 @@ impl<S> tower_layer::Layer<S> for IdempotencyLayer {
 
     fn layer(&self, inner: S) -> Self::Service {
         let c = &self.config;
-        if c.required && !c.scope_set && !self.warned.swap(true, Ordering::Relaxed) {
+        if !c.scope_set && !self.warned.swap(true, Ordering::Relaxed) {
             tracing::warn!(
-                "the idempotency layer requires keys but has no scope function: every caller \
-                 shares one key space, so two callers that send the same key and request get \
-                 the same stored response; set `.scope(..)` to the caller's identity"
+                "the idempotency layer has no scope function: every caller shares one key \
+                 space, so two callers that send the same key and request get the same stored \
+                 response; set `.scope(..)` to the caller's identity"
             );
         }
         IdempotencyService::new(inner, self.config.clone())

@@ -49,15 +49,23 @@ impl HttpDecision {
 /// `idempotency.http` span as `outcome` and counted in
 /// `idempotency_http_outcomes_total{outcome}`). A response hook
 /// ([`ResponseContext::outcome`](crate::ResponseContext::outcome)) is told the outcomes that
-/// come with the handler's response; [`HttpOutcome::HandlerError`] and
-/// [`HttpOutcome::HandlerPanicked`] have none, so it never sees them.
+/// come with the handler's response; [`HttpOutcome::HandlerError`],
+/// [`HttpOutcome::HandlerErrorHeld`] and [`HttpOutcome::HandlerPanicked`] have none, so it never sees them.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Hash)]
 #[non_exhaustive]
 pub enum HttpOutcome {
     /// Stored for replay.
     Stored,
-    /// Not stored because of its status (5xx, 408, 429 by default); the key was released.
+    /// Not stored because of its status (5xx, 408, 429 by default); the key was released
+    /// ([`Unstored::Release`](crate::Unstored::Release)).
     ReleasedStatus,
+    /// Not stored because of its status; the handler may have acted, so the key is held until
+    /// its lease passes ([`Unstored::Hold`](crate::Unstored::Hold), the default).
+    HeldStatus,
+    /// The handler said it did nothing ([`NothingDone`](crate::NothingDone), or
+    /// [`ClaimedKey::rolled_back`](crate::ClaimedKey::rolled_back)); the key was released and
+    /// the response not stored.
+    ReleasedNothingDone,
     /// Too large to store; the key was released (`Unreplayable::Release`).
     ReleasedTooLarge,
     /// Its body failed while being read; the key was released (`Unreplayable::Release`).
@@ -76,8 +84,12 @@ pub enum HttpOutcome {
     /// The handler committed the completion in its own transaction ([`crate::ClaimedKey`]):
     /// the layer wrote nothing, and retries replay what the handler committed.
     SettledByHandler,
-    /// The handler returned an error; the key was released.
+    /// The handler returned an error; the key was released
+    /// ([`Unstored::Release`](crate::Unstored::Release), or its transaction rolled back).
     HandlerError,
+    /// The handler returned an error; it may have acted, so the key is held until its lease
+    /// passes ([`Unstored::Hold`](crate::Unstored::Hold), the default).
+    HandlerErrorHeld,
     /// The handler panicked; the key was released (unless the handler had settled it itself).
     HandlerPanicked,
 }
@@ -88,6 +100,8 @@ impl HttpOutcome {
         match self {
             Self::Stored => "stored",
             Self::ReleasedStatus => "released_status",
+            Self::HeldStatus => "held_status",
+            Self::ReleasedNothingDone => "released_nothing_done",
             Self::ReleasedTooLarge => "released_too_large",
             Self::ReleasedBodyFailed => "response_body_failed",
             Self::RecordedTooLarge => "recorded_too_large",
@@ -96,6 +110,7 @@ impl HttpOutcome {
             Self::LeaseLost => "lease_lost",
             Self::SettledByHandler => "settled_by_handler",
             Self::HandlerError => "handler_error",
+            Self::HandlerErrorHeld => "handler_error_held",
             Self::HandlerPanicked => "handler_panicked",
         }
     }

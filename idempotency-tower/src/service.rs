@@ -1,7 +1,7 @@
 //! The service: read the key, fingerprint, claim, run or replay, store.
 
-use crate::claim::{ClaimedKey, Settlement};
-use crate::config::{Config, Unreplayable};
+use crate::claim::{ClaimedKey, NothingDone, Settlement};
+use crate::config::{Config, Unreplayable, Unstored};
 use crate::fingerprint::FingerprintInput;
 use crate::future::ResponseFuture;
 use crate::headers::{CONNECTION, CONTENT_LENGTH, DIGEST, RETRY_AFTER, WWW_AUTHENTICATE};
@@ -488,11 +488,23 @@ async fn release_key(lease: Lease, why: HttpOutcome) {
     }
 }
 
+/// Holds the key until its lease passes, without a write: the handler may have acted, and its
+/// answer is not stored.
+fn hold(lease: Lease, why: HttpOutcome) {
+    record_outcome(why);
+    tracing::warn!(
+        outcome = why.as_str(),
+        "the handler's answer is not stored and it may have acted; the key is held until its \
+         lease passes"
+    );
+    lease.hold();
+}
+
 /// Settles `lease` without a write: the handler settled the key itself.
 fn settled_by_handler(lease: Lease, settlement: Settlement) {
     lease.settled_externally();
     match settlement {
-        Settlement::Open => {}
+        Settlement::Open | Settlement::RolledBack => {}
         Settlement::Committed => record_outcome(HttpOutcome::SettledByHandler),
         Settlement::Lost => {
             record_outcome(HttpOutcome::LeaseLost);
@@ -505,10 +517,11 @@ fn settled_by_handler(lease: Lease, settlement: Settlement) {
 }
 
 /// Gives `lease` back unless the handler settled the key itself (committed the completion in
-/// its transaction, or found its lease lost): then the lease is settled without a write.
+/// its transaction, or found its lease lost): then the lease is settled without a write. A
+/// handler whose transaction rolled back left the key for the layer to release.
 fn unless_settled_by_handler(claim: &ClaimedKey, lease: Lease) -> Option<Lease> {
     let settlement = claim.settlement();
-    if settlement == Settlement::Open {
+    if matches!(settlement, Settlement::Open | Settlement::RolledBack) {
         return Some(lease);
     }
     settled_by_handler(lease, settlement);
@@ -522,6 +535,8 @@ enum Handled<B, E> {
     SettledByHandler(Response<B>, Settlement),
     /// The handler's error.
     Error(E),
+    /// The handler said it did nothing ([`NothingDone`], or [`ClaimedKey::rolled_back`]).
+    NothingDone(Response<B>),
     /// A response that is not stored per the status policy.
     UnstoredStatus(Response<B>),
     /// A response whose body was read (whole, too large, or failing).
@@ -673,9 +688,13 @@ where
             Ok(resp) => resp,
             Err(e) => return Handled::Error(e),
         };
-        let settlement = claim.settlement();
-        if settlement != Settlement::Open {
-            return Handled::SettledByHandler(resp, settlement);
+        match claim.settlement() {
+            Settlement::Open => {}
+            Settlement::RolledBack => return Handled::NothingDone(resp),
+            settlement => return Handled::SettledByHandler(resp, settlement),
+        }
+        if resp.extensions().get::<NothingDone>().is_some() {
+            return Handled::NothingDone(resp);
         }
         if !(config.store_status)(resp.status()) {
             return Handled::UnstoredStatus(resp);
@@ -700,7 +719,15 @@ where
     match handled {
         Handled::Error(e) => {
             if let Some(lease) = unless_settled_by_handler(&claim, lease) {
-                release(lease, HttpOutcome::HandlerError).await;
+                // The handler may have acted before its error, unless its own transaction
+                // rolled back or the layer is told its handlers fail only before acting.
+                if claim.settlement() == Settlement::RolledBack
+                    || config.unstored == Unstored::Release
+                {
+                    release(lease, HttpOutcome::HandlerError).await;
+                } else {
+                    hold(lease, HttpOutcome::HandlerErrorHeld);
+                }
             }
             Err(e)
         }
@@ -722,17 +749,29 @@ where
                 ),
             })
         }
+        Handled::NothingDone(resp) => {
+            let key = lease.id().key.clone();
+            release(lease, HttpOutcome::ReleasedNothingDone).await;
+            let resp = resp.map(ResponseBody::inner);
+            let outcome = Some(HttpOutcome::ReleasedNothingDone);
+            Ok(with_hook(&config, &key, resp, outcome, None))
+        }
         Handled::UnstoredStatus(resp) => {
             let key = lease.id().key.clone();
-            release(lease, HttpOutcome::ReleasedStatus).await;
+            // The handler may have acted before it failed: hold the key unless the layer is
+            // told its handlers fail only before acting.
+            let outcome = match config.unstored {
+                Unstored::Release => {
+                    release(lease, HttpOutcome::ReleasedStatus).await;
+                    HttpOutcome::ReleasedStatus
+                }
+                _ => {
+                    hold(lease, HttpOutcome::HeldStatus);
+                    HttpOutcome::HeldStatus
+                }
+            };
             let resp = resp.map(ResponseBody::inner);
-            Ok(with_hook(
-                &config,
-                &key,
-                resp,
-                Some(HttpOutcome::ReleasedStatus),
-                None,
-            ))
+            Ok(with_hook(&config, &key, resp, Some(outcome), None))
         }
         Handled::Read(read) => Ok(settle_response(&config, lease, read).await),
     }

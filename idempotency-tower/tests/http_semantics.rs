@@ -13,9 +13,17 @@ use std::io::Write;
 use std::sync::{Arc, Mutex};
 use tower::{Layer, Service, ServiceExt};
 
-fn layer() -> IdempotencyLayer {
+/// A layer without a scope function (it warns once, when it wraps its first service).
+fn unscoped_layer() -> IdempotencyLayer {
     let engine = Idempotency::new(Arc::new(MemoryStore::new()), Policy::default()).unwrap();
     IdempotencyLayer::new(engine)
+}
+
+/// A layer with a scope function. The other tests use it, so that only the warning's own test
+/// reaches the warning: tracing caches a callsite's interest across threads, and a warning
+/// first reached on a thread without a subscriber could hide it from that test's subscriber.
+fn layer() -> IdempotencyLayer {
+    unscoped_layer().scope(|_| Some("caller".into()))
 }
 
 async fn handle(
@@ -74,7 +82,7 @@ impl Write for Captured {
 }
 
 #[test]
-fn required_without_scope_warns_once_per_layer() {
+fn a_layer_without_scope_warns_once_per_unscoped_layer() {
     let captured = Captured::default();
     let writer = captured.clone();
     let subscriber = tracing_subscriber::fmt()
@@ -88,17 +96,91 @@ fn required_without_scope_warns_once_per_layer() {
             .matches("has no scope function")
             .count()
     };
-    let shared = layer().required(true);
+    let shared = unscoped_layer().required(true);
     let _a = shared.layer(handler!());
     let _b = shared.clone().layer(handler!());
     let _c = shared.layer(handler!());
     assert_eq!(count(), 1, "once per layer, clones included");
-    let _other = layer().required(true).layer(handler!());
+    let _other = unscoped_layer().required(true).layer(handler!());
     assert_eq!(count(), 2, "another layer warns for itself");
-    let _scoped = layer()
+    let _scoped = unscoped_layer()
         .required(true)
         .scope(|_| Some("caller".into()))
         .layer(handler!());
-    let _optional = layer().layer(handler!());
-    assert_eq!(count(), 2, "no warning with a scope, or without required");
+    assert_eq!(count(), 2, "no warning with a scope");
+    // Optional keys share the scope just as much: a layer without `required` warns too.
+    let optional = unscoped_layer();
+    let _optional = optional.clone().layer(handler!());
+    let _again = optional.layer(handler!());
+    assert_eq!(
+        count(),
+        3,
+        "a layer without required and without a scope warns, once"
+    );
+    let _optional_scoped = unscoped_layer()
+        .scope(|_| Some("caller".into()))
+        .layer(handler!());
+    assert_eq!(count(), 3, "no warning with a scope");
+}
+
+/// A service that counts its calls and fails with an error after it acted.
+fn failing_service(
+    calls: Arc<std::sync::atomic::AtomicUsize>,
+) -> impl Service<
+    Request<RequestBody<Full<Bytes>>>,
+    Response = Response<Full<Bytes>>,
+    Error = std::io::Error,
+    Future = impl Send,
+> + Clone {
+    tower::service_fn(move |_req: Request<RequestBody<Full<Bytes>>>| {
+        let calls = calls.clone();
+        async move {
+            calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Err::<Response<Full<Bytes>>, _>(std::io::Error::other("failed after acting"))
+        }
+    })
+}
+
+async fn send_keyed<S>(
+    svc: &mut S,
+    key: &str,
+) -> Result<Response<idempotency_tower::ResponseBody<Full<Bytes>>>, S::Error>
+where
+    S: Service<
+        Request<Full<Bytes>>,
+        Response = Response<idempotency_tower::ResponseBody<Full<Bytes>>>,
+    >,
+{
+    let req = Request::post("/orders")
+        .header("idempotency-key", key)
+        .body(Full::new(Bytes::from_static(b"{}")))
+        .unwrap();
+    ServiceExt::<Request<Full<Bytes>>>::ready(svc)
+        .await?
+        .call(req)
+        .await
+}
+
+/// A handler that returns an error may have acted before it failed: by default the key is
+/// held, so a retry 100 ms later gets 409 with `Retry-After` and the handler has run once.
+/// With `Unstored::Release` (handlers that fail only before acting) the retry runs it again.
+#[tokio::test]
+async fn a_handler_error_holds_the_key_unless_told_to_release() {
+    let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut held = layer().layer(failing_service(calls.clone()));
+    assert!(send_keyed(&mut held, "err").await.is_err());
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    let retry = send_keyed(&mut held, "err").await.unwrap();
+    assert_eq!(retry.status(), 409);
+    assert!(retry.headers().contains_key("retry-after"), "{retry:?}");
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+
+    let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut released = layer()
+        .unstored(idempotency_tower::Unstored::Release)
+        .layer(failing_service(calls.clone()));
+    assert!(send_keyed(&mut released, "err").await.is_err());
+    // The key is released before the error is returned.
+    assert!(send_keyed(&mut released, "err").await.is_err());
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 2);
 }

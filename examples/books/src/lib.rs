@@ -12,7 +12,7 @@ use axum::routing::{get, post, MethodRouter};
 use axum::Router;
 use book::{validate, Book, Issue};
 use idempotency_core::{is_json_media_type, Idempotency, IdempotencyStore, Policy};
-use idempotency_tower::{default_store_status, ClaimedKey, IdempotencyLayer};
+use idempotency_tower::{default_store_status, ClaimedKey, IdempotencyLayer, NothingDone};
 use repo::{BookRepo, RepoError, Update};
 use serde_json::{json, Value};
 use std::path::PathBuf;
@@ -237,7 +237,8 @@ pub async fn stores(config: &Config) -> Result<(Arc<dyn IdempotencyStore>, BookR
 ///
 /// `POST /books` requires an `Idempotency-Key`; `PATCH /books/{id}` takes one optionally. Both
 /// are scoped to the caller. A PATCH answered `412 Precondition Failed` changed nothing, so it
-/// is not stored: the key stays usable for the retry with a fresh `If-Match`.
+/// is not stored and says it did nothing: the key is free at once for the retry with a fresh
+/// `If-Match`.
 pub async fn build(config: &Config) -> Result<(Router, Arc<AppState>), BuildError> {
     build_with(config, Box::new(|create| create)).await
 }
@@ -572,13 +573,19 @@ async fn show(
     book_response(StatusCode::OK, &book)
 }
 
+/// The `412` for a stale `If-Match`. Nothing was written, and the response says so
+/// ([`NothingDone`]): the layer does not store it and frees the key at once, so the retry
+/// with a fresh `If-Match` runs (an answer the layer does not store otherwise holds the key
+/// until its lease passes).
 fn precondition_failed() -> Response {
-    problem(
+    let mut resp = problem(
         StatusCode::PRECONDITION_FAILED,
         "precondition-failed",
         "The resource changed after you read it",
         Some("If-Match does not hold the book's current ETag; read it again".into()),
-    )
+    );
+    resp.extensions_mut().insert(NothingDone);
+    resp
 }
 
 async fn update(

@@ -42,8 +42,11 @@ async fn inject(
         tokio::time::sleep(SLOW).await;
     }
     if take(&faults.fail_next) {
+        // Failed before the create ran: say so, or the layer holds the key until its lease
+        // passes (a 500 may come from a handler that acted).
         return (
             axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+            axum::Extension(idempotency_tower::NothingDone),
             "injected create failure",
         )
             .into_response();
@@ -264,7 +267,8 @@ async fn a_failed_create_is_retried_and_runs_once() {
         .unwrap();
     assert_eq!(response.status(), 201);
     let outcome = response.idempotency().unwrap();
-    // The 500s were not stored: the key was released, and the third attempt created the book.
+    // The 500s (which said nothing was done) were not stored: the key was released, and the
+    // third attempt created the book.
     assert_eq!(outcome.attempts(), 3);
     assert!(!outcome.replayed());
     assert_eq!(s.books().await.len(), 1);

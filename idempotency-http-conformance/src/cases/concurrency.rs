@@ -54,10 +54,14 @@ pub async fn in_flight_wait_policy_replays(store: TestStore) {
     assert_eq!(s.executions(), 1);
 }
 
-/// 5xx, 408 and 429 are delivered but not stored: the key is released and the retry runs the
-/// handler. A deterministic client error (404, 400) is stored and replayed.
+/// With `Unstored::Release` (for handlers that fail only before acting), 5xx, 408 and 429 are
+/// delivered but not stored: the key is released and the retry runs the handler. A
+/// deterministic client error (404, 400) is stored and replayed.
 pub async fn server_errors_408_429_release_the_key(store: TestStore) {
-    let s = server(&store).await;
+    let s = TestServer::with_store(store.store.clone(), Policy::default(), |l| {
+        l.unstored(Unstored::Release)
+    })
+    .await;
     let c = client();
     let mut expected = 0;
     for code in ["500", "503", "408", "429"] {
@@ -84,6 +88,86 @@ pub async fn server_errors_408_429_release_the_key(store: TestStore) {
         assert_eq!(again.body, first.body);
     }
     assert_eq!(s.executions(), expected);
+}
+
+/// By default a status that is not stored (5xx, 408, 429) holds the key until its lease
+/// passes: the handler may have acted before it failed (charged, then failed to build its
+/// answer). The client gets the handler's answer; a retry 100 ms later gets 409 with
+/// `Retry-After`, and the handler has run once.
+pub async fn unstored_statuses_hold_the_key(store: TestStore) {
+    let s = server(&store).await;
+    let c = client();
+    for (i, code) in ["500", "503", "408", "429"].into_iter().enumerate() {
+        let key = format!("held-{code}");
+        let body = json!({"code": code});
+        let failed = send(post(&c, &s, "/items", &key, &body).header(control::STATUS, code)).await;
+        assert_eq!(failed.status.as_str(), code);
+        assert!(!failed.replayed());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let retry = send(post(&c, &s, "/items", &key, &body)).await;
+        assert_problem(
+            &retry,
+            409,
+            Refusal::InProgress {
+                retry_after: Duration::ZERO,
+            }
+            .slug(),
+        );
+        let after: u64 = retry
+            .header("retry-after")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no Retry-After on {retry:?}"));
+        assert!(after >= 1, "{retry:?}");
+        assert_eq!(s.executions(), i as u64 + 1, "the {code} handler ran again");
+    }
+}
+
+/// A handler cut off by a timeout layer inside the idempotency layer (it counted, then slept
+/// past the timeout) may have acted: the `408` holds the key, and a retry 100 ms later gets
+/// 409, not a second run.
+pub async fn handler_cut_off_by_an_inner_timeout_runs_once(store: TestStore) {
+    let s = server(&store).await;
+    let c = client();
+    let body = json!({"cut": true});
+    let cut = send(
+        post(&c, &s, "/items", "cut-off", &body)
+            .header(control::DELAY_MS, "5000")
+            .header(control::TIMEOUT_MS, "100"),
+    )
+    .await;
+    assert_eq!(cut.status, StatusCode::REQUEST_TIMEOUT, "{cut:?}");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let retry = send(post(&c, &s, "/items", "cut-off", &body)).await;
+    assert_eq!(retry.status, StatusCode::CONFLICT, "{retry:?}");
+    assert!(retry.header("retry-after").is_some(), "{retry:?}");
+    assert_eq!(s.executions(), 1, "the cut-off handler ran again");
+}
+
+/// A handler that says it did nothing (`NothingDone` on its response) frees the key at once,
+/// whatever its status: the retry runs the handler, and its answer is stored as usual.
+pub async fn handler_that_did_nothing_frees_the_key(store: TestStore) {
+    let s = server(&store).await;
+    let c = client();
+    let body = json!({"nothing": true});
+    let refused = send(
+        post(&c, &s, "/items", "nothing-done", &body)
+            .header(control::STATUS, "503")
+            .header(control::NOTHING_DONE, "1"),
+    )
+    .await;
+    assert_eq!(
+        refused.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{refused:?}"
+    );
+    // The key is released by a background write; give it a moment on slow stores.
+    let retry = retry_while_409(|| post(&c, &s, "/items", "nothing-done", &body)).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+    assert!(!retry.replayed());
+    assert_eq!(retry.execution(), 2);
+    let replay = send(post(&c, &s, "/items", "nothing-done", &body)).await;
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(s.executions(), 2);
 }
 
 /// A handler that panics gets a 500 problem, and the key is released so the retry runs.
@@ -191,13 +275,17 @@ pub async fn client_timeout_then_retry_gets_the_same_response(store: TestStore) 
     assert_eq!(s.executions(), 1);
 }
 
-/// After a released failure (a 500), a retry with a corrected body runs: nothing took effect
-/// under the key, so it is not a mismatch.
+/// After a released failure (a 500 whose handler said it did nothing), a retry with a
+/// corrected body runs: nothing took effect under the key, so it is not a mismatch.
 pub async fn released_key_accepts_corrected_request(store: TestStore) {
     let s = server(&store).await;
     let c = client();
-    let failed =
-        send(post(&c, &s, "/items", "fix", &json!({"v": 1})).header(control::STATUS, "500")).await;
+    let failed = send(
+        post(&c, &s, "/items", "fix", &json!({"v": 1}))
+            .header(control::STATUS, "500")
+            .header(control::NOTHING_DONE, "1"),
+    )
+    .await;
     assert_eq!(failed.status, StatusCode::INTERNAL_SERVER_ERROR);
     let corrected = send(post(&c, &s, "/items", "fix", &json!({"v": 2}))).await;
     assert_eq!(corrected.status, StatusCode::CREATED);

@@ -6,7 +6,7 @@ use bytes::Bytes;
 use http::{HeaderName, Method, StatusCode};
 use idempotency_conformance::{Fault, FlakyOp, FlakyStore, TestStore};
 use idempotency_core::{ClaimRequest, Fingerprint, IdempotencyKey, InFlight, Policy, RecordId};
-use idempotency_tower::{http_scope, Refusal};
+use idempotency_tower::{http_scope, Refusal, Unstored};
 use reqwest::header::HeaderMap;
 use serde_json::{json, Value};
 use std::sync::Arc;
@@ -221,6 +221,6 @@ fn outcome_header(l: idempotency_tower::IdempotencyLayer) -> idempotency_tower::
 }
 
 pub use crate::settled::{
-    handler_5xx_after_its_commit_is_replayed_not_rerun, handler_settled_key_is_not_written_again,
-    handler_whose_lease_was_lost_gets_409_and_no_effect,
+    handler_5xx_after_its_commit_is_replayed_not_rerun, handler_rolled_back_frees_the_key,
+    handler_settled_key_is_not_written_again, handler_whose_lease_was_lost_gets_409_and_no_effect,
 };
