@@ -138,7 +138,7 @@ pub(crate) fn is_serialization_failure(e: &sqlx::Error) -> bool {
 
 /// The connection died or the server went away: whatever was in flight may or may not have
 /// been applied.
-fn is_connection_loss(e: &sqlx::Error) -> bool {
+pub(crate) fn is_connection_loss(e: &sqlx::Error) -> bool {
     match e {
         sqlx::Error::Io(io) => io.kind() != std::io::ErrorKind::ConnectionRefused,
         sqlx::Error::Protocol(_) | sqlx::Error::Tls(_) | sqlx::Error::WorkerCrashed => true,

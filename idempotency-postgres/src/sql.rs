@@ -46,6 +46,7 @@ pub(crate) struct Statements {
     pub claim: String,
     pub observe: String,
     pub complete: String,
+    pub complete_locked: String,
     pub fail: String,
     pub extend: String,
     pub reclaim: String,
@@ -149,6 +150,21 @@ UPDATE {t} AS r SET status = 'completed', outcome = $4, lease_until = NULL,
 FROM c WHERE {held}
 RETURNING r.token, current_setting('transaction_isolation') AS isolation"
         );
+        // The completion inside `PgIdempotency`'s transaction at REPEATABLE READ or
+        // SERIALIZABLE, where the transaction's first statement (`hold`) found the record live,
+        // Pending and held by the token, and locked it until the commit: nobody else can have
+        // changed it since. The lease was kept in the process meanwhile, and nothing moved
+        // the record's own expiry, which a work longer than the retention (short TTLs are
+        // normal for queue deduplication) outlives: so it is not checked again here. Status
+        // and token still are.
+        let complete_locked = format!(
+            "{NOW_CTE}
+UPDATE {t} AS r SET status = 'completed', outcome = $4, lease_until = NULL,
+    failure_retryable = NULL, failure_message = NULL, updated_at = c.now,
+    expires_at = c.now + $5 * interval '1 millisecond'
+FROM c WHERE r.scope = $1 AND r.key = $2 AND r.token = $3 AND r.status = 'pending'
+RETURNING r.token, current_setting('transaction_isolation') AS isolation"
+        );
         let fail = format!(
             "{NOW_CTE}
 UPDATE {t} AS r SET status = 'failed', failure_retryable = $4, failure_message = $5,
@@ -225,6 +241,7 @@ FROM c",
             claim,
             observe,
             complete,
+            complete_locked,
             fail,
             extend,
             reclaim,

@@ -1,6 +1,6 @@
 //! The store.
 
-use crate::error::{is_serialization_failure, map_sqlx, Effect};
+use crate::error::{is_connection_loss, is_serialization_failure, map_sqlx, Effect};
 use crate::kept::{Kept, Out};
 use crate::migrate;
 use crate::sql::Statements;
@@ -187,6 +187,21 @@ impl PostgresStoreBuilder {
     }
 }
 
+/// How long [`PostgresStore::sweep_idle`] waits for an idle connection's ping before it
+/// takes the connection for dead.
+const SWEEP_PING: Duration = Duration::from_secs(1);
+
+/// What [`PostgresStore::run`] does when a statement's connection is lost after it was sent.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum OnLoss {
+    /// Send it again on another connection: a read, a claim (a repeat observes what an
+    /// applied claim wrote, never claims twice) or a purge.
+    Resend,
+    /// Report it (for a write, [`Error::OutcomeUnknown`]): a holder's compare-and-swap, which
+    /// the engine retries and reads back.
+    Report,
+}
+
 /// How one attempt at a statement failed: before it was sent (no connection), or after.
 enum Attempt {
     NotSent(sqlx::Error),
@@ -309,12 +324,15 @@ impl PostgresStore {
         outcome: &[u8],
         ttl: Duration,
     ) -> Result<(), Error> {
-        self.complete_in_reporting(tx, id, token, outcome, ttl)
+        self.complete_in_reporting(tx, id, token, outcome, ttl, false)
             .await
             .map(|_| ())
     }
 
     /// [`PostgresStore::complete_in`], also reporting the transaction's isolation level.
+    /// `locked`: the transaction holds the record's row lock since [`PostgresStore::hold_in`]
+    /// found it live and held by `token`, so its expiry is not checked again (see
+    /// `sql::complete_locked`).
     pub(crate) async fn complete_in_reporting(
         &self,
         tx: &mut PgConnection,
@@ -322,11 +340,16 @@ impl PostgresStore {
         token: FencingToken,
         outcome: &[u8],
         ttl: Duration,
+        locked: bool,
     ) -> Result<Level, Error> {
         let Ok(t) = i64::try_from(token.0) else {
             return Err(Error::LeaseLost { token });
         };
-        let row = sqlx::query(&self.sql.complete)
+        let sql = match locked {
+            true => &self.sql.complete_locked,
+            false => &self.sql.complete,
+        };
+        let row = sqlx::query(sql)
             .bind(id.scope.as_str())
             .bind(id.key.as_str())
             .bind(t)
@@ -402,19 +425,37 @@ impl PostgresStore {
     /// failures and deadlocks (the implicit transaction was rolled back, so nothing was
     /// applied). Each attempt takes a connection and, unless its statement completed, gives it
     /// back to the pool, so an attempt after an error runs on another connection.
+    ///
+    /// A lost connection is most often one that died while it sat idle in the pool: after a
+    /// server restart or failover every idle connection is dead, and the pool (which does not
+    /// ping before it hands a connection out) would hand them out one by one, each failing
+    /// one operation, or each of a completion's retries. So a lost connection first has the
+    /// pool's idle connections checked ([`PostgresStore::sweep_idle`]). Then, with
+    /// [`OnLoss::Resend`], the statement is sent again on another connection (up to once per
+    /// connection the pool can hold, plus one); with [`OnLoss::Report`] (the compare-and-swaps
+    /// of a holder, whose caller, the engine, retries them on a pool now clean and reads a
+    /// refused retry back) a write's outcome is reported unknown.
     async fn run<'q, X: Fetch>(
         &self,
         effect: Effect,
+        on_loss: OnLoss,
         fetch: X,
         mut query: impl FnMut() -> Query<'q, Postgres, PgArguments> + Send,
     ) -> Result<X::Out, Error> {
         let mut attempt = 0u32;
+        let mut lost = 0u32;
+        let max_lost = self.pool.options().get_max_connections().saturating_add(1);
+        // A write whose connection was lost after it was sent may have applied.
+        let mut maybe_applied = None;
         loop {
             match self.once(fetch, query()).await {
                 Ok(v) => return Ok(v),
-                // No connection, so the statement was never sent: nothing was applied.
+                // No connection, so this statement was never sent.
                 Err(Attempt::NotSent(e)) => {
-                    return Err(map_sqlx(e, &self.qualified, Effect::None));
+                    return Err(match maybe_applied {
+                        Some(lost) => map_sqlx(lost, &self.qualified, Effect::Write),
+                        None => map_sqlx(e, &self.qualified, Effect::None),
+                    });
                 }
                 Err(Attempt::Sent(e))
                     if is_serialization_failure(&e) && attempt < self.serialization_retries =>
@@ -425,9 +466,67 @@ impl PostgresStore {
                     let ms = rand::thread_rng().gen_range(0..=cap_ms);
                     tokio::time::sleep(Duration::from_millis(ms)).await;
                 }
-                Err(Attempt::Sent(e)) => return Err(map_sqlx(e, &self.qualified, effect)),
+                Err(Attempt::Sent(e)) if is_connection_loss(&e) => {
+                    if lost == 0 {
+                        self.sweep_idle().await;
+                    }
+                    lost += 1;
+                    if on_loss == OnLoss::Report || lost > max_lost {
+                        return Err(map_sqlx(e, &self.qualified, effect));
+                    }
+                    tracing::debug!(
+                        error = %e,
+                        lost,
+                        "the connection was lost; sending the statement on another connection"
+                    );
+                    if effect == Effect::Write {
+                        maybe_applied = Some(e);
+                    }
+                }
+                Err(Attempt::Sent(e)) => {
+                    return Err(
+                        match (maybe_applied, map_sqlx(e, &self.qualified, effect)) {
+                            // An earlier attempt of this write may have applied.
+                            (Some(_), e @ Error::Backend { .. }) => Error::OutcomeUnknown {
+                                source: Box::new(e),
+                            },
+                            (_, e) => e,
+                        },
+                    );
+                }
             }
         }
+    }
+
+    /// Checks the pool's idle connections after a lost one: each gets a ping (at most
+    /// [`SWEEP_PING`] each, all at once), and those that do not answer are closed, so the
+    /// next operations get live or fresh connections. Costs nothing until a connection is
+    /// lost; a connection the store keeps between operations goes back to the pool on its own
+    /// error.
+    pub(crate) async fn sweep_idle(&self) {
+        let mut idle = Vec::new();
+        while let Some(conn) = self.pool.try_acquire() {
+            idle.push(conn);
+        }
+        let checked = idle.len();
+        let dead = futures::future::join_all(idle.into_iter().map(|mut conn| async move {
+            let alive = matches!(
+                tokio::time::timeout(SWEEP_PING, conn.ping()).await,
+                Ok(Ok(()))
+            );
+            if !alive {
+                conn.close_on_drop();
+            }
+            usize::from(!alive)
+        }))
+        .await
+        .into_iter()
+        .sum::<usize>();
+        tracing::debug!(
+            checked,
+            dead,
+            "a connection was lost: checked the idle ones"
+        );
     }
 
     async fn once<'q, X: Fetch>(
@@ -450,7 +549,7 @@ impl PostgresStore {
             return Ok(Cas::Fenced);
         };
         let row = self
-            .run(Effect::Write, Optional, || {
+            .run(Effect::Write, OnLoss::Report, Optional, || {
                 let q = sqlx::query(sql)
                     .bind(binds.id.scope.as_str())
                     .bind(binds.id.key.as_str())
@@ -647,7 +746,7 @@ impl IdempotencyStore for PostgresStore {
         let lease_ms = duration_millis(request.lease);
         let hold_ms = duration_millis(claim_retention(request.lease, request.ttl));
         let row = self
-            .run(Effect::Write, One, || {
+            .run(Effect::Write, OnLoss::Resend, One, || {
                 let sql = match request.count_hit {
                     true => &self.sql.claim,
                     false => &self.sql.observe,
@@ -751,7 +850,7 @@ impl IdempotencyStore for PostgresStore {
             duration_millis(claim_retention(lease, ttl)),
         );
         let row = self
-            .run(Effect::Write, Optional, || {
+            .run(Effect::Write, OnLoss::Report, Optional, || {
                 sqlx::query(&self.sql.reclaim)
                     .bind(id.scope.as_str())
                     .bind(id.key.as_str())
@@ -780,7 +879,7 @@ impl IdempotencyStore for PostgresStore {
 
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
         let row = self
-            .run(Effect::None, Optional, || {
+            .run(Effect::None, OnLoss::Resend, Optional, || {
                 sqlx::query(&self.sql.get)
                     .bind(id.scope.as_str())
                     .bind(id.key.as_str())
@@ -796,7 +895,7 @@ impl IdempotencyStore for PostgresStore {
         }
         let limit = i64::try_from(batch).unwrap_or(i64::MAX);
         let done = self
-            .run(Effect::Write, Execute, || {
+            .run(Effect::Write, OnLoss::Resend, Execute, || {
                 sqlx::query(&self.sql.purge).bind(limit)
             })
             .await?;

@@ -107,13 +107,13 @@ impl PgIdempotency {
     /// - A serialization failure or deadlock in the completion or the commit re-runs the
     ///   transaction (up to 8 times), so `work` must only act through the connection it is
     ///   given. Errors inside `work` are `work`'s to return.
-    /// - If the connection dies during the completion or the commit, the result is an error
-    ///   ([`Error::OutcomeUnknown`] for the commit) and the dropped lease releases the key in
-    ///   the background, by a compare-and-swap on the Pending record: if the commit applied,
-    ///   the record is already Completed and the release is fenced, so a retry replays the
-    ///   committed outcome; if it did not, nothing was written and a retry runs the work again.
-    ///   Either way the key ends with one committed execution. The key is never released
-    ///   while the work's writes may still commit.
+    /// - If the connection dies during the commit, the result is [`Error::OutcomeUnknown`]
+    ///   and the key is held (nothing is written) until its lease passes: a retry then finds
+    ///   the Completed record and replays the committed outcome, or, if nothing committed,
+    ///   takes the key over and runs the work once. Either way the key ends with one committed
+    ///   execution. The key is never released while the work's writes may still commit.
+    /// - A connection found dead when the transaction begins (every idle connection is, after
+    ///   a server restart) is given back, and the transaction begins on the next one.
     ///
     /// # Isolation levels
     ///
@@ -169,9 +169,10 @@ impl PgIdempotency {
         let table = self.store.table_name().qualified();
         let policy = self.engine.policy();
         let mut attempt = 0;
+        let mut lost = 0;
         let mut held_lock = false;
-        // Any early return below drops `lease` unsettled, which releases the key in the
-        // background (or is fenced, if the record moved on).
+        // Any early return below that does not settle `lease` drops it unsettled, which holds
+        // the key until its lease passes (nothing is written).
         loop {
             attempt += 1;
             if held_lock {
@@ -196,10 +197,15 @@ impl PgIdempotency {
             // of that connection then runs its statements inside a transaction nobody
             // commits, holding their row locks for ever. Spawned, BEGIN always finishes, and
             // a transaction dropped unused (our caller was cancelled) rolls back.
-            let mut tx = tokio::spawn(self.store.begin_transaction())
-                .await
-                .map_err(|e| Error::backend(true, e))?
-                .map_err(|e| map_sqlx(e, &table, Effect::None))?;
+            let mut tx = match self.begin_transaction(&table).await {
+                Ok(tx) => tx,
+                Err(e) => {
+                    // Nothing of this attempt ran, and no earlier attempt committed: release
+                    // the key (a dropped lease would hold it until it passes).
+                    let _ = lease.fail(Failure::retryable(e.to_string())).await;
+                    return Err(e);
+                }
+            };
             // How the lease is kept while the work runs: see the isolation levels above.
             let locked_until = if self.level.get() == Some(Level::ReadCommitted) {
                 None
@@ -209,6 +215,16 @@ impl PgIdempotency {
                     Err(e) => {
                         let _ = tx.rollback().await;
                         if is_serialization_failure(&e) && attempt < MAX_TRANSACTION_ATTEMPTS {
+                            continue;
+                        }
+                        // The connection died between BEGIN and this first statement (a
+                        // restart): nothing ran; begin again on another connection.
+                        if is_connection_loss(&e) && lost < self.max_lost() {
+                            if lost == 0 {
+                                self.store.sweep_idle().await;
+                            }
+                            lost += 1;
+                            attempt -= 1;
                             continue;
                         }
                         // The work has not run in this attempt and no earlier attempt
@@ -295,7 +311,14 @@ impl PgIdempotency {
             };
             match self
                 .store
-                .complete_in_reporting(&mut tx, lease.id(), lease.token(), &bytes, lease.ttl())
+                .complete_in_reporting(
+                    &mut tx,
+                    lease.id(),
+                    lease.token(),
+                    &bytes,
+                    lease.ttl(),
+                    held_lock,
+                )
                 .await
             {
                 Ok(level) => self.level.set(level),
@@ -341,6 +364,52 @@ impl PgIdempotency {
             }
         }
     }
+}
+
+impl PgIdempotency {
+    /// How many lost connections in a row a transaction's start gets past: one more than the
+    /// pool holds, so that after a restart it reaches a live connection past all the dead
+    /// idle ones.
+    fn max_lost(&self) -> u32 {
+        self.store
+            .pool()
+            .options()
+            .get_max_connections()
+            .saturating_add(1)
+    }
+
+    /// Begins the work's transaction on a live connection. `BEGIN` runs in a task of its own
+    /// (see `run_in_transaction`); a connection that turns out dead (it died idle in the
+    /// pool, as every idle connection does when the server restarts) has the pool's idle
+    /// connections checked, and `BEGIN` is sent on the next one, up to
+    /// [`PgIdempotency::max_lost`] times: nothing ran on it.
+    async fn begin_transaction(
+        &self,
+        table: &str,
+    ) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, Error> {
+        let mut lost = 0;
+        loop {
+            match tokio::spawn(self.store.begin_transaction())
+                .await
+                .map_err(|e| Error::backend(true, e))?
+            {
+                Ok(tx) => return Ok(tx),
+                Err(e) if crate::error::is_connection_loss(&e) && lost < self.max_lost() => {
+                    if lost == 0 {
+                        self.store.sweep_idle().await;
+                    }
+                    lost += 1;
+                }
+                Err(e) => return Err(map_sqlx(e, table, Effect::None)),
+            }
+        }
+    }
+}
+
+/// Whether a core error wraps a lost connection from the driver.
+fn is_connection_loss(e: &Error) -> bool {
+    e.find_source::<sqlx::Error>()
+        .is_some_and(crate::error::is_connection_loss)
 }
 
 /// `now + d`, saturating far in the future instead of overflowing.

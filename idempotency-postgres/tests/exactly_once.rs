@@ -774,6 +774,57 @@ async fn long_work_serializable() {
     long_work(Isolation::Serializable).await;
 }
 
+/// Work that outlives both its lease and its retention (a short TTL, as queue deduplication
+/// uses): lease 1 s, TTL 1 s, work of 3 s that inserts a row. At the snapshot levels the
+/// lease is kept in the process while the row is locked, and nothing moves the record's own
+/// expiry: the completion must still apply, once, with one row.
+async fn long_work_short_ttl(level: Isolation) {
+    let (store, _guard, orders) = setup(level, 8).await;
+    let policy = Policy::default()
+        .lease(Duration::from_secs(1))
+        .ttl(Duration::from_secs(1));
+    let engine = PgIdempotency::new(store.clone(), policy).unwrap();
+    let key = IdempotencyKey::random();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let out = {
+        let (orders, k, runs) = (orders.clone(), key.clone(), runs.clone());
+        engine
+            .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, _ctx| {
+                let (orders, key, runs) = (orders.clone(), k.clone(), runs.clone());
+                Box::pin(async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_secs(3)).await;
+                    insert_order(tx, &orders, &key, "slow").await?;
+                    Ok::<u8, String>(7)
+                })
+            })
+            .await
+    };
+    let placed = orders_for(&store, &orders, &key).await;
+    assert!(
+        matches!(out, Ok(Outcome::Fresh(Ok(7)))) && placed == vec!["slow".to_owned()],
+        "{level:?}: 3 s of work with a 1 s lease and TTL got {out:?}, orders {placed:?}, \
+         work runs {}",
+        runs.load(Ordering::SeqCst)
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_work_short_ttl_read_committed() {
+    long_work_short_ttl(Isolation::ReadCommitted).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_work_short_ttl_repeatable_read() {
+    long_work_short_ttl(Isolation::RepeatableRead).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_work_short_ttl_serializable() {
+    long_work_short_ttl(Isolation::Serializable).await;
+}
+
 // ---------------------------------------------------------------------------------------------
 // The connection is lost at the business transaction's COMMIT: a loopback proxy between the
 // pool and the server either forwards the COMMIT, lets the server apply it and then cuts the

@@ -39,9 +39,6 @@ fn unexpected(result: &RunResult) -> Option<String> {
     }
 }
 
-/// `workers` tasks make `calls` calls over `keys` keys, each under a timeout drawn from
-/// `0..max_deadline` (one in ten instead runs in a task aborted after that delay). The work
-/// itself takes 0–2 ms, so the drops land before, during and after it.
 /// How long `runner` takes per call here and now: the median of `samples` sequential calls on
 /// fresh keys of `scope`, without timeouts. Storms draw their deadlines around it, so that a
 /// fast disk or an idle machine still sees calls cut at every stage.
@@ -65,23 +62,50 @@ pub async fn calibrate(runner: &Arc<dyn Runner>, scope: &Scope, samples: usize) 
         .unwrap_or(Duration::from_millis(1))
 }
 
+/// How much a [`cancellation_storm`] does: at least `calls` calls, and more until at least
+/// `min_interrupted` of them were cut off (a fast machine or a slow one answers more calls
+/// within the same deadlines), but never more than `calls` × [`StormSize::MAX_FACTOR`].
+#[derive(Clone, Copy, Debug)]
+pub struct StormSize {
+    /// Calls made whatever happens.
+    pub calls: usize,
+    /// Interruptions the storm keeps going for.
+    pub min_interrupted: usize,
+}
+
+impl StormSize {
+    /// The bound on how far past `calls` a storm goes to reach `min_interrupted`.
+    pub const MAX_FACTOR: usize = 20;
+}
+
+/// `workers` tasks make calls over `keys` keys (as many as `size` says), each under a timeout
+/// drawn from `0..max_deadline` (one in ten instead runs in a task aborted after that delay).
+/// The work itself takes 0–2 ms, so the drops land before, during and after it.
 pub async fn cancellation_storm(
     runner: Arc<dyn Runner>,
     scope: &Scope,
     workers: usize,
-    calls: usize,
+    size: StormSize,
     keys: usize,
     max_deadline: Duration,
 ) -> StormReport {
     let next = Arc::new(AtomicUsize::new(0));
+    let interrupted = Arc::new(AtomicUsize::new(0));
+    let max_calls = size.calls.saturating_mul(StormSize::MAX_FACTOR);
     let tasks: Vec<_> = (0..workers)
         .map(|_| {
-            let (runner, scope, next) = (runner.clone(), scope.clone(), next.clone());
+            let (runner, scope, next, interrupted) = (
+                runner.clone(),
+                scope.clone(),
+                next.clone(),
+                interrupted.clone(),
+            );
             tokio::spawn(async move {
                 let mut report = StormReport::default();
                 loop {
                     let seq = next.fetch_add(1, Ordering::Relaxed);
-                    if seq >= calls {
+                    let enough = interrupted.load(Ordering::Relaxed) >= size.min_interrupted;
+                    if seq >= max_calls || (seq >= size.calls && enough) {
                         return report;
                     }
                     let (key, deadline, work_ms, abort) = {
@@ -113,7 +137,10 @@ pub async fn cancellation_storm(
                             report.answered += 1;
                             report.errors.extend(unexpected(&result));
                         }
-                        None => report.interrupted += 1,
+                        None => {
+                            report.interrupted += 1;
+                            interrupted.fetch_add(1, Ordering::Relaxed);
+                        }
                     }
                 }
             })

@@ -5,7 +5,7 @@ use idempotency_core::Scope;
 use idempotency_redis::RedisStore;
 use idempotency_reliability::soak::{soak, EngineRunner, Report, Runner, SoakConfig};
 use idempotency_reliability::storm::{
-    calibrate, cancellation_storm, next_calls_succeed, storm_keys_settle,
+    calibrate, cancellation_storm, next_calls_succeed, storm_keys_settle, StormSize,
 };
 use idempotency_testing::redis_server::{free_port, RedisServer};
 use std::sync::Arc;
@@ -124,7 +124,18 @@ async fn cancellation_storm_then_every_call_succeeds() {
     let deadline = Duration::from_millis(8)
         .min(median / 2)
         .max(Duration::from_micros(100));
-    let report = cancellation_storm(runner.clone(), &scope, 16, 3_000, 300, deadline).await;
+    let report = cancellation_storm(
+        runner.clone(),
+        &scope,
+        16,
+        StormSize {
+            calls: 3_000,
+            min_interrupted: 301,
+        },
+        300,
+        deadline,
+    )
+    .await;
     eprintln!(
         "redis storm: deadlines up to {deadline:?} (median call {median:?}): {} calls, {} \
          interrupted, {} answered",

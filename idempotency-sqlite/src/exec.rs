@@ -5,7 +5,8 @@
 //! transaction, each in its own savepoint, so one failing write does not undo the others,
 //! and commits them with one sync. A write is answered only once that commit has
 //! succeeded; if it fails, every write of the batch gets the error and nothing of the batch
-//! was written.
+//! is visible. A failed sync may still leave the batch in the write-ahead log, where a crash
+//! or restart can bring it back: the writes' outcome is unknown, not "not written".
 
 use crate::SqliteError;
 use idempotency_core::Error;
@@ -84,7 +85,8 @@ impl<R: Send> Answer for Reply<R> {
 }
 
 /// The error each write of a batch gets when the batch could not begin or commit: nothing
-/// of the batch was written. rusqlite's error is not `Clone`, so each write gets its own
+/// of the batch is visible (though a failed sync may have left it in the log, see the
+/// module docs). rusqlite's error is not `Clone`, so each write gets its own
 /// copy of the code and message.
 fn batch_error(e: &rusqlite::Error) -> Error {
     let copy = match e {
