@@ -16,8 +16,8 @@ use std::time::Duration;
 /// An in-process store. Records live in a fixed number of shards, each behind its own mutex,
 /// so unrelated keys rarely contend. Time comes from an injectable [`Clock`].
 ///
-/// Nothing survives the process: use it for tests, single-process services and as the
-/// reference implementation of the store contract.
+/// Nothing survives the process: use it for tests and single-process services. (The reference
+/// the conformance kit checks stores against is the kit's `ReferenceStore`.)
 #[derive(Debug)]
 pub struct MemoryStore {
     shards: Box<[Mutex<Shard>]>,

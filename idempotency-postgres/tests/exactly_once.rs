@@ -1002,7 +1002,8 @@ async fn commit_cut(level: Isolation, cut: CommitCut) {
         "{level:?} {cut:?}: a connection lost at COMMIT is an unknown outcome: {first:?}"
     );
     let holder = store.get(&id).await.unwrap().expect("the record").token;
-    // Give the dropped lease's background release time to run (or to be fenced).
+    // The dropped lease writes nothing (the key is held until its lease passes). Give the
+    // server a moment to end the cut session, rolling back what it had not committed.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let record = store
         .get(&id)
