@@ -105,7 +105,8 @@ impl TestServer {
         configure: impl FnOnce(IdempotencyLayer) -> IdempotencyLayer,
     ) -> Self {
         let engine = Idempotency::new(store, policy).expect("a valid policy");
-        Self::start(configure(IdempotencyLayer::new(engine))).await
+        // One key space unless the case sets a scope function.
+        Self::start(configure(IdempotencyLayer::new(engine).shared_scope())).await
     }
 
     /// The URL of `path`.

@@ -58,7 +58,7 @@ impl Server {
         let router = Router::new()
             .route("/orders", post(create).get(create))
             .with_state(app.clone())
-            .layer(IdempotencyLayer::new(engine).required(true));
+            .layer(IdempotencyLayer::new(engine).required(true).shared_scope());
         let (base, task) = serve(router).await;
         Self {
             base: format!("{base}/orders"),

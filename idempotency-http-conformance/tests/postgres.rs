@@ -40,7 +40,8 @@ async fn unreachable_server_fails_closed() {
         .connect_lazy_with(options);
     let store = PostgresStore::builder().build(pool).expect("valid names");
     let engine = Idempotency::new(Arc::new(store), Policy::default()).expect("policy");
-    let s = TestServer::start(idempotency_tower::IdempotencyLayer::new(engine)).await;
+    let s =
+        TestServer::start(idempotency_tower::IdempotencyLayer::new(engine).shared_scope()).await;
     let client = reqwest::Client::builder()
         .no_proxy()
         .build()

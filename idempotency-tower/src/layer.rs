@@ -9,7 +9,6 @@ use http::request::Parts;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
 use idempotency_core::{Fingerprint, Idempotency, IdempotencyKey};
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -34,11 +33,16 @@ use std::time::Duration;
 ///     // Each API key gets its own key space.
 ///     .scope(|req| req.extensions.get::<ApiKey>().map(|k| k.0.clone()));
 /// ```
+///
+/// # Panics
+///
+/// Wrapping a service ([`tower_layer::Layer::layer`]) panics when the layer has neither a
+/// scope function ([`IdempotencyLayer::scope`]) nor the explicit choice of one key space for
+/// every caller ([`IdempotencyLayer::shared_scope`]): without a choice, a client could get
+/// another client's stored response by reusing its key, so the layer refuses to be built.
 #[derive(Clone)]
 pub struct IdempotencyLayer {
     config: Arc<Config>,
-    /// Whether the shared-scope warning was logged (once per layer, clones included).
-    warned: Arc<AtomicBool>,
 }
 
 impl fmt::Debug for IdempotencyLayer {
@@ -75,13 +79,14 @@ impl IdempotencyLayer {
 
     /// A layer over `engine` (its store and policy: lease, retention, in-flight behaviour,
     /// key hashing in logs) with the defaults: POST and PATCH covered, key optional, 1 MiB
-    /// limits, one shared scope, 5xx/408/429 not stored (and their keys held until the lease
-    /// passes), fail closed, problem+json refusals, preconditions fingerprinted, unreplayable
-    /// responses recorded.
+    /// limits, 5xx/408/429 not stored (and their keys held until the lease passes), fail
+    /// closed, problem+json refusals, preconditions fingerprinted, unreplayable responses
+    /// recorded. There is no default scope: choose one with [`IdempotencyLayer::scope`] (the
+    /// caller's identity) or [`IdempotencyLayer::shared_scope`] before the layer wraps a
+    /// service.
     pub fn new(engine: Idempotency) -> Self {
         Self {
             config: Arc::new(Config::new(engine)),
-            warned: Arc::new(AtomicBool::new(false)),
         }
     }
 
@@ -123,17 +128,26 @@ impl IdempotencyLayer {
     /// 401: a request that should carry an identity and does not is never put in a shared
     /// scope.
     ///
-    /// **Without this, every client shares one scope**: two clients that pick the same key
-    /// for the same route see each other's responses (the stored response, with its body, is
-    /// replayed to whoever sends the key and the same request). Use it whenever callers are
-    /// authenticated. A layer without a scope function logs a warning once (when it wraps
-    /// its first service).
+    /// A layer needs this or [`IdempotencyLayer::shared_scope`]; the last one called wins.
     pub fn scope<F>(self, f: F) -> Self
     where
         F: Fn(&Parts) -> Option<String> + Send + Sync + 'static,
     {
         self.edit(|c| {
             c.scope = Arc::new(f);
+            c.scope_set = true;
+        })
+    }
+
+    /// Every caller shares one key space: two clients that pick the same key for the same
+    /// route get each other's responses (the stored status, headers and body are replayed to
+    /// whoever sends the key and the same request), and a client can probe for keys others
+    /// used. Choose it only when there is one client, or when callers are not told apart
+    /// and responses hold nothing of one caller's that another may not see. Otherwise set
+    /// [`IdempotencyLayer::scope`] to the caller's identity.
+    pub fn shared_scope(self) -> Self {
+        self.edit(|c| {
+            c.scope = Arc::new(|_| Some("anonymous".to_owned()));
             c.scope_set = true;
         })
     }
@@ -419,13 +433,12 @@ impl<S> tower_layer::Layer<S> for IdempotencyLayer {
 
     fn layer(&self, inner: S) -> Self::Service {
         let c = &self.config;
-        if !c.scope_set && !self.warned.swap(true, Ordering::Relaxed) {
-            tracing::warn!(
-                "the idempotency layer has no scope function: every caller shares one key \
-                 space, so two callers that send the same key and request get the same stored \
-                 response; set `.scope(..)` to the caller's identity"
-            );
-        }
+        assert!(
+            c.scope_set,
+            "the idempotency layer has no scope: set `.scope(|parts| ...)` to the caller's \
+             identity, or call `.shared_scope()` if every caller may share one key space (a \
+             client could then get another client's stored response by reusing its key)"
+        );
         IdempotencyService::new(inner, self.config.clone())
     }
 }

@@ -1,5 +1,6 @@
 //! Behaviour that a real client cannot see over the wire: the `Connection` header of a 413 per
-//! HTTP version (hyper strips `Connection` from HTTP/2 responses), and the shared-scope warning.
+//! HTTP version (hyper strips `Connection` from HTTP/2 responses), a layer without a scope
+//! choice, and a handler error (which an axum handler cannot return).
 #![allow(clippy::unwrap_used)]
 
 use bytes::Bytes;
@@ -9,19 +10,16 @@ use idempotency_core::{Idempotency, Policy};
 use idempotency_memory::MemoryStore;
 use idempotency_tower::{IdempotencyLayer, RequestBody};
 use std::convert::Infallible;
-use std::io::Write;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use tower::{Layer, Service, ServiceExt};
 
-/// A layer without a scope function (it warns once, when it wraps its first service).
+/// A layer without a scope choice (refused when it wraps a service).
 fn unscoped_layer() -> IdempotencyLayer {
     let engine = Idempotency::new(Arc::new(MemoryStore::new()), Policy::default()).unwrap();
     IdempotencyLayer::new(engine)
 }
 
-/// A layer with a scope function. The other tests use it, so that only the warning's own test
-/// reaches the warning: tracing caches a callsite's interest across threads, and a warning
-/// first reached on a thread without a subscriber could hide it from that test's subscriber.
+/// A layer with a scope function.
 fn layer() -> IdempotencyLayer {
     unscoped_layer().scope(|_| Some("caller".into()))
 }
@@ -68,59 +66,30 @@ async fn connection_close_on_413_only_for_http1() {
     }
 }
 
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
+/// A layer that has neither a scope function nor the explicit shared scope is refused when it
+/// wraps a service, required keys or not, with a message that says why; either choice is
+/// accepted.
 #[test]
-fn a_layer_without_scope_warns_once_per_unscoped_layer() {
-    let captured = Captured::default();
-    let writer = captured.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_ansi(false)
-        .with_writer(move || writer.clone())
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
-    let count = || {
-        String::from_utf8(captured.0.lock().unwrap().clone())
-            .unwrap()
-            .matches("has no scope function")
-            .count()
-    };
-    let shared = unscoped_layer().required(true);
-    let _a = shared.layer(handler!());
-    let _b = shared.clone().layer(handler!());
-    let _c = shared.layer(handler!());
-    assert_eq!(count(), 1, "once per layer, clones included");
-    let _other = unscoped_layer().required(true).layer(handler!());
-    assert_eq!(count(), 2, "another layer warns for itself");
+fn a_layer_without_a_scope_choice_is_refused() {
+    for required in [true, false] {
+        let refused = std::panic::catch_unwind(|| {
+            let _ = unscoped_layer().required(required).layer(handler!());
+        });
+        let panic = refused.expect_err("a layer without a scope choice was built");
+        let message = panic
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+            .unwrap_or_default();
+        assert!(
+            message.contains("has no scope") && message.contains(".shared_scope()"),
+            "{message}"
+        );
+    }
     let _scoped = unscoped_layer()
-        .required(true)
         .scope(|_| Some("caller".into()))
         .layer(handler!());
-    assert_eq!(count(), 2, "no warning with a scope");
-    // Optional keys share the scope just as much: a layer without `required` warns too.
-    let optional = unscoped_layer();
-    let _optional = optional.clone().layer(handler!());
-    let _again = optional.layer(handler!());
-    assert_eq!(
-        count(),
-        3,
-        "a layer without required and without a scope warns, once"
-    );
-    let _optional_scoped = unscoped_layer()
-        .scope(|_| Some("caller".into()))
-        .layer(handler!());
-    assert_eq!(count(), 3, "no warning with a scope");
+    let _shared = unscoped_layer().shared_scope().layer(handler!());
 }
 
 /// A service that counts its calls and fails with an error after it acted.

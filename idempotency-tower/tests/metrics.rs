@@ -46,7 +46,7 @@ fn a_panicking_handler_is_counted_once() {
         rt.block_on(async {
             let engine = Idempotency::new(Arc::new(MemoryStore::new()), Policy::default()).unwrap();
             let mut svc = ServiceBuilder::new()
-                .layer(IdempotencyLayer::new(engine))
+                .layer(IdempotencyLayer::new(engine).shared_scope())
                 .service_fn(|_req: Request<RequestBody<Full<Bytes>>>| async {
                     if true {
                         panic!("deliberate panic in the handler (metrics test)");

@@ -60,7 +60,7 @@ fn service(
     let policy = Policy::default().hash_keys_in_logs(hash);
     let engine = Idempotency::new(Arc::new(MemoryStore::new()), policy).unwrap();
     ServiceBuilder::new()
-        .layer(IdempotencyLayer::new(engine))
+        .layer(IdempotencyLayer::new(engine).shared_scope())
         .service_fn(|_req: Request<RequestBody<Full<Bytes>>>| async {
             Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"done"))))
         })

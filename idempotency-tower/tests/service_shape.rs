@@ -44,7 +44,9 @@ impl Service<Request<RequestBody<Full<Bytes>>>> for Echo {
 
 fn service() -> IdempotencyService<Echo> {
     let engine = Idempotency::new(Arc::new(MemoryStore::new()), Policy::default()).unwrap();
-    IdempotencyService::<Echo>::layer(engine).layer(Echo::default())
+    IdempotencyService::<Echo>::layer(engine)
+        .shared_scope()
+        .layer(Echo::default())
 }
 
 async fn text(resp: Response<ResponseBody<Full<Bytes>>>) -> String {
