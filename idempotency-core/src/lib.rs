@@ -6,6 +6,8 @@ mod decision;
 mod engine;
 mod error;
 mod fingerprint;
+#[cfg(feature = "http")]
+pub mod http;
 mod key;
 mod observe;
 mod policy;

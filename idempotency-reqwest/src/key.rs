@@ -1,26 +1,26 @@
 //! Reading a key the caller put in the header, and writing the key the middleware chose.
 
 use http::{HeaderMap, HeaderName, HeaderValue};
+use idempotency_core::http::KeyHeaderError;
 use idempotency_core::IdempotencyKey;
-use idempotency_tower::KeyHeaderError;
 
 /// The header the key is sent in (by default; see
 /// [`IdempotencyMiddleware::key_header`](crate::IdempotencyMiddleware::key_header)), and the
 /// header a server sets on a replayed response (by default; see
 /// [`IdempotencyMiddleware::replayed_header`](crate::IdempotencyMiddleware::replayed_header)):
 /// the server half's own names.
-pub use idempotency_tower::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
+pub use idempotency_core::http::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
 
 /// The key in the caller's `name` header: `Ok(None)` without one, `Err(why)` when the header
-/// is not one valid key. It is read by the server half's own reader
-/// ([`idempotency_tower::read_key_header`]), so the client refuses exactly what such a server
-/// refuses: the bare form and the draft's quoted structured-field form (`"abc"`, parameters
+/// is not one valid key. It is read by the reader the server half uses
+/// ([`idempotency_core::http::read_key_header`]), so the client refuses exactly what such a
+/// server refuses: the bare form and the draft's quoted structured-field form (`"abc"`, parameters
 /// ignored) name the same key.
 pub(crate) fn read_key_header(
     headers: &HeaderMap,
     name: &HeaderName,
 ) -> Result<Option<IdempotencyKey>, String> {
-    idempotency_tower::read_key_header(headers, name).map_err(|e| match e {
+    idempotency_core::http::read_key_header(headers, name).map_err(|e| match e {
         KeyHeaderError::Duplicated { count } => format!(
             "the {name} header is set {count} times; a server cannot know which key is meant"
         ),

@@ -387,7 +387,7 @@ fn request_hash(hasher: &RandomState, req: &Request) -> u64 {
     req.method().as_str().hash(&mut h);
     req.url().as_str().hash(&mut h);
     let names = std::iter::once(&http::header::CONTENT_TYPE)
-        .chain(idempotency_tower::DEFAULT_FINGERPRINT_HEADERS);
+        .chain(idempotency_core::http::DEFAULT_FINGERPRINT_HEADERS);
     for name in names {
         for value in req.headers().get_all(name) {
             name.as_str().hash(&mut h);

@@ -7,13 +7,11 @@ pub(crate) use http::header::{
     CONNECTION, CONTENT_LENGTH, CONTENT_TYPE, RETRY_AFTER, WWW_AUTHENTICATE,
 };
 
-/// The header the key is read from (by default; see
-/// [`IdempotencyLayer::key_header`](crate::IdempotencyLayer::key_header)).
-pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
-
-/// The header that marks a replayed response (by default; see
-/// [`IdempotencyLayer::replayed_header`](crate::IdempotencyLayer::replayed_header)).
-pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+/// The key header, the replay marker and the fingerprinted preconditions are shared with the
+/// client half, from `idempotency-core` (feature `http`).
+pub use idempotency_core::http::{
+    DEFAULT_FINGERPRINT_HEADERS, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED,
+};
 
 /// A digest of the body it came with (RFC 3230), like the `Content-*` headers not sent with a
 /// problem document in place of that body.
@@ -22,16 +20,6 @@ pub(crate) const DIGEST: HeaderName = HeaderName::from_static("digest");
 const SET_COOKIE2: HeaderName = HeaderName::from_static("set-cookie2");
 const KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
 const PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
-
-/// Request headers fingerprinted by default: the preconditions of RFC 9110 §13.1 that change
-/// what a request does (`If-Range` only matters to range GETs). A request that sends none of
-/// them has the fingerprint it had before headers counted.
-pub const DEFAULT_FINGERPRINT_HEADERS: &[HeaderName] = &[
-    header::IF_MATCH,
-    header::IF_NONE_MATCH,
-    header::IF_UNMODIFIED_SINCE,
-    header::IF_MODIFIED_SINCE,
-];
 
 /// Headers that are never stored or replayed, whatever the allowlist says: credentials,
 /// cookies, and hop-by-hop headers (RFC 9110 §7.6.1), plus `Content-Length`, which is
