@@ -21,6 +21,7 @@ const MAX_ROUNDS: usize = 8;
 
 /// An outcome, and whether it was produced now or replayed from the store.
 #[derive(Clone, PartialEq, Eq, Debug)]
+#[must_use = "an outcome says whether the work ran or was replayed, and carries its result"]
 pub enum Outcome<T> {
     /// The work ran in this call.
     Fresh(T),
@@ -69,6 +70,7 @@ pub struct WorkContext {
 /// What [`Idempotency::begin`] decided. Every expected answer is a value: `Err` from
 /// `begin` means that something broke (the store failed, a record was corrupt).
 #[derive(Debug)]
+#[must_use = "a Begin says whether to run the work (holding the key's lease) or what to answer"]
 pub enum Begin {
     /// The caller holds the key and must run the work, then settle the lease.
     Execute(Lease),
@@ -468,6 +470,8 @@ pub fn decode_replay<R: DeserializeOwned>(record: &Record) -> Result<R, Error> {
 ///
 /// Call [`Lease::fail`] yourself to release a key whose work you know did nothing.
 #[derive(Debug)]
+#[must_use = "a lease holds the key: complete it, fail it or hold it; dropped, it holds the key \
+              until the lease passes"]
 pub struct Lease {
     store: Arc<dyn IdempotencyStore>,
     policy: Arc<Policy>,

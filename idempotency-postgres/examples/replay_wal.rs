@@ -38,7 +38,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let before = wal_syncs(&store).await?;
     for key in &keys {
-        engine
+        let _ = engine
             .run(key, &scope, &fp, |_| async { Ok::<_, String>(1) })
             .await?;
     }

@@ -290,7 +290,7 @@ async fn corrupt_stored_values() {
 
     // The table's CHECK constraints refuse what no correct store writes, as SQLite's do.
     let req = request();
-    engine
+    let _ = engine
         .run(&req.id.key, &req.id.scope, &req.fingerprint, |_| async {
             Ok::<_, String>(40)
         })
@@ -416,7 +416,7 @@ async fn corrupt_stored_values() {
 
     // Outcome bytes that are not what the engine stored: a typed codec error on replay.
     let req = request();
-    engine
+    let _ = engine
         .run(&req.id.key, &req.id.scope, &req.fingerprint, |_| async {
             Ok::<_, String>(1)
         })

@@ -286,7 +286,7 @@ async fn round_trips(kind: PoolKind) {
     let work = insert_work;
     // Prepare the insert once.
     let warm_key = IdempotencyKey::random();
-    pg_engine
+    let _warmed = pg_engine
         .run_in_transaction(&warm_key, &scope, &fp, work(insert.clone()))
         .await
         .unwrap();
