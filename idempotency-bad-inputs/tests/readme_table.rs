@@ -1,6 +1,7 @@
 //! Runs every row of the root README's "Bad inputs and what they get" table: `in-process` rows
 //! through the real code, which must give the documented error; the others by checking that
 //! the test they name exists.
+#![allow(clippy::unwrap_used)]
 
 use idempotency_bad_inputs::{documented, literal, literals, rows, Row};
 use idempotency_core::{

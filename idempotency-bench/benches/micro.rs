@@ -3,7 +3,7 @@
 
 use axum::routing::post;
 use axum::Router;
-use criterion::{black_box, criterion_group, criterion_main, Criterion};
+use criterion::{black_box, criterion_main, Criterion};
 use http_body_util::BodyExt;
 use idempotency_core::{
     decide, DecisionOptions, FencingToken, Fingerprint, IdempotencyKey, Record, RecordId,
@@ -179,5 +179,10 @@ fn tower_layer(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(micro, benches, tower_layer);
-criterion_main!(micro);
+// The macros define undocumented public functions.
+#[allow(missing_docs)]
+mod group {
+    use super::{benches, tower_layer};
+    criterion::criterion_group!(micro, benches, tower_layer);
+}
+criterion_main!(group::micro);

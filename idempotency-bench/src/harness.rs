@@ -14,12 +14,12 @@ use std::time::{Duration, Instant};
 
 /// The work's result in every workload: a small receipt, ~40 bytes of JSON ([`OUTCOME`]).
 #[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
-pub struct Receipt {
+pub(crate) struct Receipt {
     pub order_id: String,
     pub ok: bool,
 }
 
-pub fn receipt() -> Receipt {
+pub(crate) fn receipt() -> Receipt {
     Receipt {
         order_id: "ord_0123456789".to_owned(),
         ok: true,
@@ -27,11 +27,11 @@ pub fn receipt() -> Receipt {
 }
 
 /// [`Receipt`] as JSON (39 bytes): what the raw baselines store and replay.
-pub const OUTCOME: &str = "{\"order_id\":\"ord_0123456789\",\"ok\":true}";
+pub(crate) const OUTCOME: &str = "{\"order_id\":\"ord_0123456789\",\"ok\":true}";
 
 /// A workload whose physical limit on the server can be measured by another client.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LimitWorkload {
+pub(crate) enum LimitWorkload {
     /// The store's claim and complete statements on fresh keys.
     NewKey,
     /// The store's claim of a completed key, counting no hit (the default).
@@ -41,7 +41,7 @@ pub enum LimitWorkload {
 /// The same statements the store sends, run by the server's own benchmark client (PostgreSQL's
 /// `pgbench -M prepared`): the most any client library reaches on this server.
 #[async_trait]
-pub trait PhysicalLimit: Send + Sync {
+pub(crate) trait PhysicalLimit: Send + Sync {
     /// What the limit is measured with, for the report.
     fn method(&self) -> String;
     /// Operations per second of `workload` with `clients` connections for `duration`.
@@ -56,7 +56,7 @@ pub trait PhysicalLimit: Send + Sync {
 /// What a hand-written implementation would send for each workload, on the same driver and
 /// connection settings as the store.
 #[async_trait]
-pub trait RawBaseline: Send + Sync {
+pub(crate) trait RawBaseline: Send + Sync {
     /// Insert-if-absent of a pending row, then mark it completed with the outcome.
     async fn new_key_cycle(&self, key: &str, outcome: &[u8]) -> Result<(), BoxError>;
     /// Read a completed key's outcome.
@@ -65,7 +65,7 @@ pub trait RawBaseline: Send + Sync {
 
 /// Counts the round trips (statements, commands) sent so far over a counted connection.
 #[async_trait]
-pub trait RoundTripCounter: Send + Sync {
+pub(crate) trait RoundTripCounter: Send + Sync {
     /// Round trips so far, not counting any this call makes itself.
     async fn count(&self) -> Result<u64, BoxError>;
     /// What the counter saw beyond the round trips (commands run inside scripts, statements
@@ -77,7 +77,7 @@ pub trait RoundTripCounter: Send + Sync {
 
 /// A store and a raw baseline on a connection whose round trips are counted. Kept apart from
 /// the measured ones, so throughput is never measured through a counting proxy.
-pub struct Counted {
+pub(crate) struct Counted {
     pub store: Arc<dyn IdempotencyStore>,
     pub raw: Arc<dyn RawBaseline>,
     pub counter: Arc<dyn RoundTripCounter>,
@@ -86,7 +86,7 @@ pub struct Counted {
 }
 
 /// One backend, ready to measure.
-pub struct Backend {
+pub(crate) struct Backend {
     pub name: &'static str,
     pub store: Arc<dyn IdempotencyStore>,
     pub raw: Arc<dyn RawBaseline>,
@@ -99,10 +99,10 @@ pub struct Backend {
 type CleanupFn =
     Box<dyn FnOnce() -> futures::future::BoxFuture<'static, Result<(), BoxError>> + Send>;
 
-pub struct Cleanup(Option<CleanupFn>);
+pub(crate) struct Cleanup(Option<CleanupFn>);
 
 impl Cleanup {
-    pub fn new<F, Fut>(f: F) -> Self
+    pub(crate) fn new<F, Fut>(f: F) -> Self
     where
         F: FnOnce() -> Fut + Send + 'static,
         Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
@@ -131,7 +131,7 @@ impl Drop for Cleanup {
 
 /// How long each measurement runs: until `ops` operations or `duration`, whichever is first.
 #[derive(Clone, Copy, Debug)]
-pub struct Budget {
+pub(crate) struct Budget {
     pub ops: usize,
     pub duration: Duration,
 }
@@ -139,7 +139,7 @@ pub struct Budget {
 /// Runs `op` from `clients` concurrent tasks, each on the inputs `prepare(client, i)` built
 /// before the clock starts (keys, ids), until the budget's operations or its duration run
 /// out, and summarises the latencies.
-pub async fn measure<I, P, F, Fut>(
+pub(crate) async fn measure<I, P, F, Fut>(
     clients: usize,
     budget: Budget,
     prepare: P,
@@ -194,16 +194,16 @@ where
 }
 
 /// An engine over `store` with the default policy (heartbeat on, as users run it).
-pub fn engine(store: Arc<dyn IdempotencyStore>) -> Result<Idempotency, Error> {
+pub(crate) fn engine(store: Arc<dyn IdempotencyStore>) -> Result<Idempotency, Error> {
     Idempotency::new(store, Policy::default())
 }
 
 /// The engine with hit counting on: a replay also counts its hit (a write on every store).
-pub fn counted_engine(store: Arc<dyn IdempotencyStore>) -> Result<Idempotency, Error> {
+pub(crate) fn counted_engine(store: Arc<dyn IdempotencyStore>) -> Result<Idempotency, Error> {
     Idempotency::new(store, Policy::default().count_hits(true))
 }
 
-pub fn scope() -> Scope {
+pub(crate) fn scope() -> Scope {
     static SCOPE: std::sync::OnceLock<Scope> = std::sync::OnceLock::new();
     SCOPE
         .get_or_init(|| Scope::from_parts(["bench", "POST /orders"]).expect("valid scope"))
@@ -212,17 +212,17 @@ pub fn scope() -> Scope {
 
 /// The request fingerprint every workload uses. Computed once: hashing the request is the
 /// caller's cost (the criterion benches measure it), not the store's or the engine's.
-pub fn fingerprint() -> Fingerprint {
+pub(crate) fn fingerprint() -> Fingerprint {
     static FP: std::sync::OnceLock<Fingerprint> = std::sync::OnceLock::new();
     *FP.get_or_init(|| Fingerprint::from_bytes(b"{\"sku\":\"A-1\",\"qty\":1}"))
 }
 
-pub fn key(run: &str, client: usize, i: usize) -> IdempotencyKey {
+pub(crate) fn key(run: &str, client: usize, i: usize) -> IdempotencyKey {
     IdempotencyKey::new(format!("{run}-{client}-{i}")).expect("valid key")
 }
 
 /// One new-key cycle through the engine: claim, run, complete.
-pub async fn engine_cycle(
+pub(crate) async fn engine_cycle(
     engine: &Idempotency,
     scope: &Scope,
     key: &IdempotencyKey,
@@ -239,7 +239,7 @@ pub async fn engine_cycle(
 }
 
 /// One replay through the engine; fails if the work would have run.
-pub async fn engine_replay(
+pub(crate) async fn engine_replay(
     engine: &Idempotency,
     scope: &Scope,
     key: &IdempotencyKey,
@@ -256,7 +256,10 @@ pub async fn engine_replay(
 }
 
 /// One new-key cycle through the store API alone (claim + complete), no engine.
-pub async fn store_cycle(store: &dyn IdempotencyStore, id: RecordId) -> Result<(), BoxError> {
+pub(crate) async fn store_cycle(
+    store: &dyn IdempotencyStore,
+    id: RecordId,
+) -> Result<(), BoxError> {
     let req = ClaimRequest {
         id,
         fingerprint: fingerprint(),
@@ -276,7 +279,10 @@ pub async fn store_cycle(store: &dyn IdempotencyStore, id: RecordId) -> Result<(
 }
 
 /// One replay through the store API alone: a claim that must find the completed record.
-pub async fn store_replay(store: &dyn IdempotencyStore, id: RecordId) -> Result<(), BoxError> {
+pub(crate) async fn store_replay(
+    store: &dyn IdempotencyStore,
+    id: RecordId,
+) -> Result<(), BoxError> {
     let req = ClaimRequest {
         id,
         fingerprint: fingerprint(),
@@ -292,14 +298,14 @@ pub async fn store_replay(store: &dyn IdempotencyStore, id: RecordId) -> Result<
 
 /// [`Receipt`] as the engine stores it (`{"Ok":{…}}`), so keys filled through the store API
 /// replay through the engine.
-pub fn engine_outcome() -> &'static [u8] {
+pub(crate) fn engine_outcome() -> &'static [u8] {
     static BYTES: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
     BYTES.get_or_init(|| serde_json::to_vec(&Ok::<Receipt, String>(receipt())).expect("serialize"))
 }
 
 /// How the 64 callers of the same-key race were answered.
 #[derive(Debug, Default)]
-pub struct RaceReport {
+pub(crate) struct RaceReport {
     pub executions: usize,
     pub fresh: usize,
     pub replayed: usize,
@@ -308,7 +314,7 @@ pub struct RaceReport {
 }
 
 /// 64 concurrent `run`s of one key, released together by a barrier.
-pub async fn same_key_race(engine: &Idempotency, run: &str) -> RaceReport {
+pub(crate) async fn same_key_race(engine: &Idempotency, run: &str) -> RaceReport {
     let executions = Arc::new(AtomicUsize::new(0));
     let barrier = Arc::new(tokio::sync::Barrier::new(64));
     let key = IdempotencyKey::new(format!("{run}-race")).expect("valid key");

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 #[derive(Default)]
-pub struct RawMemory {
+pub(crate) struct RawMemory {
     map: Mutex<HashMap<String, (bool, Vec<u8>)>>,
 }
 
@@ -35,7 +35,7 @@ impl RawBaseline for RawMemory {
     }
 }
 
-pub fn backend() -> Backend {
+pub(crate) fn backend() -> Backend {
     Backend {
         name: "memory",
         store: Arc::new(MemoryStore::new()),

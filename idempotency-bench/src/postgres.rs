@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// The server: `IDEMPOTENCY_BENCH_POSTGRES_URL`, or the local default.
-pub fn url() -> String {
+pub(crate) fn url() -> String {
     std::env::var("IDEMPOTENCY_BENCH_POSTGRES_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
 }
@@ -33,7 +33,7 @@ fn unreachable(e: impl std::fmt::Display) -> BoxError {
     .into()
 }
 
-pub async fn admin() -> Result<PgConnection, BoxError> {
+pub(crate) async fn admin() -> Result<PgConnection, BoxError> {
     let options = PgConnectOptions::from_str(&url())?;
     match tokio::time::timeout(
         Duration::from_secs(10),
@@ -48,13 +48,13 @@ pub async fn admin() -> Result<PgConnection, BoxError> {
 }
 
 /// A fresh schema holding the store's table and the raw table; dropped with the guard.
-pub struct Schema {
+pub(crate) struct Schema {
     pub name: String,
     _cleanup: Cleanup,
 }
 
 impl Schema {
-    pub async fn create() -> Result<Self, BoxError> {
+    pub(crate) async fn create() -> Result<Self, BoxError> {
         let name = format!("idem_bench_{}", uuid::Uuid::new_v4().simple());
         let mut conn = admin().await?;
         sqlx::query(&format!("CREATE SCHEMA {name}"))
@@ -103,7 +103,7 @@ async fn store(pool: PgPool, schema: &str) -> Result<PostgresStore, BoxError> {
     Ok(store)
 }
 
-pub struct RawPostgres {
+pub(crate) struct RawPostgres {
     pool: PgPool,
     insert: String,
     update: String,
@@ -177,7 +177,7 @@ impl RoundTripCounter for ProxyCounter {
 
 /// The measured backend (pool of `max_clients` connections) and a counted twin (one
 /// connection through the proxy), both on the same fresh schema.
-pub async fn backend(max_clients: usize) -> Result<(Backend, Schema), BoxError> {
+pub(crate) async fn backend(max_clients: usize) -> Result<(Backend, Schema), BoxError> {
     let schema = Schema::create().await?;
     let options = PgConnectOptions::from_str(&url())?;
     let size = u32::try_from(max_clients.max(1)).unwrap_or(u32::MAX);
@@ -217,7 +217,7 @@ pub async fn backend(max_clients: usize) -> Result<(Backend, Schema), BoxError> 
 
 /// WAL flushes (`pg_stat_wal.wal_sync`, cluster-wide) caused by `n` operations of each kind on
 /// one connection: does a replay cost a durable write?
-pub async fn wal_syncs(n: usize, targets: &mut crate::Targets) -> Result<(), BoxError> {
+pub(crate) async fn wal_syncs(n: usize, targets: &mut crate::Targets) -> Result<(), BoxError> {
     let schema = Schema::create().await?;
     let options = PgConnectOptions::from_str(&url())?;
     let one = pool(options, 1).await?;
@@ -299,7 +299,7 @@ pub async fn wal_syncs(n: usize, targets: &mut crate::Targets) -> Result<(), Box
 
 /// Fills the store's table with `n` completed records in one `INSERT … SELECT
 /// generate_series`, keyed as the harness's `key("fill", 0, i)`.
-pub async fn fill(store: &PostgresStore, n: usize) -> Result<(), BoxError> {
+pub(crate) async fn fill(store: &PostgresStore, n: usize) -> Result<(), BoxError> {
     let table = store.table_name().qualified();
     let sql = format!(
         "INSERT INTO {table} (scope, key, fingerprint, status, token, lease_until, outcome,
@@ -323,7 +323,7 @@ pub async fn fill(store: &PostgresStore, n: usize) -> Result<(), BoxError> {
 }
 
 /// A store on a fresh schema and a pool of one connection, for the scaling table.
-pub async fn scaling_store() -> Result<(PostgresStore, Schema), BoxError> {
+pub(crate) async fn scaling_store() -> Result<(PostgresStore, Schema), BoxError> {
     let schema = Schema::create().await?;
     let options = PgConnectOptions::from_str(&url())?;
     let one = pool(options, 1).await?;

@@ -10,7 +10,7 @@ use idempotency_memory::MemoryStore;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-pub const WORKLOADS: &[&str] = &[
+pub(crate) const WORKLOADS: &[&str] = &[
     "store-cycle",
     "store-replay",
     "engine-cycle",
@@ -20,7 +20,7 @@ pub const WORKLOADS: &[&str] = &[
     "fingerprint-1k",
 ];
 
-pub fn run(workload: &str, ops: usize) -> Result<(), BoxError> {
+pub(crate) fn run(workload: &str, ops: usize) -> Result<(), BoxError> {
     if !WORKLOADS.contains(&workload) {
         return Err(format!("--profile takes one of {WORKLOADS:?}, not {workload:?}").into());
     }

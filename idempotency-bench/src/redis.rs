@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// The server: `IDEMPOTENCY_BENCH_REDIS_URL`, or the local default.
-pub fn url() -> String {
+pub(crate) fn url() -> String {
     std::env::var("IDEMPOTENCY_BENCH_REDIS_URL")
         .unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
 }
@@ -47,7 +47,7 @@ async fn manager(url: &str) -> Result<ConnectionManager, BoxError> {
         })
 }
 
-pub struct RawRedis {
+pub(crate) struct RawRedis {
     conn: ConnectionManager,
     prefix: String,
 }
@@ -258,7 +258,7 @@ impl RoundTripCounter for CommandStats {
 }
 
 /// The measured backend on the shared server and a counted twin on a private one.
-pub async fn backend() -> Result<(Backend, Cleanup), BoxError> {
+pub(crate) async fn backend() -> Result<(Backend, Cleanup), BoxError> {
     let url = url();
     let prefix = format!("idem-bench-{}:", uuid::Uuid::new_v4().simple());
     let conn = manager(&url).await?;

@@ -8,7 +8,7 @@ use idempotency_core::BoxError;
 use idempotency_sqlite::{ConnectionMode, SqliteStore};
 use std::sync::Arc;
 
-pub struct RawSqlite {
+pub(crate) struct RawSqlite {
     store: SqliteStore,
 }
 
@@ -54,7 +54,9 @@ impl RawBaseline for RawSqlite {
 }
 
 /// Opens a store (and the raw table beside it) in a fresh temporary directory.
-pub async fn open(mode: ConnectionMode) -> Result<(SqliteStore, tempfile::TempDir), BoxError> {
+pub(crate) async fn open(
+    mode: ConnectionMode,
+) -> Result<(SqliteStore, tempfile::TempDir), BoxError> {
     let dir = tempfile::tempdir()?;
     let store = SqliteStore::builder(dir.path().join("bench.db"))
         .mode(mode)
@@ -72,7 +74,7 @@ pub async fn open(mode: ConnectionMode) -> Result<(SqliteStore, tempfile::TempDi
     Ok((store, dir))
 }
 
-pub async fn backend(
+pub(crate) async fn backend(
     name: &'static str,
     mode: ConnectionMode,
 ) -> Result<(Backend, tempfile::TempDir), BoxError> {
@@ -91,7 +93,11 @@ pub async fn backend(
 
 /// Fills the store's table with `n` completed records in one transaction (test data setup,
 /// not a measured path), keyed as the harness's `key("fill", 0, i)`.
-pub async fn fill(store: &SqliteStore, n: usize, outcome: &'static [u8]) -> Result<(), BoxError> {
+pub(crate) async fn fill(
+    store: &SqliteStore,
+    n: usize,
+    outcome: &'static [u8],
+) -> Result<(), BoxError> {
     let table = store.table().to_owned();
     let scope = crate::harness::scope().as_str().to_owned();
     let fp = crate::harness::fingerprint();

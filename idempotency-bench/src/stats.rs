@@ -4,7 +4,7 @@ use std::time::Duration;
 
 /// Throughput and latency of one workload run.
 #[derive(Clone, Debug)]
-pub struct Summary {
+pub(crate) struct Summary {
     pub ops: usize,
     pub elapsed: Duration,
     pub p50: Duration,
@@ -12,7 +12,7 @@ pub struct Summary {
 }
 
 impl Summary {
-    pub fn from_samples(mut samples: Vec<Duration>, elapsed: Duration) -> Self {
+    pub(crate) fn from_samples(mut samples: Vec<Duration>, elapsed: Duration) -> Self {
         samples.sort_unstable();
         let pick = |q: f64| {
             if samples.is_empty() {
@@ -30,7 +30,7 @@ impl Summary {
         }
     }
 
-    pub fn ops_per_sec(&self) -> f64 {
+    pub(crate) fn ops_per_sec(&self) -> f64 {
         if self.elapsed.is_zero() {
             0.0
         } else {
@@ -40,7 +40,7 @@ impl Summary {
 }
 
 /// Formats a duration compactly (ns, µs or ms).
-pub fn fmt_latency(d: Duration) -> String {
+pub(crate) fn fmt_latency(d: Duration) -> String {
     let ns = d.as_nanos();
     if ns < 10_000 {
         format!("{ns}ns")

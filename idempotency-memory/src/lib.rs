@@ -1,5 +1,4 @@
 #![doc = include_str!("../README.md")]
-#![warn(clippy::unwrap_used)]
 
 use async_trait::async_trait;
 use foldhash::fast::RandomState;

@@ -1,3 +1,4 @@
+//! The conformance kit on the memory store, on a manual clock.
 use idempotency_conformance::TestStore;
 use idempotency_core::ManualClock;
 use idempotency_memory::MemoryStore;

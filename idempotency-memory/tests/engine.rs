@@ -1,4 +1,5 @@
 //! Engine behaviour that needs real time: the lease heartbeat.
+#![allow(clippy::unwrap_used)]
 
 use idempotency_core::{Error, Fingerprint, Idempotency, IdempotencyKey, Policy, Scope};
 use idempotency_memory::MemoryStore;

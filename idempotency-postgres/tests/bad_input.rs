@@ -1,5 +1,6 @@
 //! Bad input gets a clear typed error, never a panic, and loses nothing: wrong URLs, names,
 //! a missing table, a table of another shape, corrupt stored values.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

@@ -1,6 +1,7 @@
 //! Postgres-specific behaviour beyond the conformance kit: batched purges, migrations, the
 //! database clock, hit accounting that never leaks into the session, and the transactional
 //! engine's error handling.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

@@ -3,6 +3,7 @@
 //! statement again on another connection until a live one answers. Here every backend of the
 //! store's pool is terminated (`pg_terminate_backend`) while its connections sit idle, as a
 //! restart leaves them.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

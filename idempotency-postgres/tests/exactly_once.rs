@@ -3,6 +3,7 @@
 //! lease, its transaction is dropped, its connection is killed), the key ends with exactly one
 //! order, never two and never none. Every scenario runs many times over, concurrently, at each
 //! isolation level.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

@@ -2,6 +2,7 @@
 //! pool or on one passed in): they never starve the pool's other users, never hold up
 //! `pool.close()`, and a connection that was cancelled mid-statement or lost its backend is
 //! never used again.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

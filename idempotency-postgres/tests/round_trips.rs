@@ -11,6 +11,7 @@
 //! connection from the pool and gives it back, so sqlx pings it), and on the store's own pool
 //! with `keep_connections(true)` (`connect`; connections kept between operations: no ping at
 //! all).
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

@@ -1,5 +1,6 @@
 //! Fencing tokens over a key's whole history, tokens the table cannot hold, and durations too
 //! long for the timestamp range.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

@@ -1,6 +1,7 @@
 //! Exactly-once effects with a real business table: the `orders` row and the completion
 //! commit in one transaction, so a stale holder or a crashed one can never leave a second
 //! order behind.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

@@ -10,6 +10,7 @@
 //!   caller.
 //! - `crash`: a process claims a key, writes an order in its transaction and aborts before
 //!   committing. The retry is refused while the lease lives, then runs: one order.
+#![allow(clippy::unwrap_used)]
 
 use idempotency_core::{
     Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, InFlight, Outcome, Policy,

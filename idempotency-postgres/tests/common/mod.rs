@@ -2,17 +2,19 @@
 //! given isolation level (from `idempotency-testing`), and migrated stores in a fresh schema.
 #![allow(dead_code, unused_imports)]
 
-pub use idempotency_testing::postgres::{admin, exec, pool, pool_for, url, Isolation, SchemaGuard};
+pub(crate) use idempotency_testing::postgres::{
+    admin, exec, pool, pool_for, url, Isolation, SchemaGuard,
+};
 
 use idempotency_postgres::PostgresStore;
 
 /// A migrated store in a fresh schema over a pool at `level`.
-pub async fn store(level: Isolation) -> (PostgresStore, SchemaGuard) {
+pub(crate) async fn store(level: Isolation) -> (PostgresStore, SchemaGuard) {
     store_with(level, 8).await
 }
 
 /// As [`store`], with a pool of `max` connections.
-pub async fn store_with(level: Isolation, max: u32) -> (PostgresStore, SchemaGuard) {
+pub(crate) async fn store_with(level: Isolation, max: u32) -> (PostgresStore, SchemaGuard) {
     let guard = SchemaGuard::new();
     let store = PostgresStore::builder()
         .schema(&guard.schema)
@@ -25,7 +27,7 @@ pub async fn store_with(level: Isolation, max: u32) -> (PostgresStore, SchemaGua
 
 /// [`url`] with its host and port replaced by `127.0.0.1:port` (a proxy in front of the
 /// server), when given, and `params` (`key=value&…`) added to its query string.
-pub fn url_with(port: Option<u16>, params: &str) -> String {
+pub(crate) fn url_with(port: Option<u16>, params: &str) -> String {
     let url = url();
     let (scheme, rest) = url.split_once("://").expect("a URL with a scheme");
     let (auth_host, tail) = rest.split_at(rest.find(['/', '?']).unwrap_or(rest.len()));
@@ -47,7 +49,7 @@ pub fn url_with(port: Option<u16>, params: &str) -> String {
 /// ([`PostgresStoreBuilder::connect`](idempotency_postgres::PostgresStoreBuilder::connect)) of
 /// `max` connections that it keeps between operations (`keep_connections(true)`), whose
 /// sessions carry `application_name` (to find them in `pg_stat_activity`).
-pub async fn own_store(
+pub(crate) async fn own_store(
     max: u32,
     acquire_timeout: std::time::Duration,
     application_name: &str,
@@ -71,7 +73,7 @@ pub async fn own_store(
 
 /// As [`store_with`], with the store keeping connections between operations
 /// ([`PostgresStoreBuilder::keep_connections`](idempotency_postgres::PostgresStoreBuilder::keep_connections)).
-pub async fn kept_store(level: Isolation, max: u32) -> (PostgresStore, SchemaGuard) {
+pub(crate) async fn kept_store(level: Isolation, max: u32) -> (PostgresStore, SchemaGuard) {
     let guard = SchemaGuard::new();
     let store = PostgresStore::builder()
         .schema(&guard.schema)

@@ -3,17 +3,17 @@
 //! up afterwards.
 #![allow(dead_code)]
 
-pub mod scenarios;
+pub(crate) mod scenarios;
 
 use idempotency_conformance::{Capabilities, ServerClock, TestStore};
 use idempotency_core::Timestamp;
 use idempotency_redis::{RedisStore, RedisStoreBuilder};
-pub use idempotency_testing::redis_server::*;
+pub(crate) use idempotency_testing::redis_server::*;
 use std::sync::Arc;
 
 /// Where a store's keys live, for raw commands in tests.
 #[derive(Clone, Debug)]
-pub enum Topology {
+pub(crate) enum Topology {
     /// One server.
     Standalone(String),
     /// A cluster: every primary's URL.
@@ -22,7 +22,7 @@ pub enum Topology {
 
 impl Topology {
     /// Every node a key may live on.
-    pub fn nodes(&self) -> Vec<String> {
+    pub(crate) fn nodes(&self) -> Vec<String> {
         match self {
             Self::Standalone(url) => vec![url.clone()],
             Self::Cluster(urls) => urls.clone(),
@@ -30,7 +30,7 @@ impl Topology {
     }
 
     /// A raw async connection that routes commands like the store does.
-    pub async fn raw(&self) -> Raw {
+    pub(crate) async fn raw(&self) -> Raw {
         match self {
             Self::Standalone(url) => Raw::Single(
                 redis::Client::open(url.as_str())
@@ -52,14 +52,14 @@ impl Topology {
 
 /// A raw connection for test commands (writing foreign data, reading `PTTL`…).
 #[derive(Clone)]
-pub enum Raw {
+pub(crate) enum Raw {
     Single(redis::aio::MultiplexedConnection),
     Cluster(redis::cluster_async::ClusterConnection),
 }
 
 impl Raw {
     /// Runs one command.
-    pub async fn query<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> T {
+    pub(crate) async fn query<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> T {
         match self {
             Self::Single(c) => cmd.query_async(&mut c.clone()).await,
             Self::Cluster(c) => cmd.query_async(&mut c.clone()).await,
@@ -69,7 +69,7 @@ impl Raw {
 }
 
 /// A store on an isolated prefix, with what a test needs around it.
-pub struct Harness {
+pub(crate) struct Harness {
     pub store: RedisStore,
     pub topology: Topology,
     pub guard: Cleanup,
@@ -77,7 +77,7 @@ pub struct Harness {
 
 impl Harness {
     /// Another store on the same servers and prefix, configured by `configure`.
-    pub async fn store_with(
+    pub(crate) async fn store_with(
         &self,
         configure: impl FnOnce(RedisStoreBuilder) -> RedisStoreBuilder,
     ) -> RedisStore {
@@ -94,7 +94,7 @@ impl Harness {
     }
 
     /// Wraps the store for the conformance kit.
-    pub fn into_test_store(self) -> TestStore {
+    pub(crate) fn into_test_store(self) -> TestStore {
         let node = self.topology.nodes()[0].clone();
         // The server's clock, read with TIME on a node of its own (every node of the test
         // cluster runs on this machine's clock).
@@ -119,7 +119,7 @@ impl Harness {
 }
 
 /// A store on the standalone server from [`redis_url`], with its own prefix.
-pub async fn standalone() -> Harness {
+pub(crate) async fn standalone() -> Harness {
     let url = redis_url();
     let prefix = unique_prefix();
     let store = RedisStore::builder()
@@ -139,7 +139,7 @@ pub async fn standalone() -> Harness {
 }
 
 /// A store on this test binary's cluster, with its own prefix.
-pub async fn cluster() -> Harness {
+pub(crate) async fn cluster() -> Harness {
     let urls = shared_cluster().urls();
     let prefix = unique_prefix();
     let store = RedisStore::builder()
@@ -160,7 +160,7 @@ pub async fn cluster() -> Harness {
 
 /// Runs a Redis-specific case on a fresh multi-threaded runtime, as the conformance kit runs
 /// its cases.
-pub fn run<F, C>(harness: fn() -> F, case: fn(Harness) -> C)
+pub(crate) fn run<F, C>(harness: fn() -> F, case: fn(Harness) -> C)
 where
     F: std::future::Future<Output = Harness>,
     C: std::future::Future<Output = ()>,

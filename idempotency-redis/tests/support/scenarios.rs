@@ -45,7 +45,7 @@ async fn assert_ttl(raw: &Raw, key: &str, after: &str, range: std::ops::RangeInc
 
 /// `PTTL > 0` after claim, hit, extend, complete, fail and reclaim, and after a claim that
 /// replaces an expired record, with the default retention and with none.
-pub async fn ttl_after_every_operation(h: Harness) {
+pub(crate) async fn ttl_after_every_operation(h: Harness) {
     let raw = h.topology.raw().await;
     let retention_ms = 3_600_000;
     for (store, extra) in [
@@ -175,7 +175,7 @@ fn flush_scripts(h: &Harness) {
 }
 
 /// `SCRIPT FLUSH` before every operation: each one reloads its script and succeeds.
-pub async fn script_flush_mid_run(h: Harness) {
+pub(crate) async fn script_flush_mid_run(h: Harness) {
     let s = &h.store;
     let id = unique_id("flush");
     let r = req(&id, HOUR, HOUR);
@@ -222,7 +222,7 @@ pub async fn script_flush_mid_run(h: Harness) {
 
 /// Foreign or damaged data at a record's key: every operation answers
 /// [`Error::CorruptRecord`], none panics, and the data is left exactly as it was.
-pub async fn corrupt_data_is_a_typed_error(h: Harness) {
+pub(crate) async fn corrupt_data_is_a_typed_error(h: Harness) {
     let raw = h.topology.raw().await;
     let s = &h.store;
     // A well-formed Pending record, as the store wrote it, to damage byte by byte.
@@ -327,7 +327,7 @@ pub async fn corrupt_data_is_a_typed_error(h: Harness) {
 
 /// Scopes and keys full of braces, colons and percent signs: full flows, and distinct ids
 /// never share a record.
-pub async fn hostile_ids_stay_apart(h: Harness) {
+pub(crate) async fn hostile_ids_stay_apart(h: Harness) {
     let s = &h.store;
     let pairs = [
         ("{tenant}", "}{"),
@@ -367,7 +367,7 @@ pub async fn hostile_ids_stay_apart(h: Harness) {
 
 /// 32 concurrent reclaims of one failed record, 10 times: exactly one wins each time, and
 /// the record then holds the winner's token and one more attempt.
-pub async fn concurrent_reclaims_one_winner(h: Harness) {
+pub(crate) async fn concurrent_reclaims_one_winner(h: Harness) {
     let store = Arc::new(h.store.clone());
     for round in 0..10 {
         let id = unique_id("reclaim-race");

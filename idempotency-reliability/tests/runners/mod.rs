@@ -2,5 +2,5 @@
 //! uses the ones it needs).
 #![allow(dead_code)]
 
-pub mod postgres;
-pub mod sqlite;
+pub(crate) mod postgres;
+pub(crate) mod sqlite;

@@ -14,7 +14,7 @@ use std::time::Duration;
 /// Runs work through [`PgIdempotency::run_in_transaction`], inserting one row into an
 /// `effects` table per execution, in the completion's transaction.
 #[derive(Debug)]
-pub struct PgTransactionalRunner {
+pub(crate) struct PgTransactionalRunner {
     engine: PgIdempotency,
     stall_engine: PgIdempotency,
     effects: Arc<str>,
@@ -23,7 +23,7 @@ pub struct PgTransactionalRunner {
 impl PgTransactionalRunner {
     /// Creates the `effects` table (`schema.effects`, no uniqueness: a double effect must be
     /// countable, not prevented) and the engines, with and without the heartbeat.
-    pub async fn new(store: PostgresStore, schema: &str, lease: Duration) -> Self {
+    pub(crate) async fn new(store: PostgresStore, schema: &str, lease: Duration) -> Self {
         let effects: Arc<str> = format!(r#""{schema}".effects"#).into();
         sqlx::query(&format!(
             "CREATE TABLE {effects} (id bigserial PRIMARY KEY, scope text NOT NULL, \

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 /// `SqliteIdempotency::run_in_transaction`: the work inserts its row into `effects` in the completion's
 /// transaction.
-pub struct SqliteTransactionalRunner {
+pub(crate) struct SqliteTransactionalRunner {
     pub store: SqliteStore,
     pub engine: Idempotency,
 }

@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// A migrated store on a manual clock in its own temp dir (kept alive by the returned guard).
-pub async fn manual_store(mode: ConnectionMode) -> (SqliteStore, ManualClock, tempfile::TempDir) {
+pub(crate) async fn manual_store(
+    mode: ConnectionMode,
+) -> (SqliteStore, ManualClock, tempfile::TempDir) {
     let dir = tempfile::tempdir().expect("temp dir");
     let clock = ManualClock::new();
     let store = SqliteStore::builder(dir.path().join("test.db"))
@@ -20,14 +22,14 @@ pub async fn manual_store(mode: ConnectionMode) -> (SqliteStore, ManualClock, te
     (store, clock, dir)
 }
 
-pub fn id(label: &str) -> RecordId {
+pub(crate) fn id(label: &str) -> RecordId {
     RecordId::new(
         Scope::from_parts(["sqlite-tests", label]).expect("scope"),
         IdempotencyKey::random(),
     )
 }
 
-pub fn req(id: &RecordId, payload: &[u8], lease: Duration, ttl: Duration) -> ClaimRequest {
+pub(crate) fn req(id: &RecordId, payload: &[u8], lease: Duration, ttl: Duration) -> ClaimRequest {
     ClaimRequest {
         id: id.clone(),
         fingerprint: Fingerprint::from_bytes(payload),

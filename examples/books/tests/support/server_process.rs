@@ -5,7 +5,7 @@ use std::process::{Child, Command, Stdio};
 
 /// A running `books-api` process. Dropping it kills the process, so a failing test leaves
 /// none behind.
-pub struct Server {
+pub(crate) struct Server {
     child: Child,
     /// `http://127.0.0.1:PORT`, as the server printed it.
     pub url: String,
@@ -14,7 +14,7 @@ pub struct Server {
 impl Server {
     /// Starts the binary with `env` (`BOOKS_PORT` defaults to an ephemeral port, logs to
     /// errors only) and waits until it listens.
-    pub fn start(env: &[(&str, String)]) -> Self {
+    pub(crate) fn start(env: &[(&str, String)]) -> Self {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_books-api"));
         cmd.env("BOOKS_PORT", "0")
             .env("RUST_LOG", "error")
@@ -37,7 +37,7 @@ impl Server {
     }
 
     /// SIGKILL, and wait for the process to be gone.
-    pub fn kill(mut self) {
+    pub(crate) fn kill(mut self) {
         self.child.kill().expect("SIGKILL the server");
         self.child.wait().expect("reap the server");
     }
