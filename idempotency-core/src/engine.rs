@@ -542,9 +542,11 @@ impl Lease {
     /// hangs then stops being extended, its lease passes, and a retry may take the key over
     /// (this work's completion is then fenced). The heartbeat is polled in the caller's
     /// task, so nothing is spawned and short work costs no more than a timer; dropping the
-    /// returned future stops it. If an extension is fenced the lease is marked lost
-    /// ([`Lease::is_lost`]) and the work still runs to its end; its completion will then be
-    /// refused with [`Error::LeaseLost`].
+    /// returned future stops it. If an extension is fenced the record is read back: when the
+    /// work's own transaction has settled it (this holder's token, no longer Pending) the
+    /// heartbeat just stops; otherwise the lease is marked lost ([`Lease::is_lost`]) and the
+    /// work still runs to its end; its completion will then be refused with
+    /// [`Error::LeaseLost`].
     pub async fn with_heartbeat<F: Future>(&self, work: F) -> F::Output {
         let Some(fraction) = self.policy.heartbeat else {
             return work.await;
@@ -580,8 +582,20 @@ impl Lease {
                 {
                     Ok(Cas::Applied) => {}
                     Ok(Cas::Fenced) => {
-                        self.lost.store(true, Ordering::SeqCst);
-                        emit(Event::LeaseLost);
+                        // Read back, as for every fence: the work's own transaction may have
+                        // settled the record (a handler that committed its completion and is
+                        // still answering). Then there is nothing left to extend, and nothing
+                        // was lost.
+                        let settled_by_us = match self.store.as_ref().get(&self.id).await {
+                            Ok(Some(r)) => {
+                                r.token == self.token && r.status != RecordStatus::Pending
+                            }
+                            _ => false,
+                        };
+                        if !settled_by_us {
+                            self.lost.store(true, Ordering::SeqCst);
+                            emit(Event::LeaseLost);
+                        }
                         return;
                     }
                     // A failed extension is retried at the next beat; the lease may pass
@@ -1138,6 +1152,44 @@ mod tests {
             "beats after the fence"
         );
         taken.settled_externally();
+    }
+
+    /// A heartbeat fenced because the work's own transaction completed the record (a handler
+    /// that committed its completion and is still building its response) is not a lost
+    /// lease: the record, read back, shows this holder's token settled. The heartbeat stops.
+    /// Fenced with another holder's token, it is lost.
+    #[tokio::test]
+    async fn a_heartbeat_fenced_by_our_own_completion_is_not_lost() {
+        let policy = Policy::default()
+            .lease(Duration::from_millis(30))
+            .heartbeat(Some(0.3));
+        let ours = Record {
+            status: RecordStatus::Completed,
+            lease_until: None,
+            outcome: Some(b"x".to_vec()),
+            ..pending(0)
+        };
+        let mut theirs = pending(1000);
+        theirs.token = FencingToken(6);
+        for (record, lost) in [(ours, false), (theirs, true)] {
+            let what = format!("{:?} token {}", record.status, record.token);
+            let store = Arc::new(Scripted {
+                extend_fenced: true,
+                get: Some(record),
+                ..Scripted::default()
+            });
+            let lease = lease_on(store.clone(), policy.clone());
+            lease
+                .with_heartbeat(tokio::time::sleep(Duration::from_millis(100)))
+                .await;
+            assert_eq!(lease.is_lost(), lost, "{what}");
+            assert_eq!(
+                store.extends.lock().expect("lock").len(),
+                1,
+                "{what}: beats after the fence"
+            );
+            lease.settled_externally();
+        }
     }
 
     /// The heartbeat never extends past the end of the maximum work time, and stops there.
