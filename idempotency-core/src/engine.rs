@@ -233,7 +233,7 @@ impl Idempotency {
                 Err(panic) => {
                     // Release the key before the panic goes on, so a retry need not wait for
                     // the lease to pass.
-                    let _ = lease.fail(Failure::retryable("the work panicked")).await;
+                    lease.release_after_panic().await;
                     std::panic::resume_unwind(panic);
                 }
             };
@@ -787,6 +787,28 @@ impl Lease {
     /// its own transaction (the SQL stores' exactly-once path).
     pub fn settled_externally(mut self) {
         self.settled = true;
+    }
+
+    /// Releases the key after the work panicked (a panic counts as a failed attempt, and a
+    /// retry need not wait for the lease to pass): a retryable failure is recorded. The
+    /// engine, the SQL exactly-once paths and the HTTP layer all release through this. A
+    /// failure to release is logged; the lease then passes on its own.
+    pub async fn release_after_panic(self) {
+        let record = loggable_record(&self.id, &self.policy);
+        match self.fail(Failure::retryable("the work panicked")).await {
+            Ok(()) => {}
+            Err(e @ Error::LeaseLost { .. }) => {
+                tracing::warn!(record = %record, error = %e, "the key was taken over before it could be released after a panic");
+            }
+            Err(e) => {
+                tracing::warn!(record = %record, error = %e, "could not release the key after a panic; its lease will pass");
+            }
+        }
+    }
+
+    /// The policy the lease runs under.
+    pub(crate) fn policy(&self) -> &Policy {
+        &self.policy
     }
 
     /// Holds the key without writing anything: the record stays Pending until its lease

@@ -14,6 +14,7 @@ mod record;
 mod scope;
 mod store;
 mod time;
+pub mod transaction;
 
 pub use decision::{decide, Decision, DecisionOptions};
 pub use engine::{
@@ -33,6 +34,7 @@ pub use record::{
 pub use scope::{Scope, ScopeError};
 pub use store::IdempotencyStore;
 pub use time::{duration_millis, Clock, ManualClock, SystemClock, Timestamp, MAX_DURATION};
+pub use transaction::{encode_outcome, TransactionEnd};
 
 /// Re-exported so store implementations use the same `async_trait` as the trait.
 pub use async_trait::async_trait;

@@ -6,8 +6,9 @@ use crate::PostgresStore;
 use futures::future::BoxFuture;
 use futures::FutureExt;
 use idempotency_core::{
-    decode_replay, Cas, Error, ErrorOutcomes, Failure, Fingerprint, Idempotency, IdempotencyKey,
-    IdempotencyStore, Outcome, Policy, Proceed, RecordId, Scope, WorkContext,
+    decode_replay, encode_outcome, Cas, Error, Fingerprint, Idempotency, IdempotencyKey,
+    IdempotencyStore, Lease, Outcome, Policy, Proceed, RecordId, Scope, TransactionEnd,
+    WorkContext,
 };
 use serde::{de::DeserializeOwned, Serialize};
 use sqlx::PgConnection;
@@ -165,14 +166,26 @@ impl PgIdempotency {
             Proceed::Replay(record) => return decode_replay(&record).map(Outcome::Replayed),
             Proceed::Execute(lease) => lease,
         };
-        let token = lease.token();
+        let end = AssertUnwindSafe(self.transaction(&lease, &mut work))
+            .catch_unwind()
+            .await;
+        lease.settle_transaction(end).await
+    }
+
+    /// Runs the work's transaction under `lease` until it ends (re-running it after
+    /// serialization failures and deadlocks), keeping the lease as the isolation level needs.
+    /// What then becomes of the key is [`Lease::settle_transaction`]'s to decide.
+    async fn transaction<T, E, F>(&self, lease: &Lease, work: &mut F) -> TransactionEnd<T, E>
+    where
+        T: Serialize + Send,
+        E: Serialize + Send,
+        F: for<'c> FnMut(&'c mut PgConnection, WorkContext) -> BoxFuture<'c, Result<T, E>> + Send,
+    {
         let table = self.store.table_name().qualified();
         let policy = self.engine.policy();
         let mut attempt = 0;
         let mut lost = 0;
         let mut held_lock = false;
-        // Any early return below that does not settle `lease` drops it unsettled, which holds
-        // the key until its lease passes (nothing is written).
         loop {
             attempt += 1;
             if held_lock {
@@ -182,13 +195,13 @@ impl PgIdempotency {
                 match self
                     .store
                     .extend(lease.id(), lease.token(), policy.lease)
-                    .await?
+                    .await
                 {
-                    Cas::Applied => {}
-                    Cas::Fenced => {
-                        lease.settled_externally();
-                        return Err(Error::LeaseLost { token });
-                    }
+                    Ok(Cas::Applied) => {}
+                    Ok(Cas::Fenced) => return TransactionEnd::LeaseLost,
+                    // Nothing is committed, but whether the renewal applied is not known:
+                    // the key is held until its lease passes, as a dropped lease holds it.
+                    Err(e) => return TransactionEnd::Unknown(e),
                 }
             }
             // BEGIN runs in a task of its own. sqlx 0.8 leaks an open transaction into the
@@ -199,12 +212,8 @@ impl PgIdempotency {
             // a transaction dropped unused (our caller was cancelled) rolls back.
             let mut tx = match self.begin_transaction(&table).await {
                 Ok(tx) => tx,
-                Err(e) => {
-                    // Nothing of this attempt ran, and no earlier attempt committed: release
-                    // the key (a dropped lease would hold it until it passes).
-                    let _ = lease.fail(Failure::retryable(e.to_string())).await;
-                    return Err(e);
-                }
+                // Nothing of this attempt ran, and no earlier attempt committed.
+                Err(e) => return TransactionEnd::RolledBack(e),
             };
             // How the lease is kept while the work runs: see the isolation levels above.
             let locked_until = if self.level.get() == Some(Level::ReadCommitted) {
@@ -228,14 +237,11 @@ impl PgIdempotency {
                             continue;
                         }
                         // The work has not run in this attempt and no earlier attempt
-                        // committed: release the key (a dropped lease would hold it), unless
-                        // it belongs to someone else now.
-                        if let Error::LeaseLost { .. } = e {
-                            lease.settled_externally();
-                        } else {
-                            let _ = lease.fail(Failure::retryable(e.to_string())).await;
-                        }
-                        return Err(e);
+                        // committed.
+                        return match e {
+                            Error::LeaseLost { .. } => TransactionEnd::LeaseLost,
+                            e => TransactionEnd::RolledBack(e),
+                        };
                     }
                 };
                 self.level.set(hold.level);
@@ -248,8 +254,7 @@ impl PgIdempotency {
                         // Reclaimed, settled or expired, or the lease passed before the work
                         // could start: the key is not ours to run.
                         let _ = tx.rollback().await;
-                        lease.settled_externally();
-                        return Err(Error::LeaseLost { token });
+                        return TransactionEnd::LeaseLost;
                     }
                 }
             };
@@ -259,57 +264,34 @@ impl PgIdempotency {
                 None => Some(lease.with_heartbeat(running).await),
                 Some(until) => keep_alive(policy, until, lease.work_deadline(), running).await,
             };
-            let ran = match ran {
-                Some(Ok(ran)) => Some(ran),
-                Some(Err(panic)) => {
-                    // The work panicked inside its transaction, which rolls back: nothing took
-                    // effect, so the key is released at once (a dropped lease would hold it).
+            let value = match ran {
+                Some(Ok(Ok(value))) => value,
+                Some(Ok(Err(e))) => {
                     let _ = tx.rollback().await;
-                    let _ = lease
-                        .fail(Failure::retryable(
-                            "the work panicked; its transaction rolled back",
-                        ))
-                        .await;
+                    return TransactionEnd::WorkFailed(e);
+                }
+                Some(Err(panic)) => {
+                    // Roll back before the panic goes on (the key is then released).
+                    let _ = tx.rollback().await;
                     std::panic::resume_unwind(panic);
                 }
-                None => None,
-            };
-            let Some(ran) = ran else {
-                // The lease passed without a heartbeat while the row was locked: the work was
-                // cancelled; roll back (nothing it did commits) and leave the record, whose
-                // lease has passed, to whoever reclaims it.
-                let _ = tx.rollback().await;
-                lease.settled_externally();
-                return Err(Error::LeaseLost { token });
-            };
-            let value = match ran {
-                Ok(value) => value,
-                Err(e) => {
+                None => {
+                    // The lease passed without a heartbeat while the row was locked: the work
+                    // was cancelled; roll back (nothing it did commits) and leave the record,
+                    // whose lease has passed, to whoever reclaims it.
                     let _ = tx.rollback().await;
-                    let result: Result<T, E> = Err(e);
-                    match policy.errors {
-                        ErrorOutcomes::Store => lease.complete(&encode(&result)?).await?,
-                        ErrorOutcomes::RecordFailure => {
-                            let message = match &result {
-                                Err(e) => e.to_string(),
-                                Ok(_) => String::new(),
-                            };
-                            lease.fail(Failure::retryable(message)).await?;
-                        }
-                    }
-                    return Ok(Outcome::Fresh(result));
+                    return TransactionEnd::LeaseLost;
                 }
             };
-            let result: Result<T, E> = Ok(value);
-            let bytes = match encode(&result) {
+            // Stored as `Ok(value)` of a `Result<T, E>`, as the plain engine stores it.
+            let bytes = match encode_outcome(&Ok::<&T, &E>(&value)) {
                 Ok(bytes) => bytes,
                 Err(e) => {
                     let _ = tx.rollback().await;
-                    let _ = lease.fail(Failure::permanent(e.to_string())).await;
-                    return Err(e);
+                    return TransactionEnd::RolledBack(e);
                 }
             };
-            match self
+            let completed = self
                 .store
                 .complete_in_reporting(
                     &mut tx,
@@ -319,15 +301,13 @@ impl PgIdempotency {
                     lease.ttl(),
                     held_lock,
                 )
-                .await
-            {
+                .await;
+            match completed {
                 Ok(level) => self.level.set(level),
                 Err(e) => {
                     let _ = tx.rollback().await;
                     if let Error::LeaseLost { .. } = e {
-                        // The record belongs to another holder now: nothing to release.
-                        lease.settled_externally();
-                        return Err(e);
+                        return TransactionEnd::LeaseLost;
                     }
                     if is_serialization_failure(&e) {
                         if !held_lock {
@@ -339,28 +319,23 @@ impl PgIdempotency {
                             continue;
                         }
                     }
-                    // Nothing committed (the transaction never got to COMMIT), so the work's
-                    // writes are gone: release the key at once.
-                    let _ = lease.fail(Failure::retryable(e.to_string())).await;
-                    return Err(e);
+                    // Nothing committed (the transaction never got to COMMIT).
+                    return TransactionEnd::RolledBack(e);
                 }
             }
             match tx.commit().await {
-                Ok(()) => {
-                    lease.settled_externally();
-                    return Ok(Outcome::Fresh(result));
-                }
+                Ok(()) => return TransactionEnd::Committed(value),
                 Err(e)
                     if crate::error::is_serialization_failure(&e)
                         && attempt < MAX_TRANSACTION_ATTEMPTS =>
                 {
                     continue
                 }
-                // A lost connection is `OutcomeUnknown`: the commit may have applied. The
-                // dropped lease writes nothing, so the key holds until its lease passes; a
-                // retry then finds the Completed record (and replays it) or, if nothing was
-                // committed, reclaims the key and runs the work once.
-                Err(e) => return Err(map_sqlx(e, &table, Effect::Write)),
+                // A lost connection is `OutcomeUnknown`: the commit may have applied. The key
+                // holds until its lease passes; a retry then finds the Completed record (and
+                // replays it) or, if nothing was committed, reclaims the key and runs the
+                // work once.
+                Err(e) => return TransactionEnd::Unknown(map_sqlx(e, &table, Effect::Write)),
             }
         }
     }
@@ -497,10 +472,6 @@ impl LevelCache {
     fn forget(&self) {
         self.0.store(Self::UNKNOWN, Ordering::Relaxed);
     }
-}
-
-fn encode<R: Serialize>(result: &R) -> Result<Vec<u8>, Error> {
-    serde_json::to_vec(result).map_err(|source| Error::Codec { source })
 }
 
 /// Whether a core error wraps a serialization failure or deadlock from the driver.

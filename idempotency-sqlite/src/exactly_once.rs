@@ -3,21 +3,13 @@
 use crate::SqliteStore;
 use futures::FutureExt;
 use idempotency_core::{
-    decode_replay, Error, ErrorOutcomes, Failure, Fingerprint, Idempotency, IdempotencyKey,
-    Outcome, Policy, Proceed, RecordId, Scope, WorkContext,
+    decode_replay, encode_outcome, Error, Fingerprint, Idempotency, IdempotencyKey, Outcome,
+    Policy, Proceed, RecordId, Scope, TransactionEnd, WorkContext,
 };
 use rusqlite::{Transaction, TransactionBehavior};
 use serde::{de::DeserializeOwned, Serialize};
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
-
-/// What happened inside the connection's transaction.
-enum Step<T, E> {
-    /// The work succeeded; its writes and the completion committed together.
-    Committed(Result<T, E>),
-    /// The work returned an error; its transaction rolled back.
-    RolledBack(E),
-}
 
 /// The engine of SQLite's exactly-once path: an [`Idempotency`] engine built over one
 /// [`SqliteStore`] (it cannot be built over another store), whose
@@ -104,96 +96,50 @@ impl SqliteIdempotency {
         F: FnOnce(&Transaction<'_>, &WorkContext) -> Result<T, E> + Send + 'static,
     {
         let id = RecordId::new(scope.clone(), key.clone());
-        let engine = &self.engine;
-        let lease = match engine.begin(&id, fingerprint).await?.proceed()? {
+        let lease = match self.engine.begin(&id, fingerprint).await?.proceed()? {
             Proceed::Replay(record) => return decode_replay(&record).map(Outcome::Replayed),
             Proceed::Execute(lease) => lease,
         };
         let ctx = lease.context();
         let ttl = lease.ttl();
         let store = self.store.clone();
-        let in_tx = self.store.call(move |conn| -> Result<Step<T, E>, Error> {
+        let in_tx = self.store.call(move |conn| -> TransactionEnd<T, E> {
+            // Whatever fails before the commit rolls back with the transaction (dropped).
+            let sql = |e| store.inner.sql_error(e);
             // The store's durability, whatever ran on this connection before.
-            conn.pragma_update(None, "synchronous", store.inner.synchronous.pragma())
-                .map_err(|e| store.inner.sql_error(e))?;
-            let tx = conn
-                .transaction_with_behavior(TransactionBehavior::Immediate)
-                .map_err(|e| store.inner.sql_error(e))?;
-            match work(&tx, &ctx) {
-                Ok(value) => {
-                    let result: Result<T, E> = Ok(value);
-                    let bytes =
-                        serde_json::to_vec(&result).map_err(|source| Error::Codec { source })?;
-                    // On LeaseLost `tx` is dropped here, rolling back the business writes.
-                    store.complete_in(&tx, &ctx.id, ctx.token, &bytes, ttl)?;
-                    tx.commit().map_err(|e| store.inner.sql_error(e))?;
-                    Ok(Step::Committed(result))
-                }
-                Err(e) => {
-                    drop(tx);
-                    Ok(Step::RolledBack(e))
-                }
+            if let Err(e) =
+                conn.pragma_update(None, "synchronous", store.inner.synchronous.pragma())
+            {
+                return TransactionEnd::RolledBack(sql(e));
+            }
+            let tx = match conn.transaction_with_behavior(TransactionBehavior::Immediate) {
+                Ok(tx) => tx,
+                Err(e) => return TransactionEnd::RolledBack(sql(e)),
+            };
+            let value = match work(&tx, &ctx) {
+                Ok(value) => value,
+                Err(e) => return TransactionEnd::WorkFailed(e),
+            };
+            // Stored as `Ok(value)` of a `Result<T, E>`, as the plain engine stores it.
+            let completed = encode_outcome(&Ok::<&T, &E>(&value))
+                .and_then(|bytes| store.complete_in(&tx, &ctx.id, ctx.token, &bytes, ttl));
+            match completed {
+                Ok(()) => {}
+                Err(Error::LeaseLost { .. }) => return TransactionEnd::LeaseLost,
+                Err(e) => return TransactionEnd::RolledBack(e),
+            }
+            // A failed COMMIT leaves nothing behind in SQLite: the transaction rolled back.
+            match tx.commit() {
+                Ok(()) => TransactionEnd::Committed(value),
+                Err(e) => TransactionEnd::RolledBack(sql(e)),
             }
         });
         // The heartbeat keeps the lease while the call waits its turn on the connection; an
-        // extension queued behind the transaction finds it settled and changes nothing.
-        let step = match lease
+        // extension queued behind the transaction finds it settled and stops.
+        let end = lease
             .with_heartbeat(AssertUnwindSafe(in_tx).catch_unwind())
             .await
-        {
-            Ok(step) => step.map_err(Error::from).and_then(|r| r),
-            Err(panic) => {
-                // The work panicked inside its transaction, which rolled back: nothing took
-                // effect, so the key is released at once (a dropped lease would hold it).
-                let _ = lease
-                    .fail(Failure::retryable(
-                        "the work panicked; its transaction rolled back",
-                    ))
-                    .await;
-                std::panic::resume_unwind(panic);
-            }
-        };
-        match step {
-            Ok(Step::Committed(result)) => {
-                lease.settled_externally();
-                Ok(Outcome::Fresh(result))
-            }
-            Ok(Step::RolledBack(e)) => {
-                match engine.policy().errors {
-                    ErrorOutcomes::RecordFailure => {
-                        lease.fail(Failure::retryable(e.to_string())).await?
-                    }
-                    ErrorOutcomes::Store => {
-                        let result: Result<T, E> = Err(e);
-                        let bytes = match serde_json::to_vec(&result) {
-                            Ok(b) => b,
-                            Err(source) => {
-                                let _ = lease.fail(Failure::permanent(source.to_string())).await;
-                                return Err(Error::Codec { source });
-                            }
-                        };
-                        lease.complete(&bytes).await?;
-                        return Ok(Outcome::Fresh(result));
-                    }
-                }
-                Ok(Outcome::Fresh(Err(e)))
-            }
-            Err(e @ Error::LeaseLost { .. }) => {
-                // The record belongs to the newer holder: nothing of ours to release.
-                lease.settled_externally();
-                Err(e)
-            }
-            Err(e) => {
-                // Nothing committed (a failed COMMIT leaves nothing behind in SQLite): release
-                // the key now rather than waiting for the lease to pass. If it did commit, this
-                // CAS is fenced and changes nothing.
-                let failure = match &e {
-                    Error::Codec { .. } => Failure::permanent(e.to_string()),
-                    _ => Failure::retryable(e.to_string()),
-                };
-                let _ = lease.fail(failure).await;
-                Err(e)
-            }
-        }
+            .map(|called| called.unwrap_or_else(|e| TransactionEnd::RolledBack(e.into())));
+        lease.settle_transaction(end).await
     }
 }

@@ -472,13 +472,9 @@ where
     }
 }
 
+/// Counts `why` and releases the key: the handler did nothing, or the layer is told so.
 async fn release(lease: Lease, why: HttpOutcome) {
     record_outcome(why);
-    release_key(lease, why).await;
-}
-
-/// Releases the key without counting an outcome (for a panic, the failed task counts it).
-async fn release_key(lease: Lease, why: HttpOutcome) {
     match lease.fail(Failure::retryable(why.as_str())).await {
         Ok(()) => {}
         Err(e @ Error::LeaseLost { .. }) => {
@@ -711,7 +707,7 @@ where
             // A key the handler settled in its own transaction stays as it committed.
             // The task's failure counts the outcome, once.
             if let Some(lease) = unless_settled_by_handler(&claim, lease) {
-                release_key(lease, HttpOutcome::HandlerPanicked).await;
+                lease.release_after_panic().await;
             }
             std::panic::resume_unwind(panic);
         }

@@ -1,0 +1,131 @@
+//! The exactly-once protocol for stores that complete a record inside the caller's own
+//! database transaction (the SQL stores): the store runs the transaction, core applies every
+//! rule about what then becomes of the key.
+//!
+//! A store's exactly-once path is three steps, the same on every store:
+//!
+//! 1. claim the key ([`Idempotency::begin`](crate::Idempotency::begin)): a replay, a refusal,
+//!    or a [`Lease`] to run under;
+//! 2. run one transaction holding the work's writes and the record's fenced completion (the
+//!    store's own code: begin, run the work, [`encode_outcome`], complete inside the
+//!    transaction, commit), keeping the lease alive meanwhile, and say how it ended as a
+//!    [`TransactionEnd`];
+//! 3. hand that end, or the panic that ended it, to [`Lease::settle_transaction`], which
+//!    releases, holds or leaves the key by the rules below and gives the caller's answer.
+//!
+//! | the transaction… | [`TransactionEnd`] | the key | the caller gets |
+//! |---|---|---|---|
+//! | committed the work's writes and the completion | `Committed(v)` | completed (by the commit) | `Fresh(Ok(v))` |
+//! | rolled back because the work returned `Err(e)` | `WorkFailed(e)` | per [`Policy::errors`](crate::Policy::errors): released, or `Err(e)` stored | `Fresh(Err(e))` |
+//! | rolled back because the completion was fenced | `LeaseLost` | another holder's: untouched | [`Error::LeaseLost`] |
+//! | rolled back before its commit (a failed `BEGIN`, statement or encoding) | `RolledBack(e)` | released at once (nothing took effect) | `e` |
+//! | ended with a commit whose outcome is unknown | `Unknown(e)` | held until its lease passes | `e` |
+//! | panicked (its transaction rolled back) | the panic | released at once | the panic, resumed |
+
+use crate::{Error, ErrorOutcomes, Failure, Lease, Outcome};
+use serde::Serialize;
+use std::fmt::Display;
+
+/// How one exactly-once transaction ended, as a store reports it to
+/// [`Lease::settle_transaction`]. See the [module documentation](self) for what each end
+/// does to the key.
+#[derive(Debug)]
+#[must_use = "a transaction's end must be settled: Lease::settle_transaction"]
+pub enum TransactionEnd<T, E> {
+    /// The work returned `Ok(value)`, and its writes committed with the record's completion.
+    Committed(T),
+    /// The work returned `Err(e)`, and its transaction rolled back: nothing of it took effect.
+    WorkFailed(E),
+    /// The completion inside the transaction was fenced (the lease had passed and another
+    /// holder took the key over), and the transaction rolled back.
+    LeaseLost,
+    /// The transaction failed before its commit was sent (it could not begin, a statement or
+    /// the encoding of the outcome failed) and rolled back: nothing took effect.
+    RolledBack(Error),
+    /// The commit was sent and its outcome is unknown (the connection was lost during
+    /// `COMMIT`): the writes may have committed with the completion. The error is what the
+    /// caller gets, usually [`Error::OutcomeUnknown`].
+    Unknown(Error),
+}
+
+/// The bytes a transactional store writes with the completion: the work's result as JSON,
+/// the format [`Idempotency::run`](crate::Idempotency::run) stores and
+/// [`decode_replay`](crate::decode_replay) reads. A result that cannot be encoded is an
+/// [`Error::Codec`]; report it as [`TransactionEnd::RolledBack`].
+pub fn encode_outcome<R: Serialize>(result: &R) -> Result<Vec<u8>, Error> {
+    serde_json::to_vec(result).map_err(|source| Error::Codec { source })
+}
+
+impl Lease {
+    /// Settles the lease after the exactly-once transaction it ran under ended as `end`
+    /// (`Err` with the panic's payload when the transaction's future panicked), by the rules
+    /// in the [module documentation](crate::transaction): the one place those rules live.
+    ///
+    /// # Panics
+    ///
+    /// Resumes a panic given in `end` once the key is released.
+    pub async fn settle_transaction<T, E>(
+        self,
+        end: std::thread::Result<TransactionEnd<T, E>>,
+    ) -> Result<Outcome<Result<T, E>>, Error>
+    where
+        T: Serialize,
+        E: Serialize + Display,
+    {
+        let end = match end {
+            Ok(end) => end,
+            Err(panic) => {
+                self.release_after_panic().await;
+                std::panic::resume_unwind(panic);
+            }
+        };
+        match end {
+            TransactionEnd::Committed(value) => {
+                self.settled_externally();
+                Ok(Outcome::Fresh(Ok(value)))
+            }
+            TransactionEnd::WorkFailed(e) => {
+                let result: Result<T, E> = Err(e);
+                match self.policy().errors {
+                    ErrorOutcomes::Store => match encode_outcome(&result) {
+                        Ok(bytes) => self.complete(&bytes).await?,
+                        Err(codec) => {
+                            let _ = self.fail(Failure::permanent(codec.to_string())).await;
+                            return Err(codec);
+                        }
+                    },
+                    ErrorOutcomes::RecordFailure => {
+                        let message = match &result {
+                            Err(e) => e.to_string(),
+                            Ok(_) => String::new(),
+                        };
+                        self.fail(Failure::retryable(message)).await?;
+                    }
+                }
+                Ok(Outcome::Fresh(result))
+            }
+            TransactionEnd::LeaseLost => {
+                // The record belongs to the holder that took it over: nothing to release.
+                let token = self.token();
+                self.settled_externally();
+                Err(Error::LeaseLost { token })
+            }
+            TransactionEnd::RolledBack(e) => {
+                // Nothing took effect: release the key now rather than when the lease passes.
+                // A result that cannot be encoded would fail the same way again.
+                let failure = match &e {
+                    Error::Codec { .. } => Failure::permanent(e.to_string()),
+                    _ => Failure::retryable(e.to_string()),
+                };
+                let _ = self.fail(failure).await;
+                Err(e)
+            }
+            TransactionEnd::Unknown(e) => {
+                // The writes may have committed: the key is never released while they may
+                // still show. A retry after the lease finds the Completed record, or nothing.
+                self.hold();
+                Err(e)
+            }
+        }
+    }
+}
