@@ -20,6 +20,24 @@ use std::time::Duration;
 /// with the `idempotency-conformance` kit.
 ///
 /// The trait is object-safe: `Arc<dyn IdempotencyStore>` works, and `Arc<T>`/`Box<T>` forward.
+///
+/// # A complete store
+///
+/// The smallest store that keeps the whole contract, to read before writing one for a
+/// database: every record in one map behind one lock. Each method is one atomic step (the
+/// lock held once); an expired record is treated as absent everywhere; a fresh record's token
+/// comes from [`FencingToken::fresh`], so a key's tokens keep growing after a purge; and the
+/// three settling writes share one compare-and-swap. It passes the whole conformance kit
+/// (`idempotency-conformance`'s own tests run it: `tests/toy_store.rs`), which is how you
+/// prove yours: a factory that builds one isolated store per case (a fresh schema, key prefix
+/// or file) and `idempotency_conformance::conformance_tests!(factory)`, one test per case.
+///
+/// A database store makes each method one statement or script instead (claim-or-observe is
+/// one `INSERT … ON CONFLICT … RETURNING`, each compare-and-swap one conditional `UPDATE`),
+/// takes `now` from the server's clock, and, if its database has transactions, completes
+/// inside the caller's transaction through [`crate::transaction`].
+///
+#[doc = concat!("```\n", include_str!("toy_store.rs"), "```")]
 #[async_trait]
 pub trait IdempotencyStore: Send + Sync + Debug + 'static {
     /// Claim-or-observe.
