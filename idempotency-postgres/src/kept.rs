@@ -29,7 +29,7 @@
 //!   has been out of the pool for [`EXHAUSTED_LAP`] (so a waiter we cannot see gets a turn);
 //! - whatever the pool's state, a connection goes back after [`LAP`] out of it (or the pool's
 //!   `max_lifetime`, if shorter), so the pool's lifetime checks still run;
-//! - a transaction [`PgIdempotency`](crate::PgIdempotency) is about to begin takes priority:
+//! - a transaction [`PostgresIdempotency`](crate::PostgresIdempotency) is about to begin takes priority:
 //!   while it waits and the pool is exhausted, operations give their connections back, and
 //!   one kept connection is handed back at once.
 

@@ -1,18 +1,23 @@
 #![doc = include_str!("../README.md")]
 #![cfg_attr(docsrs, feature(doc_auto_cfg))]
 
+mod builder;
+mod decode;
 mod error;
+mod exactly_once;
 mod kept;
-mod migrate;
 mod names;
+mod schema;
 mod sql;
 mod store;
-mod tx;
 
+pub use builder::PostgresStoreBuilder;
 pub use error::PostgresError;
+#[allow(deprecated)]
+pub use exactly_once::PgIdempotency;
+pub use exactly_once::PostgresIdempotency;
 pub use names::{TableName, MAX_SCHEMA_NAME_LEN, MAX_TABLE_NAME_LEN};
-pub use store::{PostgresStore, PostgresStoreBuilder};
-pub use tx::PgIdempotency;
+pub use store::PostgresStore;
 
 /// The driver, re-exported so your transactions and this store use the same sqlx.
 pub use sqlx;

@@ -140,7 +140,7 @@ UNION ALL
         // The CAS on a live Pending record holding the token; shared by complete, fail, extend.
         let held = "r.scope = $1 AND r.key = $2 AND r.token = $3 AND r.status = 'pending' \
                     AND r.expires_at > c.now";
-        // The isolation level tells `PgIdempotency` how the caller's sessions run (the
+        // The isolation level tells `PostgresIdempotency` how the caller's sessions run (the
         // completion also runs inside the caller's transaction, `complete_in`).
         let complete = format!(
             "{NOW_CTE}
@@ -150,7 +150,7 @@ UPDATE {t} AS r SET status = 'completed', outcome = $4, lease_until = NULL,
 FROM c WHERE {held}
 RETURNING r.token, current_setting('transaction_isolation') AS isolation"
         );
-        // The completion inside `PgIdempotency`'s transaction at REPEATABLE READ or
+        // The completion inside `PostgresIdempotency`'s transaction at REPEATABLE READ or
         // SERIALIZABLE, where the transaction's first statement (`hold`) found the record live,
         // Pending and held by the token, and locked it until the commit: nobody else can have
         // changed it since. The lease was kept in the process meanwhile, and nothing moved
@@ -214,7 +214,7 @@ doomed AS (
 DELETE FROM {t} AS r USING doomed, c
 WHERE r.scope = doomed.scope AND r.key = doomed.key AND r.expires_at <= c.now"
         );
-        // The first statement of `PgIdempotency`'s transaction. It reports the transaction's
+        // The first statement of `PostgresIdempotency`'s transaction. It reports the transaction's
         // isolation level and, at REPEATABLE READ or SERIALIZABLE, locks the record row if it
         // is still a live Pending record held by $3, returning how much of its lease is left.
         // Holding that lock until the commit is what lets long work complete at those levels:

@@ -1,191 +1,23 @@
 //! The store.
 
+use crate::decode::{decode_record, get};
 use crate::error::{is_connection_loss, is_serialization_failure, map_sqlx, Effect};
 use crate::kept::{Kept, Out};
-use crate::migrate;
+use crate::schema;
 use crate::sql::Statements;
-use crate::{PostgresError, TableName};
+use crate::{PostgresError, PostgresStoreBuilder, TableName};
 use async_trait::async_trait;
 use futures::future::BoxFuture;
 use idempotency_core::{
     claim_retention, duration_millis, Cas, Claim, ClaimRequest, Error, Failure, FencingToken,
-    Fingerprint, IdempotencyStore, Reclaim, Record, RecordId, RecordStatus, Timestamp,
+    Fingerprint, IdempotencyStore, Reclaim, Record, RecordId, Timestamp,
 };
 use rand::Rng;
-use sqlx::postgres::{PgArguments, PgConnectOptions, PgPoolOptions, PgQueryResult, PgRow};
+use sqlx::postgres::{PgArguments, PgQueryResult, PgRow};
 use sqlx::query::Query;
-use sqlx::{ConnectOptions, Connection, PgConnection, PgPool, Postgres, Row};
-use std::str::FromStr;
+use sqlx::{Connection, PgConnection, PgPool, Postgres};
 use std::sync::Arc;
 use std::time::Duration;
-
-/// Builds a [`PostgresStore`] with a chosen schema, table and pool settings.
-///
-/// Names are validated when the store is built ([`PostgresStoreBuilder::connect`] or
-/// [`PostgresStoreBuilder::build`]).
-#[derive(Clone, Debug)]
-pub struct PostgresStoreBuilder {
-    schema: String,
-    table: String,
-    max_connections: u32,
-    acquire_timeout: Duration,
-    connect_timeout: Duration,
-    serialization_retries: u32,
-    keep_connections: bool,
-}
-
-impl Default for PostgresStoreBuilder {
-    fn default() -> Self {
-        Self {
-            schema: TableName::DEFAULT_SCHEMA.to_owned(),
-            table: TableName::DEFAULT_TABLE.to_owned(),
-            max_connections: 10,
-            acquire_timeout: Duration::from_secs(10),
-            connect_timeout: Duration::from_secs(10),
-            serialization_retries: 16,
-            keep_connections: false,
-        }
-    }
-}
-
-impl PostgresStoreBuilder {
-    /// The schema holding the table. Default `public`.
-    pub fn schema(mut self, schema: impl Into<String>) -> Self {
-        self.schema = schema.into();
-        self
-    }
-
-    /// The table name. Default `idempotency_records`.
-    pub fn table(mut self, table: impl Into<String>) -> Self {
-        self.table = table.into();
-        self
-    }
-
-    /// The pool size for [`PostgresStoreBuilder::connect`]. Default 10.
-    pub fn max_connections(mut self, n: u32) -> Self {
-        self.max_connections = n.max(1);
-        self
-    }
-
-    /// How long an operation waits for a pooled connection, for
-    /// [`PostgresStoreBuilder::connect`]. Default 10 s.
-    pub fn acquire_timeout(mut self, timeout: Duration) -> Self {
-        self.acquire_timeout = timeout;
-        self
-    }
-
-    /// How long [`PostgresStoreBuilder::connect`] waits for the server. Default 10 s.
-    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
-        self.connect_timeout = timeout;
-        self
-    }
-
-    /// How many times an operation is re-run after a serialization failure or deadlock
-    /// (SQLSTATE 40001/40P01, which sessions at REPEATABLE READ or SERIALIZABLE get under
-    /// contention) before the error is returned as retryable. Default 16.
-    pub fn serialization_retries(mut self, n: u32) -> Self {
-        self.serialization_retries = n;
-        self
-    }
-
-    /// Whether the store keeps connections checked out between its operations instead of
-    /// giving each back to the pool after its statement. Off by default.
-    ///
-    /// sqlx's pool pings every connection it takes back (a bare `Sync` and its answer, in a
-    /// spawned task): through the pool, each operation costs its statement's round trip plus
-    /// that ping, a task and their system calls on both sides, which bounds the throughput of
-    /// replays. A kept connection runs the next operation's statement directly. It goes back
-    /// to the pool (and is pinged there) on any error, when an operation is cancelled
-    /// mid-statement, when it has been unused for 100 ms, when the pool is closed, at least
-    /// every 10 s (or the pool's `max_lifetime`, if shorter), and, while the pool is
-    /// exhausted, at once if someone else holds one of its connections, else within 100 ms.
-    /// Your own queries on [`PostgresStore::pool`] may therefore wait up to about 100 ms for
-    /// a connection the store keeps when the pool has none idle and cannot open another;
-    /// a [`crate::PgIdempotency`] transaction that starts waiting while the pool is exhausted
-    /// gets one handed back at once. Kept connections also skip the pool's per-checkout hooks
-    /// (`before_acquire`, `after_release`, `test_before_acquire`) between those returns.
-    ///
-    /// **Turn it on only for a pool whose transactions are never left open.** sqlx 0.8 can
-    /// put a connection back into the pool inside a transaction: when the future of
-    /// `Pool::begin` is dropped after `BEGIN` was sent but before it returned (a request
-    /// timeout around your own `store.pool().begin()`, for example), nothing rolls it back.
-    /// The store cannot see the server's transaction state through sqlx, so its statements
-    /// on such a connection run inside that transaction and are lost when it ends; a kept
-    /// connection would carry that on for every operation it serves (up to 10 s), where a
-    /// pooled one serves one operation at a time. [`crate::PgIdempotency`] begins its own
-    /// transactions safely (on a task of their own); a pool used only by the store and by
-    /// `PgIdempotency` is safe.
-    pub fn keep_connections(mut self, keep: bool) -> Self {
-        self.keep_connections = keep;
-        self
-    }
-
-    /// Builds the store over an existing pool.
-    ///
-    /// The pool's settings are kept, and every operation takes a connection from it and gives
-    /// it back, paying sqlx's release ping ([`PostgresStoreBuilder::keep_connections`] opts in
-    /// to keeping connections between operations). Note that sqlx pools by default also ping
-    /// every connection before handing it out (`test_before_acquire`), one extra round trip
-    /// per operation; turn it off to get one round trip per step.
-    pub fn build(self, pool: PgPool) -> Result<PostgresStore, PostgresError> {
-        let name = TableName::new(&self.schema, &self.table)?;
-        Ok(PostgresStore::assemble(
-            pool,
-            name,
-            self.serialization_retries,
-            self.keep_connections,
-        ))
-    }
-
-    /// Connects to `url` (`postgres://user:password@host:port/database?sslmode=…`) and builds
-    /// the store with its own pool.
-    ///
-    /// One connection is opened at once to check that the server is reachable and accepts
-    /// the credentials, then closed; the pool opens connections as operations need them and
-    /// does not ping them before use. With [`PostgresStoreBuilder::keep_connections`] the
-    /// store also keeps connections between its operations, so a busy store's operations cost
-    /// one round trip each and no release ping.
-    pub async fn connect(self, url: &str) -> Result<PostgresStore, PostgresError> {
-        let name = TableName::new(&self.schema, &self.table)?;
-        let lower = url.trim_start().to_ascii_lowercase();
-        if !(lower.starts_with("postgres://") || lower.starts_with("postgresql://")) {
-            return Err(PostgresError::InvalidUrl {
-                source: sqlx::Error::Configuration(
-                    "the URL must start with postgres:// or postgresql://".into(),
-                ),
-            });
-        }
-        let options = PgConnectOptions::from_str(url)
-            .map_err(|source| PostgresError::InvalidUrl { source })?
-            .log_statements(tracing::log::LevelFilter::Trace);
-        let probe = tokio::time::timeout(self.connect_timeout, options.connect()).await;
-        let probe = match probe {
-            Ok(Ok(conn)) => conn,
-            Ok(Err(source)) => return Err(PostgresError::Connect { source }),
-            Err(_) => {
-                return Err(PostgresError::Connect {
-                    source: sqlx::Error::Io(std::io::Error::new(
-                        std::io::ErrorKind::TimedOut,
-                        format!("no answer within {:?}", self.connect_timeout),
-                    )),
-                })
-            }
-        };
-        // Closing politely is a courtesy; the server cleans up either way.
-        let _ = probe.close().await;
-        let pool = PgPoolOptions::new()
-            .max_connections(self.max_connections)
-            .acquire_timeout(self.acquire_timeout)
-            .test_before_acquire(false)
-            .connect_lazy_with(options);
-        Ok(PostgresStore::assemble(
-            pool,
-            name,
-            self.serialization_retries,
-            self.keep_connections,
-        ))
-    }
-}
 
 /// How long [`PostgresStore::sweep_idle`] waits for an idle connection's ping before it
 /// takes the connection for dead.
@@ -212,7 +44,7 @@ enum Attempt {
 ///
 /// Each operation is exactly one prepared statement, so one round trip. The database's clock
 /// decides leases and expiry. See the crate documentation for the exactly-once path
-/// ([`PostgresStore::complete_in`] and [`crate::PgIdempotency`]).
+/// ([`PostgresStore::complete_in`] and [`crate::PostgresIdempotency`]).
 ///
 /// Cloning is cheap: clones share the pool and the connections kept between operations
 /// ([`PostgresStoreBuilder::keep_connections`]).
@@ -250,12 +82,17 @@ impl PostgresStore {
         Self::assemble(
             pool,
             TableName::default(),
-            PostgresStoreBuilder::default().serialization_retries,
+            crate::builder::DEFAULT_SERIALIZATION_RETRIES,
             false,
         )
     }
 
-    fn assemble(pool: PgPool, name: TableName, serialization_retries: u32, keep: bool) -> Self {
+    pub(crate) fn assemble(
+        pool: PgPool,
+        name: TableName,
+        serialization_retries: u32,
+        keep: bool,
+    ) -> Self {
         Self {
             qualified: name.qualified().into(),
             sql: Arc::new(Statements::new(&name)),
@@ -289,7 +126,7 @@ impl PostgresStore {
             .connection()
             .await
             .map_err(|source| PostgresError::Connect { source })?;
-        migrate::migrate(conn.conn(), &self.name).await
+        schema::migrate(conn.conn(), &self.name).await
     }
 
     /// Checks that the table exists and has the shape this crate needs, without changing
@@ -299,7 +136,7 @@ impl PostgresStore {
             .connection()
             .await
             .map_err(|source| PostgresError::Connect { source })?;
-        migrate::verify(conn.conn(), &self.name).await
+        schema::verify(conn.conn(), &self.name).await
     }
 
     /// The completion compare-and-swap, inside the caller's transaction.
@@ -315,7 +152,7 @@ impl PostgresStore {
     /// The row stays locked until the transaction ends, so a concurrent reclaim waits for it.
     /// At REPEATABLE READ or SERIALIZABLE a concurrent change to the record (a heartbeat, a
     /// takeover) may fail the statement or the commit with a serialization error, reported as
-    /// retryable: run the whole transaction again. [`crate::PgIdempotency`] does that for you.
+    /// retryable: run the whole transaction again. [`crate::PostgresIdempotency`] does that for you.
     pub async fn complete_in(
         &self,
         tx: &mut PgConnection,
@@ -369,7 +206,7 @@ impl PostgresStore {
         }
     }
 
-    /// The first statement of [`crate::PgIdempotency`]'s transaction (see `sql::hold`): the
+    /// The first statement of [`crate::PostgresIdempotency`]'s transaction (see `sql::hold`): the
     /// transaction's isolation level and, at REPEATABLE READ or SERIALIZABLE, the record row
     /// locked until the transaction ends, with the lease left on the database clock
     /// (`None`: the record is no longer a live Pending record held by `token`).
@@ -405,7 +242,7 @@ impl PostgresStore {
         }
     }
 
-    /// Begins a transaction on the pool for [`crate::PgIdempotency`]. While it waits for a
+    /// Begins a transaction on the pool for [`crate::PostgresIdempotency`]. While it waits for a
     /// connection the store gives back the ones it would keep.
     pub(crate) fn begin_transaction(
         &self,
@@ -628,7 +465,7 @@ impl Fetch for Execute {
     }
 }
 
-/// How a transaction's isolation level matters to [`crate::PgIdempotency`].
+/// How a transaction's isolation level matters to [`crate::PostgresIdempotency`].
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(crate) enum Level {
     /// READ COMMITTED (or READ UNCOMMITTED, which PostgreSQL runs as READ COMMITTED): each
@@ -679,65 +516,6 @@ enum Extra<'a> {
     Extend {
         lease_ms: i64,
     },
-}
-
-fn get<'r, T>(row: &'r PgRow, col: &str, table: &str) -> Result<T, Error>
-where
-    T: sqlx::Decode<'r, sqlx::Postgres> + sqlx::Type<sqlx::Postgres>,
-{
-    row.try_get(col)
-        .map_err(|e| map_sqlx(e, table, Effect::None))
-}
-
-fn non_negative<T: TryFrom<i64>>(v: i64, what: &str, id: &RecordId) -> Result<T, Error> {
-    T::try_from(v).map_err(|_| Error::corrupt(format!("record {id} has {what} = {v}")))
-}
-
-/// Decodes a record row (the columns of `sql::record_columns`), checking what the database
-/// cannot: a stored value this crate did not write is reported as corrupt, never trusted.
-fn decode_record(row: &PgRow, id: &RecordId, table: &str) -> Result<Record, Error> {
-    let fingerprint: Vec<u8> = get(row, "fingerprint", table)?;
-    let fingerprint = Fingerprint::from_slice(&fingerprint).ok_or_else(|| {
-        Error::corrupt(format!(
-            "record {id} has a {}-byte fingerprint (expected 32)",
-            fingerprint.len()
-        ))
-    })?;
-    let status: String = get(row, "status", table)?;
-    let status = RecordStatus::parse(&status)
-        .ok_or_else(|| Error::corrupt(format!("record {id} has unknown status {status:?}")))?;
-    let token: i64 = get(row, "token", table)?;
-    let token: u64 = non_negative(token, "token", id)?;
-    let outcome: Option<Vec<u8>> = get(row, "outcome", table)?;
-    let failure = match (
-        get::<Option<bool>>(row, "failure_retryable", table)?,
-        get::<Option<String>>(row, "failure_message", table)?,
-    ) {
-        (Some(retryable), Some(message)) => Some(Failure { retryable, message }),
-        (None, None) => None,
-        _ => {
-            return Err(Error::corrupt(format!(
-                "record {id} has half of a failure (retryable and message must be set together)"
-            )))
-        }
-    };
-    let ts = |col: &str| get::<i64>(row, col, table).map(Timestamp::from_millis);
-    let record = Record {
-        id: id.clone(),
-        fingerprint,
-        status,
-        token: FencingToken(token),
-        lease_until: get::<Option<i64>>(row, "lease_until_ms", table)?.map(Timestamp::from_millis),
-        outcome,
-        attempts: non_negative(get::<i32>(row, "attempts", table)?.into(), "attempts", id)?,
-        failure,
-        hits: non_negative(get::<i64>(row, "hits", table)?, "hits", id)?,
-        created_at: ts("created_ms")?,
-        updated_at: ts("updated_ms")?,
-        expires_at: ts("expires_ms")?,
-    };
-    record.validate()?;
-    Ok(record)
 }
 
 #[async_trait]

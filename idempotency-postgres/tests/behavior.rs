@@ -11,7 +11,7 @@ use idempotency_core::{
     RecordStatus, Scope,
 };
 use idempotency_postgres::sqlx::{self, Executor};
-use idempotency_postgres::{PgIdempotency, PostgresError, PostgresStore};
+use idempotency_postgres::{PostgresError, PostgresIdempotency, PostgresStore};
 use std::time::Duration;
 
 fn request(ttl: Duration) -> ClaimRequest {
@@ -280,7 +280,7 @@ async fn transactional_engine_releases_on_error() {
         "CREATE TABLE {orders} (id bigserial PRIMARY KEY, ref text)"
     ))
     .await;
-    let engine = PgIdempotency::new(store.clone(), Policy::default()).unwrap();
+    let engine = PostgresIdempotency::new(store.clone(), Policy::default()).unwrap();
     let (key, scope, fp) = (
         IdempotencyKey::random(),
         Scope::new("tenant|orders").unwrap(),

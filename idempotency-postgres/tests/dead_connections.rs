@@ -162,7 +162,7 @@ async fn transaction_after_restart(keep: bool) {
         inner: store.clone(),
         app: app.clone(),
     });
-    let engine = idempotency_postgres::PgIdempotency::with_engine(
+    let engine = idempotency_postgres::PostgresIdempotency::with_engine(
         store.clone(),
         Idempotency::new(restarting, Policy::default()).unwrap(),
     );

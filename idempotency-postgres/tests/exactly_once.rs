@@ -13,7 +13,7 @@ use idempotency_core::{
     InFlight, Outcome, Policy, Reclaim, RecordId, RecordStatus, Scope,
 };
 use idempotency_postgres::sqlx::{self, Connection, PgConnection};
-use idempotency_postgres::{PgIdempotency, PostgresStore};
+use idempotency_postgres::{PostgresIdempotency, PostgresStore};
 use rand::Rng;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -84,7 +84,7 @@ async fn lease_takeover(level: Isolation) {
     let policy = Policy::default()
         .lease(Duration::from_millis(300))
         .heartbeat(None);
-    let engine = PgIdempotency::new(store.clone(), policy).unwrap();
+    let engine = PostgresIdempotency::new(store.clone(), policy).unwrap();
     for _ in 0..TAKEOVER_ROUNDS {
         let pairs: Vec<_> = (0..TAKEOVER_PAIRS)
             .map(|_| tokio::spawn(takeover_pair(engine.clone(), orders.clone())))
@@ -95,7 +95,7 @@ async fn lease_takeover(level: Isolation) {
     }
 }
 
-async fn takeover_pair(engine: PgIdempotency, orders: Arc<str>) {
+async fn takeover_pair(engine: PostgresIdempotency, orders: Arc<str>) {
     let key = IdempotencyKey::random();
     let started = Arc::new(Notify::new());
     let stale_token = Arc::new(AtomicU64::new(0));
@@ -205,7 +205,7 @@ async fn dropped_transaction(level: Isolation) {
     let policy = Policy::default()
         .lease(Duration::from_secs(5))
         .in_flight(InFlight::wait(Duration::from_secs(20)));
-    let engine = PgIdempotency::new(store.clone(), policy).unwrap();
+    let engine = PostgresIdempotency::new(store.clone(), policy).unwrap();
     let cases: Vec<_> = (0..DROPPED)
         .map(|i| {
             let (engine, orders) = (engine.clone(), orders.clone());
@@ -224,7 +224,7 @@ async fn dropped_transaction(level: Isolation) {
 }
 
 /// The work's future is aborted after its insert.
-async fn dropped_during_work(engine: PgIdempotency, orders: Arc<str>) {
+async fn dropped_during_work(engine: PostgresIdempotency, orders: Arc<str>) {
     let key = IdempotencyKey::random();
     let inserted = Arc::new(Notify::new());
     let token = Arc::new(AtomicU64::new(0));
@@ -262,7 +262,7 @@ async fn dropped_during_work(engine: PgIdempotency, orders: Arc<str>) {
 
 /// The completion CAS ran in the transaction, then the transaction and the lease were dropped
 /// without a commit (the process gave up, a panic unwound past them).
-async fn dropped_after_completion(engine: PgIdempotency, orders: Arc<str>) {
+async fn dropped_after_completion(engine: PostgresIdempotency, orders: Arc<str>) {
     let key = IdempotencyKey::random();
     let id = RecordId::new(scope(), key.clone());
     let Begin::Execute(lease) = engine.engine().begin(&id, &fingerprint()).await.unwrap() else {
@@ -304,7 +304,7 @@ async fn dropped_after_completion(engine: PgIdempotency, orders: Arc<str>) {
 /// A retry of `key`, released or left by the holder of `first`, reclaims it with the next
 /// token and commits the one order.
 async fn retry_runs_once(
-    engine: &PgIdempotency,
+    engine: &PostgresIdempotency,
     orders: &Arc<str>,
     key: &IdempotencyKey,
     first: FencingToken,
@@ -601,7 +601,7 @@ async fn killed_connection_through_engine_helper() {
     let policy = Policy::default()
         .lease(Duration::from_secs(2))
         .in_flight(InFlight::wait(Duration::from_secs(10)));
-    let engine = PgIdempotency::new(store.clone(), policy).unwrap();
+    let engine = PostgresIdempotency::new(store.clone(), policy).unwrap();
     for _ in 0..6 {
         let key = IdempotencyKey::random();
         let (o, k) = (orders.clone(), key.clone());
@@ -655,7 +655,7 @@ const LONG_WORK: Duration = Duration::from_millis(1200);
 async fn long_work(level: Isolation) {
     let (store, _guard, orders) = setup(level, 8).await;
     let policy = Policy::default().lease(LONG_LEASE);
-    let engine = PgIdempotency::new(store.clone(), policy).unwrap();
+    let engine = PostgresIdempotency::new(store.clone(), policy).unwrap();
     let key = IdempotencyKey::random();
     let id = RecordId::new(scope(), key.clone());
     let runs = Arc::new(AtomicUsize::new(0));
@@ -784,7 +784,7 @@ async fn long_work_short_ttl(level: Isolation) {
     let policy = Policy::default()
         .lease(Duration::from_secs(1))
         .ttl(Duration::from_secs(1));
-    let engine = PgIdempotency::new(store.clone(), policy).unwrap();
+    let engine = PostgresIdempotency::new(store.clone(), policy).unwrap();
     let key = IdempotencyKey::random();
     let runs = Arc::new(AtomicUsize::new(0));
     let out = {
@@ -986,7 +986,7 @@ async fn commit_cut(level: Isolation, cut: CommitCut) {
     let policy = Policy::default()
         .lease(Duration::from_secs(5))
         .in_flight(InFlight::wait(Duration::from_secs(20)));
-    let engine = PgIdempotency::new(store.clone(), policy).unwrap();
+    let engine = PostgresIdempotency::new(store.clone(), policy).unwrap();
     let key = IdempotencyKey::random();
     let id = RecordId::new(scope(), key.clone());
     let runs = Arc::new(AtomicUsize::new(0));

@@ -292,18 +292,19 @@ async fn a_connection_whose_backend_was_killed_is_not_used_again() {
     }
 }
 
-/// `PgIdempotency` on a store that keeps connections, with a pool of two and more concurrent
+/// `PostgresIdempotency` on a store that keeps connections, with a pool of two and more concurrent
 /// transactions than connections: each claim's kept connection is handed to a waiting
 /// `BEGIN` instead of holding it up until the store gives it back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transactions_get_connections_the_store_keeps() {
     use idempotency_core::Policy;
-    use idempotency_postgres::PgIdempotency;
+    use idempotency_postgres::PostgresIdempotency;
     let (store, guard) = common::own_store(2, Duration::from_secs(2), &app_name("tx")).await;
     let orders = format!(r#""{}".orders"#, guard.schema);
     common::exec(&format!("CREATE TABLE {orders} (id bigserial PRIMARY KEY)")).await;
     let insert: Arc<str> = format!("INSERT INTO {orders} DEFAULT VALUES").into();
-    let engine = PgIdempotency::new(store.clone(), Policy::default().heartbeat(None)).unwrap();
+    let engine =
+        PostgresIdempotency::new(store.clone(), Policy::default().heartbeat(None)).unwrap();
     let scope = Scope::new("kept").unwrap();
     let fp = Fingerprint::from_bytes(b"tx");
     let mut fastest = Duration::MAX;

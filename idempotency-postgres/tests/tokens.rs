@@ -10,7 +10,7 @@ use idempotency_core::{
     IdempotencyStore, Outcome, Policy, Reclaim, Record, RecordId, RecordStatus, Scope,
 };
 use idempotency_postgres::sqlx;
-use idempotency_postgres::{PgIdempotency, PostgresStore};
+use idempotency_postgres::{PostgresIdempotency, PostgresStore};
 use std::time::Duration;
 
 fn request(lease: Duration, ttl: Duration) -> ClaimRequest {
@@ -321,7 +321,8 @@ async fn extreme_durations_clamp() {
 
             // Through the transactional engine with a policy of huge lease and TTL.
             let engine =
-                PgIdempotency::new(store.clone(), Policy::default().lease(huge).ttl(huge)).unwrap();
+                PostgresIdempotency::new(store.clone(), Policy::default().lease(huge).ttl(huge))
+                    .unwrap();
             let (key, scope, fp) = (
                 IdempotencyKey::random(),
                 Scope::new("tokens").unwrap(),

@@ -10,7 +10,7 @@ use idempotency_core::{
     Outcome, Policy, RecordId, RecordStatus, Scope,
 };
 use idempotency_postgres::sqlx::{self, Connection, PgPool};
-use idempotency_postgres::{PgIdempotency, PostgresStore};
+use idempotency_postgres::{PostgresIdempotency, PostgresStore};
 use idempotency_reliability::soak::{EngineRunner, Runner};
 use idempotency_reliability::storm::{
     calibrate, cancellation_storm, next_calls_succeed, storm_keys_settle, StormSize,
@@ -233,7 +233,8 @@ async fn kill_commit_once(schema: &str, effects: Arc<str>, lease: Duration) -> S
         .table("records")
         .build(app_pool(&app, 2).await)
         .expect("valid names");
-    let engine = PgIdempotency::new(store.clone(), Policy::default().lease(lease)).expect("engine");
+    let engine =
+        PostgresIdempotency::new(store.clone(), Policy::default().lease(lease)).expect("engine");
     let key = IdempotencyKey::random();
     let id = RecordId::new(scope(), key.clone());
     let killer = {
@@ -458,7 +459,7 @@ async fn cancelled_begin_leaves_no_transaction_open() {
     let pool = pg::pool(Isolation::ReadCommitted, 1).await;
     let store = store_on(pool.clone(), &guard);
     store.migrate().await.expect("migrate");
-    let engine = PgIdempotency::new(store, Policy::default()).expect("engine");
+    let engine = PostgresIdempotency::new(store, Policy::default()).expect("engine");
     let mut in_transaction = 0;
     for i in 0..400u64 {
         let key = IdempotencyKey::random();

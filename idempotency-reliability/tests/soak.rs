@@ -123,7 +123,7 @@ async fn soak_postgres() {
     run(engine(Arc::new(store), &config), config, Purge::Deletes).await;
 }
 
-/// Through `PgIdempotency::run_in_transaction`: every execution inserts a business row in
+/// Through `PostgresIdempotency::run_in_transaction`: every execution inserts a business row in
 /// the completion's transaction, and the rows are counted against the records.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn soak_postgres_transactional() {

@@ -14,7 +14,7 @@ use std::sync::Arc;
 /// The engine of SQLite's exactly-once path: an [`Idempotency`] engine built over one
 /// [`SqliteStore`] (it cannot be built over another store), whose
 /// [`run_in_transaction`](SqliteIdempotency::run_in_transaction) commits the work's writes and
-/// the completion in one transaction. Postgres has the same shape in `PgIdempotency`.
+/// the completion in one transaction. Postgres has the same shape in `PostgresIdempotency`.
 ///
 /// ```no_run
 /// # async fn demo(store: idempotency_sqlite::SqliteStore) -> Result<(), idempotency_core::Error> {

@@ -1,22 +1,22 @@
 //! The soak's runner for PostgreSQL's exactly-once path: the work writes a business row in the
-//! transaction that also runs the completion CAS ([`PgIdempotency::run_in_transaction`]), so
+//! transaction that also runs the completion CAS ([`PostgresIdempotency::run_in_transaction`]), so
 //! the rows can be counted.
 
 use futures::future::BoxFuture;
 use idempotency_core::{Fingerprint, IdempotencyKey, IdempotencyStore, Scope};
 use idempotency_postgres::sqlx;
-use idempotency_postgres::{PgIdempotency, PostgresStore};
+use idempotency_postgres::{PostgresIdempotency, PostgresStore};
 use idempotency_reliability::soak::{soak_policy, RunResult, Runner, Work, WorkFault};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Runs work through [`PgIdempotency::run_in_transaction`], inserting one row into an
+/// Runs work through [`PostgresIdempotency::run_in_transaction`], inserting one row into an
 /// `effects` table per execution, in the completion's transaction.
 #[derive(Debug)]
 pub(crate) struct PgTransactionalRunner {
-    engine: PgIdempotency,
-    stall_engine: PgIdempotency,
+    engine: PostgresIdempotency,
+    stall_engine: PostgresIdempotency,
     effects: Arc<str>,
 }
 
@@ -33,8 +33,10 @@ impl PgTransactionalRunner {
         .await
         .expect("create the effects table");
         Self {
-            engine: PgIdempotency::new(store.clone(), soak_policy(lease, true)).expect("policy"),
-            stall_engine: PgIdempotency::new(store, soak_policy(lease, false)).expect("policy"),
+            engine: PostgresIdempotency::new(store.clone(), soak_policy(lease, true))
+                .expect("policy"),
+            stall_engine: PostgresIdempotency::new(store, soak_policy(lease, false))
+                .expect("policy"),
             effects,
         }
     }

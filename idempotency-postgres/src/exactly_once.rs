@@ -29,12 +29,12 @@ const MAX_TRANSACTION_ATTEMPTS: u32 = 8;
 ///
 /// ```no_run
 /// use idempotency_core::{Fingerprint, IdempotencyKey, Policy, Scope};
-/// use idempotency_postgres::{PgIdempotency, PostgresStore};
+/// use idempotency_postgres::{PostgresIdempotency, PostgresStore};
 ///
 /// # async fn f() -> Result<(), Box<dyn std::error::Error>> {
 /// let store = PostgresStore::connect("postgres://postgres@127.0.0.1/app").await?;
 /// store.migrate().await?;
-/// let engine = PgIdempotency::new(store, Policy::default())?;
+/// let engine = PostgresIdempotency::new(store, Policy::default())?;
 /// let key = IdempotencyKey::new("order-42")?;
 /// let scope = Scope::from_parts(["tenant-1", "POST /orders"])?;
 /// let fp = Fingerprint::from_json(&serde_json::json!({"sku": "A1", "qty": 2}));
@@ -55,13 +55,17 @@ const MAX_TRANSACTION_ATTEMPTS: u32 = 8;
 /// # Ok(()) }
 /// ```
 #[derive(Clone, Debug)]
-pub struct PgIdempotency {
+pub struct PostgresIdempotency {
     engine: Idempotency,
     store: PostgresStore,
     level: Arc<LevelCache>,
 }
 
-impl PgIdempotency {
+/// The former name of [`PostgresIdempotency`], after the pattern of `SqliteIdempotency`.
+#[deprecated(since = "0.1.0", note = "renamed to PostgresIdempotency")]
+pub type PgIdempotency = PostgresIdempotency;
+
+impl PostgresIdempotency {
     /// An engine over `store` with `policy`.
     pub fn new(store: PostgresStore, policy: Policy) -> Result<Self, Error> {
         let engine = Idempotency::new(Arc::new(store.clone()), policy)?;
@@ -75,7 +79,7 @@ impl PgIdempotency {
     /// An exactly-once engine from an `engine` whose store is `store` behind a decorator (one
     /// that adds metrics, tracing or injected faults to the calls): its calls must reach
     /// `store`'s table, or the completion in the work's transaction will not find the record
-    /// it claimed. Prefer [`PgIdempotency::new`].
+    /// it claimed. Prefer [`PostgresIdempotency::new`].
     pub fn with_engine(store: PostgresStore, engine: Idempotency) -> Self {
         Self {
             engine,
@@ -341,7 +345,7 @@ impl PgIdempotency {
     }
 }
 
-impl PgIdempotency {
+impl PostgresIdempotency {
     /// How many lost connections in a row a transaction's start gets past: one more than the
     /// pool holds, so that after a restart it reaches a live connection past all the dead
     /// idle ones.
@@ -357,7 +361,7 @@ impl PgIdempotency {
     /// (see `run_in_transaction`); a connection that turns out dead (it died idle in the
     /// pool, as every idle connection does when the server restarts) has the pool's idle
     /// connections checked, and `BEGIN` is sent on the next one, up to
-    /// [`PgIdempotency::max_lost`] times: nothing ran on it.
+    /// [`PostgresIdempotency::max_lost`] times: nothing ran on it.
     async fn begin_transaction(
         &self,
         table: &str,
@@ -444,7 +448,7 @@ async fn keep_alive<F: Future>(
     }
 }
 
-/// What `PgIdempotency` knows of its sessions' isolation level, shared by its clones.
+/// What `PostgresIdempotency` knows of its sessions' isolation level, shared by its clones.
 #[derive(Debug, Default)]
 struct LevelCache(AtomicU8);
 
