@@ -1,0 +1,425 @@
+//! The lease: the right to run the work for a key, its heartbeat, and how it is settled.
+
+use super::loggable_record;
+use crate::observe::{emit, Event};
+use crate::{
+    Cas, Error, Failure, FencingToken, IdempotencyStore, Operation, Policy, RecordId, RecordStatus,
+    WorkContext,
+};
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// The right to run the work for a key, held until it is settled.
+///
+/// Settle it with [`Lease::complete`] or [`Lease::fail`], or with
+/// [`Lease::settled_externally`] after committing the completion inside your own transaction.
+/// Run the work inside [`Lease::with_heartbeat`] to extend the lease while it runs (per
+/// [`Policy::heartbeat`], for at most [`Policy::max_work_time`]); [`Idempotency::run`] does
+/// this for you.
+///
+/// # When the key is released
+///
+/// The key is released at once (the record becomes Failed and a retry runs) only when the
+/// work is known not to have acted, or the policy says its failure is to be retried: the
+/// work returned an outcome the policy releases, or it panicked ([`Idempotency::run`] calls
+/// [`Lease::fail`] for both). Everything else holds the key until the lease passes, because
+/// the work may have acted:
+/// - a lease dropped unsettled (the work's future was cancelled by a timeout, an abort or a
+///   client that went away, or a caller of [`Idempotency::begin`] returned early): nothing
+///   is written, the heartbeat stops with the future, and a retry is told
+///   [`Error::InProgress`] until the lease passes, then takes the key over;
+/// - a completion the store refused with errors through every try of
+///   [`Policy::settle_retry`]: the caller gets [`Error::OutcomeUnknown`] and the record stays
+///   Pending until the lease passes.
+///
+/// Call [`Lease::fail`] yourself to release a key whose work you know did nothing.
+#[derive(Debug)]
+#[must_use = "a lease holds the key: complete it, fail it or hold it; dropped, it holds the key \
+              until the lease passes"]
+pub struct Lease {
+    store: Arc<dyn IdempotencyStore>,
+    policy: Arc<Policy>,
+    id: RecordId,
+    token: FencingToken,
+    pub(super) claimed_at: Instant,
+    lost: AtomicBool,
+    settled: bool,
+}
+
+impl Lease {
+    pub(super) fn new(
+        store: Arc<dyn IdempotencyStore>,
+        policy: Arc<Policy>,
+        id: RecordId,
+        token: FencingToken,
+    ) -> Self {
+        Self {
+            store,
+            policy,
+            id,
+            token,
+            claimed_at: Instant::now(),
+            lost: AtomicBool::new(false),
+            settled: false,
+        }
+    }
+
+    /// The record being worked on.
+    pub fn id(&self) -> &RecordId {
+        &self.id
+    }
+
+    /// The holder's fencing token.
+    pub fn token(&self) -> FencingToken {
+        self.token
+    }
+
+    /// The id and token, for the work.
+    pub fn context(&self) -> WorkContext {
+        WorkContext {
+            id: self.id.clone(),
+            token: self.token,
+        }
+    }
+
+    /// Whether the heartbeat found the lease taken over.
+    pub fn is_lost(&self) -> bool {
+        self.lost.load(Ordering::SeqCst)
+    }
+
+    /// The retention the policy gives settled records.
+    pub fn ttl(&self) -> Duration {
+        self.policy.ttl
+    }
+
+    /// When the heartbeat stops extending this lease: the claim plus
+    /// [`Policy::max_work_time`]. A caller that keeps the lease alive by other means (the SQL
+    /// stores' exactly-once paths) stops there too.
+    pub fn work_deadline(&self) -> Instant {
+        self.claimed_at
+            .checked_add(self.policy.max_work_time)
+            .unwrap_or_else(|| self.claimed_at + Duration::from_secs(100 * 366 * 24 * 3600))
+    }
+
+    /// Runs `work` to completion while extending the lease every `fraction × lease` (per
+    /// [`Policy::heartbeat`]), until [`Policy::max_work_time`] after the claim: a work that
+    /// hangs then stops being extended, its lease passes, and a retry may take the key over
+    /// (this work's completion is then fenced). The heartbeat is polled in the caller's
+    /// task, so nothing is spawned and short work costs no more than a timer; dropping the
+    /// returned future stops it. If an extension is fenced the record is read back: when the
+    /// work's own transaction has settled it (this holder's token, no longer Pending) the
+    /// heartbeat just stops; otherwise the lease is marked lost ([`Lease::is_lost`]) and the
+    /// work still runs to its end; its completion will then be refused with
+    /// [`Error::LeaseLost`].
+    pub async fn with_heartbeat<F: Future>(&self, work: F) -> F::Output {
+        let Some(fraction) = self.policy.heartbeat else {
+            return work.await;
+        };
+        let every = self
+            .policy
+            .lease
+            .mul_f64(fraction)
+            .max(Duration::from_millis(1));
+        let beat = async {
+            loop {
+                tokio::time::sleep(every).await;
+                let worked = self.claimed_at.elapsed();
+                if worked >= self.policy.max_work_time {
+                    tracing::warn!(
+                        record = %loggable_record(&self.id, &self.policy),
+                        worked = ?worked,
+                        "the work outlived max_work_time; its lease is no longer extended"
+                    );
+                    return;
+                }
+                // Never extend past the end of the maximum work time.
+                let lease = self
+                    .policy
+                    .lease
+                    .min(self.policy.max_work_time - worked)
+                    .max(Duration::from_millis(1));
+                match self
+                    .store
+                    .as_ref()
+                    .extend(&self.id, self.token, lease)
+                    .await
+                {
+                    Ok(Cas::Applied) => {}
+                    Ok(Cas::Fenced) => {
+                        // Read back, as for every fence: the work's own transaction may have
+                        // settled the record (a handler that committed its completion and is
+                        // still answering). Then there is nothing left to extend, and nothing
+                        // was lost.
+                        let settled_by_us = match self.store.as_ref().get(&self.id).await {
+                            Ok(Some(r)) => {
+                                r.token == self.token && r.status != RecordStatus::Pending
+                            }
+                            _ => false,
+                        };
+                        if !settled_by_us {
+                            self.lost.store(true, Ordering::SeqCst);
+                            emit(Event::LeaseLost);
+                        }
+                        return;
+                    }
+                    // A failed extension is retried at the next beat; the lease may pass
+                    // meanwhile, and then the CAS reports it.
+                    Err(e) => tracing::warn!(
+                        error = %e.during(
+                            Operation::Extend,
+                            loggable_record(&self.id, &self.policy)
+                        ),
+                        "lease heartbeat failed"
+                    ),
+                }
+            }
+        };
+        let work = std::pin::pin!(work);
+        let beat = std::pin::pin!(beat);
+        match futures::future::select(work, beat).await {
+            futures::future::Either::Left((out, _)) => out,
+            futures::future::Either::Right(((), work)) => work.await,
+        }
+    }
+
+    /// Stores the outcome. [`Error::LeaseLost`] if another holder took the key over.
+    ///
+    /// A store error is retried per [`Policy::settle_retry`] (the write is a compare-and-swap
+    /// on the token). Every refusal is read back: a write that was applied although its
+    /// answer was lost (or that a client resent after it applied) shows as this holder's
+    /// Completed record, and is a success. If every try fails the key is **not** released:
+    /// the record stays Pending until its lease passes and the result is
+    /// [`Error::OutcomeUnknown`]. It is `OutcomeUnknown` too when a try is refused and the
+    /// record is gone (purged, evicted, or lost by a store that restarted without its data),
+    /// or replaced although an earlier try may have applied and its record since expired (a
+    /// retention shorter than the retries).
+    pub async fn complete(mut self, outcome: &[u8]) -> Result<(), Error> {
+        let this = &self;
+        let cas = this
+            .settle_with_retries(RecordStatus::Completed, || {
+                this.store
+                    .as_ref()
+                    .complete(&this.id, this.token, outcome, this.policy.ttl)
+            })
+            .await;
+        match cas {
+            Err(e) => {
+                // The work ran: never release the key because its outcome could not be stored.
+                self.settled = true;
+                emit(Event::OutcomeNotStored);
+                tracing::error!(
+                    record = %loggable_record(&self.id, &self.policy),
+                    error = %e,
+                    "the outcome could not be stored; the key stays pending until its lease passes"
+                );
+                Err(match e {
+                    e @ Error::OutcomeUnknown { .. } => e,
+                    e => Error::OutcomeUnknown {
+                        source: Box::new(e),
+                    },
+                })
+            }
+            cas => self.settle(cas),
+        }
+    }
+
+    /// Records a failure and releases the key. [`Error::LeaseLost`] if the token was fenced.
+    ///
+    /// A store error is retried per [`Policy::settle_retry`]; if every try fails, the error
+    /// is returned and the key stays Pending until its lease passes.
+    pub async fn fail(mut self, failure: Failure) -> Result<(), Error> {
+        let this = &self;
+        let cas = this
+            .settle_with_retries(RecordStatus::Failed, || {
+                this.store
+                    .as_ref()
+                    .fail(&this.id, this.token, &failure, this.policy.ttl)
+            })
+            .await;
+        if cas.is_err() {
+            // Nothing is released; the lease passes on its own.
+            self.settled = true;
+        }
+        self.settle(cas)
+    }
+
+    /// Tries `write` per the settle policy. Every `Fenced` answer is checked with a read of
+    /// the record, because a fence is not always another holder:
+    /// - the record is in `status` with this token: a try was applied and only its answer
+    ///   was lost (a failed try, or a client that resent a write which had already applied);
+    /// - the record still holds this token in another state: another writer settled it;
+    /// - the record is gone (a purge, an eviction, a store that lost its data): no other
+    ///   holder fenced this one. A completion's outcome is then [`Error::OutcomeUnknown`] (an
+    ///   applied try's record may have expired, or been lost with the data), never
+    ///   `LeaseLost`; a release has nothing left to release, so it counts as applied;
+    /// - another token holds the record: fenced, unless an earlier try failed and may have
+    ///   applied before its record expired and was replaced (a retention shorter than the
+    ///   retries, plus a margin): then [`Error::OutcomeUnknown`]. Within the retention an
+    ///   applied try would still show, so `Fenced` is certain.
+    async fn settle_with_retries<'a, W, Fut>(
+        &self,
+        status: RecordStatus,
+        write: W,
+    ) -> Result<Cas, Error>
+    where
+        W: Fn() -> Fut,
+        Fut: Future<Output = Result<Cas, Error>> + 'a,
+    {
+        let operation = match status {
+            RecordStatus::Failed => Operation::Fail,
+            _ => Operation::Complete,
+        };
+        self.settle_tries(status, write)
+            .await
+            .map_err(|e| e.during(operation, loggable_record(&self.id, &self.policy)))
+    }
+
+    async fn settle_tries<'a, W, Fut>(&self, status: RecordStatus, write: W) -> Result<Cas, Error>
+    where
+        W: Fn() -> Fut,
+        Fut: Future<Output = Result<Cas, Error>> + 'a,
+    {
+        let retry = self.policy.settle_retry;
+        let mut backoff = retry.initial_backoff;
+        let mut failed_before = false;
+        let mut attempt = 1;
+        // No try applied before this, so an applied try's record lives until at least this
+        // plus the retention.
+        let first_try = Instant::now();
+        loop {
+            match write().await {
+                Ok(Cas::Applied) => return Ok(Cas::Applied),
+                Ok(Cas::Fenced) => {
+                    let window = failed_before.then(|| first_try.elapsed());
+                    return self.check_fence(status, window).await;
+                }
+                Err(e) if attempt >= retry.attempts => return Err(e),
+                Err(e) => {
+                    tracing::warn!(
+                        record = %loggable_record(&self.id, &self.policy),
+                        error = %e,
+                        attempt,
+                        "settling the lease failed; trying again"
+                    );
+                    failed_before = true;
+                    attempt += 1;
+                    tokio::time::sleep(backoff).await;
+                    backoff = backoff.saturating_mul(2).min(retry.max_backoff);
+                }
+            }
+        }
+    }
+
+    /// What a `Fenced` answer to a write that settles the record in `status` means, read
+    /// back from the record (see [`Lease::settle_with_retries`]). `since_failed_try` is how
+    /// long ago the first try was sent when an earlier try failed (and may have applied).
+    async fn check_fence(
+        &self,
+        status: RecordStatus,
+        since_failed_try: Option<Duration>,
+    ) -> Result<Cas, Error> {
+        /// Room for the store's clock (millisecond timestamps, another host's rate).
+        const RETENTION_MARGIN: Duration = Duration::from_secs(1);
+        let record = self.store.as_ref().get(&self.id).await?;
+        match record {
+            Some(r) if r.token == self.token && r.status == status => Ok(Cas::Applied),
+            // Still this holder's token in another state: another writer settled it, and no
+            // try of ours applied.
+            Some(r) if r.token == self.token => Ok(Cas::Fenced),
+            // Gone: nobody took the key over. A release has nothing left to release.
+            None if status == RecordStatus::Failed => Ok(Cas::Applied),
+            None => Err(Error::OutcomeUnknown {
+                source: "the completion was refused and the record is gone (purged, evicted \
+                         or lost by the store): whether the outcome was stored is unknown"
+                    .into(),
+            }),
+            Some(_)
+                if since_failed_try.is_some_and(|elapsed| {
+                    elapsed.saturating_add(RETENTION_MARGIN) >= self.policy.ttl
+                }) =>
+            {
+                Err(Error::OutcomeUnknown {
+                    source: "an earlier try may have applied, and its record has since expired"
+                        .into(),
+                })
+            }
+            Some(_) => Ok(Cas::Fenced),
+        }
+    }
+
+    /// Marks the lease settled without writing: the caller committed the completion CAS in
+    /// its own transaction (the SQL stores' exactly-once path).
+    pub fn settled_externally(mut self) {
+        self.settled = true;
+    }
+
+    /// Releases the key after the work panicked (a panic counts as a failed attempt, and a
+    /// retry need not wait for the lease to pass): a retryable failure is recorded. The
+    /// engine, the SQL exactly-once paths and the HTTP layer all release through this. A
+    /// failure to release is logged; the lease then passes on its own.
+    pub async fn release_after_panic(self) {
+        let record = loggable_record(&self.id, &self.policy);
+        match self.fail(Failure::retryable("the work panicked")).await {
+            Ok(()) => {}
+            Err(e @ Error::LeaseLost { .. }) => {
+                tracing::warn!(record = %record, error = %e, "the key was taken over before it could be released after a panic");
+            }
+            Err(e) => {
+                tracing::warn!(record = %record, error = %e, "could not release the key after a panic; its lease will pass");
+            }
+        }
+    }
+
+    /// The policy the lease runs under.
+    pub(crate) fn policy(&self) -> &Policy {
+        &self.policy
+    }
+
+    /// Holds the key without writing anything: the record stays Pending until its lease
+    /// passes (a retry is told [`Error::InProgress`] until then, and takes the key over
+    /// after). For work that may have acted but whose outcome is not stored, so that a
+    /// retry does not run it again at once. Dropping a lease unsettled does the same, but
+    /// counts as abandoned work; this says it was meant.
+    pub fn hold(mut self) {
+        self.settled = true;
+        tracing::debug!(
+            record = %loggable_record(&self.id, &self.policy),
+            token = %self.token,
+            "the key is held until its lease passes"
+        );
+    }
+
+    fn settle(&mut self, cas: Result<Cas, Error>) -> Result<(), Error> {
+        match cas {
+            Ok(Cas::Applied) => {
+                self.settled = true;
+                Ok(())
+            }
+            Ok(Cas::Fenced) => {
+                // The record belongs to someone else now: nothing to release on drop.
+                self.settled = true;
+                emit(Event::LeaseLost);
+                Err(Error::LeaseLost { token: self.token })
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if self.settled {
+            return;
+        }
+        // The work may have acted before it was dropped: writing a failure would let a retry
+        // run it again at once. Leave the record Pending; its lease passes on its own.
+        emit(Event::Abandoned);
+        tracing::warn!(
+            record = %loggable_record(&self.id, &self.policy),
+            token = %self.token,
+            "a lease was dropped unsettled; the key stays pending until its lease passes"
+        );
+    }
+}

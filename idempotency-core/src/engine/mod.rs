@@ -1,0 +1,451 @@
+//! The engine: claim, run the work once, store and replay its outcome.
+
+mod lease;
+#[cfg(test)]
+mod tests;
+
+pub use lease::Lease;
+
+use crate::observe::{emit, loggable_key, Event};
+use crate::{
+    decide, Claim, ClaimRequest, Decision, Error, ErrorOutcomes, Failure, FencingToken,
+    Fingerprint, IdempotencyKey, IdempotencyStore, InFlight, Operation, Policy, Reclaim, Record,
+    RecordId, RecordStatus, Scope, Timestamp,
+};
+use futures::FutureExt;
+use serde::{de::DeserializeOwned, Serialize};
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tracing::Instrument;
+
+/// How many claim/reclaim rounds one call makes before reporting the key as in progress.
+/// Each lost round means another caller won the key, so more rounds rarely help.
+const MAX_ROUNDS: usize = 8;
+
+/// An outcome, and whether it was produced now or replayed from the store.
+#[derive(Clone, PartialEq, Eq, Debug)]
+#[must_use = "an outcome says whether the work ran or was replayed, and carries its result"]
+pub enum Outcome<T> {
+    /// The work ran in this call.
+    Fresh(T),
+    /// The work ran earlier; this is its stored outcome.
+    Replayed(T),
+}
+
+impl<T> Outcome<T> {
+    /// The outcome, fresh or replayed.
+    pub fn into_inner(self) -> T {
+        match self {
+            Self::Fresh(t) | Self::Replayed(t) => t,
+        }
+    }
+    /// A reference to the outcome.
+    pub fn get(&self) -> &T {
+        match self {
+            Self::Fresh(t) | Self::Replayed(t) => t,
+        }
+    }
+    /// Whether the outcome was replayed.
+    pub fn is_replayed(&self) -> bool {
+        matches!(self, Self::Replayed(_))
+    }
+}
+
+/// Whether an outcome is stored for replay or recorded as a failure that releases the key.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub enum Disposition {
+    /// Store the outcome; later requests with the key replay it.
+    Store,
+    /// Do not store it: record a failure and release the key for a retry.
+    Release(Failure),
+}
+
+/// What the work is told about its claim: the record and its fencing token, for writing the
+/// completion inside the caller's own transaction or fencing writes elsewhere.
+#[derive(Clone, Debug)]
+pub struct WorkContext {
+    /// The record being worked on.
+    pub id: RecordId,
+    /// The holder's fencing token.
+    pub token: FencingToken,
+}
+
+/// What [`Idempotency::begin`] decided. Every expected answer is a value: `Err` from
+/// `begin` means that something broke (the store failed, a record was corrupt).
+#[derive(Debug)]
+#[must_use = "a Begin says whether to run the work (holding the key's lease) or what to answer"]
+pub enum Begin {
+    /// The caller holds the key and must run the work, then settle the lease.
+    Execute(Lease),
+    /// The work already ran; here is its stored outcome.
+    Replay(Record),
+    /// The key was already used with a different request fingerprint.
+    Mismatch,
+    /// Another attempt holds a live lease on the key (and the policy did not wait, or waited
+    /// as long as it allows).
+    InProgress {
+        /// How long until that attempt's lease passes.
+        retry_after: Duration,
+    },
+    /// The last attempt with this key and fingerprint failed permanently; the work is not
+    /// run again while the record is kept.
+    FailedPermanently {
+        /// The failure's message, for operators (not meant for clients).
+        message: String,
+    },
+}
+
+/// The answers of [`Begin`] that let the caller go on, from [`Begin::proceed`].
+#[derive(Debug)]
+pub enum Proceed {
+    /// The caller holds the key and must run the work, then settle the lease.
+    Execute(Lease),
+    /// The work already ran; here is its stored outcome.
+    Replay(Record),
+}
+
+impl Begin {
+    /// [`Begin::Execute`] and [`Begin::Replay`] as `Ok`, and the refusals as the [`Error`]
+    /// that [`Idempotency::run`] returns for them ([`Error::Mismatch`],
+    /// [`Error::InProgress`], [`Error::FailedPermanently`]), for callers that use `?`.
+    pub fn proceed(self) -> Result<Proceed, Error> {
+        match self {
+            Begin::Execute(lease) => Ok(Proceed::Execute(lease)),
+            Begin::Replay(record) => Ok(Proceed::Replay(record)),
+            Begin::Mismatch => Err(Error::Mismatch),
+            Begin::InProgress { retry_after } => Err(Error::InProgress { retry_after }),
+            Begin::FailedPermanently { message } => Err(Error::FailedPermanently { message }),
+        }
+    }
+}
+
+/// The idempotency engine: wraps a unit of work so that it runs once per `(scope, key)` and
+/// every retry gets the first outcome.
+///
+/// ```
+/// # use idempotency_core::*;
+/// # async fn example(store: std::sync::Arc<dyn IdempotencyStore>) -> Result<(), Error> {
+/// let engine = Idempotency::new(store, Policy::default())?;
+/// let key = IdempotencyKey::new("charge-123")?;
+/// let scope = Scope::from_parts(["tenant-1", "charge"])?;
+/// let fp = Fingerprint::from_json(&serde_json::json!({"amount": 500}));
+/// let outcome = engine
+///     .run(&key, &scope, &fp, |_ctx| async { Ok::<_, String>("receipt-1".to_string()) })
+///     .await?;
+/// println!("replayed: {}, receipt: {:?}", outcome.is_replayed(), outcome.get());
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Debug)]
+pub struct Idempotency {
+    store: Arc<dyn IdempotencyStore>,
+    policy: Arc<Policy>,
+}
+
+impl Idempotency {
+    /// An engine over `store` with `policy` (checked with [`Policy::validate`]).
+    pub fn new(store: Arc<dyn IdempotencyStore>, policy: Policy) -> Result<Self, Error> {
+        policy.validate()?;
+        Ok(Self {
+            store,
+            policy: Arc::new(policy),
+        })
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Arc<dyn IdempotencyStore> {
+        &self.store
+    }
+
+    /// The policy.
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+
+    /// Runs `work` once for `(scope, key)`.
+    ///
+    /// `Ok` outcomes are stored and replayed; `Err` outcomes follow [`Policy::errors`]: by
+    /// default they release the key for a retry and are returned as `Fresh(Err(e))`.
+    /// A duplicate while the first attempt runs gets [`Error::InProgress`] (or waits, per
+    /// [`Policy::in_flight`]); a different fingerprint gets [`Error::Mismatch`].
+    pub async fn run<T, E, F, Fut>(
+        &self,
+        key: &IdempotencyKey,
+        scope: &Scope,
+        fingerprint: &Fingerprint,
+        work: F,
+    ) -> Result<Outcome<Result<T, E>>, Error>
+    where
+        T: Serialize + DeserializeOwned + Send,
+        E: Serialize + DeserializeOwned + std::fmt::Display + Send,
+        F: FnOnce(WorkContext) -> Fut + Send,
+        Fut: Future<Output = Result<T, E>> + Send,
+    {
+        let errors = self.policy.errors;
+        self.run_with(
+            key,
+            scope,
+            fingerprint,
+            move |r: &Result<T, E>| match (r, errors) {
+                (Ok(_), _) | (Err(_), ErrorOutcomes::Store) => Disposition::Store,
+                (Err(e), ErrorOutcomes::RecordFailure) => {
+                    Disposition::Release(Failure::retryable(e.to_string()))
+                }
+            },
+            work,
+        )
+        .await
+    }
+
+    /// Runs `work` once for `(scope, key)`, with `classify` deciding whether its outcome is
+    /// stored or released. Outcomes are stored as JSON.
+    pub async fn run_with<R, C, F, Fut>(
+        &self,
+        key: &IdempotencyKey,
+        scope: &Scope,
+        fingerprint: &Fingerprint,
+        classify: C,
+        work: F,
+    ) -> Result<Outcome<R>, Error>
+    where
+        R: Serialize + DeserializeOwned + Send,
+        C: FnOnce(&R) -> Disposition + Send,
+        F: FnOnce(WorkContext) -> Fut + Send,
+        Fut: Future<Output = R> + Send,
+    {
+        let span = tracing::info_span!(
+            "idempotency.run",
+            scope = %scope,
+            key = %loggable_key(key, self.policy.hash_keys_in_logs),
+            decision = tracing::field::Empty,
+        );
+        async move {
+            // The request owns the record's address, which then moves into the lease: one
+            // copy of the scope and key per call.
+            let request =
+                self.claim_request(RecordId::new(scope.clone(), key.clone()), fingerprint);
+            let lease = match self.begin_request(request).await?.proceed()? {
+                Proceed::Replay(record) => return decode_replay(&record).map(Outcome::Replayed),
+                Proceed::Execute(lease) => lease,
+            };
+            let ctx = lease.context();
+            let result = match lease
+                .with_heartbeat(AssertUnwindSafe(work(ctx)).catch_unwind())
+                .await
+            {
+                Ok(r) => r,
+                Err(panic) => {
+                    // Release the key before the panic goes on, so a retry need not wait for
+                    // the lease to pass.
+                    lease.release_after_panic().await;
+                    std::panic::resume_unwind(panic);
+                }
+            };
+            match classify(&result) {
+                Disposition::Store => {
+                    let bytes =
+                        serde_json::to_vec(&result).map_err(|source| Error::Codec { source });
+                    match bytes {
+                        Ok(bytes) => lease.complete(&bytes).await?,
+                        Err(e) => {
+                            let _ = lease.fail(Failure::permanent(e.to_string())).await;
+                            return Err(e);
+                        }
+                    }
+                }
+                Disposition::Release(failure) => lease.fail(failure).await?,
+            }
+            Ok(Outcome::Fresh(result))
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Claims `id` for a request with `fingerprint`: either the caller now holds the key and
+    /// gets a [`Lease`] to run the work under, or the work already ran and its record is
+    /// returned for replay, or the request is refused (a mismatch, a duplicate in flight, a
+    /// permanent failure), all as [`Begin`] values; `Err` means that something broke.
+    ///
+    /// This is the low-level entry point for callers that store their own outcome format (the
+    /// HTTP layer) or complete inside their own database transaction.
+    pub async fn begin(&self, id: &RecordId, fingerprint: &Fingerprint) -> Result<Begin, Error> {
+        self.begin_request(self.claim_request(id.clone(), fingerprint))
+            .await
+    }
+
+    fn claim_request(&self, id: RecordId, fingerprint: &Fingerprint) -> ClaimRequest {
+        ClaimRequest {
+            id,
+            fingerprint: *fingerprint,
+            lease: self.policy.lease,
+            ttl: self.policy.ttl,
+            count_hit: self.policy.count_hits,
+        }
+    }
+
+    /// [`Idempotency::begin`] on a prepared request, whose address moves into the lease.
+    ///
+    /// One request counts one hit: it claims once, and every later look (after a lost
+    /// reclaim, while waiting) is a `get`, decided against the store's `now` from that claim
+    /// plus the time elapsed since. That estimate only steers the next step: a reclaim is
+    /// still decided by the store's clock, and a record the estimate thinks expired is
+    /// claimed again, which the store decides.
+    async fn begin_request(&self, request: ClaimRequest) -> Result<Begin, Error> {
+        let started = Instant::now();
+        // Store calls go to the `dyn` store itself (here and in `Lease`): method lookup on the
+        // `Arc` would pick the forwarding `impl IdempotencyStore for Arc<T>`, one more boxed
+        // future and virtual call per operation.
+        let store = self.store.as_ref();
+        let (id, fingerprint) = (&request.id, &request.fingerprint);
+        let mut backoff = match self.policy.in_flight {
+            InFlight::Wait {
+                initial_backoff, ..
+            } => initial_backoff,
+            InFlight::Reject => Duration::ZERO,
+        };
+        let mut last_retry_after = self.policy.lease;
+        // The store's clock at the last claim, and when that was on ours.
+        let mut store_clock: Option<(Timestamp, Instant)> = None;
+        let mut reread = false;
+        let mut rounds = 0;
+        while rounds < MAX_ROUNDS {
+            rounds += 1;
+            let observed = match store_clock {
+                Some((then, at)) if reread => store
+                    .get(id)
+                    .await
+                    .map_err(|e| e.during(Operation::Get, self.loggable(id)))?
+                    .map(|record| (record, then.saturating_add(at.elapsed()))),
+                _ => None,
+            };
+            let (record, now) = match observed {
+                Some(seen) => seen,
+                None => match store
+                    .claim(&request)
+                    .await
+                    .map_err(|e| e.during(Operation::Claim, self.loggable(id)))?
+                {
+                    Claim::Claimed { token, .. } => {
+                        emit(Event::Claim);
+                        return Ok(Begin::Execute(self.lease(request.id, token)));
+                    }
+                    Claim::Existing { record, now } => {
+                        store_clock = Some((now, Instant::now()));
+                        (record, now)
+                    }
+                },
+            };
+            reread = true;
+            match decide(
+                Some(&record),
+                fingerprint,
+                now,
+                self.policy.decision_options(),
+            ) {
+                Decision::Claim => reread = false,
+                Decision::Replay => {
+                    emit(Event::Replay);
+                    return Ok(Begin::Replay(record));
+                }
+                Decision::Mismatch => {
+                    emit(Event::Mismatch);
+                    return Ok(Begin::Mismatch);
+                }
+                Decision::FailedPermanently => {
+                    emit(Event::FailedPermanently);
+                    return Ok(Begin::FailedPermanently {
+                        message: record.failure.map(|f| f.message).unwrap_or_default(),
+                    });
+                }
+                Decision::Reclaim { expected } => {
+                    match store
+                        .reclaim(
+                            id,
+                            expected,
+                            fingerprint,
+                            self.policy.lease,
+                            self.policy.ttl,
+                        )
+                        .await
+                        .map_err(|e| e.during(Operation::Reclaim, self.loggable(id)))?
+                    {
+                        Reclaim::Reclaimed { token, .. } => {
+                            emit(Event::Reclaim);
+                            return Ok(Begin::Execute(self.lease(request.id, token)));
+                        }
+                        // Someone else moved the record on: look again (a `get`).
+                        Reclaim::Lost => {}
+                    }
+                }
+                Decision::InProgress { retry_after } => {
+                    last_retry_after = retry_after;
+                    let InFlight::Wait {
+                        max_wait,
+                        max_backoff,
+                        ..
+                    } = self.policy.in_flight
+                    else {
+                        break;
+                    };
+                    // Waiting is bounded by `max_wait`, not by rounds.
+                    rounds = 0;
+                    // Poll with `get` until the holder settles, or until its lease may have
+                    // passed; then decide again.
+                    let wait_started = Instant::now();
+                    loop {
+                        let waited = started.elapsed();
+                        if waited >= max_wait {
+                            emit(Event::InProgress);
+                            return Ok(Begin::InProgress { retry_after });
+                        }
+                        tokio::time::sleep(backoff.min(max_wait - waited)).await;
+                        backoff = backoff.saturating_mul(2).min(max_backoff);
+                        match store
+                            .get(id)
+                            .await
+                            .map_err(|e| e.during(Operation::Get, self.loggable(id)))?
+                        {
+                            Some(r)
+                                if r.status == RecordStatus::Pending
+                                    && r.token == record.token
+                                    && wait_started.elapsed() < retry_after => {}
+                            _ => break,
+                        }
+                    }
+                }
+            }
+        }
+        emit(Event::InProgress);
+        Ok(Begin::InProgress {
+            retry_after: last_retry_after,
+        })
+    }
+
+    /// `id` as logs and errors show it: the key hashed when the policy says so.
+    fn loggable(&self, id: &RecordId) -> String {
+        loggable_record(id, &self.policy)
+    }
+
+    fn lease(&self, id: RecordId, token: FencingToken) -> Lease {
+        Lease::new(self.store.clone(), self.policy.clone(), id, token)
+    }
+}
+
+/// `id` as logs and errors show it: `scope#key`, the key hashed when the policy says so.
+pub(crate) fn loggable_record(id: &RecordId, policy: &Policy) -> String {
+    format!(
+        "{}#{}",
+        id.scope,
+        loggable_key(&id.key, policy.hash_keys_in_logs)
+    )
+}
+
+/// Decodes a Completed record's outcome as JSON into `R`.
+pub fn decode_replay<R: DeserializeOwned>(record: &Record) -> Result<R, Error> {
+    let bytes = record
+        .outcome
+        .as_deref()
+        .ok_or_else(|| Error::corrupt(format!("completed record {} has no outcome", record.id)))?;
+    serde_json::from_slice(bytes).map_err(|source| Error::Codec { source })
+}
