@@ -3,10 +3,10 @@
 
 use super::*;
 use crate::{Cas, Timestamp};
-use std::sync::atomic::Ordering;
 use async_trait::async_trait;
 use std::collections::VecDeque;
 use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::Ordering;
 use std::sync::Mutex;
 
 /// Answers claims from a script (then repeats the last answer), `get` with a fixed record,
