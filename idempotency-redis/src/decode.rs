@@ -4,7 +4,8 @@
 //! describes; [`decode_record`] reads it and checks every rule a record must keep.
 
 use idempotency_core::{
-    Error, Failure, FencingToken, Fingerprint, Record, RecordId, RecordStatus, Timestamp,
+    Cas, Claim, Error, Failure, FencingToken, Fingerprint, Reclaim, Record, RecordId, RecordStatus,
+    Timestamp,
 };
 use redis::Value;
 
@@ -260,6 +261,51 @@ pub(crate) fn encode_record(record: &Record) -> Vec<u8> {
     out.extend_from_slice(message.as_bytes());
     out.extend_from_slice(record.outcome.as_deref().unwrap_or_default());
     out
+}
+
+pub(crate) fn claim_reply(value: Value, id: &RecordId) -> Result<Claim, Error> {
+    let reply = Reply::parse(value)?;
+    match reply.tag.as_str() {
+        "claimed" => Ok(Claim::Claimed {
+            token: reply.token(0)?,
+            lease_until: reply.millis(1, "lease deadline")?,
+        }),
+        "record" => Ok(Claim::Existing {
+            now: reply.millis(0, "server time")?,
+            record: reply.record(1, id)?,
+        }),
+        _ => Err(reply.unexpected_tag("claim")),
+    }
+}
+
+pub(crate) fn reclaim_reply(value: Value) -> Result<Reclaim, Error> {
+    let reply = Reply::parse(value)?;
+    match reply.tag.as_str() {
+        "reclaimed" => Ok(Reclaim::Reclaimed {
+            token: reply.token(0)?,
+            lease_until: reply.millis(1, "lease deadline")?,
+        }),
+        "lost" => Ok(Reclaim::Lost),
+        _ => Err(reply.unexpected_tag("reclaim")),
+    }
+}
+
+pub(crate) fn get_reply(value: Value, id: &RecordId) -> Result<Option<Record>, Error> {
+    let reply = Reply::parse(value)?;
+    match reply.tag.as_str() {
+        "record" => reply.record(1, id).map(Some),
+        "none" => Ok(None),
+        _ => Err(reply.unexpected_tag("get")),
+    }
+}
+
+pub(crate) fn cas_reply(value: Value, op: &str) -> Result<Cas, Error> {
+    let reply = Reply::parse(value)?;
+    match reply.tag.as_str() {
+        "applied" => Ok(Cas::Applied),
+        "fenced" => Ok(Cas::Fenced),
+        _ => Err(reply.unexpected_tag(op)),
+    }
 }
 
 #[cfg(test)]

@@ -16,18 +16,18 @@ use std::time::{Duration, Instant};
 /// Settle it with [`Lease::complete`] or [`Lease::fail`], or with
 /// [`Lease::settled_externally`] after committing the completion inside your own transaction.
 /// Run the work inside [`Lease::with_heartbeat`] to extend the lease while it runs (per
-/// [`Policy::heartbeat`], for at most [`Policy::max_work_time`]); [`Idempotency::run`] does
+/// [`Policy::heartbeat`], for at most [`Policy::max_work_time`]); [`Idempotency::run`](crate::Idempotency::run) does
 /// this for you.
 ///
 /// # When the key is released
 ///
 /// The key is released at once (the record becomes Failed and a retry runs) only when the
 /// work is known not to have acted, or the policy says its failure is to be retried: the
-/// work returned an outcome the policy releases, or it panicked ([`Idempotency::run`] calls
+/// work returned an outcome the policy releases, or it panicked ([`Idempotency::run`](crate::Idempotency::run) calls
 /// [`Lease::fail`] for both). Everything else holds the key until the lease passes, because
 /// the work may have acted:
 /// - a lease dropped unsettled (the work's future was cancelled by a timeout, an abort or a
-///   client that went away, or a caller of [`Idempotency::begin`] returned early): nothing
+///   client that went away, or a caller of [`Idempotency::begin`](crate::Idempotency::begin) returned early): nothing
 ///   is written, the heartbeat stops with the future, and a retry is told
 ///   [`Error::InProgress`] until the lease passes, then takes the key over;
 /// - a completion the store refused with errors through every try of

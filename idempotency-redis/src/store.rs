@@ -1,0 +1,347 @@
+//! The store: one Lua script per operation over one key, called with `EVALSHA`.
+
+use crate::builder::{RedisStoreBuilder, DEFAULT_EXPIRED_RETENTION, DEFAULT_PREFIX};
+use crate::decode::{cas_reply, claim_reply, get_reply, reclaim_reply};
+use crate::error::{call_error, read_error};
+use crate::{keys, scripts};
+use async_trait::async_trait;
+use idempotency_core::{
+    duration_millis, Cas, Claim, ClaimRequest, Error, Failure, FencingToken, Fingerprint,
+    IdempotencyStore, Reclaim, Record, RecordId,
+};
+use redis::aio::ConnectionManager;
+use redis::cluster_async::ClusterConnection;
+use redis::{Cmd, ErrorKind, IntoConnectionInfo, RedisError, Value};
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+// Durations handed to the scripts are capped at `MAX_DURATION` (by `duration_millis`), so
+// every sum the scripts compute stays an exact integer in Lua's doubles: a stored expiry (at
+// most 15 digits) plus a retention, or now plus two capped durations, stays below 2^53.
+const _: () = assert!(
+    1_000_000_000_000_000 + 2 * (idempotency_core::MAX_DURATION.as_millis() as i64) < 1 << 53
+);
+
+/// The connection the store talks through: both kinds multiplex concurrent calls over shared
+/// sockets and reconnect by themselves.
+#[derive(Clone)]
+pub(crate) enum Connection {
+    Standalone(Box<ConnectionManager>),
+    Cluster(ClusterConnection),
+}
+
+impl Connection {
+    /// Sends one command; an error reply from the server comes back as `Err`.
+    async fn query(&self, cmd: &Cmd) -> Result<Value, RedisError> {
+        match self {
+            Self::Standalone(c) => cmd.query_async(&mut ConnectionManager::clone(c)).await,
+            Self::Cluster(c) => cmd.query_async(&mut c.clone()).await,
+        }
+    }
+}
+
+/// One Lua script: its source and SHA-1, for `EVALSHA` with an `EVAL` fallback.
+pub(crate) struct Script {
+    source: String,
+    sha: String,
+}
+
+impl Script {
+    fn new(source: String) -> Self {
+        let sha = redis::Script::new(&source).get_hash().to_owned();
+        Self { source, sha }
+    }
+}
+
+pub(crate) struct Scripts {
+    claim: Script,
+    complete: Script,
+    fail: Script,
+    extend: Script,
+    reclaim: Script,
+    get: Script,
+}
+
+impl Scripts {
+    pub(crate) fn new() -> Self {
+        Self {
+            claim: Script::new(scripts::claim()),
+            complete: Script::new(scripts::complete()),
+            fail: Script::new(scripts::fail()),
+            extend: Script::new(scripts::extend()),
+            reclaim: Script::new(scripts::reclaim()),
+            get: Script::new(scripts::get()),
+        }
+    }
+}
+
+/// An [`IdempotencyStore`] on Redis or Redis Cluster.
+///
+/// Each record is one string at `<prefix>{<scope>:<key>}` (the braces are a cluster hash tag),
+/// and each operation is one Lua script over that one key, called with `EVALSHA`: one round
+/// trip, atomic, and cluster-safe by construction. Leases and expiry follow the server's
+/// `TIME`. Cloning is cheap and clones share the connection.
+#[derive(Clone)]
+pub struct RedisStore {
+    pub(crate) connection: Connection,
+    pub(crate) prefix: Arc<str>,
+    pub(crate) retention_ms: i64,
+    pub(crate) scripts: Arc<Scripts>,
+}
+
+impl fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let topology = match self.connection {
+            Connection::Standalone(_) => "standalone",
+            Connection::Cluster(_) => "cluster",
+        };
+        f.debug_struct("RedisStore")
+            .field("topology", &topology)
+            .field("prefix", &self.prefix)
+            .field("expired_retention_ms", &self.retention_ms)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisStore {
+    /// Starts configuring a store.
+    pub fn builder() -> RedisStoreBuilder {
+        RedisStoreBuilder {
+            prefix: DEFAULT_PREFIX.to_owned(),
+            expired_retention: DEFAULT_EXPIRED_RETENTION,
+        }
+    }
+
+    /// Connects to a standalone server with the default settings: see
+    /// [`RedisStoreBuilder::connect`].
+    pub async fn connect(url: impl IntoConnectionInfo) -> Result<Self, Error> {
+        Self::builder().connect(url).await
+    }
+
+    /// Connects to a Redis Cluster with the default settings: see
+    /// [`RedisStoreBuilder::connect_cluster`].
+    pub async fn connect_cluster<T: IntoConnectionInfo>(
+        nodes: impl IntoIterator<Item = T>,
+    ) -> Result<Self, Error> {
+        Self::builder().connect_cluster(nodes).await
+    }
+
+    /// The key prefix.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// The Redis key that holds the record of `id`: `<prefix>{<scope>:<key>}`, with scope and
+    /// key percent-escaped so that neither can break the hash tag.
+    pub fn record_key(&self, id: &RecordId) -> String {
+        keys::record_key(&self.prefix, id)
+    }
+
+    /// Runs `script` on `id`'s key: `EVALSHA`, and on `NOSCRIPT` (after a restart, a failover
+    /// or `SCRIPT FLUSH`) `EVAL` with the source, which also caches it again. `EVAL` goes to
+    /// the node that owns the key, where `SCRIPT LOAD` would have to reach every primary.
+    async fn eval(&self, script: &Script, id: &RecordId, args: &[&[u8]]) -> Result<Value, Error> {
+        let key = self.record_key(id);
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(&script.sha).arg(1).arg(&key);
+        for a in args {
+            cmd.arg(*a);
+        }
+        match self.connection.query(&cmd).await {
+            Err(e) if e.kind() == ErrorKind::NoScriptError => {
+                let mut cmd = redis::cmd("EVAL");
+                cmd.arg(&script.source).arg(1).arg(&key);
+                for a in args {
+                    cmd.arg(*a);
+                }
+                self.connection.query(&cmd).await.map_err(call_error)
+            }
+            other => other.map_err(call_error),
+        }
+    }
+}
+
+fn ms_arg(d: Duration) -> Vec<u8> {
+    duration_millis(d).to_string().into_bytes()
+}
+
+#[async_trait]
+impl IdempotencyStore for RedisStore {
+    async fn claim(&self, request: &ClaimRequest) -> Result<Claim, Error> {
+        let s = &self.scripts;
+        let retention = self.retention_ms.to_string();
+        let value = self
+            .eval(
+                &s.claim,
+                &request.id,
+                &[
+                    request.fingerprint.as_bytes(),
+                    &ms_arg(request.lease),
+                    &ms_arg(request.ttl),
+                    retention.as_bytes(),
+                    if request.count_hit { b"1" } else { b"0" },
+                ],
+            )
+            .await?;
+        claim_reply(value, &request.id)
+    }
+
+    async fn complete(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        outcome: &[u8],
+        ttl: Duration,
+    ) -> Result<Cas, Error> {
+        let value = self
+            .eval(
+                &self.scripts.complete,
+                id,
+                &[
+                    token.0.to_string().as_bytes(),
+                    outcome,
+                    &ms_arg(ttl),
+                    self.retention_ms.to_string().as_bytes(),
+                ],
+            )
+            .await?;
+        cas_reply(value, "complete")
+    }
+
+    async fn fail(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        failure: &Failure,
+        ttl: Duration,
+    ) -> Result<Cas, Error> {
+        let value = self
+            .eval(
+                &self.scripts.fail,
+                id,
+                &[
+                    token.0.to_string().as_bytes(),
+                    if failure.retryable { b"1" } else { b"0" },
+                    failure.message.as_bytes(),
+                    &ms_arg(ttl),
+                    self.retention_ms.to_string().as_bytes(),
+                ],
+            )
+            .await?;
+        cas_reply(value, "fail")
+    }
+
+    async fn extend(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<Cas, Error> {
+        let value = self
+            .eval(
+                &self.scripts.extend,
+                id,
+                &[
+                    token.0.to_string().as_bytes(),
+                    &ms_arg(lease),
+                    self.retention_ms.to_string().as_bytes(),
+                ],
+            )
+            .await?;
+        cas_reply(value, "extend")
+    }
+
+    async fn reclaim(
+        &self,
+        id: &RecordId,
+        expected: FencingToken,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Reclaim, Error> {
+        let value = self
+            .eval(
+                &self.scripts.reclaim,
+                id,
+                &[
+                    expected.0.to_string().as_bytes(),
+                    fingerprint.as_bytes(),
+                    &ms_arg(lease),
+                    &ms_arg(ttl),
+                    self.retention_ms.to_string().as_bytes(),
+                ],
+            )
+            .await?;
+        reclaim_reply(value)
+    }
+
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
+        let value = self
+            .eval(&self.scripts.get, id, &[])
+            .await
+            .map_err(read_error)?;
+        get_reply(value, id)
+    }
+
+    /// Redis evicts records by itself (each key's TTL is its `expires_at` plus the expired
+    /// retention), so there is nothing to purge: always 0.
+    async fn purge_expired(&self, _batch: usize) -> Result<u64, Error> {
+        Ok(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io;
+
+    #[test]
+    fn errors_say_whether_the_script_may_have_run() {
+        let refused = RedisError::from(io::Error::from(io::ErrorKind::ConnectionRefused));
+        assert!(matches!(
+            call_error(refused),
+            Error::Backend {
+                retryable: true,
+                ..
+            }
+        ));
+        for kind in [
+            io::ErrorKind::BrokenPipe,
+            io::ErrorKind::ConnectionReset,
+            io::ErrorKind::TimedOut,
+        ] {
+            let e = call_error(RedisError::from(io::Error::from(kind)));
+            assert!(matches!(e, Error::OutcomeUnknown { .. }), "{kind:?}: {e:?}");
+            assert!(e.is_retryable());
+            assert!(matches!(
+                read_error(e),
+                Error::Backend {
+                    retryable: true,
+                    ..
+                }
+            ));
+        }
+        let busy = RedisError::from((ErrorKind::TryAgain, "TRYAGAIN"));
+        assert!(call_error(busy).is_retryable());
+        let bug = RedisError::from((ErrorKind::ResponseError, "ERR bad"));
+        assert!(matches!(
+            call_error(bug),
+            Error::Backend {
+                retryable: false,
+                ..
+            }
+        ));
+        let crossslot = RedisError::from((ErrorKind::CrossSlot, "CROSSSLOT"));
+        assert!(!call_error(crossslot).is_retryable());
+    }
+
+    #[test]
+    fn durations_stay_exact_in_lua() {
+        assert_eq!(
+            duration_millis(Duration::MAX),
+            duration_millis(idempotency_core::MAX_DURATION)
+        );
+        assert_eq!(duration_millis(Duration::from_micros(1)), 1);
+    }
+}
