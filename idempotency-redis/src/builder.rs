@@ -121,3 +121,28 @@ impl RedisStoreBuilder {
         })
     }
 }
+
+/// The store's constructors, beside the builder they start.
+impl RedisStore {
+    /// Starts configuring a store.
+    pub fn builder() -> RedisStoreBuilder {
+        RedisStoreBuilder {
+            prefix: DEFAULT_PREFIX.to_owned(),
+            expired_retention: DEFAULT_EXPIRED_RETENTION,
+        }
+    }
+
+    /// Connects to a standalone server with the default settings: see
+    /// [`RedisStoreBuilder::connect`].
+    pub async fn connect(url: impl IntoConnectionInfo) -> Result<Self, Error> {
+        Self::builder().connect(url).await
+    }
+
+    /// Connects to a Redis Cluster with the default settings: see
+    /// [`RedisStoreBuilder::connect_cluster`].
+    pub async fn connect_cluster<T: IntoConnectionInfo>(
+        nodes: impl IntoIterator<Item = T>,
+    ) -> Result<Self, Error> {
+        Self::builder().connect_cluster(nodes).await
+    }
+}

@@ -1,6 +1,5 @@
 //! The store: one Lua script per operation over one key, called with `EVALSHA`.
 
-use crate::builder::{RedisStoreBuilder, DEFAULT_EXPIRED_RETENTION, DEFAULT_PREFIX};
 use crate::decode::{cas_reply, claim_reply, get_reply, reclaim_reply};
 use crate::error::{call_error, read_error};
 use crate::{keys, scripts};
@@ -11,7 +10,7 @@ use idempotency_core::{
 };
 use redis::aio::ConnectionManager;
 use redis::cluster_async::ClusterConnection;
-use redis::{Cmd, ErrorKind, IntoConnectionInfo, RedisError, Value};
+use redis::{Cmd, ErrorKind, RedisError, Value};
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -105,28 +104,6 @@ impl fmt::Debug for RedisStore {
 }
 
 impl RedisStore {
-    /// Starts configuring a store.
-    pub fn builder() -> RedisStoreBuilder {
-        RedisStoreBuilder {
-            prefix: DEFAULT_PREFIX.to_owned(),
-            expired_retention: DEFAULT_EXPIRED_RETENTION,
-        }
-    }
-
-    /// Connects to a standalone server with the default settings: see
-    /// [`RedisStoreBuilder::connect`].
-    pub async fn connect(url: impl IntoConnectionInfo) -> Result<Self, Error> {
-        Self::builder().connect(url).await
-    }
-
-    /// Connects to a Redis Cluster with the default settings: see
-    /// [`RedisStoreBuilder::connect_cluster`].
-    pub async fn connect_cluster<T: IntoConnectionInfo>(
-        nodes: impl IntoIterator<Item = T>,
-    ) -> Result<Self, Error> {
-        Self::builder().connect_cluster(nodes).await
-    }
-
     /// The key prefix.
     pub fn prefix(&self) -> &str {
         &self.prefix

@@ -344,6 +344,49 @@ pub(crate) enum RefusalKind {
     FailedPermanently,
 }
 
+/// The problem type slugs and codes of the `409`s that say another attempt holds the key:
+/// the server's in-progress refusal, and its lease-lost one (the request that took the key
+/// over answers the retry).
+const KEY_HELD_ELSEWHERE: [(&str, &str); 2] = [
+    ("idempotency-key-in-progress", "IDEMPOTENCY_KEY_IN_PROGRESS"),
+    ("idempotency-key-lease-lost", "IDEMPOTENCY_KEY_LEASE_LOST"),
+];
+
+/// Whether an unreplayed `409` says another attempt holds the key, so that a retry may get
+/// another answer. `body` is its body, `None` when it is longer than
+/// [`RetryPolicy::MAX_CONFLICT_BODY`] (then it is not the server's refusal). A problem
+/// document with a type (other than `about:blank`) or a code decides by them; without one,
+/// a `Retry-After` does.
+pub(crate) fn conflict_is_retryable(headers: &HeaderMap, body: Option<&[u8]>) -> bool {
+    let Some(body) = body else {
+        return false;
+    };
+    let problem = Problem::parse(headers, body);
+    let problem_type = problem
+        .as_ref()
+        .and_then(|p| p.problem_type.as_deref())
+        .map(str::trim)
+        .filter(|t| !t.is_empty() && !t.eq_ignore_ascii_case("about:blank"));
+    let code = problem
+        .as_ref()
+        .and_then(|p| p.code.as_deref())
+        .map(str::trim);
+    if problem_type.is_none() && code.is_none() {
+        return headers.contains_key(http::header::RETRY_AFTER);
+    }
+    KEY_HELD_ELSEWHERE.iter().any(|(slug, expected_code)| {
+        problem_type.is_some_and(|t| type_ends_with(t, slug))
+            || code.is_some_and(|c| c.eq_ignore_ascii_case(expected_code))
+    })
+}
+
+/// Whether a problem type ends in `slug`, whatever the base before it (a URN, a URL, a
+/// fragment) and however cased; a trailing `/` is ignored.
+fn type_ends_with(problem_type: &str, slug: &str) -> bool {
+    let t = problem_type.trim_end_matches('/').as_bytes();
+    t.len() >= slug.len() && t[t.len() - slug.len()..].eq_ignore_ascii_case(slug.as_bytes())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -394,5 +437,68 @@ mod tests {
         assert_eq!(found.attempts(), 1);
         assert_eq!(found.status(), Some(StatusCode::UNPROCESSABLE_ENTITY));
         assert!(!found.is_retryable());
+    }
+
+    #[test]
+    fn only_the_key_held_elsewhere_409_is_retried() {
+        let headers = |ct: Option<&'static str>, retry_after: bool| {
+            let mut h = HeaderMap::new();
+            if let Some(ct) = ct {
+                h.insert(http::header::CONTENT_TYPE, HeaderValue::from_static(ct));
+            }
+            if retry_after {
+                h.insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
+            }
+            h
+        };
+        let problem = headers(Some("application/problem+json"), false);
+        let problem_ra = headers(Some("application/problem+json"), true);
+        let retried = |h: &HeaderMap, body: &str| conflict_is_retryable(h, Some(body.as_bytes()));
+        for t in [
+            "urn:idempotency:problem:idempotency-key-in-progress",
+            "https://api.example.com/problems/idempotency-key-in-progress",
+            "https://api.example.com/problems/Idempotency-Key-In-Progress/",
+            "https://api.example.com/errors#idempotency-key-in-progress",
+            "idempotency-key-in-progress",
+            "urn:idempotency:problem:idempotency-key-lease-lost",
+        ] {
+            let body = format!(r#"{{"type":"{t}","status":409}}"#);
+            assert!(retried(&problem, &body), "{t}");
+            assert!(retried(&problem_ra, &body), "{t}");
+        }
+        // The code alone names it too (a type that says nothing more).
+        for body in [
+            r#"{"code":"IDEMPOTENCY_KEY_IN_PROGRESS"}"#,
+            r#"{"type":"about:blank","code":"IDEMPOTENCY_KEY_LEASE_LOST"}"#,
+        ] {
+            assert!(retried(&problem, body), "{body}");
+        }
+        // The handler's own conflicts are final, Retry-After or not.
+        for body in [
+            r#"{"type":"https://example.com/problems/out-of-stock","status":409}"#,
+            r#"{"type":"urn:x:idempotency-key-in-progress-elsewhere"}"#,
+            r#"{"code":"SEAT_TAKEN"}"#,
+        ] {
+            assert!(!retried(&problem, body), "{body}");
+            assert!(!retried(&problem_ra, body), "{body}");
+        }
+        // No readable type: a Retry-After decides.
+        for (h, body) in [
+            (headers(Some("text/plain"), true), "busy"),
+            (headers(None, true), ""),
+            (problem_ra.clone(), r#"{"title":"Conflict"}"#),
+            (problem_ra.clone(), r#"{"type":"about:blank"}"#),
+            (
+                headers(Some("application/json"), true),
+                r#"{"error":"busy"}"#,
+            ),
+        ] {
+            assert!(retried(&h, body), "{body}");
+            let mut without = h.clone();
+            without.remove(http::header::RETRY_AFTER);
+            assert!(!retried(&without, body), "{body}");
+        }
+        // A body past the bound is not the server's refusal, whatever else.
+        assert!(!conflict_is_retryable(&problem_ra, None));
     }
 }

@@ -1,15 +1,14 @@
 //! The middleware: one key per operation, the same request on every attempt, retries only
 //! where they are safe.
 
+use crate::error::conflict_is_retryable;
 use crate::error::{refusal_kind, Error, LastFailure, Problem, RefusalKind};
 use crate::key::{
     is_replayed, key_header_value, read_key_header, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED,
 };
 use crate::mark::Idempotent;
 use crate::outcome::IdempotencyOutcome;
-use crate::policy::{
-    classify, conflict_is_retryable, is_retryable_transport, retry_after, RetryPolicy, StatusClass,
-};
+use crate::policy::{classify, is_retryable_transport, retry_after, RetryPolicy, StatusClass};
 use bytes::{Bytes, BytesMut};
 use http::{Extensions, HeaderMap, HeaderName, StatusCode};
 use idempotency_core::{loggable_key, IdempotencyKey};
