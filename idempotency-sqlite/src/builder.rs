@@ -4,7 +4,7 @@ use crate::error::{self, SqliteError};
 use crate::exec::Executor;
 use crate::schema::validate_table_name;
 use crate::sql::Sql;
-use crate::store::{Inner, SqliteStore};
+use crate::store::{Inner, SqliteStore, Synchronous};
 use idempotency_core::{Clock, SystemClock};
 use rusqlite::{Connection, OpenFlags};
 use std::path::{Path, PathBuf};
@@ -13,36 +13,6 @@ use std::time::Duration;
 
 /// The default table name.
 pub const DEFAULT_TABLE: &str = "idempotency_records";
-
-/// How SQLite syncs the write-ahead log to disk (`PRAGMA synchronous`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Synchronous {
-    /// `FULL` (the default): every commit is synced before it returns, so an acknowledged
-    /// claim or completion survives a power loss or OS crash, not only an application crash.
-    #[default]
-    Full,
-    /// `NORMAL`: commits survive an application crash, but the last transactions before a
-    /// power loss or OS crash may roll back. Faster; choose it knowingly.
-    Normal,
-}
-
-impl Synchronous {
-    /// The statement that sets this level on a connection.
-    pub(crate) fn statement(self) -> &'static str {
-        match self {
-            Self::Full => "PRAGMA synchronous = FULL",
-            Self::Normal => "PRAGMA synchronous = NORMAL",
-        }
-    }
-
-    pub(crate) fn pragma(self) -> &'static str {
-        match self {
-            Self::Full => "FULL",
-            Self::Normal => "NORMAL",
-        }
-    }
-}
 
 /// How the store keeps SQLite's blocking calls off the async runtime.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -216,4 +186,12 @@ fn open_connection(s: &OpenSettings) -> Result<Connection, SqliteError> {
     conn.execute_batch("BEGIN IMMEDIATE; COMMIT;")
         .map_err(classify)?;
     Ok(conn)
+}
+
+/// The store's entry point, beside the builder it starts.
+impl SqliteStore {
+    /// Starts configuring a store on the database file at `path`.
+    pub fn builder(path: impl AsRef<Path>) -> SqliteStoreBuilder {
+        SqliteStoreBuilder::new(path.as_ref())
+    }
 }

@@ -9,14 +9,14 @@ mod schema;
 mod sql;
 mod store;
 
-pub use builder::{ConnectionMode, SqliteStoreBuilder, Synchronous, DEFAULT_TABLE};
+pub use builder::{ConnectionMode, SqliteStoreBuilder, DEFAULT_TABLE};
 pub use error::SqliteError;
 pub use exactly_once::SqliteIdempotency;
 pub use exec::WriteStats;
 /// The driver this store runs on, re-exported so your business code uses the same version.
 pub use rusqlite;
 pub use schema::{validate_table_name, MAX_TABLE_NAME_LEN, SCHEMA_VERSION};
-pub use store::SqliteStore;
+pub use store::{SqliteStore, Synchronous};
 
 /// The row decoder, for the fuzz targets: built only with the `fuzzing` feature. Not part of the API: it may
 /// change at any time.

@@ -1,6 +1,5 @@
 //! The store: its handle, the `IdempotencyStore` operations and the compare-and-swap they share.
 
-use crate::builder::{SqliteStoreBuilder, Synchronous};
 use crate::decode::decode_record;
 use crate::error::SqliteError;
 use crate::exec::{Executor, WriteStats};
@@ -15,6 +14,36 @@ use rusqlite::{params, Connection, ToSql, Transaction};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
+
+/// How SQLite syncs the write-ahead log to disk (`PRAGMA synchronous`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Synchronous {
+    /// `FULL` (the default): every commit is synced before it returns, so an acknowledged
+    /// claim or completion survives a power loss or OS crash, not only an application crash.
+    #[default]
+    Full,
+    /// `NORMAL`: commits survive an application crash, but the last transactions before a
+    /// power loss or OS crash may roll back. Faster; choose it knowingly.
+    Normal,
+}
+
+impl Synchronous {
+    /// The statement that sets this level on a connection.
+    pub(crate) fn statement(self) -> &'static str {
+        match self {
+            Self::Full => "PRAGMA synchronous = FULL",
+            Self::Normal => "PRAGMA synchronous = NORMAL",
+        }
+    }
+
+    pub(crate) fn pragma(self) -> &'static str {
+        match self {
+            Self::Full => "FULL",
+            Self::Normal => "NORMAL",
+        }
+    }
+}
 
 /// An [`IdempotencyStore`] in an SQLite database file.
 ///
@@ -37,11 +66,6 @@ pub(crate) struct Inner {
 }
 
 impl SqliteStore {
-    /// Starts configuring a store on the database file at `path`.
-    pub fn builder(path: impl AsRef<Path>) -> SqliteStoreBuilder {
-        SqliteStoreBuilder::new(path.as_ref())
-    }
-
     /// Opens the database file at `path` with the default settings. Does not create the
     /// table: call [`SqliteStore::migrate`].
     pub async fn open(path: impl AsRef<Path>) -> Result<Self, SqliteError> {
