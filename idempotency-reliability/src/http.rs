@@ -4,8 +4,9 @@
 //!
 //! The request body is the same on every call for a key (it is fingerprinted); what the call
 //! wants the handler to do travels in headers the fingerprint ignores: the call's value
-//! (echoed as the response body), the fault (`none`, `error`: a 500 that releases the key,
-//! `long`: a sleep of 2–4 leases), how long to sleep, and whether to doom the completion.
+//! (echoed as the response body), the fault (`none`; `error`: a 500, whose key the layer
+//! holds until the lease passes; `long`: a sleep of 2–4 leases), how long to sleep, and
+//! whether to doom the completion.
 
 use crate::faults::FaultRig;
 use crate::model::Response as R;
