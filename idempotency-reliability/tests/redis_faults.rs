@@ -26,8 +26,23 @@ fn script_flush(url: &str) {
 /// then flushes the scripts again. Service resumes by itself; the flushes cost no error; and
 /// since every acknowledged write was on disk, the whole history — across the restart — is
 /// still linearizable with no double effect.
+///
+/// The crash must be noticed (a call in flight fails): a run whose crash fell between calls
+/// proves nothing about it, and is run again (at most five runs); every run's history is
+/// checked whole all the same.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn restart_and_script_flush_under_load() {
+    for run in 1..=5 {
+        if restart_and_script_flush_once().await {
+            return;
+        }
+        eprintln!("run {run}: the crash fell between calls; running the scenario again");
+    }
+    panic!("the crash went unnoticed in five runs: no call was in flight when it came");
+}
+
+/// One run of [`restart_and_script_flush_under_load`]: `false` when no call noticed the crash.
+async fn restart_and_script_flush_once() -> bool {
     let extra = ["--appendonly", "yes", "--appendfsync", "always"];
     let dir = tempfile::tempdir().expect("temp dir");
     let port = free_port();
@@ -78,7 +93,9 @@ async fn restart_and_script_flush_under_load() {
         "calls failed before the crash (SCRIPT FLUSH must cost no error): {early:?}"
     );
     let errors: Vec<Instant> = failed.iter().map(|e| report.instant(e.ended)).collect();
-    assert!(!errors.is_empty(), "the crash went unnoticed: {report}");
+    if errors.is_empty() {
+        return false;
+    }
     let last_error = errors.iter().max().copied().expect("some");
     let resumed_after = last_error.saturating_duration_since(restarted);
     assert!(
@@ -103,6 +120,7 @@ async fn restart_and_script_flush_under_load() {
         resumed_after.as_secs_f64(),
         answered_after
     );
+    true
 }
 
 /// Every call under a random 0–8 ms timeout (one in ten in an aborted task) against a server
