@@ -34,7 +34,10 @@ pub use record::{
 pub use scope::{Scope, ScopeError};
 pub use store::IdempotencyStore;
 pub use time::{duration_millis, Clock, ManualClock, SystemClock, Timestamp, MAX_DURATION};
-pub use transaction::{encode_outcome, TransactionEnd};
+pub use transaction::{
+    encode_outcome, Begun, CommitError, TransactionEnd, TransactionalStore,
+    MAX_TRANSACTION_ATTEMPTS,
+};
 
 /// Re-exported so store implementations use the same `async_trait` as the trait.
 pub use async_trait::async_trait;

@@ -5,6 +5,7 @@ mod builder;
 mod decode;
 mod error;
 mod exactly_once;
+mod idempotency;
 mod kept;
 mod names;
 mod schema;
@@ -13,9 +14,10 @@ mod store;
 
 pub use builder::PostgresStoreBuilder;
 pub use error::PostgresError;
+pub use exactly_once::PostgresTransaction;
 #[allow(deprecated)]
-pub use exactly_once::PgIdempotency;
-pub use exactly_once::PostgresIdempotency;
+pub use idempotency::PgIdempotency;
+pub use idempotency::PostgresIdempotency;
 pub use names::{TableName, MAX_SCHEMA_NAME_LEN, MAX_TABLE_NAME_LEN};
 pub use store::PostgresStore;
 

@@ -16,6 +16,7 @@ use rand::Rng;
 use sqlx::postgres::{PgArguments, PgQueryResult, PgRow};
 use sqlx::query::Query;
 use sqlx::{Connection, PgConnection, PgPool, Postgres};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -53,9 +54,11 @@ pub struct PostgresStore {
     pool: PgPool,
     kept: Option<Arc<Kept>>,
     name: TableName,
-    qualified: Arc<str>,
+    pub(crate) qualified: Arc<str>,
     sql: Arc<Statements>,
     serialization_retries: u32,
+    /// The sessions' isolation level, as the exactly-once path learned it.
+    pub(crate) level: Arc<LevelCache>,
 }
 
 impl PostgresStore {
@@ -100,6 +103,7 @@ impl PostgresStore {
             pool,
             name,
             serialization_retries,
+            level: Arc::default(),
         }
     }
 
@@ -483,6 +487,36 @@ impl Level {
             "read committed" | "read uncommitted" => Self::ReadCommitted,
             _ => Self::Snapshot,
         }
+    }
+}
+
+/// What the store knows of its sessions' isolation level, shared by its clones.
+#[derive(Debug, Default)]
+pub(crate) struct LevelCache(AtomicU8);
+
+impl LevelCache {
+    const UNKNOWN: u8 = 0;
+    const READ_COMMITTED: u8 = 1;
+    const SNAPSHOT: u8 = 2;
+
+    pub(crate) fn get(&self) -> Option<Level> {
+        match self.0.load(Ordering::Relaxed) {
+            Self::READ_COMMITTED => Some(Level::ReadCommitted),
+            Self::SNAPSHOT => Some(Level::Snapshot),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn set(&self, level: Level) {
+        let v = match level {
+            Level::ReadCommitted => Self::READ_COMMITTED,
+            Level::Snapshot => Self::SNAPSHOT,
+        };
+        self.0.store(v, Ordering::Relaxed);
+    }
+
+    pub(crate) fn forget(&self) {
+        self.0.store(Self::UNKNOWN, Ordering::Relaxed);
     }
 }
 

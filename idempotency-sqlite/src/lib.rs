@@ -5,14 +5,16 @@ mod decode;
 mod error;
 mod exactly_once;
 mod exec;
+mod idempotency;
 mod schema;
 mod sql;
 mod store;
 
 pub use builder::{ConnectionMode, SqliteStoreBuilder, DEFAULT_TABLE};
 pub use error::SqliteError;
-pub use exactly_once::SqliteIdempotency;
+pub use exactly_once::SqliteTransaction;
 pub use exec::WriteStats;
+pub use idempotency::SqliteIdempotency;
 /// The driver this store runs on, re-exported so your business code uses the same version.
 pub use rusqlite;
 pub use schema::{validate_table_name, MAX_TABLE_NAME_LEN, SCHEMA_VERSION};

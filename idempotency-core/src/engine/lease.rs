@@ -377,6 +377,15 @@ impl Lease {
         &self.policy
     }
 
+    /// Extends the lease once by the policy's lease, without the heartbeat's read-back: for
+    /// the exactly-once driver, which renews a lease it kept in the process.
+    pub(crate) async fn extend_once(&self) -> Result<Cas, Error> {
+        self.store
+            .as_ref()
+            .extend(&self.id, self.token, self.policy.lease)
+            .await
+    }
+
     /// Holds the key without writing anything: the record stays Pending until its lease
     /// passes (a retry is told [`Error::InProgress`] until then, and takes the key over
     /// after). For work that may have acted but whose outcome is not stored, so that a

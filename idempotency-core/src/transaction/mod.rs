@@ -1,26 +1,35 @@
 //! The exactly-once protocol for stores that complete a record inside the caller's own
-//! database transaction (the SQL stores): the store runs the transaction, core applies every
-//! rule about what then becomes of the key.
+//! database transaction (the SQL stores): the store supplies the transaction, core drives
+//! every step and applies every rule about what then becomes of the key.
 //!
-//! A store's exactly-once path is three steps, the same on every store:
+//! A store opts in by implementing [`TransactionalStore`] (begin, complete inside the
+//! transaction, commit, roll back, tell a conflict);
+//! [`Idempotency::run_in_transaction`](crate::Idempotency::run_in_transaction) then runs the
+//! steps, the same on every store:
 //!
 //! 1. claim the key ([`Idempotency::begin`](crate::Idempotency::begin)): a replay, a refusal,
 //!    or a [`Lease`] to run under;
-//! 2. run one transaction holding the work's writes and the record's fenced completion (the
-//!    store's own code: begin, run the work, [`encode_outcome`], complete inside the
-//!    transaction, commit), keeping the lease alive meanwhile, and say how it ended as a
-//!    [`TransactionEnd`];
-//! 3. hand that end, or the panic that ended it, to [`Lease::settle_transaction`], which
-//!    releases, holds or leaves the key by the rules below and gives the caller's answer.
+//! 2. begin a transaction, run the work in it while the lease is kept alive (by the
+//!    heartbeat, or in the process while the transaction holds the record locked: see
+//!    [`Begun`]), [`encode_outcome`], complete the record inside the transaction, commit;
+//!    after a conflict ([`TransactionalStore::is_conflict`]) all of it runs again;
+//! 3. hand how it ended ([`TransactionEnd`]), or the panic that ended it, to
+//!    [`Lease::settle_transaction`], which releases, holds or leaves the key by the rules
+//!    below and gives the caller's answer.
 //!
 //! | the transaction… | [`TransactionEnd`] | the key | the caller gets |
 //! |---|---|---|---|
 //! | committed the work's writes and the completion | `Committed(v)` | completed (by the commit) | `Fresh(Ok(v))` |
 //! | rolled back because the work returned `Err(e)` | `WorkFailed(e)` | per [`Policy::errors`](crate::Policy::errors): released, or `Err(e)` stored | `Fresh(Err(e))` |
-//! | rolled back because the completion was fenced | `LeaseLost` | another holder's: untouched | [`Error::LeaseLost`] |
-//! | rolled back before its commit (a failed `BEGIN`, statement or encoding) | `RolledBack(e)` | released at once (nothing took effect) | `e` |
+//! | rolled back because the completion was fenced, or the lease kept in the process passed | `LeaseLost` | another holder's, or left to be reclaimed: untouched | [`Error::LeaseLost`] |
+//! | rolled back before its commit (a failed `BEGIN`, statement or encoding, a refused commit) | `RolledBack(e)` | released at once (nothing took effect) | `e` |
 //! | ended with a commit whose outcome is unknown | `Unknown(e)` | held until its lease passes | `e` |
 //! | panicked (its transaction rolled back) | the panic | released at once | the panic, resumed |
+
+mod driver;
+mod store;
+
+pub use store::{Begun, CommitError, TransactionalStore, MAX_TRANSACTION_ATTEMPTS};
 
 use crate::{Error, ErrorOutcomes, Failure, Lease, Outcome};
 use serde::Serialize;

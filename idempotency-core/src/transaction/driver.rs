@@ -1,0 +1,221 @@
+//! Core's side of the exactly-once path: every step in order, around a [`TransactionalStore`].
+
+use super::MAX_TRANSACTION_ATTEMPTS;
+use super::{encode_outcome, Begun, CommitError, TransactionEnd, TransactionalStore};
+use crate::{
+    decode_replay, Cas, Error, Fingerprint, Idempotency, IdempotencyKey, Lease, Outcome, Policy,
+    Proceed, RecordId, Scope, WorkContext,
+};
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use serde::{de::DeserializeOwned, Serialize};
+use std::fmt::Display;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+impl Idempotency {
+    /// Runs `work` once for `(scope, key)` with its writes and the record's completion in
+    /// **one transaction** of `store`, so they commit together or not at all.
+    ///
+    /// The key is claimed as by [`Idempotency::begin`] (a replay, a mismatch and a key in
+    /// progress behave as in [`Idempotency::run`]). Then `store` begins a transaction,
+    /// `work` runs in it, and when it returns `Ok(Ok(value))` the completion runs in the
+    /// same transaction, which then commits. What becomes of the key after every other end
+    /// (the work's `Err`, a fenced completion, a rollback, a commit of unknown outcome, a
+    /// panic) is in the [module documentation](crate::transaction). A conflict with a
+    /// concurrent transaction ([`TransactionalStore::is_conflict`]) runs the transaction
+    /// again, `work` included, so `work` must act only through the transaction it is given.
+    ///
+    /// `work` returns the work's own result, or `Err(error)` when the transaction broke
+    /// under it (its connection was lost): nothing of it commits, and the key is released.
+    ///
+    /// `store` must reach the same records as this engine's store (usually it is the same
+    /// store, or the one a decorator wraps).
+    pub async fn run_in_transaction<S, T, E, F>(
+        &self,
+        store: &S,
+        key: &IdempotencyKey,
+        scope: &Scope,
+        fingerprint: &Fingerprint,
+        mut work: F,
+    ) -> Result<Outcome<Result<T, E>>, Error>
+    where
+        S: TransactionalStore,
+        T: Serialize + DeserializeOwned + Send,
+        E: Serialize + DeserializeOwned + Display + Send,
+        F: for<'t> FnMut(
+                &'t mut S::Transaction,
+                WorkContext,
+            ) -> BoxFuture<'t, Result<Result<T, E>, Error>>
+            + Send,
+    {
+        let id = RecordId::new(scope.clone(), key.clone());
+        let lease = match self.begin(&id, fingerprint).await?.proceed()? {
+            Proceed::Replay(record) => return decode_replay(&record).map(Outcome::Replayed),
+            Proceed::Execute(lease) => lease,
+        };
+        let end = AssertUnwindSafe(transaction(store, &lease, &mut work))
+            .catch_unwind()
+            .await;
+        lease.settle_transaction(end).await
+    }
+}
+
+/// Runs the work's transaction under `lease` until it ends (again after each conflict),
+/// keeping the lease as [`Begun`] says. What then becomes of the key is
+/// [`Lease::settle_transaction`]'s to decide.
+async fn transaction<S, T, E, F>(store: &S, lease: &Lease, work: &mut F) -> TransactionEnd<T, E>
+where
+    S: TransactionalStore,
+    T: Serialize + Send,
+    E: Serialize + Send,
+    F: for<'t> FnMut(
+            &'t mut S::Transaction,
+            WorkContext,
+        ) -> BoxFuture<'t, Result<Result<T, E>, Error>>
+        + Send,
+{
+    let policy = lease.policy();
+    let mut attempt = 0;
+    let mut kept_in_process = false;
+    loop {
+        attempt += 1;
+        let again = attempt < MAX_TRANSACTION_ATTEMPTS;
+        if kept_in_process {
+            // The previous attempt kept the lease in the process while it held the record,
+            // so the record's own lease may have passed: renew it before running again
+            // (fenced if a waiting duplicate took the key meanwhile).
+            match lease.extend_once().await {
+                Ok(Cas::Applied) => {}
+                Ok(Cas::Fenced) => return TransactionEnd::LeaseLost,
+                // Nothing is committed, but whether the renewal applied is not known: the
+                // key is held until its lease passes, as a dropped lease holds it.
+                Err(e) => return TransactionEnd::Unknown(e),
+            }
+        }
+        let (mut tx, until) = match store.begin(lease).await {
+            Ok(Begun::Open(tx)) => (tx, None),
+            Ok(Begun::Locked {
+                transaction,
+                lease_left,
+            }) => (transaction, Some(later(Instant::now(), lease_left))),
+            Err(Error::LeaseLost { .. }) => return TransactionEnd::LeaseLost,
+            Err(e) if again && store.is_conflict(&e) => continue,
+            // Nothing of this attempt ran, and no earlier attempt committed.
+            Err(e) => return TransactionEnd::RolledBack(e),
+        };
+        kept_in_process = until.is_some();
+        let ran = {
+            let running = AssertUnwindSafe(work(&mut tx, lease.context())).catch_unwind();
+            match until {
+                None => Some(lease.with_heartbeat(running).await),
+                Some(until) => keep_alive(policy, until, lease.work_deadline(), running).await,
+            }
+        };
+        let value = match ran {
+            Some(Ok(Ok(Ok(value)))) => value,
+            Some(Ok(Ok(Err(e)))) => {
+                store.rollback(tx).await;
+                return TransactionEnd::WorkFailed(e);
+            }
+            Some(Ok(Err(e))) => {
+                store.rollback(tx).await;
+                return TransactionEnd::RolledBack(e);
+            }
+            Some(Err(panic)) => {
+                // Roll back before the panic goes on (the key is then released).
+                store.rollback(tx).await;
+                std::panic::resume_unwind(panic);
+            }
+            None => {
+                // The lease passed without a renewal while the record was locked: the work
+                // was cancelled; roll back (nothing it did commits) and leave the record,
+                // whose lease has passed, to whoever reclaims it.
+                store.rollback(tx).await;
+                return TransactionEnd::LeaseLost;
+            }
+        };
+        // Stored as `Ok(value)` of a `Result<T, E>`, as the plain engine stores it.
+        let completed = match encode_outcome(&Ok::<&T, &E>(&value)) {
+            Ok(bytes) => store.complete_in(&mut tx, lease, &bytes).await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = completed {
+            store.rollback(tx).await;
+            return match e {
+                Error::LeaseLost { .. } => TransactionEnd::LeaseLost,
+                e if again && store.is_conflict(&e) => continue,
+                // Nothing committed (the transaction never got to its commit).
+                e => TransactionEnd::RolledBack(e),
+            };
+        }
+        match store.commit(tx).await {
+            Ok(()) => return TransactionEnd::Committed(value),
+            Err(CommitError::NotCommitted(e)) if again && store.is_conflict(&e) => continue,
+            Err(CommitError::NotCommitted(e)) => return TransactionEnd::RolledBack(e),
+            // The commit may have applied: the key holds until its lease passes; a retry
+            // then finds the Completed record (and replays it) or, if nothing committed,
+            // takes the key over and runs the work once.
+            Err(CommitError::Unknown(e)) => return TransactionEnd::Unknown(e),
+        }
+    }
+}
+
+/// `now + d`, saturating far in the future instead of overflowing.
+fn later(now: Instant, d: Duration) -> Instant {
+    now.checked_add(d)
+        .unwrap_or_else(|| now + Duration::from_secs(100 * 366 * 24 * 3600))
+}
+
+/// Runs `work` while the transaction holds the record locked, keeping the lease in the
+/// process: every heartbeat interval (per [`Policy::heartbeat`]) renews it for a lease's
+/// length. Returns `None`, dropping (cancelling) the work, once the lease passes without a
+/// renewal: the heartbeat is off and the work outlived the lease, or the task was not polled
+/// for a whole lease (the process stalled). A work that ends after its lease passed also
+/// gets `None`. Renewals stop at `work_deadline` ([`Lease::work_deadline`]), so a hung work
+/// is cancelled then.
+async fn keep_alive<F: Future>(
+    policy: &Policy,
+    until: Instant,
+    work_deadline: Instant,
+    work: F,
+) -> Option<F::Output> {
+    let every = policy
+        .heartbeat
+        .map(|fraction| policy.lease.mul_f64(fraction).max(Duration::from_millis(1)));
+    // The deadline, as microseconds after `base` (an atomic, so the future stays `Send`).
+    let base = Instant::now();
+    let micros = |t: Instant| u64::try_from(t.saturating_duration_since(base).as_micros());
+    let deadline = AtomicU64::new(micros(until).unwrap_or(u64::MAX));
+    let deadline_at = || {
+        base.checked_add(Duration::from_micros(deadline.load(Ordering::Relaxed)))
+            .unwrap_or_else(|| later(base, Duration::MAX))
+    };
+    let beat = async {
+        loop {
+            let next = match every {
+                Some(every) => later(Instant::now(), every).min(deadline_at()),
+                None => deadline_at(),
+            };
+            tokio::time::sleep_until(next.into()).await;
+            let now = Instant::now();
+            if now >= deadline_at() {
+                return;
+            }
+            // Renewed up to the end of the maximum work time, never past it: a work that
+            // hangs loses its lease then, and is cancelled and rolled back.
+            if every.is_some() && now < work_deadline {
+                let renewed = later(now, policy.lease).min(work_deadline);
+                deadline.store(micros(renewed).unwrap_or(u64::MAX), Ordering::Relaxed);
+            }
+        }
+    };
+    let work = std::pin::pin!(work);
+    let beat = std::pin::pin!(beat);
+    match futures::future::select(work, beat).await {
+        futures::future::Either::Left((out, _)) => (Instant::now() < deadline_at()).then_some(out),
+        futures::future::Either::Right(((), _work)) => None,
+    }
+}

@@ -1,0 +1,157 @@
+//! The exactly-once engine: an [`Idempotency`] engine over one [`PostgresStore`], whose
+//! work writes in the transaction that completes its record.
+
+use crate::PostgresStore;
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use idempotency_core::{
+    Error, Fingerprint, Idempotency, IdempotencyKey, Outcome, Policy, Scope, WorkContext,
+};
+use serde::{de::DeserializeOwned, Serialize};
+use sqlx::PgConnection;
+use std::fmt::Display;
+use std::sync::Arc;
+
+/// An [`Idempotency`] engine over a [`PostgresStore`] that runs the work and its completion
+/// in one database transaction: exactly-once effects for work whose effects are writes to the
+/// same database.
+///
+/// ```no_run
+/// use idempotency_core::{Fingerprint, IdempotencyKey, Policy, Scope};
+/// use idempotency_postgres::{PostgresIdempotency, PostgresStore};
+///
+/// # async fn f() -> Result<(), Box<dyn std::error::Error>> {
+/// let store = PostgresStore::connect("postgres://postgres@127.0.0.1/app").await?;
+/// store.migrate().await?;
+/// let engine = PostgresIdempotency::new(store, Policy::default())?;
+/// let key = IdempotencyKey::new("order-42")?;
+/// let scope = Scope::from_parts(["tenant-1", "POST /orders"])?;
+/// let fp = Fingerprint::from_json(&serde_json::json!({"sku": "A1", "qty": 2}));
+/// let outcome = engine
+///     .run_in_transaction(&key, &scope, &fp, |tx, _ctx| {
+///         Box::pin(async move {
+///             let id: i64 = sqlx::query_scalar(
+///                 "INSERT INTO orders (sku, qty) VALUES ('A1', 2) RETURNING id",
+///             )
+///             .fetch_one(&mut *tx)
+///             .await
+///             .map_err(|e| e.to_string())?;
+///             Ok::<_, String>(id)
+///         })
+///     })
+///     .await?;
+/// println!("order {:?}, replayed: {}", outcome.get(), outcome.is_replayed());
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Debug)]
+pub struct PostgresIdempotency {
+    engine: Idempotency,
+    store: PostgresStore,
+}
+
+/// The former name of [`PostgresIdempotency`], after the pattern of `SqliteIdempotency`.
+#[deprecated(since = "0.1.0", note = "renamed to PostgresIdempotency")]
+pub type PgIdempotency = PostgresIdempotency;
+
+impl PostgresIdempotency {
+    /// An engine over `store` with `policy`.
+    pub fn new(store: PostgresStore, policy: Policy) -> Result<Self, Error> {
+        let engine = Idempotency::new(Arc::new(store.clone()), policy)?;
+        Ok(Self { engine, store })
+    }
+
+    /// An exactly-once engine from an `engine` whose store is `store` behind a decorator (one
+    /// that adds metrics, tracing or injected faults to the calls): its calls must reach
+    /// `store`'s table, or the completion in the work's transaction will not find the record
+    /// it claimed. Prefer [`PostgresIdempotency::new`].
+    pub fn with_engine(store: PostgresStore, engine: Idempotency) -> Self {
+        Self { engine, store }
+    }
+
+    /// The plain engine, for work that does not write to this database.
+    pub fn engine(&self) -> &Idempotency {
+        &self.engine
+    }
+
+    /// The store.
+    pub fn store(&self) -> &PostgresStore {
+        &self.store
+    }
+
+    /// Runs `work` once for `(scope, key)` inside a transaction on the store's pool, and
+    /// stores its `Ok` outcome in the same transaction.
+    ///
+    /// - Replays return the stored outcome; the work does not run.
+    /// - `Ok(v)`: the completion CAS runs in the work's transaction, then it commits. If the
+    ///   lease was lost meanwhile (a stalled holder whose key was reclaimed), the CAS matches
+    ///   nothing, the transaction rolls back with all the work's writes, and the result is
+    ///   [`Error::LeaseLost`].
+    /// - `Err(e)`: the transaction rolls back, then the error is handled per
+    ///   [`Policy::errors`] (by default the key is released for a retry) and returned as
+    ///   `Fresh(Err(e))`.
+    /// - A serialization failure or deadlock in the completion or the commit re-runs the
+    ///   transaction (at most
+    ///   [`MAX_TRANSACTION_ATTEMPTS`](idempotency_core::MAX_TRANSACTION_ATTEMPTS) runs in all),
+    ///   so `work` must only act through the connection it is
+    ///   given. Errors inside `work` are `work`'s to return.
+    /// - If the connection dies during the commit, the result is [`Error::OutcomeUnknown`]
+    ///   and the key is held (nothing is written) until its lease passes: a retry then finds
+    ///   the Completed record and replays the committed outcome, or, if nothing committed,
+    ///   takes the key over and runs the work once. Either way the key ends with one committed
+    ///   execution. The key is never released while the work's writes may still commit.
+    /// - A connection found dead when the transaction begins (every idle connection is, after
+    ///   a server restart) is given back, and the transaction begins on the next one.
+    ///
+    /// # Isolation levels
+    ///
+    /// The transaction runs at the level the pool's sessions run at (their
+    /// `default_transaction_isolation`, set for example in the pool's `after_connect` or with
+    /// `ALTER ROLE … SET`); do not issue `SET TRANSACTION` inside `work`, which runs after
+    /// this method's first statement. The level is learned from the first statement of the
+    /// transaction (or from the last completion: sessions at READ COMMITTED then cost no extra
+    /// statement) and decides how the lease is kept while the work runs:
+    ///
+    /// - **READ COMMITTED**: the heartbeat ([`Policy::heartbeat`]) extends the lease from
+    ///   another pooled connection, as in [`Idempotency::run`]. A duplicate request is told
+    ///   at once that the key is in progress; a holder that stalls past its lease (no
+    ///   heartbeat reached the database) can be taken over, and its completion is then fenced
+    ///   and everything it wrote rolls back.
+    /// - **REPEATABLE READ and SERIALIZABLE**: a heartbeat committed on another connection
+    ///   would make the completion fail to serialize, so instead the transaction's first
+    ///   statement locks the record row (`SELECT … FOR NO KEY UPDATE`, checking it is still
+    ///   Pending with this holder's token and its lease has not passed) and holds it until
+    ///   the commit. Nobody else can change the record meanwhile: a reclaimer, a duplicate
+    ///   request's claim, a purge or another completion waits for the transaction to end (or
+    ///   skips the row), then finds the record Completed (a replay) or, after a rollback,
+    ///   as it was. The lease is kept in the process: every heartbeat interval renews it, and
+    ///   if it passes without one (the heartbeat is off and the work outlives the lease, or
+    ///   the process stalled), the work is cancelled, the transaction rolls back and the
+    ///   result is [`Error::LeaseLost`], leaving the record to be reclaimed. Duplicates
+    ///   therefore wait for a running holder instead of getting
+    ///   [`Error::InProgress`] at once, each holding a pooled connection while it waits.
+    ///   After a serialization failure the lease is extended before the transaction runs
+    ///   again; a duplicate that was waiting may have taken the key over first if the work
+    ///   outlived the lease, and then the re-run is fenced (nothing was committed).
+    ///
+    /// A work that never returns holds the key as long as the heartbeat runs, at every level
+    /// (and at REPEATABLE READ and SERIALIZABLE keeps the row locked).
+    pub async fn run_in_transaction<T, E, F>(
+        &self,
+        key: &IdempotencyKey,
+        scope: &Scope,
+        fingerprint: &Fingerprint,
+        mut work: F,
+    ) -> Result<Outcome<Result<T, E>>, Error>
+    where
+        T: Serialize + DeserializeOwned + Send + 'static,
+        E: Serialize + DeserializeOwned + Display + Send + 'static,
+        F: for<'c> FnMut(&'c mut PgConnection, WorkContext) -> BoxFuture<'c, Result<T, E>> + Send,
+    {
+        let engine = &self.engine;
+        engine
+            .run_in_transaction(&self.store, key, scope, fingerprint, |tx, ctx| {
+                work(tx.connection(), ctx).map(Ok).boxed()
+            })
+            .await
+    }
+}
