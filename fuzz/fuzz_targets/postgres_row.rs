@@ -233,12 +233,12 @@ fuzz_target!(|row: Row| {
             }
         }
         if row.claim {
-            let request = ClaimRequest {
-                id: id.clone(),
-                fingerprint: Fingerprint::from_bytes(b"fuzz"),
-                lease: Duration::from_secs(30),
-                ttl: Duration::from_secs(60), count_hit: true,
-            };
+            let request = ClaimRequest::new(
+                id.clone(),
+                Fingerprint::from_bytes(b"fuzz"),
+                Duration::from_secs(30),
+                Duration::from_secs(60),
+            );
             if let Ok(Claim::Existing { record, .. }) = s.store.claim(&request).await {
                 assert!(record.token.0 >= 1, "{record:?}");
             }

@@ -38,13 +38,12 @@ fn id(key: &str) -> RecordId {
 }
 
 fn request(id: &RecordId) -> ClaimRequest {
-    ClaimRequest {
-        id: id.clone(),
-        fingerprint: Fingerprint::from_bytes(b"payload"),
-        lease: Duration::from_secs(600),
-        ttl: Duration::from_secs(3600),
-        count_hit: true,
-    }
+    ClaimRequest::new(
+        id.clone(),
+        Fingerprint::from_bytes(b"payload"),
+        Duration::from_secs(600),
+        Duration::from_secs(3600),
+    )
 }
 
 fn err_of<T: std::fmt::Debug, E: std::fmt::Debug>(ty: &str, r: Result<T, E>) -> String {

@@ -260,13 +260,13 @@ pub(crate) async fn store_cycle(
     store: &dyn IdempotencyStore,
     id: RecordId,
 ) -> Result<(), BoxError> {
-    let req = ClaimRequest {
+    let req = ClaimRequest::new(
         id,
-        fingerprint: fingerprint(),
-        lease: Duration::from_secs(30),
-        ttl: Duration::from_secs(3600),
-        count_hit: false,
-    };
+        fingerprint(),
+        Duration::from_secs(30),
+        Duration::from_secs(3600),
+    )
+    .with_count_hit(false);
     match store.claim(&req).await? {
         Claim::Claimed { token, .. } => {
             store
@@ -283,13 +283,13 @@ pub(crate) async fn store_replay(
     store: &dyn IdempotencyStore,
     id: RecordId,
 ) -> Result<(), BoxError> {
-    let req = ClaimRequest {
+    let req = ClaimRequest::new(
         id,
-        fingerprint: fingerprint(),
-        lease: Duration::from_secs(30),
-        ttl: Duration::from_secs(3600),
-        count_hit: false,
-    };
+        fingerprint(),
+        Duration::from_secs(30),
+        Duration::from_secs(3600),
+    )
+    .with_count_hit(false);
     match store.claim(&req).await? {
         Claim::Existing { .. } => Ok(()),
         Claim::Claimed { .. } => Err("a completed key was claimed".into()),

@@ -467,13 +467,13 @@ async fn round_trips(
     let mut mark = Snapshot::take(counter).await?;
     let mut tokens = Vec::with_capacity(N);
     for id in &ids {
-        let req = idempotency_core::ClaimRequest {
-            id: id.clone(),
-            fingerprint: harness::fingerprint(),
-            lease: Duration::from_secs(30),
-            ttl: Duration::from_secs(3600),
-            count_hit: false,
-        };
+        let req = idempotency_core::ClaimRequest::new(
+            id.clone(),
+            harness::fingerprint(),
+            Duration::from_secs(30),
+            Duration::from_secs(3600),
+        )
+        .with_count_hit(false);
         match store.claim(&req).await? {
             idempotency_core::Claim::Claimed { token, .. } => tokens.push(token),
             _ => return Err("round-trip claim found an existing key".into()),

@@ -78,13 +78,12 @@ fn hot_loop(
             }
             "store-replay" => {
                 for id in ids {
-                    let req = ClaimRequest {
-                        id: id.clone(),
-                        fingerprint: fp,
-                        lease: Duration::from_secs(30),
-                        ttl: Duration::from_secs(3600),
-                        count_hit: true,
-                    };
+                    let req = ClaimRequest::new(
+                        id.clone(),
+                        fp,
+                        Duration::from_secs(30),
+                        Duration::from_secs(3600),
+                    );
                     let Claim::Existing { .. } =
                         idempotency_core::IdempotencyStore::claim(store.as_ref(), &req).await?
                     else {

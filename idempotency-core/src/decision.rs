@@ -32,10 +32,21 @@ pub enum Decision {
 
 /// Options of the decision that come from the engine's policy.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[non_exhaustive]
 pub struct DecisionOptions {
     /// Whether a `Failed` record may be reclaimed by a request with a different fingerprint.
     /// Nothing took effect under a failed key, so a corrected retry may run (default `true`).
     pub reclaim_failed_with_different_fingerprint: bool,
+}
+
+impl DecisionOptions {
+    /// The options, with whether a `Failed` record may be reclaimed by a request with a
+    /// different fingerprint.
+    pub fn new(reclaim_failed_with_different_fingerprint: bool) -> Self {
+        Self {
+            reclaim_failed_with_different_fingerprint,
+        }
+    }
 }
 
 impl Default for DecisionOptions {

@@ -6,6 +6,7 @@ use sha2::{Digest, Sha256};
 /// The events the engine counts, each exported as its own counter when the `metrics` feature
 /// is on (`idempotency_claims_total`, …).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[non_exhaustive]
 pub enum Event {
     /// A key was claimed fresh.
     Claim,

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 /// What the engine does with a work's `Err` result.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+#[non_exhaustive]
 pub enum ErrorOutcomes {
     /// Record the attempt as a retryable failure and release the key, so a retry runs the
     /// work again. The default: errors are usually transient, and a stored error would be
@@ -52,6 +53,7 @@ impl InFlight {
 /// Both writes are compare-and-swaps on the holder's fencing token, so trying again is safe:
 /// a write that was applied although its answer was lost is recognised on the next attempt.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[non_exhaustive]
 pub struct SettleRetry {
     /// How many times the write is tried in all (at least 1).
     pub attempts: u32,
@@ -59,6 +61,18 @@ pub struct SettleRetry {
     pub initial_backoff: Duration,
     /// The longest pause between tries.
     pub max_backoff: Duration,
+}
+
+impl SettleRetry {
+    /// `attempts` tries in all, `initial_backoff` after the first failed one, doubling up to
+    /// `max_backoff`.
+    pub fn new(attempts: u32, initial_backoff: Duration, max_backoff: Duration) -> Self {
+        Self {
+            attempts,
+            initial_backoff,
+            max_backoff,
+        }
+    }
 }
 
 impl Default for SettleRetry {
@@ -87,6 +101,7 @@ impl Default for SettleRetry {
 /// assert!(policy.validate().is_ok());
 /// ```
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct Policy {
     /// How long a holder may run before another caller may take the key over. Default 30 s.
     pub lease: Duration,

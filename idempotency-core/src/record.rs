@@ -235,8 +235,21 @@ pub fn claim_retention(lease: Duration, ttl: Duration) -> Duration {
     lease.max(ttl)
 }
 
-/// What to claim: the arguments of [`crate::IdempotencyStore::claim`].
+/// What to claim: the arguments of [`crate::IdempotencyStore::claim`]. Built with
+/// [`ClaimRequest::new`], so that a field added later does not break your code.
+///
+/// ```
+/// use idempotency_core::{ClaimRequest, Fingerprint, IdempotencyKey, RecordId, Scope};
+/// use std::time::Duration;
+///
+/// let id = RecordId::new(Scope::new("orders").unwrap(), IdempotencyKey::new("k-1").unwrap());
+/// let fp = Fingerprint::from_bytes(b"body");
+/// let request = ClaimRequest::new(id, fp, Duration::from_secs(30), Duration::from_secs(3600))
+///     .with_count_hit(false);
+/// assert!(!request.count_hit);
+/// ```
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct ClaimRequest {
     /// The record's address.
     pub id: RecordId,
@@ -254,6 +267,24 @@ pub struct ClaimRequest {
 }
 
 impl ClaimRequest {
+    /// A claim of `id` for a request with `fingerprint`: a lease of `lease`, a retention of
+    /// `ttl`, and observations of a live record counted as hits.
+    pub fn new(id: RecordId, fingerprint: Fingerprint, lease: Duration, ttl: Duration) -> Self {
+        Self {
+            id,
+            fingerprint,
+            lease,
+            ttl,
+            count_hit: true,
+        }
+    }
+
+    /// Whether observing a live record counts a hit ([`ClaimRequest::count_hit`]).
+    pub fn with_count_hit(mut self, count_hit: bool) -> Self {
+        self.count_hit = count_hit;
+        self
+    }
+
     /// When the Pending record this claim writes expires: `now +`
     /// [`claim_retention`]`(lease, ttl)`.
     pub fn expires_at(&self, now: Timestamp) -> Timestamp {

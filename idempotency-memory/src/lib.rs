@@ -343,16 +343,15 @@ mod tests {
     use idempotency_core::{IdempotencyKey, ManualClock, Scope};
 
     fn request(i: usize, ttl: Duration) -> ClaimRequest {
-        ClaimRequest {
-            id: RecordId::new(
+        ClaimRequest::new(
+            RecordId::new(
                 Scope::new("memory-tests").expect("scope"),
                 IdempotencyKey::new(format!("key-{i}")).expect("key"),
             ),
-            fingerprint: Fingerprint::from_bytes(b"f"),
-            lease: ttl,
+            Fingerprint::from_bytes(b"f"),
             ttl,
-            count_hit: true,
-        }
+            ttl,
+        )
     }
 
     async fn fill(store: &MemoryStore, n: usize, ttl: Duration) {

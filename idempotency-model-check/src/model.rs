@@ -233,11 +233,7 @@ impl ProtocolModel {
                 )
             })
             .collect();
-        let options = DecisionOptions {
-            reclaim_failed_with_different_fingerprint: world
-                .policy
-                .reclaim_failed_with_different_fingerprint,
-        };
+        let options = DecisionOptions::new(world.policy.reclaim_failed_with_different_fingerprint);
         Self {
             world,
             ids,

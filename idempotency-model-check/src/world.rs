@@ -162,9 +162,9 @@ impl World {
                 .lease(TICK * 2)
                 .ttl(TICK * 3)
                 .max_work_time(TICK * 3)
-                .settle_retry(idempotency_core::SettleRetry {
-                    attempts: 2,
-                    ..idempotency_core::SettleRetry::default()
+                .settle_retry({
+                    let retry = idempotency_core::SettleRetry::default();
+                    idempotency_core::SettleRetry::new(2, retry.initial_backoff, retry.max_backoff)
                 }),
             active_until: 4,
             crashes: true,

@@ -15,13 +15,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 fn request() -> ClaimRequest {
-    ClaimRequest {
-        id: RecordId::new(Scope::new("bad-input").unwrap(), IdempotencyKey::random()),
-        fingerprint: Fingerprint::from_bytes(b"payload"),
-        lease: Duration::from_secs(60),
-        ttl: Duration::from_secs(3600),
-        count_hit: true,
-    }
+    ClaimRequest::new(
+        RecordId::new(Scope::new("bad-input").unwrap(), IdempotencyKey::random()),
+        Fingerprint::from_bytes(b"payload"),
+        Duration::from_secs(60),
+        Duration::from_secs(3600),
+    )
 }
 
 /// The URL of the test server with its database replaced.

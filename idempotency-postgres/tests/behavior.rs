@@ -15,13 +15,12 @@ use idempotency_postgres::{PostgresError, PostgresIdempotency, PostgresStore};
 use std::time::Duration;
 
 fn request(ttl: Duration) -> ClaimRequest {
-    ClaimRequest {
-        id: RecordId::new(Scope::new("behavior").unwrap(), IdempotencyKey::random()),
-        fingerprint: Fingerprint::from_bytes(b"payload"),
-        lease: Duration::from_secs(60),
+    ClaimRequest::new(
+        RecordId::new(Scope::new("behavior").unwrap(), IdempotencyKey::random()),
+        Fingerprint::from_bytes(b"payload"),
+        Duration::from_secs(60),
         ttl,
-        count_hit: true,
-    }
+    )
 }
 
 /// `n` records whose `expires_at` lies in the past, written directly.
@@ -360,10 +359,7 @@ async fn uncounted_claims_write_no_row_version() {
         row
     };
     let before = version().await;
-    let uncounted = ClaimRequest {
-        count_hit: false,
-        ..req.clone()
-    };
+    let uncounted = req.clone().with_count_hit(false);
     for _ in 0..5 {
         let Claim::Existing { record, .. } = store.claim(&uncounted).await.unwrap() else {
             panic!("a completed record was claimed again");

@@ -440,13 +440,12 @@ async fn holder_statements(
 async fn kill_once(store: PostgresStore, orders: Arc<str>, level: Isolation) -> RecordStatus {
     let key = IdempotencyKey::random();
     let id = RecordId::new(scope(), key.clone());
-    let request = ClaimRequest {
-        id: id.clone(),
-        fingerprint: fingerprint(),
-        lease: KILL_LEASE,
-        ttl: Duration::from_secs(3600),
-        count_hit: true,
-    };
+    let request = ClaimRequest::new(
+        id.clone(),
+        fingerprint(),
+        KILL_LEASE,
+        Duration::from_secs(3600),
+    );
     let Claim::Claimed { token, .. } = store.claim(&request).await.unwrap() else {
         panic!("a fresh key is claimed");
     };

@@ -18,13 +18,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 fn request(key: &IdempotencyKey, fingerprint: &[u8]) -> ClaimRequest {
-    ClaimRequest {
-        id: RecordId::new(Scope::new("kept").unwrap(), key.clone()),
-        fingerprint: Fingerprint::from_bytes(fingerprint),
-        lease: Duration::from_secs(60),
-        ttl: Duration::from_secs(3600),
-        count_hit: true,
-    }
+    ClaimRequest::new(
+        RecordId::new(Scope::new("kept").unwrap(), key.clone()),
+        Fingerprint::from_bytes(fingerprint),
+        Duration::from_secs(60),
+        Duration::from_secs(3600),
+    )
 }
 
 /// A name of this test's own, to find (and kill) only its sessions in `pg_stat_activity`.

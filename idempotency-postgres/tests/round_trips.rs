@@ -103,13 +103,12 @@ impl Rig {
 }
 
 fn request(key: &IdempotencyKey) -> ClaimRequest {
-    ClaimRequest {
-        id: RecordId::new(Scope::new("rt").unwrap(), key.clone()),
-        fingerprint: Fingerprint::from_bytes(b"payload"),
-        lease: Duration::from_secs(60),
-        ttl: Duration::from_secs(3600),
-        count_hit: true,
-    }
+    ClaimRequest::new(
+        RecordId::new(Scope::new("rt").unwrap(), key.clone()),
+        Fingerprint::from_bytes(b"payload"),
+        Duration::from_secs(60),
+        Duration::from_secs(3600),
+    )
 }
 
 /// Every store operation once, so each statement is prepared on the connection.
@@ -133,10 +132,7 @@ async fn warm_up(store: &PostgresStore) {
         .await
         .unwrap();
     store.claim(&req).await.unwrap();
-    let uncounted = ClaimRequest {
-        count_hit: false,
-        ..req.clone()
-    };
+    let uncounted = req.clone().with_count_hit(false);
     store.claim(&uncounted).await.unwrap();
     store.purge_expired(10).await.unwrap();
     let mut tx = store.pool().begin().await.unwrap();
@@ -185,10 +181,7 @@ async fn round_trips(kind: PoolKind) {
     let (seen, replay) = rig.count(store.claim(&req)).await;
     assert!(matches!(seen.unwrap(), Claim::Existing { .. }));
     table.push(("claim (replay of a completed key)", replay));
-    let uncounted = ClaimRequest {
-        count_hit: false,
-        ..req.clone()
-    };
+    let uncounted = req.clone().with_count_hit(false);
     let (seen, replay) = rig.count(store.claim(&uncounted)).await;
     assert!(matches!(seen.unwrap(), Claim::Existing { .. }));
     table.push(("claim, hit not counted (replay)", replay));

@@ -14,13 +14,12 @@ use idempotency_postgres::{PostgresIdempotency, PostgresStore};
 use std::time::Duration;
 
 fn request(lease: Duration, ttl: Duration) -> ClaimRequest {
-    ClaimRequest {
-        id: RecordId::new(Scope::new("tokens").unwrap(), IdempotencyKey::random()),
-        fingerprint: Fingerprint::from_bytes(b"payload"),
+    ClaimRequest::new(
+        RecordId::new(Scope::new("tokens").unwrap(), IdempotencyKey::random()),
+        Fingerprint::from_bytes(b"payload"),
         lease,
         ttl,
-        count_hit: true,
-    }
+    )
 }
 
 async fn must_claim(store: &PostgresStore, req: &ClaimRequest) -> FencingToken {
@@ -88,11 +87,13 @@ async fn tokens_grow_across_a_purge() {
             tokio::time::sleep(Duration::from_millis(150)).await;
             assert!(store.get(&req.id).await.unwrap().is_none(), "expired");
             assert_eq!(store.purge_expired(100).await.unwrap(), 1, "purged");
-            let req = ClaimRequest {
-                lease: Duration::from_secs(60),
-                ttl: Duration::from_secs(3600),
-                ..req
-            };
+            let req = ClaimRequest::new(
+                req.id,
+                req.fingerprint,
+                Duration::from_secs(60),
+                Duration::from_secs(3600),
+            )
+            .with_count_hit(req.count_hit);
             let new = must_claim(&store, &req).await;
             let before = record(&store, &req.id).await;
             let cas = op.run(&store, &req.id, old).await;

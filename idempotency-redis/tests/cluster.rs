@@ -42,13 +42,12 @@ async fn records_spread_over_every_primary(h: support::Harness) {
         .map(|_| idempotency_conformance::cases::unique_id("spread"))
         .collect();
     for id in &ids {
-        let req = ClaimRequest {
-            id: id.clone(),
-            fingerprint: Fingerprint::from_bytes(b"x"),
-            lease: Duration::from_secs(60),
-            ttl: Duration::from_secs(60),
-            count_hit: true,
-        };
+        let req = ClaimRequest::new(
+            id.clone(),
+            Fingerprint::from_bytes(b"x"),
+            Duration::from_secs(60),
+            Duration::from_secs(60),
+        );
         assert!(matches!(
             h.store.claim(&req).await.expect("claim"),
             Claim::Claimed { .. }

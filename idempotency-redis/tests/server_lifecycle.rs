@@ -21,13 +21,7 @@ fn id() -> RecordId {
 }
 
 fn req(id: &RecordId) -> ClaimRequest {
-    ClaimRequest {
-        id: id.clone(),
-        fingerprint: Fingerprint::from_bytes(b"payload"),
-        lease: HOUR,
-        ttl: HOUR,
-        count_hit: true,
-    }
+    ClaimRequest::new(id.clone(), Fingerprint::from_bytes(b"payload"), HOUR, HOUR)
 }
 
 async fn claim_and_complete(store: &RedisStore, id: &RecordId, outcome: &[u8]) {

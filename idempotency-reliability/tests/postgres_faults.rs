@@ -129,13 +129,7 @@ async fn terminated_during_complete_is_outcome_unknown() {
     let mut ids = Vec::new();
     for _ in 0..KILLS {
         let id = RecordId::new(scope(), IdempotencyKey::random());
-        let request = ClaimRequest {
-            id: id.clone(),
-            fingerprint: fingerprint(),
-            lease: LEASE,
-            ttl: HOUR,
-            count_hit: true,
-        };
+        let request = ClaimRequest::new(id.clone(), fingerprint(), LEASE, HOUR);
         let Claim::Claimed { token, .. } = store.claim(&request).await.expect("claim") else {
             panic!("a fresh key is claimed");
         };

@@ -20,11 +20,7 @@ fn address(label: &str) -> (IdempotencyKey, Scope, RecordId) {
 
 /// Tries at 0, 60 and 180 ms.
 fn retries() -> SettleRetry {
-    SettleRetry {
-        attempts: 3,
-        initial_backoff: Duration::from_millis(60),
-        max_backoff: Duration::from_millis(120),
-    }
+    SettleRetry::new(3, Duration::from_millis(60), Duration::from_millis(120))
 }
 
 /// Found by `soak_memory` (seed 18224346700441746688, a short-retention key): the first try

@@ -12,9 +12,12 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum SqliteError {
-    /// The table name broke a rule (see [`crate::SqliteStoreBuilder::table`]).
-    #[error("invalid table name {name:?}: {reason}")]
-    InvalidTableName {
+    /// The table name broke a rule (see [`crate::SqliteStoreBuilder::table`]). The same
+    /// variant as `PostgresError::InvalidName`.
+    #[error("invalid {what} name {name:?}: {reason}")]
+    InvalidName {
+        /// `"table"`, the only name this store takes.
+        what: &'static str,
         /// The rejected name.
         name: String,
         /// Which rule it broke.

@@ -14,7 +14,8 @@ pub const MAX_TABLE_NAME_LEN: usize = 48;
 /// also quoted in every statement, so a valid name can never change a statement's meaning.
 pub fn validate_table_name(name: &str) -> Result<(), SqliteError> {
     let bad = |reason| {
-        Err(SqliteError::InvalidTableName {
+        Err(SqliteError::InvalidName {
+            what: "table",
             name: name.to_owned(),
             reason,
         })

@@ -74,7 +74,7 @@ async fn table_names_are_validated() {
             .await
             .expect_err("bad name must be refused");
         assert!(
-            matches!(&err, SqliteError::InvalidTableName { name, .. } if name == bad),
+            matches!(&err, SqliteError::InvalidName { name, .. } if name == bad),
             "{bad:?}: {err:?}"
         );
     }

@@ -151,10 +151,7 @@ impl ClaimedKey {
 
     /// The id and token together, as the engine's exactly-once paths give them to their work.
     pub fn context(&self) -> WorkContext {
-        WorkContext {
-            id: self.shared.id.clone(),
-            token: self.shared.token,
-        }
+        WorkContext::new(self.shared.id.clone(), self.shared.token)
     }
 
     /// The stored form of `response`, as the layer would store it: its status, the headers of

@@ -43,13 +43,7 @@ pub fn request(
     lease: Duration,
     ttl: Duration,
 ) -> ClaimRequest {
-    ClaimRequest {
-        id: id.clone(),
-        fingerprint,
-        lease,
-        ttl,
-        count_hit: true,
-    }
+    ClaimRequest::new(id.clone(), fingerprint, lease, ttl)
 }
 
 /// A fingerprint of `label`'s bytes.

@@ -303,13 +303,7 @@ impl Sequence {
             } => {
                 let id = &self.ids[*key];
                 let fingerprint = Fingerprint::from_bytes(FINGERPRINTS[*fp].as_bytes());
-                let req = ClaimRequest {
-                    id: id.clone(),
-                    fingerprint,
-                    lease: *lease,
-                    ttl: *ttl,
-                    count_hit: true,
-                };
+                let req = ClaimRequest::new(id.clone(), fingerprint, *lease, *ttl);
                 let got = store.claim(&req).await.map_err(|e| format!("claim: {e}"))?;
                 let before = self.reference.stored(key).cloned();
                 match self.reference.claim(key, &fingerprint, *lease, *ttl, now) {

@@ -394,10 +394,7 @@ pub async fn extend_moves_lease(t: TestStore) {
 /// it, hits included, and stays so. It still claims an absent key, exactly once among
 /// concurrent callers, and an expired one, with a greater token.
 pub async fn uncounted_claims_only_read(t: TestStore) {
-    let uncounted = |req: ClaimRequest| ClaimRequest {
-        count_hit: false,
-        ..req
-    };
+    let uncounted = |req: ClaimRequest| req.with_count_hit(false);
     for status in [
         RecordStatus::Completed,
         RecordStatus::Failed,

@@ -65,11 +65,19 @@ pub enum Disposition {
 /// What the work is told about its claim: the record and its fencing token, for writing the
 /// completion inside the caller's own transaction or fencing writes elsewhere.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct WorkContext {
     /// The record being worked on.
     pub id: RecordId,
     /// The holder's fencing token.
     pub token: FencingToken,
+}
+
+impl WorkContext {
+    /// The context of the holder of `token` on `id`.
+    pub fn new(id: RecordId, token: FencingToken) -> Self {
+        Self { id, token }
+    }
 }
 
 /// What [`Idempotency::begin`] decided. Every expected answer is a value: `Err` from
@@ -275,13 +283,8 @@ impl Idempotency {
     }
 
     fn claim_request(&self, id: RecordId, fingerprint: &Fingerprint) -> ClaimRequest {
-        ClaimRequest {
-            id,
-            fingerprint: *fingerprint,
-            lease: self.policy.lease,
-            ttl: self.policy.ttl,
-            count_hit: self.policy.count_hits,
-        }
+        ClaimRequest::new(id, *fingerprint, self.policy.lease, self.policy.ttl)
+            .with_count_hit(self.policy.count_hits)
     }
 
     /// [`Idempotency::begin`] on a prepared request, whose address moves into the lease.

@@ -40,6 +40,7 @@ use std::fmt::Display;
 /// does to the key.
 #[derive(Debug)]
 #[must_use = "a transaction's end must be settled: Lease::settle_transaction"]
+#[non_exhaustive]
 pub enum TransactionEnd<T, E> {
     /// The work returned `Ok(value)`, and its writes committed with the record's completion.
     Committed(T),

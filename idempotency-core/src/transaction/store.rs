@@ -78,6 +78,7 @@ pub const MAX_TRANSACTION_ATTEMPTS: u32 = 8;
 
 /// A transaction that began, and how the lease is kept while the work runs in it.
 #[derive(Debug)]
+#[non_exhaustive]
 pub enum Begun<T> {
     /// Nothing in the transaction holds the record: the heartbeat extends the lease from
     /// outside it ([`Lease::with_heartbeat`]), as for work outside a transaction. For
@@ -101,6 +102,7 @@ pub enum Begun<T> {
 
 /// Why a commit failed.
 #[derive(Debug)]
+#[non_exhaustive]
 pub enum CommitError {
     /// The database refused the commit and rolled the transaction back: nothing of it took
     /// effect.

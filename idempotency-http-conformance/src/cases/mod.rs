@@ -176,13 +176,12 @@ fn patch(c: &reqwest::Client, s: &TestServer, key: &str, body: &Value) -> reqwes
 async fn seed(store: &TestStore, id: &RecordId, fp: Fingerprint, status: StatusCode, body: &[u8]) {
     let claim = store
         .store
-        .claim(&ClaimRequest {
-            id: id.clone(),
-            fingerprint: fp,
-            lease: Duration::from_secs(60),
-            ttl: Duration::from_secs(3600),
-            count_hit: true,
-        })
+        .claim(&ClaimRequest::new(
+            id.clone(),
+            fp,
+            Duration::from_secs(60),
+            Duration::from_secs(3600),
+        ))
         .await
         .expect("claim");
     let idempotency_core::Claim::Claimed { token, .. } = claim else {

@@ -230,13 +230,12 @@ pub async fn corrupt_stored_response_is_500(store: TestStore) {
     );
     let claim = store
         .store
-        .claim(&ClaimRequest {
-            id: id.clone(),
+        .claim(&ClaimRequest::new(
+            id.clone(),
             fingerprint,
-            lease: Duration::from_secs(60),
-            ttl: Duration::from_secs(3600),
-            count_hit: true,
-        })
+            Duration::from_secs(60),
+            Duration::from_secs(3600),
+        ))
         .await
         .expect("claim");
     let idempotency_core::Claim::Claimed { token, .. } = claim else {

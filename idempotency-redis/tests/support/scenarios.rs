@@ -13,13 +13,7 @@ use std::time::Duration;
 const HOUR: Duration = Duration::from_secs(3600);
 
 fn req(id: &RecordId, lease: Duration, ttl: Duration) -> ClaimRequest {
-    ClaimRequest {
-        id: id.clone(),
-        fingerprint: Fingerprint::from_bytes(b"payload"),
-        lease,
-        ttl,
-        count_hit: true,
-    }
+    ClaimRequest::new(id.clone(), Fingerprint::from_bytes(b"payload"), lease, ttl)
 }
 
 async fn claimed(store: &RedisStore, r: &ClaimRequest) -> FencingToken {

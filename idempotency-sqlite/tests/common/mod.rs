@@ -30,11 +30,5 @@ pub(crate) fn id(label: &str) -> RecordId {
 }
 
 pub(crate) fn req(id: &RecordId, payload: &[u8], lease: Duration, ttl: Duration) -> ClaimRequest {
-    ClaimRequest {
-        id: id.clone(),
-        fingerprint: Fingerprint::from_bytes(payload),
-        lease,
-        ttl,
-        count_hit: true,
-    }
+    ClaimRequest::new(id.clone(), Fingerprint::from_bytes(payload), lease, ttl)
 }
