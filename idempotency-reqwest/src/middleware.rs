@@ -103,7 +103,7 @@ impl IdempotencyMiddleware {
 
     /// The header that marks a replayed answer (default `Idempotent-Replayed`). A replayed
     /// answer is the operation's outcome: it is never retried, whatever its status.
-    pub fn replayed_header(mut self, name: HeaderName) -> Self {
+    pub fn replay_marker(mut self, name: HeaderName) -> Self {
         self.replayed_header = name;
         self
     }

@@ -183,7 +183,7 @@ impl ClaimedKey {
     /// whatever the handler answers, and the answer is not stored, so a retry runs the
     /// handler again. Without it, an answer that is not stored (a 5xx, say) holds the key
     /// until its lease passes, because the layer cannot know that nothing was done
-    /// ([`crate::Unstored`]).
+    /// ([`crate::OnUnstored`]).
     ///
     /// Call it only when the rollback is certain: not after a `COMMIT` whose outcome is
     /// unknown (a lost connection during the commit), which may have applied.
@@ -205,7 +205,7 @@ impl ClaimedKey {
 /// whatever its status.
 ///
 /// Without it, a response the layer does not store (5xx, 408, 429 by default) holds the key
-/// until its lease passes ([`crate::Unstored`]): the handler may have acted before it failed.
+/// until its lease passes ([`crate::OnUnstored`]): the handler may have acted before it failed.
 ///
 /// ```
 /// use http::{Response, StatusCode};

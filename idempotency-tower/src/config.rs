@@ -27,7 +27,7 @@ type ResponseHookFn = dyn Fn(&ResponseContext<'_>, &mut HeaderMap) + Send + Sync
 /// body is larger than the response limit, or it failed while the layer read it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
-pub enum Unreplayable {
+pub enum OnUnreplayable {
     /// Record that the handler ran, with its status and allowlisted headers (the default).
     /// The key is not free for a second execution: a retry gets the original status and
     /// headers (`Location` included) with an `idempotency-response-not-replayable` problem
@@ -38,6 +38,10 @@ pub enum Unreplayable {
     /// unreplayable responses existed). Only for handlers that are safe to run twice.
     Release,
 }
+
+/// The former name of [`OnUnreplayable`].
+#[deprecated(since = "0.1.0", note = "renamed to OnUnreplayable")]
+pub type Unreplayable = OnUnreplayable;
 
 /// What the layer does with the key when the handler answered with a status that is not
 /// stored (5xx, 408 and 429 by default; see [`IdempotencyLayer::store_status`]) or returned an
@@ -51,7 +55,7 @@ pub enum Unreplayable {
 /// after its own transaction rolled back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
-pub enum Unstored {
+pub enum OnUnstored {
     /// Hold the key until its lease passes (the default): a retry gets `409`
     /// `idempotency-key-in-progress` with `Retry-After` until then, and runs the handler
     /// after (the lease is the engine's `Policy::lease`).
@@ -79,8 +83,8 @@ pub(crate) struct Config {
     pub(crate) responder: Arc<dyn RefusalResponder>,
     pub(crate) fingerprint_headers: Vec<HeaderName>,
     pub(crate) fingerprint_hook: Option<Arc<FingerprintFn>>,
-    pub(crate) unreplayable: Unreplayable,
-    pub(crate) unstored: Unstored,
+    pub(crate) unreplayable: OnUnreplayable,
+    pub(crate) unstored: OnUnstored,
     pub(crate) challenge: HeaderValue,
     pub(crate) max_retry_after: Duration,
     pub(crate) unavailable_retry_after: Duration,
@@ -108,8 +112,8 @@ impl Config {
             responder: Arc::new(ProblemJson::default()),
             fingerprint_headers: DEFAULT_FINGERPRINT_HEADERS.to_vec(),
             fingerprint_hook: None,
-            unreplayable: Unreplayable::Record,
-            unstored: Unstored::Hold,
+            unreplayable: OnUnreplayable::Record,
+            unstored: OnUnstored::Hold,
             challenge: HeaderValue::from_static("Bearer"),
             max_retry_after: IdempotencyLayer::DEFAULT_MAX_RETRY_AFTER,
             unavailable_retry_after: IdempotencyLayer::DEFAULT_UNAVAILABLE_RETRY_AFTER,
@@ -157,7 +161,7 @@ impl Config {
 }
 
 /// The default rule for which responses are stored: everything except 5xx, 408 and 429. What
-/// becomes of the key after a status that is not stored is [`Unstored`]: by default it is held
+/// becomes of the key after a status that is not stored is [`OnUnstored`]: by default it is held
 /// until its lease passes.
 pub fn default_store_status(status: StatusCode) -> bool {
     !(status.is_server_error()
@@ -172,3 +176,7 @@ fn default_route(parts: &Parts) -> String {
     }
     parts.uri.path().to_owned()
 }
+
+/// The former name of [`OnUnstored`].
+#[deprecated(since = "0.1.0", note = "renamed to OnUnstored")]
+pub type Unstored = OnUnstored;

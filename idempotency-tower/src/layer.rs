@@ -1,6 +1,6 @@
 //! The layer: a builder over the shared configuration.
 
-use crate::config::{Config, Unreplayable, Unstored};
+use crate::config::{Config, OnUnreplayable, OnUnstored};
 use crate::fingerprint::FingerprintInput;
 use crate::hooks::ResponseContext;
 use crate::problem::{ProblemJson, RefusalResponder};
@@ -117,7 +117,7 @@ impl IdempotencyLayer {
     /// The largest response body stored for replay (default 1 MiB, at most `u32::MAX`). A
     /// body without an exact size (a stream) is read up to the limit and stored when it ends
     /// within it, so the client gets it once it is read whole. A larger body is delivered
-    /// whole but not stored; what happens to the key is [`IdempotencyLayer::unreplayable`].
+    /// whole but not stored; what happens to the key is [`IdempotencyLayer::on_unreplayable`].
     pub fn response_limit(self, bytes: usize) -> Self {
         let bytes = bytes.min(u32::MAX as usize);
         self.edit(|c| c.response_limit = bytes)
@@ -166,7 +166,7 @@ impl IdempotencyLayer {
     /// Which statuses are stored and replayed (default
     /// [`default_store_status`](crate::default_store_status)). After a status that is not
     /// stored the key is held until its lease passes, or released at once per
-    /// [`IdempotencyLayer::unstored`].
+    /// [`IdempotencyLayer::on_unstored`].
     pub fn store_status<F>(self, f: F) -> Self
     where
         F: Fn(StatusCode) -> bool + Send + Sync + 'static,
@@ -177,7 +177,7 @@ impl IdempotencyLayer {
     /// Adds a header to the replay allowlist ([`DEFAULT_REPLAYED`](crate::DEFAULT_REPLAYED)
     /// to start with). Headers in [`NEVER_REPLAYED`](crate::NEVER_REPLAYED) are ignored:
     /// cookies, credentials and hop-by-hop headers are never stored.
-    pub fn replay_header(self, name: HeaderName) -> Self {
+    pub fn store_header(self, name: HeaderName) -> Self {
         self.edit(|c| {
             if !c.replayed.contains(&name) {
                 c.replayed.push(name);
@@ -186,7 +186,7 @@ impl IdempotencyLayer {
     }
 
     /// Replaces the replay allowlist.
-    pub fn replay_headers(self, names: impl IntoIterator<Item = HeaderName>) -> Self {
+    pub fn store_headers(self, names: impl IntoIterator<Item = HeaderName>) -> Self {
         let names = names.into_iter().collect();
         self.edit(|c| c.replayed = names)
     }
@@ -269,19 +269,19 @@ impl IdempotencyLayer {
     }
 
     /// What to do when the handler ran but its response cannot be stored (larger than the
-    /// response limit, or its body failed while read): [`Unreplayable::Record`] (the default)
-    /// keeps the key from running the handler again, [`Unreplayable::Release`] frees it.
-    pub fn unreplayable(self, unreplayable: Unreplayable) -> Self {
+    /// response limit, or its body failed while read): [`OnUnreplayable::Record`] (the default)
+    /// keeps the key from running the handler again, [`OnUnreplayable::Release`] frees it.
+    pub fn on_unreplayable(self, unreplayable: OnUnreplayable) -> Self {
         self.edit(|c| c.unreplayable = unreplayable)
     }
 
     /// What to do with the key when the handler answered a status that is not stored, or
-    /// returned an error: [`Unstored::Hold`] (the default) holds it until its lease passes,
-    /// because the handler may have acted before it failed; [`Unstored::Release`] frees it at
+    /// returned an error: [`OnUnstored::Hold`] (the default) holds it until its lease passes,
+    /// because the handler may have acted before it failed; [`OnUnstored::Release`] frees it at
     /// once, for handlers that fail only before they act. A handler that did nothing can free
     /// the key itself under either rule ([`NothingDone`](crate::NothingDone),
     /// [`ClaimedKey::rolled_back`](crate::ClaimedKey::rolled_back)).
-    pub fn unstored(self, unstored: Unstored) -> Self {
+    pub fn on_unstored(self, unstored: OnUnstored) -> Self {
         self.edit(|c| c.unstored = unstored)
     }
 
@@ -388,13 +388,43 @@ impl IdempotencyLayer {
     /// # use idempotency_tower::IdempotencyLayer;
     /// # use http::{HeaderName, HeaderValue};
     /// # let engine = Idempotency::new(std::sync::Arc::new(MemoryStore::new()), Policy::default()).unwrap();
-    /// let layer = IdempotencyLayer::new(engine).replayed_header(Some((
+    /// let layer = IdempotencyLayer::new(engine).replay_marker(Some((
     ///     HeaderName::from_static("x-cache"),
     ///     HeaderValue::from_static("replay"),
     /// )));
     /// ```
-    pub fn replayed_header(self, marker: Option<(HeaderName, HeaderValue)>) -> Self {
+    pub fn replay_marker(self, marker: Option<(HeaderName, HeaderValue)>) -> Self {
         self.edit(|c| c.replayed_marker = marker)
+    }
+
+    /// The former name of [`IdempotencyLayer::store_header`].
+    #[deprecated(since = "0.1.0", note = "renamed to store_header")]
+    pub fn replay_header(self, name: HeaderName) -> Self {
+        self.store_header(name)
+    }
+
+    /// The former name of [`IdempotencyLayer::store_headers`].
+    #[deprecated(since = "0.1.0", note = "renamed to store_headers")]
+    pub fn replay_headers(self, names: impl IntoIterator<Item = HeaderName>) -> Self {
+        self.store_headers(names)
+    }
+
+    /// The former name of [`IdempotencyLayer::replay_marker`].
+    #[deprecated(since = "0.1.0", note = "renamed to replay_marker")]
+    pub fn replayed_header(self, marker: Option<(HeaderName, HeaderValue)>) -> Self {
+        self.replay_marker(marker)
+    }
+
+    /// The former name of [`IdempotencyLayer::on_unreplayable`].
+    #[deprecated(since = "0.1.0", note = "renamed to on_unreplayable")]
+    pub fn unreplayable(self, unreplayable: OnUnreplayable) -> Self {
+        self.on_unreplayable(unreplayable)
+    }
+
+    /// The former name of [`IdempotencyLayer::on_unstored`].
+    #[deprecated(since = "0.1.0", note = "renamed to on_unstored")]
+    pub fn unstored(self, unstored: OnUnstored) -> Self {
+        self.on_unstored(unstored)
     }
 
     /// Called on every response to a request whose key was claimed (the handler's, once

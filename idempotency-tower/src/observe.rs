@@ -57,23 +57,23 @@ pub enum HttpOutcome {
     /// Stored for replay.
     Stored,
     /// Not stored because of its status (5xx, 408, 429 by default); the key was released
-    /// ([`Unstored::Release`](crate::Unstored::Release)).
+    /// ([`OnUnstored::Release`](crate::OnUnstored::Release)).
     ReleasedStatus,
     /// Not stored because of its status; the handler may have acted, so the key is held until
-    /// its lease passes ([`Unstored::Hold`](crate::Unstored::Hold), the default).
+    /// its lease passes ([`OnUnstored::Hold`](crate::OnUnstored::Hold), the default).
     HeldStatus,
     /// The handler said it did nothing ([`NothingDone`](crate::NothingDone), or
     /// [`ClaimedKey::rolled_back`](crate::ClaimedKey::rolled_back)); the key was released and
     /// the response not stored.
     ReleasedNothingDone,
-    /// Too large to store; the key was released (`Unreplayable::Release`).
+    /// Too large to store; the key was released (`OnUnreplayable::Release`).
     ReleasedTooLarge,
-    /// Its body failed while being read; the key was released (`Unreplayable::Release`).
+    /// Its body failed while being read; the key was released (`OnUnreplayable::Release`).
     ReleasedBodyFailed,
-    /// Too large to store; the key records that the handler ran (`Unreplayable::Record`).
+    /// Too large to store; the key records that the handler ran (`OnUnreplayable::Record`).
     RecordedTooLarge,
     /// Its body failed while being read; the key records that the handler ran
-    /// (`Unreplayable::Record`).
+    /// (`OnUnreplayable::Record`).
     RecordedBodyFailed,
     /// Storing it failed through the engine's retries; the key stays pending until its lease
     /// passes.
@@ -85,10 +85,10 @@ pub enum HttpOutcome {
     /// the layer wrote nothing, and retries replay what the handler committed.
     SettledByHandler,
     /// The handler returned an error; the key was released
-    /// ([`Unstored::Release`](crate::Unstored::Release), or its transaction rolled back).
+    /// ([`OnUnstored::Release`](crate::OnUnstored::Release), or its transaction rolled back).
     HandlerError,
     /// The handler returned an error; it may have acted, so the key is held until its lease
-    /// passes ([`Unstored::Hold`](crate::Unstored::Hold), the default).
+    /// passes ([`OnUnstored::Hold`](crate::OnUnstored::Hold), the default).
     HandlerErrorHeld,
     /// The handler panicked; the key was released (unless the handler had settled it itself).
     HandlerPanicked,

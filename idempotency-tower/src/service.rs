@@ -1,7 +1,7 @@
 //! The service: read the key, fingerprint, claim, run or replay, store.
 
 use crate::claim::{ClaimedKey, NothingDone, Settlement};
-use crate::config::{Config, Unreplayable, Unstored};
+use crate::config::{Config, OnUnreplayable, OnUnstored};
 use crate::fingerprint::FingerprintInput;
 use crate::future::ResponseFuture;
 use crate::headers::{CONNECTION, CONTENT_LENGTH, DIGEST, RETRY_AFTER, WWW_AUTHENTICATE};
@@ -618,7 +618,7 @@ async fn settle_response<B>(config: &Config, lease: Lease, read: ReadResponse<B>
             let resp = Response::from_parts(parts, ResponseBody::full(body));
             (resp, outcome)
         }
-        (ReadResponse::TooLarge(parts, body), Unreplayable::Release) => {
+        (ReadResponse::TooLarge(parts, body), OnUnreplayable::Release) => {
             release(lease, HttpOutcome::ReleasedTooLarge).await;
             let resp = Response::from_parts(parts, body);
             return with_hook(
@@ -629,7 +629,7 @@ async fn settle_response<B>(config: &Config, lease: Lease, read: ReadResponse<B>
                 None,
             );
         }
-        (ReadResponse::TooLarge(parts, body), Unreplayable::Record) => {
+        (ReadResponse::TooLarge(parts, body), OnUnreplayable::Record) => {
             let stored = StoredResponse {
                 not_replayable: Some(NotReplayable::TooLarge),
                 ..kept(&parts)
@@ -637,12 +637,12 @@ async fn settle_response<B>(config: &Config, lease: Lease, read: ReadResponse<B>
             let outcome = complete(lease, &stored, HttpOutcome::RecordedTooLarge).await;
             (Response::from_parts(parts, body), outcome)
         }
-        (ReadResponse::Failed(_, e), Unreplayable::Release) => {
+        (ReadResponse::Failed(_, e), OnUnreplayable::Release) => {
             tracing::error!(error = %e, "the handler's response body failed");
             release(lease, HttpOutcome::ReleasedBodyFailed).await;
             return refuse(config, Refusal::HandlerFailed);
         }
-        (ReadResponse::Failed(parts, e), Unreplayable::Record) => {
+        (ReadResponse::Failed(parts, e), OnUnreplayable::Record) => {
             tracing::error!(error = %e, "the handler's response body failed");
             let stored = StoredResponse {
                 not_replayable: Some(NotReplayable::BodyFailed),
@@ -718,7 +718,7 @@ where
                 // The handler may have acted before its error, unless its own transaction
                 // rolled back or the layer is told its handlers fail only before acting.
                 if claim.settlement() == Settlement::RolledBack
-                    || config.unstored == Unstored::Release
+                    || config.unstored == OnUnstored::Release
                 {
                     release(lease, HttpOutcome::HandlerError).await;
                 } else {
@@ -757,7 +757,7 @@ where
             // The handler may have acted before it failed: hold the key unless the layer is
             // told its handlers fail only before acting.
             let outcome = match config.unstored {
-                Unstored::Release => {
+                OnUnstored::Release => {
                     release(lease, HttpOutcome::ReleasedStatus).await;
                     HttpOutcome::ReleasedStatus
                 }

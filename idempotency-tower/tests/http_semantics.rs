@@ -132,7 +132,7 @@ where
 
 /// A handler that returns an error may have acted before it failed: by default the key is
 /// held, so a retry 100 ms later gets 409 with `Retry-After` and the handler has run once.
-/// With `Unstored::Release` (handlers that fail only before acting) the retry runs it again.
+/// With `OnUnstored::Release` (handlers that fail only before acting) the retry runs it again.
 #[tokio::test]
 async fn a_handler_error_holds_the_key_unless_told_to_release() {
     let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -146,7 +146,7 @@ async fn a_handler_error_holds_the_key_unless_told_to_release() {
 
     let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let mut released = layer()
-        .unstored(idempotency_tower::Unstored::Release)
+        .on_unstored(idempotency_tower::OnUnstored::Release)
         .layer(failing_service(calls.clone()));
     assert!(send_keyed(&mut released, "err").await.is_err());
     // The key is released before the error is returned.

@@ -54,12 +54,12 @@ pub async fn in_flight_wait_policy_replays(store: TestStore) {
     assert_eq!(s.executions(), 1);
 }
 
-/// With `Unstored::Release` (for handlers that fail only before acting), 5xx, 408 and 429 are
+/// With `OnUnstored::Release` (for handlers that fail only before acting), 5xx, 408 and 429 are
 /// delivered but not stored: the key is released and the retry runs the handler. A
 /// deterministic client error (404, 400) is stored and replayed.
 pub async fn server_errors_408_429_release_the_key(store: TestStore) {
     let s = TestServer::with_store(store.store.clone(), Policy::default(), |l| {
-        l.unstored(Unstored::Release)
+        l.on_unstored(OnUnstored::Release)
     })
     .await;
     let c = client();

@@ -21,7 +21,7 @@ pub async fn response_hook_sees_fresh_and_replayed(store: TestStore) {
                 headers.insert("x-hook-expires", http::HeaderValue::from(secs));
             }
         })
-        .replay_header(HeaderName::from_static("x-hook-replay"))
+        .store_header(HeaderName::from_static("x-hook-replay"))
     })
     .await;
     let c = client();

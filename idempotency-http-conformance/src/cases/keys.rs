@@ -327,7 +327,7 @@ pub async fn key_header_validator_and_replay_marker_are_configurable(store: Test
                     });
                 ok.then_some(()).ok_or_else(|| "keys are UUIDs".to_owned())
             })
-            .replayed_header(Some((
+            .replay_marker(Some((
                 HeaderName::from_static("x-cache"),
                 http::HeaderValue::from_static("replay"),
             )))
@@ -362,7 +362,7 @@ pub async fn key_header_validator_and_replay_marker_are_configurable(store: Test
     assert_eq!(s.executions(), 2);
 
     let unmarked = TestServer::with_store(store.store.clone(), Policy::default(), |l| {
-        l.replayed_header(None)
+        l.replay_marker(None)
     })
     .await;
     let first = send(post(&c, &unmarked, "/items", "unmarked", &body)).await;

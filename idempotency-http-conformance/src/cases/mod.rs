@@ -6,7 +6,7 @@ use bytes::Bytes;
 use http::{HeaderName, Method, StatusCode};
 use idempotency_conformance::{Fault, FlakyOp, FlakyStore, TestStore};
 use idempotency_core::{ClaimRequest, Fingerprint, IdempotencyKey, InFlight, Policy, RecordId};
-use idempotency_tower::{http_scope, Refusal, Unstored};
+use idempotency_tower::{http_scope, OnUnstored, Refusal};
 use reqwest::header::HeaderMap;
 use serde_json::{json, Value};
 use std::sync::Arc;

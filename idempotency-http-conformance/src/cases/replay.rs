@@ -38,10 +38,10 @@ pub async fn first_request_runs_then_replays(store: TestStore) {
 /// all.
 pub async fn replay_omits_credentials_cookies_and_unlisted_headers(store: TestStore) {
     let s = TestServer::with_store(store.store.clone(), Policy::default(), |l| {
-        l.replay_header(HeaderName::from_static("x-allowlisted"))
-            .replay_header(HeaderName::from_static("set-cookie"))
-            .replay_header(HeaderName::from_static("authorization"))
-            .replay_header(HeaderName::from_static("connection"))
+        l.store_header(HeaderName::from_static("x-allowlisted"))
+            .store_header(HeaderName::from_static("set-cookie"))
+            .store_header(HeaderName::from_static("authorization"))
+            .store_header(HeaderName::from_static("connection"))
     })
     .await;
     let c = client();
@@ -170,7 +170,7 @@ pub async fn small_streams_are_stored_oversized_responses_run_once(store: TestSt
 
 /// A response body that fails after the handler ran: by default the key records that the
 /// handler ran, and the client and its retries get the not-replayable answer (handler not run
-/// again). With `Unreplayable::Release`, the client gets 500 and the retry runs the handler,
+/// again). With `OnUnreplayable::Release`, the client gets 500 and the retry runs the handler,
 /// and an oversized response releases the key too.
 pub async fn unreplayable_responses_are_recorded_or_released(store: TestStore) {
     let c = client();
@@ -186,7 +186,7 @@ pub async fn unreplayable_responses_are_recorded_or_released(store: TestStore) {
 
     let released = TestServer::with_store(store.store.clone(), Policy::default(), |l| {
         l.response_limit(1024)
-            .unreplayable(idempotency_tower::Unreplayable::Release)
+            .on_unreplayable(idempotency_tower::OnUnreplayable::Release)
     })
     .await;
     let failed = send(
