@@ -7,7 +7,7 @@ use idempotency_core::IdempotencyKey;
 /// The header the key is sent in (by default; see
 /// [`IdempotencyMiddleware::key_header`](crate::IdempotencyMiddleware::key_header)), and the
 /// header a server sets on a replayed response (by default; see
-/// [`IdempotencyMiddleware::replayed_header`](crate::IdempotencyMiddleware::replayed_header)):
+/// [`IdempotencyMiddleware::replay_marker`](crate::IdempotencyMiddleware::replay_marker)):
 /// the server half's own names.
 pub use idempotency_core::http::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
 

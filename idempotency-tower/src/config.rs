@@ -34,8 +34,8 @@ pub enum OnUnreplayable {
     /// document as the body, marked replayed.
     #[default]
     Record,
-    /// Release the key, so a retry runs the handler again (the behaviour before records of
-    /// unreplayable responses existed). Only for handlers that are safe to run twice.
+    /// Release the key, so a retry runs the handler again. Only for handlers that are safe to
+    /// run twice.
     Release,
 }
 
@@ -62,7 +62,7 @@ pub enum OnUnstored {
     #[default]
     Hold,
     /// Release the key at once, so a retry runs the handler again: only for handlers that
-    /// fail only before they act (the behaviour of earlier versions).
+    /// fail only before they act.
     Release,
 }
 

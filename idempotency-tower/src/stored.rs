@@ -81,8 +81,8 @@ pub enum DecodeError {
 ///
 /// A completion whose response could not be kept ([`StoredResponse::not_replayable`]) is
 /// written `IDR\x02`, one byte for the reason (1 too large, 2 body failed), then the same
-/// fields. A replayable response is still written `IDR\x01`, byte for byte as before, so
-/// records stay readable by older versions of the layer.
+/// fields. A replayable response is always written `IDR\x01`, so a reader that knows only
+/// that format still reads every replayable record.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredResponse {
     /// The status code.

@@ -170,15 +170,13 @@ impl fmt::Display for Fingerprint {
 /// lone surrogates, valid UTF-8) or that nests arrays and objects deeper than 127 levels
 /// (serde_json's limit) has no canonical form.
 ///
-/// # Versions
+/// # Format
 ///
-/// Before this form, numbers were written as serde_json prints a `Value` (integers and
-/// floats apart, `1.0`, `0.0`, `1e+20`), numbers were rounded to an `f64` and duplicate
-/// names were dropped. So [`Fingerprint::from_json`] and [`Fingerprint::from_json_slice`]
-/// of a payload with floats, numbers beyond 64 bits or duplicate names differ from what
-/// older versions computed (integers, strings, `true`, `false`, `null` and the structure
-/// around them are written as before). [`FingerprintBuilder`] marks its format, now
-/// `idempotency-fingerprint-v3`, so every request fingerprint differs from version 2's.
+/// Numbers are written by their exact value (never rounded to an `f64`, `1.0` and `1` apart
+/// as written) and duplicate member names are kept. [`FingerprintBuilder`] marks the format
+/// it hashes (`idempotency-fingerprint-v3`), so a fingerprint of another format never equals
+/// one of this format: a record stored under another format is a mismatch, never a wrong
+/// replay. The changelog lists each change of format.
 pub fn canonical_json(value: &serde_json::Value) -> String {
     let mut out = Vec::new();
     write_value(value, &mut out);
@@ -644,8 +642,8 @@ fn write_big_exponent<S: Sink>(negative: bool, digits: &[u8], delta: i128, out: 
 /// is canonicalised first; any other body is hashed as raw bytes.
 ///
 /// Headers ([`FingerprintBuilder::header`]) are optional: a fingerprint built without any is
-/// the same digest as before headers could be added, so records stored by older versions
-/// still match.
+/// the digest of the method, path, query, content type and body alone, and adds nothing for
+/// headers to the hashed stream.
 #[derive(Debug, Default, Clone)]
 pub struct FingerprintBuilder<'a> {
     method: Option<Cow<'a, str>>,
@@ -700,7 +698,7 @@ impl<'a> FingerprintBuilder<'a> {
     /// let v2 = base().header("if-match", "\"v2\"").finish();
     /// assert_ne!(v1, v2);
     /// assert_eq!(v1, base().header("if-match", b"\"v1\"").finish());
-    /// // Without headers the digest is the one older versions computed.
+    /// // A fingerprint without headers differs from one with them.
     /// assert_ne!(base().finish(), v1);
     /// ```
     pub fn header(mut self, name: impl Into<Cow<'a, str>>, value: impl AsRef<[u8]>) -> Self {
@@ -717,11 +715,8 @@ impl<'a> FingerprintBuilder<'a> {
     /// Computes the digest. A JSON body contributes `J` and the SHA-256 of its canonical
     /// text (hashed as it is written, never held whole); any other body `R` and its bytes.
     ///
-    /// The stream starts with its format, `idempotency-fingerprint-v3`. Version 3 writes
-    /// numbers by their exact value and keeps duplicate member names; version 2 read JSON
-    /// bodies through `serde_json::Value`, so a record stored by it does not match the same
-    /// request fingerprinted by version 3 (a retry across the upgrade gets a mismatch, never
-    /// a wrong replay).
+    /// The stream starts with its format, `idempotency-fingerprint-v3`, so a fingerprint of
+    /// another format never equals this one (see [`canonical_json`] for the format).
     pub fn finish(self) -> Fingerprint {
         let mut h = Sha256::new();
         h.update(b"idempotency-fingerprint-v3");
