@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 
 mod harness;
+mod kinds;
 mod memory;
 mod postgres;
 mod profile;
@@ -9,13 +10,9 @@ mod sqlite;
 mod stats;
 
 use harness::{Backend, Budget, Counted};
-use idempotency_core::{BoxError, IdempotencyStore, RecordId};
-use idempotency_sqlite::ConnectionMode;
+use idempotency_core::{BoxError, RecordId};
 use stats::{fmt_latency, Summary};
-use std::sync::Arc;
 use std::time::Duration;
-
-const ALL: [&str; 4] = ["memory", "sqlite", "postgres", "redis"];
 
 struct Args {
     backends: Vec<String>,
@@ -26,12 +23,11 @@ struct Args {
     profile: Option<String>,
 }
 
-const USAGE: &str = "usage: idempotency-bench [--backend memory|sqlite|postgres|redis|all|a,b] \
-[--clients 1,16] [--ops N] [--duration SECS] [--sizes 1000,10000,100000,1000000]
+const USAGE: &str = "usage: idempotency-bench [--backend NAME|all|a,b] [--clients 1,16] [--ops N] [--duration SECS] [--sizes 1000,10000,100000,1000000]
        idempotency-bench --profile store-cycle|store-replay|engine-cycle|engine-replay|raw-cycle|raw-replay|fingerprint-1k [--ops N]
 
 --ops and --duration bound every measurement (whichever ends first). --sizes are the live-key
-counts of the scaling tables (memory and SQLite; PostgreSQL takes the sizes up to 100000).
+counts of the scaling tables (each backend takes the sizes up to its own bound).
 Servers: IDEMPOTENCY_BENCH_POSTGRES_URL (default postgres://postgres@127.0.0.1:5432/test),
 IDEMPOTENCY_BENCH_REDIS_URL (default redis://127.0.0.1:6379).";
 
@@ -51,13 +47,14 @@ fn parse_args() -> Result<Args, String> {
             "--backend" => {
                 let v = value()?;
                 args.backends = if v == "all" {
-                    ALL.map(String::from).to_vec()
+                    kinds::KINDS.iter().map(|k| k.name.to_owned()).collect()
                 } else {
                     v.split(',').map(|s| s.trim().to_owned()).collect()
                 };
-                if let Some(bad) = args.backends.iter().find(|b| !ALL.contains(&b.as_str())) {
+                if let Some(bad) = args.backends.iter().find(|b| kinds::find(b).is_none()) {
                     return Err(format!(
-                        "unknown backend {bad:?} (memory, sqlite, postgres, redis or all)"
+                        "unknown backend {bad:?} ({} or all)",
+                        kinds::names()
                     ));
                 }
             }
@@ -73,7 +70,7 @@ fn parse_args() -> Result<Args, String> {
             "--sizes" => args.sizes = parse_list(&value()?)?,
             "--profile" => args.profile = Some(value()?),
             "--help" | "-h" => {
-                println!("{USAGE}");
+                println!("{USAGE}\nBackends: {}.", kinds::names());
                 std::process::exit(0);
             }
             other => return Err(format!("unknown argument {other:?} (try --help)")),
@@ -115,35 +112,6 @@ impl Targets {
         for (t, m, met) in &self.0 {
             println!("| {t} | {m} | {} |", if *met { "met" } else { "MISSED" });
         }
-    }
-}
-
-/// A backend to measure, with whatever must live as long as it (a temp dir, a schema).
-type Prepared = (Backend, Box<dyn std::any::Any>);
-
-async fn make_backends(name: &str, max_clients: usize) -> Result<Vec<Prepared>, BoxError> {
-    match name {
-        "memory" => Ok(vec![(memory::backend(), Box::new(()))]),
-        "sqlite" => {
-            let (thread, d1) =
-                sqlite::backend("sqlite (dedicated thread)", ConnectionMode::DedicatedThread)
-                    .await?;
-            let (pool, d2) = sqlite::backend(
-                "sqlite (spawn_blocking pool of 4)",
-                ConnectionMode::BlockingPool { connections: 4 },
-            )
-            .await?;
-            Ok(vec![(thread, Box::new(d1)), (pool, Box::new(d2))])
-        }
-        "postgres" => {
-            let (b, schema) = postgres::backend(max_clients).await?;
-            Ok(vec![(b, Box::new(schema))])
-        }
-        "redis" => {
-            let (b, cleanup) = redis::backend().await?;
-            Ok(vec![(b, Box::new(cleanup))])
-        }
-        other => Err(format!("unknown backend {other:?}").into()),
     }
 }
 
@@ -587,16 +555,18 @@ fn rss_bytes() -> Option<u64> {
 
 /// Cost per operation as the number of live keys grows: replay of a random live key and a
 /// new-key cycle, one client. For the memory store also the resident memory per record.
-async fn scaling(kind: &str, args: &Args, targets: &mut Targets) -> Result<(), BoxError> {
-    let sizes: Vec<usize> = match kind {
-        "postgres" => args
-            .sizes
-            .iter()
-            .copied()
-            .filter(|&n| n <= 100_000)
-            .collect(),
-        _ => args.sizes.clone(),
-    };
+async fn scaling(
+    kind: &str,
+    scale: &kinds::Scaling,
+    args: &Args,
+    targets: &mut Targets,
+) -> Result<(), BoxError> {
+    let sizes: Vec<usize> = args
+        .sizes
+        .iter()
+        .copied()
+        .filter(|&n| n <= scale.max_keys)
+        .collect();
     if sizes.is_empty() {
         return Ok(());
     }
@@ -612,37 +582,15 @@ async fn scaling(kind: &str, args: &Args, targets: &mut Targets) -> Result<(), B
     let mut p50s = Vec::new();
     for &n in &sizes {
         let before = rss_bytes().unwrap_or(0);
-        let mut _guard: Box<dyn std::any::Any> = Box::new(());
         let filling = std::time::Instant::now();
-        let store: Arc<dyn IdempotencyStore> = match kind {
-            "memory" => {
-                let store = Arc::new(idempotency_memory::MemoryStore::new());
-                for i in 0..n {
-                    let id = RecordId::new(harness::scope(), harness::key("fill", 0, i));
-                    harness::store_cycle(store.as_ref(), id).await?;
-                }
-                store
-            }
-            "postgres" => {
-                let (store, schema) = postgres::scaling_store().await?;
-                postgres::fill(&store, n).await?;
-                _guard = Box::new(schema);
-                Arc::new(store)
-            }
-            _ => {
-                let (store, dir) = sqlite::open(ConnectionMode::DedicatedThread).await?;
-                sqlite::fill(&store, n, harness::engine_outcome()).await?;
-                _guard = Box::new(dir);
-                Arc::new(store)
-            }
-        };
+        let (store, _guard) = (scale.filled)(n).await?;
         let fill_time = filling.elapsed();
-        let per_record = match kind {
-            "memory" => format!(
+        let per_record = match scale.in_process_memory {
+            true => format!(
                 "{:.0} B",
                 rss_bytes().unwrap_or(0).saturating_sub(before) as f64 / n as f64
             ),
-            _ => "–".to_owned(),
+            false => "–".to_owned(),
         };
         let engine = harness::engine(store.clone())?;
         let e = engine.clone();
@@ -754,11 +702,12 @@ fn main() {
         let mut targets = Targets::default();
         let max_clients = args.clients.iter().copied().max().unwrap_or(1);
         for name in &args.backends {
-            for (backend, _guard) in make_backends(name, max_clients).await? {
+            let kind = kinds::find(name).ok_or_else(|| format!("unknown backend {name:?}"))?;
+            for (backend, _guard) in (kind.make)(max_clients).await? {
                 bench_backend(&backend, &args, &mut targets).await?;
             }
-            if name != "redis" {
-                scaling(name, &args, &mut targets).await?;
+            if let Some(scale) = &kind.scaling {
+                scaling(kind.name, scale, &args, &mut targets).await?;
             }
         }
         targets.print();

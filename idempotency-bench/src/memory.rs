@@ -1,10 +1,12 @@
 //! The memory backend and its raw baseline: a `Mutex<HashMap>` insert then update.
 
-use crate::harness::{Backend, RawBaseline};
+use crate::harness::{self, Backend, RawBaseline};
+use crate::kinds::{Filled, Kind, Scaling};
 use async_trait::async_trait;
-use idempotency_core::BoxError;
+use idempotency_core::{BoxError, RecordId};
 use idempotency_memory::MemoryStore;
 use parking_lot::Mutex;
+use std::any::Any;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -43,4 +45,25 @@ pub(crate) fn backend() -> Backend {
         round_trips: None,
         limit: None,
     }
+}
+
+/// The memory store in the bench.
+pub(crate) const KIND: Kind = Kind {
+    name: "memory",
+    make: |_| Box::pin(async { Ok(vec![(backend(), Box::new(()) as Box<dyn Any>)]) }),
+    scaling: Some(Scaling {
+        max_keys: usize::MAX,
+        filled: |n| Box::pin(filled(n)),
+        in_process_memory: true,
+    }),
+};
+
+/// A memory store holding `n` completed records.
+async fn filled(n: usize) -> Result<Filled, BoxError> {
+    let store = Arc::new(MemoryStore::new());
+    for i in 0..n {
+        let id = RecordId::new(harness::scope(), harness::key("fill", 0, i));
+        harness::store_cycle(store.as_ref(), id).await?;
+    }
+    Ok((store, Box::new(())))
 }

@@ -8,6 +8,7 @@
 use crate::harness::{
     self, Backend, Cleanup, Counted, LimitWorkload, PhysicalLimit, RawBaseline, RoundTripCounter,
 };
+use crate::kinds::{Filled, Kind, Scaling};
 use async_trait::async_trait;
 use idempotency_core::{BoxError, IdempotencyKey, IdempotencyStore, RecordId};
 use idempotency_postgres::sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
@@ -459,4 +460,28 @@ impl PhysicalLimit for Pgbench {
             .and_then(|v| v.parse::<f64>().ok())
             .ok_or_else(|| format!("no tps in pgbench's output:\n{stdout}").into())
     }
+}
+
+/// PostgreSQL in the bench (the scaling table up to 100,000 live keys: filling more takes
+/// longer than the rest of the run).
+pub(crate) const KIND: Kind = Kind {
+    name: "postgres",
+    make: |max_clients| {
+        Box::pin(async move {
+            let (b, schema) = backend(max_clients).await?;
+            Ok(vec![(b, Box::new(schema) as Box<dyn std::any::Any>)])
+        })
+    },
+    scaling: Some(Scaling {
+        max_keys: 100_000,
+        filled: |n| Box::pin(filled(n)),
+        in_process_memory: false,
+    }),
+};
+
+/// A store on a fresh schema holding `n` completed records.
+async fn filled(n: usize) -> Result<Filled, BoxError> {
+    let (store, schema) = scaling_store().await?;
+    fill(&store, n).await?;
+    Ok((Arc::new(store), Box::new(schema)))
 }

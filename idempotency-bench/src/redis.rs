@@ -6,6 +6,7 @@
 //! server cannot add to them.
 
 use crate::harness::{Backend, Cleanup, Counted, RawBaseline, RoundTripCounter};
+use crate::kinds::Kind;
 use async_trait::async_trait;
 use idempotency_core::BoxError;
 use idempotency_redis::redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -306,3 +307,15 @@ pub(crate) async fn backend() -> Result<(Backend, Cleanup), BoxError> {
         cleanup,
     ))
 }
+
+/// Redis in the bench (no scaling table).
+pub(crate) const KIND: Kind = Kind {
+    name: "redis",
+    make: |_| {
+        Box::pin(async {
+            let (b, cleanup) = backend().await?;
+            Ok(vec![(b, Box::new(cleanup) as Box<dyn std::any::Any>)])
+        })
+    },
+    scaling: None,
+};

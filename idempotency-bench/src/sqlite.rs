@@ -3,6 +3,7 @@
 //! executor (same thread or pool, same pragmas).
 
 use crate::harness::{Backend, RawBaseline};
+use crate::kinds::{Filled, Kind, Prepared, Scaling};
 use async_trait::async_trait;
 use idempotency_core::BoxError;
 use idempotency_sqlite::{ConnectionMode, SqliteStore};
@@ -126,4 +127,33 @@ pub(crate) async fn fill(
         })
         .await??;
     Ok(())
+}
+
+/// SQLite in the bench: on its dedicated thread and on a blocking pool of 4.
+pub(crate) const KIND: Kind = Kind {
+    name: "sqlite",
+    make: |_| Box::pin(both_modes()),
+    scaling: Some(Scaling {
+        max_keys: usize::MAX,
+        filled: |n| Box::pin(filled(n)),
+        in_process_memory: false,
+    }),
+};
+
+async fn both_modes() -> Result<Vec<Prepared>, BoxError> {
+    let (thread, d1) =
+        backend("sqlite (dedicated thread)", ConnectionMode::DedicatedThread).await?;
+    let (pool, d2) = backend(
+        "sqlite (spawn_blocking pool of 4)",
+        ConnectionMode::BlockingPool { connections: 4 },
+    )
+    .await?;
+    Ok(vec![(thread, Box::new(d1)), (pool, Box::new(d2))])
+}
+
+/// A store on its dedicated thread holding `n` completed records.
+async fn filled(n: usize) -> Result<Filled, BoxError> {
+    let (store, dir) = open(ConnectionMode::DedicatedThread).await?;
+    fill(&store, n, crate::harness::engine_outcome()).await?;
+    Ok((Arc::new(store), Box::new(dir)))
 }
