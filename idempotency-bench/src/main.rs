@@ -557,7 +557,7 @@ fn rss_bytes() -> Option<u64> {
 /// new-key cycle, one client. For the memory store also the resident memory per record.
 async fn scaling(
     kind: &str,
-    scale: &kinds::Scaling,
+    scale: &harness::Scaling,
     args: &Args,
     targets: &mut Targets,
 ) -> Result<(), BoxError> {

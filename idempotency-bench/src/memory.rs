@@ -1,7 +1,7 @@
 //! The memory backend and its raw baseline: a `Mutex<HashMap>` insert then update.
 
 use crate::harness::{self, Backend, RawBaseline};
-use crate::kinds::{Filled, Kind, Scaling};
+use crate::harness::{Filled, Kind, Scaling};
 use async_trait::async_trait;
 use idempotency_core::{BoxError, RecordId};
 use idempotency_memory::MemoryStore;

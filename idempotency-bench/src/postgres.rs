@@ -8,7 +8,7 @@
 use crate::harness::{
     self, Backend, Cleanup, Counted, LimitWorkload, PhysicalLimit, RawBaseline, RoundTripCounter,
 };
-use crate::kinds::{Filled, Kind, Scaling};
+use crate::harness::{Filled, Kind, Scaling};
 use async_trait::async_trait;
 use idempotency_core::{BoxError, IdempotencyKey, IdempotencyStore, RecordId};
 use idempotency_postgres::sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};

@@ -5,8 +5,8 @@
 //! counting alone (on a free loopback port, no persistence), so other clients of the shared
 //! server cannot add to them.
 
+use crate::harness::Kind;
 use crate::harness::{Backend, Cleanup, Counted, RawBaseline, RoundTripCounter};
-use crate::kinds::Kind;
 use async_trait::async_trait;
 use idempotency_core::BoxError;
 use idempotency_redis::redis::aio::{ConnectionManager, ConnectionManagerConfig};

@@ -3,7 +3,7 @@
 //! executor (same thread or pool, same pragmas).
 
 use crate::harness::{Backend, RawBaseline};
-use crate::kinds::{Filled, Kind, Prepared, Scaling};
+use crate::harness::{Filled, Kind, Prepared, Scaling};
 use async_trait::async_trait;
 use idempotency_core::BoxError;
 use idempotency_sqlite::{ConnectionMode, SqliteStore};

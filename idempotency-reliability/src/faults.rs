@@ -263,3 +263,20 @@ impl IdempotencyStore for Dice {
         self.top.purge_expired(batch).await
     }
 }
+
+/// What the work does if it runs (only the holder of the key runs it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum WorkFault {
+    /// Succeeds after a short pause.
+    None,
+    /// Returns an error (the engine releases the key).
+    Error,
+    /// Panics.
+    Panic,
+    /// Stalls past its lease with the heartbeat off, then succeeds: a retry may take the key
+    /// over meanwhile and fence it.
+    Stall,
+    /// Runs for 2–4 leases with the heartbeat on, then succeeds: the heartbeat must keep the
+    /// key, so retries are told it is in progress.
+    Long,
+}

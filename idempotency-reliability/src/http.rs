@@ -9,8 +9,8 @@
 //! whether to doom the completion.
 
 use crate::faults::FaultRig;
+use crate::faults::WorkFault;
 use crate::model::Response as R;
-use crate::soak::WorkFault;
 use bytes::Bytes;
 use http::{header, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
