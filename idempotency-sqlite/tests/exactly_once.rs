@@ -436,3 +436,79 @@ async fn a_work_error_rolls_back_and_releases_the_key() {
     assert!(matches!(second, Outcome::Fresh(Ok(_))));
     assert_eq!(orders_for(&store, key.as_str()).await.len(), 1);
 }
+
+/// A caller cancelled while its work runs (a timeout, a client gone): the transaction the
+/// work wrote in rolls back once the work returns, the connection is free for every other
+/// caller (on the dedicated thread and in the blocking pool alike), the key is held until its
+/// lease passes (the work may have acted), and then a retry places the only order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_call_rolls_back_and_frees_the_connection() {
+    for mode in [
+        ConnectionMode::DedicatedThread,
+        ConnectionMode::BlockingPool { connections: 2 },
+    ] {
+        let (store, clock, _dir) = shop(mode).await;
+        let engine = Idempotency::new(Arc::new(store.clone()), policy()).unwrap();
+        let exactly_once = SqliteIdempotency::with_engine(store.clone(), engine.clone());
+        let key = IdempotencyKey::random();
+        let fp = Fingerprint::from_bytes(b"order");
+        let (wrote, written) = std::sync::mpsc::channel::<()>();
+        let (go_on, may_go_on) = std::sync::mpsc::channel::<()>();
+        let call = {
+            let (exactly_once, key, fp, k) =
+                (exactly_once.clone(), key.clone(), fp, key.to_string());
+            tokio::spawn(async move {
+                exactly_once
+                    .run_in_transaction(&key, &scope(), &fp, move |tx, _| {
+                        let id = place_order(tx, &k, "cancelled");
+                        wrote.send(()).unwrap();
+                        // Returns only once its caller is gone.
+                        let _ = may_go_on.recv_timeout(Duration::from_secs(30));
+                        id
+                    })
+                    .await
+            })
+        };
+        tokio::task::spawn_blocking(move || written.recv_timeout(Duration::from_secs(30)))
+            .await
+            .unwrap()
+            .expect("the work ran");
+        call.abort();
+        assert!(call.await.unwrap_err().is_cancelled());
+        go_on.send(()).unwrap();
+        // The connection is free again and nothing of the cancelled work committed.
+        let other = IdempotencyKey::random();
+        let o = other.to_string();
+        let placed = tokio::time::timeout(
+            Duration::from_secs(30),
+            exactly_once.run_in_transaction(&other, &scope(), &fp, move |tx, _| {
+                place_order(tx, &o, "other")
+            }),
+        )
+        .await
+        .expect("the connection must not stay with the cancelled transaction")
+        .unwrap();
+        assert!(matches!(placed, Outcome::Fresh(Ok(_))), "{placed:?}");
+        assert!(orders_for(&store, key.as_str()).await.is_empty());
+        // Held until the lease passes, then run once.
+        let k = key.to_string();
+        let early = exactly_once
+            .run_in_transaction(&key, &scope(), &fp, move |tx, _| {
+                place_order(tx, &k, "early")
+            })
+            .await;
+        assert!(matches!(early, Err(Error::InProgress { .. })), "{early:?}");
+        clock.advance(LEASE + Duration::from_millis(1));
+        let k = key.to_string();
+        let retry = exactly_once
+            .run_in_transaction(&key, &scope(), &fp, move |tx, _| {
+                place_order(tx, &k, "retry")
+            })
+            .await
+            .unwrap();
+        assert!(matches!(retry, Outcome::Fresh(Ok(_))), "{retry:?}");
+        let orders = orders_for(&store, key.as_str()).await;
+        assert_eq!(orders.len(), 1, "{orders:?}");
+        assert_eq!(orders[0].1, "retry");
+    }
+}
