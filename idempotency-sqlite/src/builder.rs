@@ -150,7 +150,7 @@ fn open_connection(s: &OpenSettings) -> Result<Connection, SqliteError> {
             Some(C::CannotOpen | C::ReadOnly | C::PermissionDenied | C::SystemIoFailure) => {
                 not_writable(e)
             }
-            _ => SqliteError::Sqlite(e),
+            _ => SqliteError::from(e),
         }
     };
     let flags = OpenFlags::SQLITE_OPEN_READ_WRITE

@@ -78,9 +78,27 @@ pub enum SqliteError {
     /// The connection thread or pool has shut down.
     #[error("the SQLite connection has shut down")]
     Closed,
+    /// The database file or its disk is full (`SQLITE_FULL`, or the file reached
+    /// `PRAGMA max_page_count`): the write was refused and nothing of it was stored; what
+    /// was stored before is kept. Writes go through again once there is space.
+    #[error("the database or its disk is full; the write was not stored: {source}")]
+    DiskFull {
+        /// SQLite's error.
+        #[source]
+        source: rusqlite::Error,
+    },
+    /// The database refuses writes (`SQLITE_READONLY`: a read-only file, directory or mount,
+    /// or `PRAGMA query_only`): the write was not stored; reads still answer. Writes go
+    /// through again once the database is writable.
+    #[error("the database is read-only; the write was not stored: {source}")]
+    ReadOnly {
+        /// SQLite's error.
+        #[source]
+        source: rusqlite::Error,
+    },
     /// Any other SQLite error.
     #[error("sqlite error: {0}")]
-    Sqlite(#[from] rusqlite::Error),
+    Sqlite(rusqlite::Error),
 }
 
 impl SqliteError {
@@ -124,6 +142,18 @@ pub(crate) fn is_busy(e: &rusqlite::Error) -> bool {
 
 fn is_transient(e: &rusqlite::Error) -> bool {
     is_busy(e) || matches!(code(e), Some(ErrorCode::SystemIoFailure))
+}
+
+impl From<rusqlite::Error> for SqliteError {
+    /// A full disk and a read-only database get variants of their own; anything else is
+    /// [`SqliteError::Sqlite`].
+    fn from(e: rusqlite::Error) -> Self {
+        match code(&e) {
+            Some(ErrorCode::DiskFull) => Self::DiskFull { source: e },
+            Some(ErrorCode::ReadOnly) => Self::ReadOnly { source: e },
+            _ => Self::Sqlite(e),
+        }
+    }
 }
 
 impl From<SqliteError> for idempotency_core::Error {

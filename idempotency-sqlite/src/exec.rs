@@ -98,7 +98,7 @@ fn batch_error(e: &rusqlite::Error) -> Error {
             Some(other.to_string()),
         ),
     };
-    SqliteError::Sqlite(copy).into()
+    SqliteError::from(copy).into()
 }
 
 /// What a batch whose transaction SQLite rolled back by itself (after an I/O error, a full
@@ -419,13 +419,12 @@ impl Executor {
                         catch_unwind(AssertUnwindSafe(|| {
                             conn.prepare_cached(durability)
                                 .and_then(|mut s| s.execute([]))
-                                .map_err(|e| Error::from(SqliteError::Sqlite(e)))?;
+                                .map_err(|e| Error::from(SqliteError::from(e)))?;
                             let tx = conn
                                 .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
-                                .map_err(|e| Error::from(SqliteError::Sqlite(e)))?;
+                                .map_err(|e| Error::from(SqliteError::from(e)))?;
                             let r = f(&tx)?;
-                            tx.commit()
-                                .map_err(|e| Error::from(SqliteError::Sqlite(e)))?;
+                            tx.commit().map_err(|e| Error::from(SqliteError::from(e)))?;
                             counters.committed(1);
                             Ok(r)
                         }))

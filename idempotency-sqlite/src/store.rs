@@ -324,7 +324,7 @@ impl Inner {
                 .into();
             }
         }
-        SqliteError::Sqlite(e).into()
+        SqliteError::from(e).into()
     }
 
     fn exec_cached(
