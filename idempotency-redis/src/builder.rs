@@ -2,7 +2,7 @@
 
 use crate::error::{config_error, connect_error};
 use crate::keys;
-use crate::store::{Connection, RedisStore, Scripts};
+use crate::store::{Connection, RedisStore, ReplicaWait, Scripts};
 use idempotency_core::{duration_millis, Error};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
@@ -30,6 +30,7 @@ pub(crate) const RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
 pub struct RedisStoreBuilder {
     pub(crate) prefix: String,
     pub(crate) expired_retention: Duration,
+    pub(crate) wait: Option<ReplicaWait>,
 }
 
 impl RedisStoreBuilder {
@@ -51,6 +52,34 @@ impl RedisStoreBuilder {
     /// records as soon as they expire.
     pub fn expired_retention(mut self, retention: Duration) -> Self {
         self.expired_retention = retention;
+        self
+    }
+
+    /// Waits, after every write, until `replicas` replicas have acknowledged it, for at most
+    /// `timeout` (off by default). Redis replicates asynchronously: without this, a write
+    /// the primary acknowledged can be lost when a replica that had not received it is
+    /// promoted (a completed outcome lost, so a retry runs the work again; or a claim lost,
+    /// so a concurrent retry claims the key again on the new primary).
+    ///
+    /// Each write script is followed by `WAIT replicas timeout` in the same round trip. When
+    /// fewer replicas acknowledge in time, the write is not trusted: a claim that took the key
+    /// is a retryable [`Error::Backend`] (its Pending record holds the key until its lease
+    /// passes), a completion or a failure is [`Error::OutcomeUnknown`] (the engine retries it
+    /// and reads it back, and holds the key if it stays unknown), an extension or a reclaim a
+    /// retryable error. Reads, and calls that wrote nothing (a claim that found the key
+    /// taken, a fenced compare-and-swap), answer as usual.
+    ///
+    /// `WAIT` makes a lost write unlikely, not impossible: it says the write reached the
+    /// replicas' memory, not their disks, and a failover may still promote a replica that
+    /// was not among those that acknowledged. Ask for as many replicas as a failover could
+    /// choose from. `WAIT` also blocks the connection it is sent on, so every call on the
+    /// store's connection waits behind a write whose replicas are slow, up to `timeout`.
+    ///
+    /// Standalone servers (and primaries) only; refused on a cluster connection. `replicas`
+    /// must be at least 1 and `timeout` between 1 ms and the connection's 5 s response
+    /// timeout, or building the store is an [`Error::Config`].
+    pub fn wait_for_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
+        self.wait = Some(ReplicaWait { replicas, timeout });
         self
     }
 
@@ -113,11 +142,31 @@ impl RedisStoreBuilder {
 
     fn with_connection(self, connection: Connection) -> Result<RedisStore, Error> {
         keys::validate_prefix(&self.prefix)?;
+        if let Some(wait) = self.wait {
+            if matches!(connection, Connection::Cluster(_)) {
+                return Err(Error::Config(
+                    "wait_for_replicas is for standalone servers, not a cluster connection".into(),
+                ));
+            }
+            if wait.replicas == 0 {
+                return Err(Error::Config(
+                    "wait_for_replicas needs at least one replica".into(),
+                ));
+            }
+            if wait.timeout < Duration::from_millis(1) || wait.timeout >= RESPONSE_TIMEOUT {
+                return Err(Error::Config(format!(
+                    "wait_for_replicas: the timeout must be between 1 ms and the {RESPONSE_TIMEOUT:?} \
+                     response timeout, not {:?}",
+                    wait.timeout
+                )));
+            }
+        }
         Ok(RedisStore {
             connection,
             prefix: Arc::from(self.prefix),
             retention_ms: duration_millis(self.expired_retention),
             scripts: Arc::new(Scripts::new()),
+            wait: self.wait,
         })
     }
 }
@@ -129,6 +178,7 @@ impl RedisStore {
         RedisStoreBuilder {
             prefix: DEFAULT_PREFIX.to_owned(),
             expired_retention: DEFAULT_EXPIRED_RETENTION,
+            wait: None,
         }
     }
 

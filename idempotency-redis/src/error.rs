@@ -46,3 +46,24 @@ pub(crate) fn read_error(e: Error) -> Error {
         other => other,
     }
 }
+
+/// A write fewer replicas acknowledged than
+/// [`RedisStoreBuilder::wait_for_replicas`](crate::RedisStoreBuilder::wait_for_replicas)
+/// asks for, within its timeout: the primary applied it, but a failover may lose it, so it
+/// is not trusted. The source of the [`Error::Backend`] or [`Error::OutcomeUnknown`] the
+/// call returns; find it with [`Error::find_source`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "{operation}: {acknowledged} of the {wanted} replicas asked for acknowledged the write \
+     within {timeout:?}, so it is not trusted"
+)]
+pub struct NotAcknowledged {
+    /// The store operation (`claim`, `complete`, …).
+    pub operation: &'static str,
+    /// The replicas asked for.
+    pub wanted: u32,
+    /// The replicas that acknowledged in time.
+    pub acknowledged: u32,
+    /// How long the store waited.
+    pub timeout: std::time::Duration,
+}

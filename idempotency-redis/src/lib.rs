@@ -8,6 +8,7 @@ mod scripts;
 mod store;
 
 pub use builder::{RedisStoreBuilder, DEFAULT_EXPIRED_RETENTION, DEFAULT_PREFIX};
+pub use error::NotAcknowledged;
 pub use keys::MAX_PREFIX_LEN;
 /// The Redis driver this store is built on, re-exported so callers use the same version.
 pub use redis;

@@ -1,7 +1,7 @@
 //! The store: one Lua script per operation over one key, called with `EVALSHA`.
 
 use crate::decode::{cas_reply, claim_reply, get_reply, reclaim_reply};
-use crate::error::{call_error, read_error};
+use crate::error::{call_error, read_error, NotAcknowledged};
 use crate::{keys, scripts};
 use async_trait::async_trait;
 use idempotency_core::{
@@ -53,6 +53,14 @@ impl Script {
     }
 }
 
+/// How many replicas must acknowledge each write, and how long to wait for them
+/// ([`crate::RedisStoreBuilder::wait_for_replicas`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ReplicaWait {
+    pub(crate) replicas: u32,
+    pub(crate) timeout: Duration,
+}
+
 pub(crate) struct Scripts {
     claim: Script,
     complete: Script,
@@ -87,6 +95,7 @@ pub struct RedisStore {
     pub(crate) prefix: Arc<str>,
     pub(crate) retention_ms: i64,
     pub(crate) scripts: Arc<Scripts>,
+    pub(crate) wait: Option<ReplicaWait>,
 }
 
 impl fmt::Debug for RedisStore {
@@ -99,6 +108,10 @@ impl fmt::Debug for RedisStore {
             .field("topology", &topology)
             .field("prefix", &self.prefix)
             .field("expired_retention_ms", &self.retention_ms)
+            .field(
+                "wait_for_replicas",
+                &self.wait.map(|w| (w.replicas, w.timeout)),
+            )
             .finish_non_exhaustive()
     }
 }
@@ -139,6 +152,65 @@ impl RedisStore {
     }
 }
 
+impl RedisStore {
+    /// Runs the write `script`: as [`RedisStore::eval`], followed in the same round trip by
+    /// `WAIT` when the store waits for replicas. Returns the script's reply and, when the
+    /// write was not acknowledged by enough replicas in time, what is missing.
+    async fn eval_write(
+        &self,
+        operation: &'static str,
+        script: &Script,
+        id: &RecordId,
+        args: &[&[u8]],
+    ) -> Result<(Value, Option<NotAcknowledged>), Error> {
+        let (Some(wait), Connection::Standalone(manager)) = (self.wait, &self.connection) else {
+            // The builder refuses a wait on a cluster connection.
+            return Ok((self.eval(script, id, args).await?, None));
+        };
+        let key = self.record_key(id);
+        let pipe = |command: &str, body: &str| {
+            let mut p = redis::pipe();
+            let call = p.cmd(command).arg(body).arg(1).arg(&key);
+            for a in args {
+                call.arg(*a);
+            }
+            p.cmd("WAIT")
+                .arg(wait.replicas)
+                .arg(duration_millis(wait.timeout));
+            p
+        };
+        let send = |p: redis::Pipeline| async move {
+            p.query_async::<(Value, u32)>(&mut ConnectionManager::clone(manager))
+                .await
+        };
+        let (value, acknowledged) = match send(pipe("EVALSHA", &script.sha)).await {
+            Err(e) if e.kind() == ErrorKind::NoScriptError => {
+                send(pipe("EVAL", &script.source)).await
+            }
+            other => other,
+        }
+        .map_err(call_error)?;
+        let missing = (acknowledged < wait.replicas).then_some(NotAcknowledged {
+            operation,
+            wanted: wait.replicas,
+            acknowledged,
+            timeout: wait.timeout,
+        });
+        Ok((value, missing))
+    }
+}
+
+/// What a write not acknowledged by enough replicas becomes: `unknown` for a completion or a
+/// failure (the engine retries it and reads it back), else a retryable error.
+fn untrusted(missing: NotAcknowledged, unknown: bool) -> Error {
+    match unknown {
+        true => Error::OutcomeUnknown {
+            source: Box::new(missing),
+        },
+        false => Error::backend(true, missing),
+    }
+}
+
 fn ms_arg(d: Duration) -> Vec<u8> {
     duration_millis(d).to_string().into_bytes()
 }
@@ -148,8 +220,9 @@ impl IdempotencyStore for RedisStore {
     async fn claim(&self, request: &ClaimRequest) -> Result<Claim, Error> {
         let s = &self.scripts;
         let retention = self.retention_ms.to_string();
-        let value = self
-            .eval(
+        let (value, missing) = self
+            .eval_write(
+                "claim",
                 &s.claim,
                 &request.id,
                 &[
@@ -161,7 +234,10 @@ impl IdempotencyStore for RedisStore {
                 ],
             )
             .await?;
-        claim_reply(value, &request.id)
+        match (claim_reply(value, &request.id)?, missing) {
+            (Claim::Claimed { .. }, Some(missing)) => Err(untrusted(missing, false)),
+            (claim, _) => Ok(claim),
+        }
     }
 
     async fn complete(
@@ -171,8 +247,9 @@ impl IdempotencyStore for RedisStore {
         outcome: &[u8],
         ttl: Duration,
     ) -> Result<Cas, Error> {
-        let value = self
-            .eval(
+        let (value, missing) = self
+            .eval_write(
+                "complete",
                 &self.scripts.complete,
                 id,
                 &[
@@ -183,7 +260,10 @@ impl IdempotencyStore for RedisStore {
                 ],
             )
             .await?;
-        cas_reply(value, "complete")
+        match (cas_reply(value, "complete")?, missing) {
+            (Cas::Applied, Some(missing)) => Err(untrusted(missing, true)),
+            (cas, _) => Ok(cas),
+        }
     }
 
     async fn fail(
@@ -193,8 +273,9 @@ impl IdempotencyStore for RedisStore {
         failure: &Failure,
         ttl: Duration,
     ) -> Result<Cas, Error> {
-        let value = self
-            .eval(
+        let (value, missing) = self
+            .eval_write(
+                "fail",
                 &self.scripts.fail,
                 id,
                 &[
@@ -206,7 +287,10 @@ impl IdempotencyStore for RedisStore {
                 ],
             )
             .await?;
-        cas_reply(value, "fail")
+        match (cas_reply(value, "fail")?, missing) {
+            (Cas::Applied, Some(missing)) => Err(untrusted(missing, true)),
+            (cas, _) => Ok(cas),
+        }
     }
 
     async fn extend(
@@ -215,8 +299,9 @@ impl IdempotencyStore for RedisStore {
         token: FencingToken,
         lease: Duration,
     ) -> Result<Cas, Error> {
-        let value = self
-            .eval(
+        let (value, missing) = self
+            .eval_write(
+                "extend",
                 &self.scripts.extend,
                 id,
                 &[
@@ -226,7 +311,10 @@ impl IdempotencyStore for RedisStore {
                 ],
             )
             .await?;
-        cas_reply(value, "extend")
+        match (cas_reply(value, "extend")?, missing) {
+            (Cas::Applied, Some(missing)) => Err(untrusted(missing, false)),
+            (cas, _) => Ok(cas),
+        }
     }
 
     async fn reclaim(
@@ -237,8 +325,9 @@ impl IdempotencyStore for RedisStore {
         lease: Duration,
         ttl: Duration,
     ) -> Result<Reclaim, Error> {
-        let value = self
-            .eval(
+        let (value, missing) = self
+            .eval_write(
+                "reclaim",
                 &self.scripts.reclaim,
                 id,
                 &[
@@ -250,7 +339,10 @@ impl IdempotencyStore for RedisStore {
                 ],
             )
             .await?;
-        reclaim_reply(value)
+        match (reclaim_reply(value)?, missing) {
+            (Reclaim::Reclaimed { .. }, Some(missing)) => Err(untrusted(missing, false)),
+            (reclaim, _) => Ok(reclaim),
+        }
     }
 
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {

@@ -1,0 +1,200 @@
+//! `RedisStoreBuilder::wait_for_replicas`: every write is followed, in the same round trip,
+//! by `WAIT`, and a write fewer replicas acknowledged than asked is not trusted. A primary
+//! and a replica of the test's own run on free loopback ports; the replica is killed mid-run
+//! and a new one attached.
+#![allow(clippy::unwrap_used)]
+
+use idempotency_core::{
+    Cas, Claim, ClaimRequest, Error, Fingerprint, IdempotencyKey, IdempotencyStore, RecordId,
+    RecordStatus, Scope,
+};
+use idempotency_redis::{redis, RedisStore};
+use idempotency_testing::redis_server::RedisServer;
+use std::time::{Duration, Instant};
+
+const LEASE: Duration = Duration::from_secs(60);
+const TTL: Duration = Duration::from_secs(3600);
+const ACK_TIMEOUT: Duration = Duration::from_millis(300);
+
+fn request(id: &RecordId) -> ClaimRequest {
+    ClaimRequest::new(id.clone(), Fingerprint::from_bytes(b"p"), LEASE, TTL)
+}
+
+fn id() -> RecordId {
+    RecordId::new(Scope::new("replicas").unwrap(), IdempotencyKey::random())
+}
+
+/// Starts a replica of `primary` and waits until its link is up and it has synced.
+fn replica_of(primary: &RedisServer) -> RedisServer {
+    let port = primary.port.to_string();
+    let replica = RedisServer::start_anywhere(&["--replicaof", "127.0.0.1", &port]);
+    let mut conn = redis::Client::open(replica.url())
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    let start = Instant::now();
+    loop {
+        let info: String = redis::cmd("INFO")
+            .arg("replication")
+            .query(&mut conn)
+            .unwrap();
+        if info.contains("master_link_status:up") && !info.contains("master_sync_in_progress:1") {
+            return replica;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "the replica never synced: {info}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn exists_on(server: &RedisServer, key: &str) -> bool {
+    let mut conn = redis::Client::open(server.url())
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    redis::cmd("EXISTS")
+        .arg(key)
+        .query::<i64>(&mut conn)
+        .unwrap()
+        == 1
+}
+
+async fn claimed(store: &RedisStore, id: &RecordId) -> idempotency_core::FencingToken {
+    match store.claim(&request(id)).await.unwrap() {
+        Claim::Claimed { token, .. } => token,
+        other => panic!("a fresh key was found: {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_wait_for_replicas_and_an_unacknowledged_write_is_not_trusted() {
+    let primary = RedisServer::start_anywhere(&[]);
+    let replica = replica_of(&primary);
+    let store = RedisStore::builder()
+        .wait_for_replicas(1, ACK_TIMEOUT)
+        .connect(primary.url())
+        .await
+        .unwrap();
+    let plain = RedisStore::connect(primary.url()).await.unwrap();
+
+    // Acknowledged: once the call returns, the replica has the write.
+    let done = id();
+    let token = claimed(&store, &done).await;
+    assert!(exists_on(&replica, &store.record_key(&done)));
+    assert_eq!(
+        store.complete(&done, token, b"outcome", TTL).await.unwrap(),
+        Cas::Applied
+    );
+    let held = id();
+    let held_token = claimed(&store, &held).await;
+
+    // The replica dies: no write is trusted any more.
+    replica.crash();
+    let fresh = id();
+    let refused = store.claim(&request(&fresh)).await.unwrap_err();
+    assert!(
+        matches!(
+            refused,
+            Error::Backend {
+                retryable: true,
+                ..
+            }
+        ),
+        "a claim no replica acknowledged is a retryable error: {refused:?}"
+    );
+    let unknown = store
+        .complete(&held, held_token, b"outcome", TTL)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(unknown, Error::OutcomeUnknown { .. }),
+        "a completion no replica acknowledged is an unknown outcome: {unknown:?}"
+    );
+    // Reads and refusals that write nothing still answer.
+    let r = store.get(&done).await.unwrap().unwrap();
+    assert_eq!(r.status, RecordStatus::Completed);
+    assert!(matches!(
+        store.claim(&request(&done)).await.unwrap(),
+        Claim::Existing { .. }
+    ));
+    // Through the engine: the claim is refused before the work could run.
+    let engine = idempotency_core::Idempotency::new(
+        std::sync::Arc::new(store.clone()),
+        idempotency_core::Policy::default(),
+    )
+    .unwrap();
+    let ran = std::sync::atomic::AtomicBool::new(false);
+    let through = engine
+        .run(
+            &IdempotencyKey::random(),
+            &Scope::new("replicas").unwrap(),
+            &Fingerprint::from_bytes(b"p"),
+            |_ctx| async {
+                ran.store(true, std::sync::atomic::Ordering::SeqCst);
+                Ok::<u32, String>(1)
+            },
+        )
+        .await;
+    assert!(through.is_err(), "{through:?}");
+    assert!(
+        !ran.load(std::sync::atomic::Ordering::SeqCst),
+        "the work ran"
+    );
+    // A store without the option does not wait.
+    assert!(matches!(
+        plain.claim(&request(&id())).await.unwrap(),
+        Claim::Claimed { .. }
+    ));
+
+    // A new replica attaches: writes are trusted again, also after the primary forgot its
+    // scripts (the pipeline falls back to EVAL). The completion that was not trusted had
+    // applied on the primary: the new replica has it, and the engine's read-back of a retry
+    // finds this holder's Completed record.
+    let replica = replica_of(&primary);
+    let mut admin = redis::Client::open(primary.url())
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query::<()>(&mut admin)
+        .unwrap();
+    let again = id();
+    let token = claimed(&store, &again).await;
+    assert!(exists_on(&replica, &store.record_key(&again)));
+    assert_eq!(
+        store
+            .complete(&again, token, b"outcome", TTL)
+            .await
+            .unwrap(),
+        Cas::Applied
+    );
+    let r = store.get(&held).await.unwrap().unwrap();
+    assert_eq!((r.status, r.token), (RecordStatus::Completed, held_token));
+    assert!(exists_on(&replica, &store.record_key(&held)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_is_refused_on_a_cluster_and_past_the_response_timeout() {
+    let too_long = RedisStore::builder()
+        .wait_for_replicas(1, Duration::from_secs(60))
+        .connect("redis://127.0.0.1:6379")
+        .await
+        .unwrap_err();
+    assert!(matches!(too_long, Error::Config(_)), "{too_long:?}");
+    let none = RedisStore::builder()
+        .wait_for_replicas(0, ACK_TIMEOUT)
+        .connect("redis://127.0.0.1:6379")
+        .await
+        .unwrap_err();
+    assert!(matches!(none, Error::Config(_)), "{none:?}");
+    let cluster = idempotency_testing::redis_server::shared_cluster();
+    let on_cluster = RedisStore::builder()
+        .wait_for_replicas(1, ACK_TIMEOUT)
+        .connect_cluster(cluster.urls())
+        .await
+        .unwrap_err();
+    assert!(matches!(on_cluster, Error::Config(_)), "{on_cluster:?}");
+}
