@@ -267,15 +267,25 @@ pub async fn engine_wait_policy_takes_over_and_gives_up(t: TestStore) {
 /// Concurrent requests for a key whose lease passed: one reclaims, the others lose the CAS;
 /// each request counts exactly one hit (a lost reclaim re-reads, it does not claim again).
 pub async fn engine_each_request_counts_one_hit(t: TestStore) {
-    let e = engine_on(
+    // The stalled holder's lease is short, so the case can wait it out; the takers' is long,
+    // so that no taker's lease passes while its work runs however slow the machine is (a
+    // taker that lost its lease would let another run the work, which is allowed).
+    let stalling = engine_on(
         t.store.clone(),
         Policy::default()
             .lease(t.short_lease())
             .ttl(t.long())
             .count_hits(true),
     );
+    let e = engine_on(
+        t.store.clone(),
+        Policy::default()
+            .lease(t.long())
+            .ttl(t.long())
+            .count_hits(true),
+    );
     let (key, scope, id) = address("hits");
-    let Begin::Execute(stalled) = e.begin(&id, &fp("f")).await.expect("begin") else {
+    let Begin::Execute(stalled) = stalling.begin(&id, &fp("f")).await.expect("begin") else {
         panic!("a fresh key replayed");
     };
     t.advance(t.short_lease()).await;
@@ -329,64 +339,109 @@ pub async fn engine_each_request_counts_one_hit(t: TestStore) {
 /// work's future was dropped part-way (it may have acted), a lease from `begin` was dropped
 /// unsettled, and a completion that could not be stored.
 pub async fn engine_abandoned_work_holds_key_until_lease(t: TestStore) {
+    let runs = Arc::new(AtomicUsize::new(0));
+    for how in [
+        Abandoned::TimedOut,
+        Abandoned::Aborted,
+        Abandoned::LeaseDropped,
+    ] {
+        // "Held" can only be seen while the lease is live: on a real clock a machine that
+        // stalls past the lease between the abandonment and the retry proves nothing, so the
+        // case runs again with a lease twice as long, a few times.
+        let mut lease = t.short_lease();
+        let mut seen = false;
+        for _ in 0..5 {
+            if abandoned_then_held(&t, how, lease, &runs).await {
+                seen = true;
+                break;
+            }
+            lease *= 2;
+        }
+        assert!(
+            seen,
+            "{how:?}: every retry came after the lease could have passed (the last one {lease:?})"
+        );
+    }
+}
+
+/// How a work is abandoned.
+#[derive(Clone, Copy, Debug)]
+enum Abandoned {
+    /// Dropped part-way by a timeout, after its side effect.
+    TimedOut,
+    /// Its task aborted while it ran.
+    Aborted,
+    /// A lease from `begin`, dropped without being settled.
+    LeaseDropped,
+}
+
+/// Abandons a work `how` under a lease of `lease`, then checks [`held_then_runs`]. `false`
+/// when the retry came too late to tell (the lease could have passed).
+async fn abandoned_then_held(
+    t: &TestStore,
+    how: Abandoned,
+    lease: Duration,
+    runs: &Arc<AtomicUsize>,
+) -> bool {
     let e = engine_on(
         t.store.clone(),
-        Policy::default().lease(t.short_lease()).ttl(t.long()),
+        Policy::default().lease(lease).ttl(t.long()),
     );
-    let runs = Arc::new(AtomicUsize::new(0));
-
-    // Dropped part-way by a timeout, after its side effect.
-    let (key, scope, id) = address("timeout");
-    let effects = Arc::new(AtomicUsize::new(0));
-    let timed_out = {
-        let effects = effects.clone();
-        tokio::time::timeout(
-            Duration::from_millis(100),
-            e.run(&key, &scope, &fp("f"), move |_| async move {
-                effects.fetch_add(1, Ordering::SeqCst);
-                futures::future::pending::<()>().await;
-                Ok::<String, String>("never".into())
-            }),
-        )
-        .await
-    };
-    assert!(timed_out.is_err(), "the never-ending work finished");
-    assert_eq!(effects.load(Ordering::SeqCst), 1);
-    held_then_runs(&t, &e, &key, &scope, &id, &runs, "a work dropped part-way").await;
-
-    // Aborted while running.
-    let (key, scope, id) = address("abort");
-    let (started_tx, started_rx) = oneshot::channel();
-    let task = {
-        let (e, key, scope) = (e.clone(), key.clone(), scope.clone());
-        tokio::spawn(async move {
-            e.run(&key, &scope, &fp("f"), move |_| async move {
-                let _ = started_tx.send(());
-                futures::future::pending::<()>().await;
-                Ok::<String, String>("never".into())
-            })
-            .await
-        })
-    };
-    started_rx.await.expect("the work started");
-    task.abort();
-    assert!(
-        task.await.expect_err("aborted").is_cancelled(),
-        "the task was not cancelled"
-    );
-    held_then_runs(&t, &e, &key, &scope, &id, &runs, "an aborted work").await;
-
-    // A lease from `begin`, dropped without being settled.
-    let (key, scope, id) = address("dropped-lease");
-    let Begin::Execute(lease) = e.begin(&id, &fp("f")).await.expect("begin") else {
-        panic!("a fresh key replayed");
-    };
-    drop(lease);
-    held_then_runs(&t, &e, &key, &scope, &id, &runs, "a dropped lease").await;
+    let (key, scope, id) = address("abandoned");
+    let claimed = Instant::now();
+    match how {
+        Abandoned::TimedOut => {
+            let effects = Arc::new(AtomicUsize::new(0));
+            let timed_out = {
+                let effects = effects.clone();
+                tokio::time::timeout(
+                    Duration::from_millis(100),
+                    e.run(&key, &scope, &fp("f"), move |_| async move {
+                        effects.fetch_add(1, Ordering::SeqCst);
+                        futures::future::pending::<()>().await;
+                        Ok::<String, String>("never".into())
+                    }),
+                )
+                .await
+            };
+            assert!(timed_out.is_err(), "the never-ending work finished");
+            assert_eq!(effects.load(Ordering::SeqCst), 1);
+        }
+        Abandoned::Aborted => {
+            let (started_tx, started_rx) = oneshot::channel();
+            let task = {
+                let (e, key, scope) = (e.clone(), key.clone(), scope.clone());
+                tokio::spawn(async move {
+                    e.run(&key, &scope, &fp("f"), move |_| async move {
+                        let _ = started_tx.send(());
+                        futures::future::pending::<()>().await;
+                        Ok::<String, String>("never".into())
+                    })
+                    .await
+                })
+            };
+            started_rx.await.expect("the work started");
+            task.abort();
+            assert!(
+                task.await.expect_err("aborted").is_cancelled(),
+                "the task was not cancelled"
+            );
+        }
+        Abandoned::LeaseDropped => {
+            let Begin::Execute(lease) = e.begin(&id, &fp("f")).await.expect("begin") else {
+                panic!("a fresh key replayed");
+            };
+            drop(lease);
+        }
+    }
+    held_then_runs(t, &e, &key, &scope, &id, runs, claimed, &format!("{how:?}")).await
 }
 
 /// Asserts that the key stays Pending with a live lease (a retry is told `InProgress` and
-/// does not run), then that a retry runs once the lease has passed.
+/// does not run), then that a retry runs once the lease has passed. `false`, having checked
+/// nothing about the hold, when the first retry ran and ended after the lease (claimed at
+/// `claimed`) could have passed: then it was entitled to.
+#[allow(clippy::too_many_arguments)]
 async fn held_then_runs(
     t: &TestStore,
     e: &Idempotency,
@@ -394,8 +449,9 @@ async fn held_then_runs(
     scope: &Scope,
     id: &RecordId,
     runs: &Arc<AtomicUsize>,
+    claimed: Instant,
     what: &str,
-) {
+) -> bool {
     tokio::time::sleep(Duration::from_millis(50)).await;
     let before = runs.load(Ordering::SeqCst);
     let r = present(t, id).await;
@@ -406,6 +462,7 @@ async fn held_then_runs(
     );
     match counted(e, key, scope, runs, "retry").await {
         Err(Error::InProgress { .. }) => {}
+        Ok(Outcome::Fresh(Ok(_))) if claimed.elapsed() >= e.policy().lease => return false,
         other => panic!("a retry right after {what} got {other:?}, expected InProgress"),
     }
     t.advance(e.policy().lease).await;
@@ -414,6 +471,7 @@ async fn held_then_runs(
         other => panic!("a retry after the lease of {what} passed got {other:?}"),
     }
     assert_eq!(runs.load(Ordering::SeqCst), before + 1);
+    true
 }
 
 /// A permanent failure (`Failure::retryable = false`) is final for its payload: the same
