@@ -14,7 +14,13 @@ use tokio::sync::oneshot;
 /// dropped (rolled back).
 pub struct SqliteTransaction {
     steps: mpsc::Sender<Step>,
+    /// The completion `complete_in` asked for, run on the connection with the commit (one
+    /// hop to the connection instead of two while the transaction holds the write lock).
+    completion: Option<Completion>,
 }
+
+/// The record's completion, as the commit step runs it.
+type Completion = Box<dyn FnOnce(&Transaction<'_>) -> Result<(), Error> + Send>;
 
 impl std::fmt::Debug for SqliteTransaction {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -25,7 +31,8 @@ impl std::fmt::Debug for SqliteTransaction {
 /// What the connection holding the transaction is asked to do next.
 enum Step {
     Run(Box<dyn FnOnce(&Transaction<'_>) + Send>),
-    Commit(oneshot::Sender<rusqlite::Result<()>>),
+    /// Runs the completion, then commits; the answer is what stopped it, if anything.
+    Commit(Option<Completion>, oneshot::Sender<Result<(), Error>>),
 }
 
 pub(crate) fn closed(why: &str) -> Error {
@@ -89,18 +96,36 @@ impl TransactionalStore for SqliteStore {
             while let Ok(step) = queue.recv() {
                 match step {
                     Step::Run(f) => f(&tx),
-                    // A failed COMMIT leaves nothing behind in SQLite: it rolls back.
-                    Step::Commit(reply) => {
-                        let _ = reply.send(tx.commit());
+                    // A fenced completion rolls back (the transaction is dropped); a failed
+                    // COMMIT leaves nothing behind in SQLite: it rolls back.
+                    Step::Commit(completion, reply) => {
+                        let ended = match completion.map_or(Ok(()), |complete| complete(&tx)) {
+                            Ok(()) => tx.commit().map_err(sql),
+                            Err(e) => Err(e),
+                        };
+                        let _ = reply.send(ended);
                         return;
                     }
                 }
             }
         };
-        // The job must reach the connection even if this caller is cancelled meanwhile.
-        tokio::spawn(async move { on_thread.call(job).await });
+        // The job must reach the connection even if this caller is cancelled meanwhile. In
+        // the pool mode it takes the process's turn to write first, and keeps it until the
+        // transaction ends.
+        tokio::spawn(async move {
+            let gate = on_thread.inner.exec.write_gate().await?;
+            on_thread
+                .call(move |conn| {
+                    let _gate = gate;
+                    job(conn)
+                })
+                .await
+        });
         match lease.with_heartbeat(begun).await {
-            Ok(Ok(())) => Ok(Begun::Open(SqliteTransaction { steps })),
+            Ok(Ok(())) => Ok(Begun::Open(SqliteTransaction {
+                steps,
+                completion: None,
+            })),
             Ok(Err(e)) => Err(e),
             Err(_) => Err(SqliteError::Closed.into()),
         }
@@ -115,18 +140,21 @@ impl TransactionalStore for SqliteStore {
         let (store, id, token, ttl) =
             (self.clone(), lease.id().clone(), lease.token(), lease.ttl());
         let outcome = outcome.to_vec();
-        tx.run(move |tx| store.complete_in(tx, &id, token, &outcome, ttl))
-            .await?
+        tx.completion = Some(Box::new(move |tx: &Transaction<'_>| {
+            store.complete_in(tx, &id, token, &outcome, ttl)
+        }));
+        Ok(())
     }
 
     async fn commit(&self, tx: SqliteTransaction) -> Result<(), CommitError> {
         let (reply, answer) = oneshot::channel();
-        if tx.steps.send(Step::Commit(reply)).is_err() {
+        if tx.steps.send(Step::Commit(tx.completion, reply)).is_err() {
             return Err(CommitError::NotCommitted(closed("its connection is gone")));
         }
         match answer.await {
             Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(CommitError::NotCommitted(self.inner.sql_error(e))),
+            // A fenced completion (`LeaseLost`) or a refused COMMIT: nothing committed.
+            Ok(Err(e)) => Err(CommitError::NotCommitted(e)),
             // The connection's thread went away during COMMIT.
             Err(_) => Err(CommitError::Unknown(Error::OutcomeUnknown {
                 source: "the connection went away during COMMIT".into(),

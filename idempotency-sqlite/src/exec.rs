@@ -14,7 +14,7 @@ use rusqlite::{Connection, ErrorCode};
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
-use tokio::sync::{oneshot, Semaphore};
+use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 
 type Job = Box<dyn FnOnce(&mut Connection) + Send>;
 type Caught<R> = std::thread::Result<R>;
@@ -242,6 +242,11 @@ pub(crate) enum Executor {
     Pool {
         connections: Arc<Mutex<Vec<Connection>>>,
         permits: Arc<Semaphore>,
+        /// The write gate: the process's writers take turns in the order they came (a fair
+        /// semaphore of one) before `BEGIN IMMEDIATE`, instead of polling SQLite's lock in
+        /// its busy handler, where a writer can starve for the whole busy timeout while
+        /// others keep taking the lock.
+        writer: Arc<Semaphore>,
         size: usize,
         counters: Arc<Counters>,
         durability: &'static str,
@@ -323,6 +328,7 @@ impl Executor {
         Ok(Self::Pool {
             connections: Arc::new(Mutex::new(connections)),
             permits: Arc::new(Semaphore::new(size)),
+            writer: Arc::new(Semaphore::new(1)),
             size,
             counters: Arc::default(),
             durability,
@@ -391,6 +397,21 @@ impl Executor {
         }
     }
 
+    /// In the pool mode, waits for this process's turn to write (see `Pool::writer`); the
+    /// permit is to be held until the write transaction has ended. `None` on the dedicated
+    /// thread, where writes take turns on the thread's queue.
+    pub(crate) async fn write_gate(&self) -> Result<Option<OwnedSemaphorePermit>, SqliteError> {
+        match self {
+            Self::Thread { .. } => Ok(None),
+            Self::Pool { writer, .. } => writer
+                .clone()
+                .acquire_owned()
+                .await
+                .map(Some)
+                .map_err(|_| SqliteError::Closed),
+        }
+    }
+
     /// Runs the store write `f` in a write transaction (`BEGIN IMMEDIATE`) and returns its
     /// result once the transaction has committed. On the dedicated thread the transaction is
     /// shared with the writes queued behind it (group commit), `f` in its own savepoint; in
@@ -414,8 +435,11 @@ impl Executor {
                 ..
             } => {
                 let (counters, durability) = (counters.clone(), *durability);
+                let gate = self.write_gate().await?;
                 let r = self
                     .run(move |conn| {
+                        // Held until the transaction has ended, whatever its caller does.
+                        let _gate = gate;
                         catch_unwind(AssertUnwindSafe(|| {
                             conn.prepare_cached(durability)
                                 .and_then(|mut s| s.execute([]))

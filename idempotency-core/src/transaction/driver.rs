@@ -153,6 +153,10 @@ where
         }
         match store.commit(tx).await {
             Ok(()) => return TransactionEnd::Committed(value),
+            // A store that runs the completion with its commit reports it fenced here.
+            Err(CommitError::NotCommitted(Error::LeaseLost { .. })) => {
+                return TransactionEnd::LeaseLost
+            }
             Err(CommitError::NotCommitted(e)) if again && store.is_conflict(&e) => continue,
             Err(CommitError::NotCommitted(e)) => return TransactionEnd::RolledBack(e),
             // The commit may have applied: the key holds until its lease passes; a retry

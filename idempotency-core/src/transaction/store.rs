@@ -45,7 +45,9 @@ pub trait TransactionalStore: Send + Sync {
     /// the record (live, Pending), marks it Completed with `outcome` for
     /// [`Lease::ttl`], as [`IdempotencyStore::complete`](crate::IdempotencyStore::complete)
     /// does. Returns [`Error::LeaseLost`] when it matches nothing. Nothing of it is visible
-    /// before the commit.
+    /// before the commit. A store may instead keep the completion and run it as the first
+    /// step of [`commit`](TransactionalStore::commit) (to reach its connection once): its
+    /// commit then reports a fenced completion as `CommitError::NotCommitted(Error::LeaseLost)`.
     async fn complete_in(
         &self,
         transaction: &mut Self::Transaction,
