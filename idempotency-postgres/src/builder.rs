@@ -23,7 +23,11 @@ pub struct PostgresStoreBuilder {
     connect_timeout: Duration,
     serialization_retries: u32,
     keep_connections: bool,
+    response_timeout: Duration,
 }
+
+/// How long the store waits for the answer to one of its statements by default.
+pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_secs(30);
 
 impl Default for PostgresStoreBuilder {
     fn default() -> Self {
@@ -35,6 +39,7 @@ impl Default for PostgresStoreBuilder {
             connect_timeout: Duration::from_secs(10),
             serialization_retries: DEFAULT_SERIALIZATION_RETRIES,
             keep_connections: false,
+            response_timeout: DEFAULT_RESPONSE_TIMEOUT,
         }
     }
 }
@@ -76,6 +81,24 @@ impl PostgresStoreBuilder {
     /// contention) before the error is returned as retryable. Default 16.
     pub fn serialization_retries(mut self, n: u32) -> Self {
         self.serialization_retries = n;
+        self
+    }
+
+    /// How long the store waits for the answer to one of its statements (default
+    /// [`DEFAULT_RESPONSE_TIMEOUT`], 30 s). Past it the connection is closed (it is stuck
+    /// mid-statement) and the call ends: a read or a claim with a retryable error, a
+    /// compare-and-swap with [`idempotency_core::Error::OutcomeUnknown`] (it may have
+    /// applied; the engine retries it and reads it back), the commit of an exactly-once
+    /// transaction with an unknown outcome that holds the key. Each has
+    /// [`PostgresError::NoAnswer`] as its source. Without it, a network partition (no reset,
+    /// no answer) would hold a call for as long as TCP keeps trying, many minutes.
+    ///
+    /// A statement can legitimately wait this long only on a lock: at REPEATABLE READ and
+    /// SERIALIZABLE a duplicate request's claim waits for the transaction of the holder that
+    /// locked the record (see [`crate::PostgresIdempotency`]); past the timeout it gets the
+    /// retryable error instead of waiting on.
+    pub fn response_timeout(mut self, timeout: Duration) -> Self {
+        self.response_timeout = timeout;
         self
     }
 
@@ -125,6 +148,7 @@ impl PostgresStoreBuilder {
             name,
             self.serialization_retries,
             self.keep_connections,
+            self.response_timeout,
         ))
     }
 
@@ -174,6 +198,7 @@ impl PostgresStoreBuilder {
             name,
             self.serialization_retries,
             self.keep_connections,
+            self.response_timeout,
         ))
     }
 }

@@ -37,6 +37,16 @@ pub enum PostgresError {
         #[source]
         source: sqlx::Error,
     },
+    /// The server did not answer a statement within the store's response timeout
+    /// ([`crate::PostgresStoreBuilder::response_timeout`]): a network partition, a server
+    /// that stopped answering, or a lock held that long. The connection was closed. A write
+    /// that got no answer may have applied; the core error says so
+    /// ([`Error::OutcomeUnknown`]).
+    #[error("PostgreSQL did not answer within {after:?}; the connection was closed")]
+    NoAnswer {
+        /// The response timeout.
+        after: std::time::Duration,
+    },
     /// The store's table (or its schema) does not exist.
     #[error("table {table} does not exist: run PostgresStore::migrate() first")]
     MissingTable {
@@ -93,6 +103,7 @@ impl PostgresError {
                 source: Some(source),
                 ..
             } => sqlx_retryable(source),
+            Self::NoAnswer { .. } => true,
             Self::InvalidName { .. }
             | Self::InvalidUrl { .. }
             | Self::MissingTable { .. }

@@ -40,10 +40,11 @@ impl TransactionalStore for PostgresStore {
             if self.level.get() == Some(Level::ReadCommitted) {
                 return Ok(Begun::Open(PostgresTransaction { tx, locked: false }));
             }
-            let hold = match self.hold_in(&mut tx, lease.id(), lease.token()).await {
+            let held = self.answered(self.hold_in(&mut tx, lease.id(), lease.token()));
+            let hold = match held.await {
                 Ok(hold) => hold,
                 Err(e) => {
-                    let _ = tx.rollback().await;
+                    let _ = tokio::time::timeout(self.response_timeout, tx.rollback()).await;
                     // The connection died between BEGIN and this first statement (a
                     // restart): nothing ran; begin again on another connection.
                     if lost_connection(&e) && lost < self.max_lost() {
@@ -65,7 +66,7 @@ impl TransactionalStore for PostgresStore {
                 // Reclaimed, settled or expired, or the lease passed before the work could
                 // start: the key is not ours to run.
                 (Level::Snapshot, _) => {
-                    let _ = tx.rollback().await;
+                    let _ = tokio::time::timeout(self.response_timeout, tx.rollback()).await;
                     Err(Error::LeaseLost {
                         token: lease.token(),
                     })
@@ -82,7 +83,7 @@ impl TransactionalStore for PostgresStore {
     ) -> Result<(), Error> {
         let (id, token, ttl) = (lease.id(), lease.token(), lease.ttl());
         let completed = self
-            .complete_in_reporting(&mut tx.tx, id, token, outcome, ttl, tx.locked)
+            .answered(self.complete_in_reporting(&mut tx.tx, id, token, outcome, ttl, tx.locked))
             .await;
         match completed {
             Ok(level) => self.level.set(level),
@@ -95,7 +96,12 @@ impl TransactionalStore for PostgresStore {
     }
 
     async fn commit(&self, tx: PostgresTransaction) -> Result<(), CommitError> {
-        match tx.tx.commit().await {
+        let Ok(committed) = tokio::time::timeout(self.response_timeout, tx.tx.commit()).await
+        else {
+            // The COMMIT may have applied.
+            return Err(CommitError::Unknown(self.no_answer(Effect::Write)));
+        };
+        match committed {
             Ok(()) => Ok(()),
             // The server aborted the transaction: nothing of it committed.
             Err(e) if is_serialization_failure(&e) => Err(CommitError::NotCommitted(map_sqlx(
@@ -113,7 +119,9 @@ impl TransactionalStore for PostgresStore {
     }
 
     async fn rollback(&self, tx: PostgresTransaction) {
-        let _ = tx.tx.rollback().await;
+        // Dropped unanswered, the transaction is rolled back when its connection is next
+        // used or closed.
+        let _ = tokio::time::timeout(self.response_timeout, tx.tx.rollback()).await;
     }
 
     fn is_conflict(&self, e: &Error) -> bool {
@@ -124,6 +132,18 @@ impl TransactionalStore for PostgresStore {
 }
 
 impl PostgresStore {
+    /// `statement`'s answer, or [`PostgresError::NoAnswer`](crate::PostgresError::NoAnswer)
+    /// (retryable) past the response timeout: inside a transaction nothing commits before
+    /// the commit, so a statement without an answer applied nothing.
+    async fn answered<T>(
+        &self,
+        statement: impl std::future::Future<Output = Result<T, Error>>,
+    ) -> Result<T, Error> {
+        tokio::time::timeout(self.response_timeout, statement)
+            .await
+            .unwrap_or_else(|_| Err(self.no_answer(Effect::None)))
+    }
+
     /// How many lost connections in a row a transaction's start gets past: one more than the
     /// pool holds, so that after a restart it reaches a live connection past all the dead
     /// idle ones.
@@ -150,8 +170,14 @@ impl PostgresStore {
     async fn begin_live(&self) -> Result<sqlx::Transaction<'static, Postgres>, Error> {
         let mut lost = 0;
         loop {
-            match tokio::spawn(self.begin_transaction())
+            let begun = tokio::time::timeout(
+                self.response_timeout,
+                tokio::spawn(self.begin_transaction()),
+            );
+            // Unanswered, the spawned BEGIN goes on; its transaction rolls back when it ends.
+            match begun
                 .await
+                .map_err(|_| self.no_answer(Effect::None))?
                 .map_err(|e| Error::backend(true, e))?
             {
                 Ok(tx) => return Ok(tx),

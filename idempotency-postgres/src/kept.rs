@@ -351,6 +351,13 @@ impl Out {
             .expect("the connection is present until the guard goes")
     }
 
+    /// The connection is stuck mid-statement: close it instead of giving it back.
+    pub(crate) fn discard(mut self) {
+        if let Some(conn) = self.conn.as_mut() {
+            conn.close_on_drop();
+        }
+    }
+
     /// The statement run on this connection completed: keep it for the next one if it came
     /// from [`Kept::checkout`] and may be kept; else give it back to the pool.
     pub(crate) fn done(self) {

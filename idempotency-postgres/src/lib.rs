@@ -12,7 +12,7 @@ mod schema;
 mod sql;
 mod store;
 
-pub use builder::PostgresStoreBuilder;
+pub use builder::{PostgresStoreBuilder, DEFAULT_RESPONSE_TIMEOUT};
 pub use error::PostgresError;
 pub use exactly_once::PostgresTransaction;
 #[allow(deprecated)]

@@ -39,6 +39,8 @@ enum OnLoss {
 enum Attempt {
     NotSent(sqlx::Error),
     Sent(sqlx::Error),
+    /// Sent, and no answer came within the response timeout.
+    NoAnswer,
 }
 
 /// A PostgreSQL [`IdempotencyStore`].
@@ -59,6 +61,8 @@ pub struct PostgresStore {
     serialization_retries: u32,
     /// The sessions' isolation level, as the exactly-once path learned it.
     pub(crate) level: Arc<LevelCache>,
+    /// How long a statement may take to answer.
+    pub(crate) response_timeout: Duration,
 }
 
 impl PostgresStore {
@@ -87,6 +91,7 @@ impl PostgresStore {
             TableName::default(),
             crate::builder::DEFAULT_SERIALIZATION_RETRIES,
             false,
+            crate::builder::DEFAULT_RESPONSE_TIMEOUT,
         )
     }
 
@@ -95,6 +100,7 @@ impl PostgresStore {
         name: TableName,
         serialization_retries: u32,
         keep: bool,
+        response_timeout: Duration,
     ) -> Self {
         Self {
             qualified: name.qualified().into(),
@@ -104,6 +110,7 @@ impl PostgresStore {
             name,
             serialization_retries,
             level: Arc::default(),
+            response_timeout,
         }
     }
 
@@ -291,6 +298,8 @@ impl PostgresStore {
         loop {
             match self.once(fetch, query()).await {
                 Ok(v) => return Ok(v),
+                // Not sent again: a partition would hold every attempt as long.
+                Err(Attempt::NoAnswer) => return Err(self.no_answer(effect)),
                 // No connection, so this statement was never sent.
                 Err(Attempt::NotSent(e)) => {
                     return Err(match maybe_applied {
@@ -339,6 +348,20 @@ impl PostgresStore {
         }
     }
 
+    /// The error of a statement that got no answer within the response timeout: a write's
+    /// outcome is unknown, a read is worth trying again.
+    pub(crate) fn no_answer(&self, effect: Effect) -> Error {
+        let e = PostgresError::NoAnswer {
+            after: self.response_timeout,
+        };
+        match effect {
+            Effect::Write => Error::OutcomeUnknown {
+                source: Box::new(e),
+            },
+            Effect::None => e.into(),
+        }
+    }
+
     /// Checks the pool's idle connections after a lost one: each gets a ping (at most
     /// [`SWEEP_PING`] each, all at once), and those that do not answer are closed, so the
     /// next operations get live or fresh connections. Costs nothing until a connection is
@@ -378,7 +401,13 @@ impl PostgresStore {
         let mut out = self.connection().await.map_err(Attempt::NotSent)?;
         // Dropped mid-statement (the operation was cancelled) or on an error, `out` gives the
         // connection back to the pool, whose release ping or clean-up deals with its state.
-        let done = fetch.run(query, out.conn()).await.map_err(Attempt::Sent)?;
+        // One stuck past the response timeout is closed: its answer may still come.
+        let answer = tokio::time::timeout(self.response_timeout, fetch.run(query, out.conn()));
+        let Ok(done) = answer.await else {
+            out.discard();
+            return Err(Attempt::NoAnswer);
+        };
+        let done = done.map_err(Attempt::Sent)?;
         out.done();
         Ok(done)
     }

@@ -1,5 +1,6 @@
 #![doc = include_str!("../README.md")]
 
+pub mod partition;
 pub mod payloads;
 pub mod pg_wire;
 #[cfg(feature = "postgres")]

@@ -298,9 +298,11 @@ pub async fn released_key_accepts_corrected_request(store: TestStore) {
 }
 
 /// A handler that runs longer than its lease is not run a second time by a retry: the layer
-/// extends the lease while the handler runs. (300 ms lease, 3 s handler, retry after about
-/// 1.1 s: 409, then the replay. The handler runs long past the retry so that a loaded machine,
-/// slow to send the retry, still sends it while the handler runs.)
+/// extends the lease while the handler runs. (300 ms lease, a 3 s handler, a retry after
+/// about 1.1 s: 409, then the replay.) The retry must reach the layer while the handler runs:
+/// a machine so loaded that it arrives after the handler ended gets the replay, which says
+/// nothing about the lease, so the case runs again on a fresh key with a handler twice as
+/// long, a few times.
 pub async fn handler_outliving_its_lease_runs_once(store: TestStore) {
     let policy = Policy::default()
         .lease(Duration::from_millis(300))
@@ -308,31 +310,49 @@ pub async fn handler_outliving_its_lease_runs_once(store: TestStore) {
     let s = Arc::new(TestServer::with_store(store.store.clone(), policy, |l| l).await);
     let c = client();
     let body = json!({"slow": true});
-    let first = {
-        let (c, s, body) = (c.clone(), s.clone(), body.clone());
-        tokio::spawn(async move {
-            send(post(&c, &s, "/items", "slow", &body).header(control::DELAY_MS, "3000")).await
-        })
-    };
-    tokio::time::sleep(Duration::from_millis(700)).await;
-    // Time passes on the store's clock too (a manual clock only moves when told).
-    store.advance(Duration::from_millis(400)).await;
-    let retry = send(post(&c, &s, "/items", "slow", &body)).await;
-    assert_eq!(
-        retry.status,
-        StatusCode::CONFLICT,
-        "a retry while a handler outlives its lease must get 409, got {retry:?}"
-    );
-    let first = first.await.expect("first request");
-    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
-    assert!(!first.replayed());
-    let after = send(post(&c, &s, "/items", "slow", &body)).await;
-    assert_eq!(after.status, StatusCode::CREATED, "{after:?}");
-    assert!(
-        after.replayed(),
-        "the retry after the slow handler: {after:?}"
-    );
-    assert_eq!(s.executions(), 1, "the slow handler ran twice");
+    let mut handler_ms = 3000u64;
+    let mut executions = 0;
+    for attempt in 1..=4 {
+        let key = format!("slow-{attempt}");
+        let first = {
+            let (c, s, body, key) = (c.clone(), s.clone(), body.clone(), key.clone());
+            let delay = handler_ms.to_string();
+            tokio::spawn(async move {
+                send(post(&c, &s, "/items", &key, &body).header(control::DELAY_MS, delay)).await
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        // Time passes on the store's clock too (a manual clock only moves when told).
+        store.advance(Duration::from_millis(400)).await;
+        let retry = send(post(&c, &s, "/items", &key, &body)).await;
+        let first = first.await.expect("first request");
+        assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+        assert!(!first.replayed());
+        executions += 1;
+        if retry.status == StatusCode::CREATED
+            && retry.replayed()
+            && retry.execution() == first.execution()
+        {
+            // The handler had ended before the retry arrived: try again, longer.
+            assert_eq!(s.executions(), executions, "the slow handler ran twice");
+            handler_ms *= 2;
+            continue;
+        }
+        assert_eq!(
+            retry.status,
+            StatusCode::CONFLICT,
+            "a retry while a handler outlives its lease must get 409, got {retry:?}"
+        );
+        let after = send(post(&c, &s, "/items", &key, &body)).await;
+        assert_eq!(after.status, StatusCode::CREATED, "{after:?}");
+        assert!(
+            after.replayed(),
+            "the retry after the slow handler: {after:?}"
+        );
+        assert_eq!(s.executions(), executions, "the slow handler ran twice");
+        return;
+    }
+    panic!("every retry arrived after its handler had ended (the last ran {handler_ms} ms)");
 }
 
 /// The handler ran but its response cannot be stored (every completion fails): the client
