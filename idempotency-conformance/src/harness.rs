@@ -67,6 +67,8 @@ pub struct TestStore {
     pub capabilities: Capabilities,
     server_clock: Option<ServerClock>,
     guard: Option<Box<dyn Any + Send + Sync>>,
+    /// On a real clock, the short lease: see [`TestStore::calibrate`].
+    real_lease: Duration,
 }
 
 impl fmt::Debug for TestStore {
@@ -88,6 +90,7 @@ impl TestStore {
             capabilities: Capabilities::default(),
             server_clock: None,
             guard: None,
+            real_lease: REAL_SHORT_LEASE,
         }
     }
 
@@ -99,6 +102,7 @@ impl TestStore {
             capabilities: Capabilities::default(),
             server_clock: None,
             guard: None,
+            real_lease: REAL_SHORT_LEASE,
         }
     }
 
@@ -145,20 +149,43 @@ impl TestStore {
     }
 
     /// A lease short enough for cases to wait out: 30 s on a manual clock (advanced
-    /// instantly), 400 ms on a real one.
+    /// instantly); on a real one 400 ms, or longer on a slow store (see
+    /// [`TestStore::calibrate`]).
     pub fn short_lease(&self) -> Duration {
         match self.time {
             TimeControl::Manual(_) => Duration::from_secs(30),
-            TimeControl::Real => Duration::from_millis(400),
+            TimeControl::Real => self.real_lease,
         }
     }
 
-    /// A retention short enough for TTL cases: 60 s manual, 800 ms real.
+    /// A retention short enough for TTL cases: 60 s manual, twice the short lease real.
     pub fn short_ttl(&self) -> Duration {
         match self.time {
             TimeControl::Manual(_) => Duration::from_secs(60),
-            TimeControl::Real => Duration::from_millis(800),
+            TimeControl::Real => self.real_lease * 2,
         }
+    }
+
+    /// On a real clock, fits the short lease and retention to how fast the store answers
+    /// now: cases that must do a few operations within a short lease or before a record
+    /// expires would otherwise fail on a loaded machine, where a round trip can take tens of
+    /// milliseconds. The lease is [`REAL_SHORT_LEASE`] or 40 times the slowest of a few
+    /// reads, whichever is longer (at most 10 s). [`run_case`] calls it before every case.
+    pub async fn calibrate(mut self) -> Self {
+        if matches!(self.time, TimeControl::Real) {
+            let probe = idempotency_core::RecordId::new(
+                idempotency_core::Scope::new("kit-calibration").expect("scope"),
+                idempotency_core::IdempotencyKey::random(),
+            );
+            let mut slowest = Duration::ZERO;
+            for _ in 0..5 {
+                let started = std::time::Instant::now();
+                let _ = self.store.get(&probe).await;
+                slowest = slowest.max(started.elapsed());
+            }
+            self.real_lease = (slowest * 40).clamp(REAL_SHORT_LEASE, Duration::from_secs(10));
+        }
+        self
     }
 
     /// A lease or retention no case outlives: one hour.
@@ -166,6 +193,9 @@ impl TestStore {
         Duration::from_secs(3600)
     }
 }
+
+/// The short lease on a real clock when the store answers fast.
+pub const REAL_SHORT_LEASE: Duration = Duration::from_millis(400);
 
 /// Runs one case on a fresh multi-threaded runtime, the way the [`crate::conformance_tests`]
 /// macro does. Public so that hand-written tests can do the same.
@@ -182,7 +212,7 @@ where
         .build()
         .expect("the conformance kit needs a tokio runtime");
     rt.block_on(async move {
-        let store = factory().await;
+        let store = factory().await.calibrate().await;
         case(store).await;
     });
 }

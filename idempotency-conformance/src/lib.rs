@@ -6,7 +6,9 @@ mod harness;
 pub mod reference;
 
 pub use flaky::{Fault, FlakyOp, FlakyStore};
-pub use harness::{process_clock, run_case, Capabilities, ServerClock, TestStore, TimeControl};
+pub use harness::{
+    process_clock, run_case, Capabilities, ServerClock, TestStore, TimeControl, REAL_SHORT_LEASE,
+};
 
 /// The name of every case, in the order the macro expands them.
 ///
