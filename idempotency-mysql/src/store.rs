@@ -1,6 +1,6 @@
 //! The store.
 
-use crate::decode::{decode_record, get};
+use crate::decode::{col, decode_record, get};
 use crate::error::{is_conflict, is_connection_loss, map_sqlx, Effect};
 use crate::schema;
 use crate::sql::Statements;
@@ -364,11 +364,13 @@ impl IdempotencyStore for MysqlStore {
                     .bind(i64::from(request.count_hit))
             })
             .await?;
-        let now_ms: i64 = get(&row, "now_ms", table)?;
-        let won: i64 = get(&row, "claim_nonce", table)?;
+        // By position: sqlx names a row's columns after the prepared statement's metadata, and
+        // MariaDB prepares `INSERT … RETURNING` without describing its result columns.
+        let now_ms: i64 = get(&row, col::NOW_MS, table)?;
+        let won: i64 = get(&row, col::CLAIM_NONCE, table)?;
         if won == nonce {
-            let token: i64 = get(&row, "token", table)?;
-            let lease_until: Option<i64> = get(&row, "lease_until_ms", table)?;
+            let token: i64 = get(&row, col::TOKEN, table)?;
+            let lease_until: Option<i64> = get(&row, col::LEASE_UNTIL_MS, table)?;
             let (Ok(token), Some(lease_until)) = (u64::try_from(token), lease_until) else {
                 return Err(Error::corrupt(format!(
                     "claimed record {} came back without a valid token or lease",

@@ -1,0 +1,156 @@
+//! A loopback proxy in front of the server that counts what the client sends, by MySQL
+//! command: every command packet (sequence id 0) but `COM_STMT_CLOSE` and `COM_QUIT` waits
+//! for the server's answer, so each is one round trip. `COM_PING` (sqlx's pool pings a
+//! connection as it takes it back, in the background) is counted apart, and
+//! `COM_STMT_PREPARE` shows whether statements were prepared again.
+#![allow(dead_code, clippy::unwrap_used)]
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// Command packets seen, by kind.
+#[derive(Clone, Default, Debug, PartialEq, Eq)]
+pub(crate) struct Counts {
+    /// By command name.
+    pub by_command: BTreeMap<&'static str, u64>,
+}
+
+impl Counts {
+    /// Commands that wait for an answer, pings left out.
+    pub(crate) fn round_trips(&self) -> u64 {
+        self.by_command
+            .iter()
+            .filter(|(k, _)| !matches!(**k, "ping" | "stmt_close" | "quit"))
+            .map(|(_, v)| v)
+            .sum()
+    }
+
+    pub(crate) fn get(&self, command: &str) -> u64 {
+        self.by_command.get(command).copied().unwrap_or(0)
+    }
+}
+
+impl std::ops::Sub for Counts {
+    type Output = Counts;
+    fn sub(self, before: Counts) -> Counts {
+        let mut by_command = BTreeMap::new();
+        for (k, v) in self.by_command {
+            let d = v - before.by_command.get(k).copied().unwrap_or(0);
+            if d > 0 {
+                by_command.insert(k, d);
+            }
+        }
+        Counts { by_command }
+    }
+}
+
+fn command_name(byte: u8) -> &'static str {
+    match byte {
+        0x01 => "quit",
+        0x02 => "init_db",
+        0x03 => "query",
+        0x0e => "ping",
+        0x16 => "stmt_prepare",
+        0x17 => "stmt_execute",
+        0x19 => "stmt_close",
+        0x1a => "stmt_reset",
+        0x1f => "reset_connection",
+        _ => "other",
+    }
+}
+
+pub(crate) struct CountingProxy {
+    port: u16,
+    counts: Arc<Mutex<Counts>>,
+    queries: Arc<Mutex<Vec<String>>>,
+}
+
+impl CountingProxy {
+    pub(crate) async fn start(upstream: String) -> std::io::Result<Self> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let port = listener.local_addr()?.port();
+        let counts = Arc::new(Mutex::new(Counts::default()));
+        let queries = Arc::new(Mutex::new(Vec::new()));
+        let (c, q) = (counts.clone(), queries.clone());
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = TcpStream::connect(&upstream).await else {
+                    continue;
+                };
+                tokio::spawn(pipe(client, server, c.clone(), q.clone()));
+            }
+        });
+        Ok(Self {
+            port,
+            counts,
+            queries,
+        })
+    }
+
+    pub(crate) fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub(crate) fn snapshot(&self) -> Counts {
+        self.counts.lock().unwrap().clone()
+    }
+
+    /// The SQL of every `COM_QUERY` and `COM_STMT_PREPARE` so far.
+    pub(crate) fn statements(&self) -> Vec<String> {
+        self.queries.lock().unwrap().clone()
+    }
+}
+
+async fn pipe(
+    client: TcpStream,
+    server: TcpStream,
+    counts: Arc<Mutex<Counts>>,
+    queries: Arc<Mutex<Vec<String>>>,
+) {
+    let (mut cr, mut cw) = client.into_split();
+    let (mut sr, mut sw) = server.into_split();
+    let down = tokio::spawn(async move {
+        let _ = tokio::io::copy(&mut sr, &mut cw).await;
+        let _ = cw.shutdown().await;
+    });
+    let mut pending: Vec<u8> = Vec::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = match cr.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        pending.extend_from_slice(&buf[..n]);
+        // Whole packets: 3-byte length, 1-byte sequence id, payload.
+        let mut at = 0;
+        while pending.len() - at >= 4 {
+            let len = usize::from(pending[at])
+                | usize::from(pending[at + 1]) << 8
+                | usize::from(pending[at + 2]) << 16;
+            if pending.len() - at < 4 + len {
+                break;
+            }
+            let seq = pending[at + 3];
+            if seq == 0 && len > 0 {
+                let payload = &pending[at + 4..at + 4 + len];
+                let name = command_name(payload[0]);
+                if matches!(name, "query" | "stmt_prepare") {
+                    queries
+                        .lock()
+                        .unwrap()
+                        .push(String::from_utf8_lossy(&payload[1..]).into_owned());
+                }
+                *counts.lock().unwrap().by_command.entry(name).or_default() += 1;
+            }
+            at += 4 + len;
+        }
+        pending.drain(..at);
+        if sw.write_all(&buf[..n]).await.is_err() {
+            break;
+        }
+    }
+    let _ = sw.shutdown().await;
+    let _ = down.await;
+}
