@@ -26,7 +26,9 @@ const COLUMNS: &[(&str, &str)] = &[
 
 /// The table. Keys and scopes are byte strings (compared byte for byte, never by a
 /// collation that would fold case) sized to the core's limits; timestamps are milliseconds
-/// since the Unix epoch on the server's clock; `expires_ms` is indexed for the purge.
+/// since the Unix epoch on the server's clock; `expires_ms` is indexed for the purge. CHECK
+/// constraints (enforced by MariaDB) refuse what no correct store writes; the decoder checks
+/// every value again.
 fn create_table(name: &TableName) -> String {
     format!(
         "CREATE TABLE IF NOT EXISTS {t} (
@@ -47,7 +49,12 @@ fn create_table(name: &TableName) -> String {
     updated_ms BIGINT NOT NULL,
     expires_ms BIGINT NOT NULL,
     PRIMARY KEY (scope, idem_key),
-    KEY expires_ms_idx (expires_ms)
+    KEY expires_ms_idx (expires_ms),
+    CONSTRAINT status_valid CHECK (status IN ('pending', 'completed', 'failed')),
+    CONSTRAINT token_positive CHECK (token > 0),
+    CONSTRAINT fingerprint_length CHECK (LENGTH(fingerprint) = 32),
+    CONSTRAINT attempts_positive CHECK (attempts > 0),
+    CONSTRAINT hits_non_negative CHECK (hits >= 0)
 ) ENGINE = InnoDB",
         t = name.quoted()
     )
