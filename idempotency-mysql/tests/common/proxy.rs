@@ -63,6 +63,7 @@ fn command_name(byte: u8) -> &'static str {
 
 pub(crate) struct CountingProxy {
     port: u16,
+    cut: Arc<std::sync::atomic::AtomicBool>,
     counts: Arc<Mutex<Counts>>,
     queries: Arc<Mutex<Vec<String>>>,
 }
@@ -74,19 +75,28 @@ impl CountingProxy {
         let counts = Arc::new(Mutex::new(Counts::default()));
         let queries = Arc::new(Mutex::new(Vec::new()));
         let (c, q) = (counts.clone(), queries.clone());
+        let cut = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let armed = cut.clone();
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 let Ok(server) = TcpStream::connect(&upstream).await else {
                     continue;
                 };
-                tokio::spawn(pipe(client, server, c.clone(), q.clone()));
+                tokio::spawn(pipe(client, server, c.clone(), q.clone(), armed.clone()));
             }
         });
         Ok(Self {
             port,
+            cut,
             counts,
             queries,
         })
+    }
+
+    /// The next `COM_STMT_EXECUTE` is passed on whole, then its connection is cut in both
+    /// directions before any answer reaches the client: a statement whose answer is lost.
+    pub(crate) fn cut_next_execute(&self) {
+        self.cut.store(true, std::sync::atomic::Ordering::SeqCst);
     }
 
     pub(crate) fn port(&self) -> u16 {
@@ -108,11 +118,26 @@ async fn pipe(
     server: TcpStream,
     counts: Arc<Mutex<Counts>>,
     queries: Arc<Mutex<Vec<String>>>,
+    cut: Arc<std::sync::atomic::AtomicBool>,
 ) {
     let (mut cr, mut cw) = client.into_split();
     let (mut sr, mut sw) = server.into_split();
+    let cutting = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let cutting_down = cutting.clone();
     let down = tokio::spawn(async move {
-        let _ = tokio::io::copy(&mut sr, &mut cw).await;
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let n = match sr.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            if cutting_down.load(std::sync::atomic::Ordering::SeqCst) {
+                break;
+            }
+            if cw.write_all(&buf[..n]).await.is_err() {
+                break;
+            }
+        }
         let _ = cw.shutdown().await;
     });
     let mut pending: Vec<u8> = Vec::new();
@@ -125,6 +150,7 @@ async fn pipe(
         pending.extend_from_slice(&buf[..n]);
         // Whole packets: 3-byte length, 1-byte sequence id, payload.
         let mut at = 0;
+        let mut cut_now = false;
         while pending.len() - at >= 4 {
             let len = usize::from(pending[at])
                 | usize::from(pending[at + 1]) << 8
@@ -143,6 +169,12 @@ async fn pipe(
                         .push(String::from_utf8_lossy(&payload[1..]).into_owned());
                 }
                 *counts.lock().unwrap().by_command.entry(name).or_default() += 1;
+                if name == "stmt_execute"
+                    && cut.swap(false, std::sync::atomic::Ordering::SeqCst)
+                {
+                    cut_now = true;
+                    cutting.store(true, std::sync::atomic::Ordering::SeqCst);
+                }
             }
             at += 4 + len;
         }
@@ -150,7 +182,15 @@ async fn pipe(
         if sw.write_all(&buf[..n]).await.is_err() {
             break;
         }
+        if cut_now {
+            // Let the statement reach the server, then drop the client's side.
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            break;
+        }
     }
     let _ = sw.shutdown().await;
+    if cutting.load(std::sync::atomic::Ordering::SeqCst) {
+        down.abort();
+    }
     let _ = down.await;
 }
