@@ -75,9 +75,12 @@ pub(crate) fn decode_record(row: &MySqlRow, id: &RecordId, table: &str) -> Resul
             )))
         }
     };
-    let failure = match (retryable, get::<Option<Vec<u8>>>(row, col::FAILURE_MESSAGE, table)?
+    let failure = match (
+        retryable,
+        get::<Option<Vec<u8>>>(row, col::FAILURE_MESSAGE, table)?
             .map(|m| text(m, "failure_message", id))
-            .transpose()?) {
+            .transpose()?,
+    ) {
         (Some(retryable), Some(message)) => Some(Failure { retryable, message }),
         (None, None) => None,
         _ => {
@@ -92,9 +95,14 @@ pub(crate) fn decode_record(row: &MySqlRow, id: &RecordId, table: &str) -> Resul
         fingerprint,
         status,
         token: FencingToken(token),
-        lease_until: get::<Option<i64>>(row, col::LEASE_UNTIL_MS, table)?.map(Timestamp::from_millis),
+        lease_until: get::<Option<i64>>(row, col::LEASE_UNTIL_MS, table)?
+            .map(Timestamp::from_millis),
         outcome,
-        attempts: non_negative(get::<i32>(row, col::ATTEMPTS, table)?.into(), "attempts", id)?,
+        attempts: non_negative(
+            get::<i32>(row, col::ATTEMPTS, table)?.into(),
+            "attempts",
+            id,
+        )?,
         failure,
         hits: non_negative(get::<i64>(row, col::HITS, table)?, "hits", id)?,
         created_at: ts(col::CREATED_MS)?,

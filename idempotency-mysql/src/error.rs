@@ -95,7 +95,9 @@ impl From<MysqlError> for Error {
 /// The server's error number, if the error came from the server.
 pub(crate) fn error_number(e: &sqlx::Error) -> Option<u16> {
     match e {
-        sqlx::Error::Database(db) => db.try_downcast_ref::<MySqlDatabaseError>().map(|m| m.number()),
+        sqlx::Error::Database(db) => db
+            .try_downcast_ref::<MySqlDatabaseError>()
+            .map(|m| m.number()),
         _ => None,
     }
 }

@@ -74,7 +74,8 @@ impl TransactionalStore for MysqlStore {
     /// Deadlocks (1213, InnoDB rolled the transaction back) and lock wait timeouts (1205,
     /// the statement was rolled back; core rolls the rest back before running it again).
     fn is_conflict(&self, e: &Error) -> bool {
-        matches!(e, Error::Backend { .. }) && e.find_source::<sqlx::Error>().is_some_and(is_conflict)
+        matches!(e, Error::Backend { .. })
+            && e.find_source::<sqlx::Error>().is_some_and(is_conflict)
     }
 }
 
@@ -84,7 +85,11 @@ impl MysqlStore {
     /// after BEGIN was sent but before its answer. A dead connection (as every idle one is
     /// after a server restart) is given back and BEGIN sent on the next one.
     async fn begin_live(&self) -> Result<sqlx::Transaction<'static, MySql>, Error> {
-        let max_lost = self.pool().options().get_max_connections().saturating_add(1);
+        let max_lost = self
+            .pool()
+            .options()
+            .get_max_connections()
+            .saturating_add(1);
         let mut lost = 0;
         loop {
             let pool = self.pool().clone();

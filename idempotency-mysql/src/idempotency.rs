@@ -123,7 +123,8 @@ impl MysqlIdempotency {
     where
         T: Serialize + DeserializeOwned + Send + 'static,
         E: Serialize + DeserializeOwned + Display + Send + 'static,
-        F: for<'c> FnMut(&'c mut MySqlConnection, WorkContext) -> BoxFuture<'c, Result<T, E>> + Send,
+        F: for<'c> FnMut(&'c mut MySqlConnection, WorkContext) -> BoxFuture<'c, Result<T, E>>
+            + Send,
     {
         let engine = &self.engine;
         engine

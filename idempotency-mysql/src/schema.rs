@@ -60,17 +60,22 @@ fn create_table(name: &TableName) -> String {
     )
 }
 
-pub(crate) async fn migrate(conn: &mut MySqlConnection, name: &TableName) -> Result<(), MysqlError> {
+pub(crate) async fn migrate(
+    conn: &mut MySqlConnection,
+    name: &TableName,
+) -> Result<(), MysqlError> {
     sqlx::query(&create_table(name))
         .execute(&mut *conn)
         .await
-        .map_err(|source| match source.as_database_error().and_then(|d| d.code()) {
-            // No database selected.
-            Some(c) if c == "3D000" => MysqlError::MissingTable {
-                table: name.table().to_owned(),
+        .map_err(
+            |source| match source.as_database_error().and_then(|d| d.code()) {
+                // No database selected.
+                Some(c) if c == "3D000" => MysqlError::MissingTable {
+                    table: name.table().to_owned(),
+                },
+                _ => MysqlError::Database { source },
             },
-            _ => MysqlError::Database { source },
-        })?;
+        )?;
     verify(conn, name).await
 }
 

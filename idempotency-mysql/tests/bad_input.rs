@@ -77,7 +77,15 @@ async fn wrong_urls_are_typed_errors() {
 #[tokio::test]
 async fn invalid_names_are_refused() {
     let long = "t".repeat(MAX_TABLE_NAME_LEN + 1);
-    for bad in ["", "1records", "records-v2", "records; DROP TABLE users", "réc", "a`b", &long] {
+    for bad in [
+        "",
+        "1records",
+        "records-v2",
+        "records; DROP TABLE users",
+        "réc",
+        "a`b",
+        &long,
+    ] {
         let err = TableName::new(bad).unwrap_err();
         assert!(
             matches!(&err, MysqlError::InvalidName { what: "table", name, .. } if name == bad),
@@ -89,7 +97,10 @@ async fn invalid_names_are_refused() {
             .connect(&common::url())
             .await
             .unwrap_err();
-        assert!(matches!(err, MysqlError::InvalidName { .. }), "{bad:?}: {err}");
+        assert!(
+            matches!(err, MysqlError::InvalidName { .. }),
+            "{bad:?}: {err}"
+        );
         assert!(matches!(Error::from(err), Error::Config(_)));
     }
     assert!(TableName::new(&"t".repeat(MAX_TABLE_NAME_LEN)).is_ok());
@@ -152,7 +163,10 @@ async fn table_of_another_shape() {
         .unwrap();
     let err = store.migrate().await.unwrap_err();
     assert!(matches!(err, MysqlError::TableShape { .. }), "{err}");
-    assert!(matches!(store.verify().await.unwrap_err(), MysqlError::TableShape { .. }));
+    assert!(matches!(
+        store.verify().await.unwrap_err(),
+        MysqlError::TableShape { .. }
+    ));
     let req = request();
     assert_shape(&store.claim(&req).await.unwrap_err());
     assert_shape(&store.get(&req.id).await.unwrap_err());
@@ -183,7 +197,11 @@ async fn table_of_another_shape() {
         .build(store.pool().clone())
         .unwrap();
     unindexed.migrate().await.unwrap();
-    common::exec(&format!("ALTER TABLE `{}` DROP INDEX expires_ms_idx", guard3.table)).await;
+    common::exec(&format!(
+        "ALTER TABLE `{}` DROP INDEX expires_ms_idx",
+        guard3.table
+    ))
+    .await;
     let err = unindexed.verify().await.unwrap_err();
     assert!(
         matches!(&err, MysqlError::TableShape { detail, .. } if detail.contains("expires_ms")),
@@ -214,17 +232,14 @@ async fn corrupt_stored_values() {
     ] {
         let mut conn = common::admin().await;
         let refused = conn
-            .execute(
-                format!(
-                    "UPDATE {table} SET {set} WHERE idem_key = '{}'",
-                    req.id.key
-                )
-                .as_str(),
-            )
+            .execute(format!("UPDATE {table} SET {set} WHERE idem_key = '{}'", req.id.key).as_str())
             .await
             .expect_err(set);
         assert_eq!(
-            refused.as_database_error().and_then(|e| e.code()).as_deref(),
+            refused
+                .as_database_error()
+                .and_then(|e| e.code())
+                .as_deref(),
             Some("23000"),
             "{set}: expected a check violation, got {refused:?}"
         );
@@ -250,7 +265,10 @@ async fn corrupt_stored_values() {
         ("hits = -5", "hits"),
         ("attempts = -2", "attempts"),
         ("attempts = 0", "attempts is 0"),
-        ("failure_retryable = 7, failure_message = 'x'", "failure_retryable"),
+        (
+            "failure_retryable = 7, failure_message = 'x'",
+            "failure_retryable",
+        ),
         (
             "status = 'pending', lease_until_ms = NULL",
             "pending without a lease",
@@ -311,11 +329,9 @@ async fn corrupt_stored_values() {
         conn.execute(format!("DELETE FROM {table} WHERE idem_key = '{key}'").as_str())
             .await
             .unwrap();
-        conn.execute(
-            format!("INSERT INTO {table} SELECT * FROM `{}`", saved.table).as_str(),
-        )
-        .await
-        .unwrap();
+        conn.execute(format!("INSERT INTO {table} SELECT * FROM `{}`", saved.table).as_str())
+            .await
+            .unwrap();
         let record = store.get(&req.id).await.unwrap().unwrap();
         assert_eq!(record.outcome, before.outcome);
         let replay = engine

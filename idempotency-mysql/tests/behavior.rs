@@ -83,7 +83,11 @@ async fn idempotent_rewrites_are_reported_applied() {
 }
 
 /// Holds the record row locked from another connection for `hold`.
-async fn lock_row_for(store: &MysqlStore, id: &RecordId, hold: Duration) -> tokio::task::JoinHandle<()> {
+async fn lock_row_for(
+    store: &MysqlStore,
+    id: &RecordId,
+    hold: Duration,
+) -> tokio::task::JoinHandle<()> {
     let table = store.table_name().quoted();
     let id = id.clone();
     let locked = std::sync::Arc::new(tokio::sync::Notify::new());
@@ -116,7 +120,8 @@ async fn lock_wait_timeouts_are_retried_inside_the_store() {
         .max_connections(4)
         .after_connect(|conn, _| {
             Box::pin(async move {
-                conn.execute("SET SESSION innodb_lock_wait_timeout = 1").await?;
+                conn.execute("SET SESSION innodb_lock_wait_timeout = 1")
+                    .await?;
                 Ok(())
             })
         })
@@ -138,7 +143,10 @@ async fn lock_wait_timeouts_are_retried_inside_the_store() {
         store.extend(&req.id, token, req.lease).await.unwrap(),
         Cas::Applied
     );
-    assert!(started.elapsed() >= Duration::from_secs(1), "it waited for the lock");
+    assert!(
+        started.elapsed() >= Duration::from_secs(1),
+        "it waited for the lock"
+    );
     holder.await.unwrap();
 
     let impatient = MysqlStore::builder()
@@ -168,7 +176,10 @@ async fn cuttable() -> (MysqlStore, CountingProxy, TableGuard) {
         .port(proxy.port())
         .ssl_mode(MySqlSslMode::Disabled);
     let pool = common::pool_with(options, Isolation::RepeatableRead, 1).await;
-    let store = MysqlStore::builder().table(&guard.table).build(pool).unwrap();
+    let store = MysqlStore::builder()
+        .table(&guard.table)
+        .build(pool)
+        .unwrap();
     store.migrate().await.unwrap();
     (store, proxy, guard)
 }
@@ -198,12 +209,35 @@ async fn lost_connections_mid_statement() {
                 .await
                 .unwrap();
         }
-        store.complete(&req.id, idempotency_core::FencingToken(1), b"warm", req.ttl).await.unwrap();
-        let _ = store.reclaim(&req.id, idempotency_core::FencingToken(1), &req.fingerprint, req.lease, req.ttl).await.unwrap();
-        let _ = store.fail(&req.id, idempotency_core::FencingToken(1), &Failure::retryable("w"), req.ttl).await.unwrap();
+        store
+            .complete(&req.id, idempotency_core::FencingToken(1), b"warm", req.ttl)
+            .await
+            .unwrap();
+        let _ = store
+            .reclaim(
+                &req.id,
+                idempotency_core::FencingToken(1),
+                &req.fingerprint,
+                req.lease,
+                req.ttl,
+            )
+            .await
+            .unwrap();
+        let _ = store
+            .fail(
+                &req.id,
+                idempotency_core::FencingToken(1),
+                &Failure::retryable("w"),
+                req.ttl,
+            )
+            .await
+            .unwrap();
         proxy.cut_next_execute();
         let result = match op {
-            "complete" => store.complete(&req.id, token, b"done", req.ttl).await.map(|_| ()),
+            "complete" => store
+                .complete(&req.id, token, b"done", req.ttl)
+                .await
+                .map(|_| ()),
             "fail" => store
                 .fail(&req.id, token, &Failure::retryable("x"), req.ttl)
                 .await

@@ -17,7 +17,9 @@ mod common;
 
 use common::proxy::CountingProxy;
 use common::{Isolation, TableGuard};
-use idempotency_core::{Claim, ClaimRequest, Fingerprint, IdempotencyKey, IdempotencyStore, RecordId, Scope};
+use idempotency_core::{
+    Claim, ClaimRequest, Fingerprint, IdempotencyKey, IdempotencyStore, RecordId, Scope,
+};
 use idempotency_mysql::sqlx::mysql::MySqlSslMode;
 use idempotency_mysql::sqlx::{self, Executor, MySqlPool};
 use idempotency_mysql::MysqlStore;
@@ -61,7 +63,13 @@ enum Design {
     InsertIgnoreInTransaction,
 }
 
-async fn claim_once(design: Design, store: &MysqlStore, pool: &MySqlPool, t: &str, proc_name: &str) {
+async fn claim_once(
+    design: Design,
+    store: &MysqlStore,
+    pool: &MySqlPool,
+    t: &str,
+    proc_name: &str,
+) {
     let key = IdempotencyKey::random();
     let scope = b"designs".as_slice();
     let fp = [7u8; 32];
@@ -73,7 +81,10 @@ async fn claim_once(design: Design, store: &MysqlStore, pool: &MySqlPool, t: &st
                 Duration::from_secs(60),
                 Duration::from_secs(3600),
             );
-            assert!(matches!(store.claim(&req).await.unwrap(), Claim::Claimed { .. }));
+            assert!(matches!(
+                store.claim(&req).await.unwrap(),
+                Claim::Claimed { .. }
+            ));
         }
         Design::Procedure => {
             let row: (Vec<u8>, i64) = sqlx::query_as(&format!("CALL {proc_name}(?, ?, ?)"))
@@ -130,15 +141,25 @@ async fn claim_designs_compared() {
     let upstream = format!("{}:{}", options.get_host(), options.get_port());
     let proxy = CountingProxy::start(upstream).await.unwrap();
     let counted = common::pool_with(
-        options.clone().host("127.0.0.1").port(proxy.port()).ssl_mode(MySqlSslMode::Disabled),
+        options
+            .clone()
+            .host("127.0.0.1")
+            .port(proxy.port())
+            .ssl_mode(MySqlSslMode::Disabled),
         Isolation::RepeatableRead,
         1,
     )
     .await;
     let direct = common::pool(Isolation::RepeatableRead, 1).await;
-    let store = MysqlStore::builder().table(&guard.table).build(direct.clone()).unwrap();
+    let store = MysqlStore::builder()
+        .table(&guard.table)
+        .build(direct.clone())
+        .unwrap();
     store.migrate().await.unwrap();
-    let counted_store = MysqlStore::builder().table(&guard.table).build(counted.clone()).unwrap();
+    let counted_store = MysqlStore::builder()
+        .table(&guard.table)
+        .build(counted.clone())
+        .unwrap();
     direct
         .execute(
             format!(
@@ -166,7 +187,10 @@ async fn claim_designs_compared() {
         (Design::UpsertThenSelect, 2),
         (Design::InsertIgnoreInTransaction, 4),
     ];
-    eprintln!("\n{:<28} round trips  mean µs (direct, {ROUNDS} new keys)", "design");
+    eprintln!(
+        "\n{:<28} round trips  mean µs (direct, {ROUNDS} new keys)",
+        "design"
+    );
     for (design, expected) in designs {
         // Warm (prepare) and count on the proxied pool.
         claim_once(design, &counted_store, &counted, &t, &proc_name).await;
@@ -183,7 +207,11 @@ async fn claim_designs_compared() {
             claim_once(design, &store, &direct, &t, &proc_name).await;
         }
         let mean = start.elapsed().as_micros() / ROUNDS as u128;
-        eprintln!("{:<28} {:>11}  {mean:>7}", format!("{design:?}"), counts.round_trips());
+        eprintln!(
+            "{:<28} {:>11}  {mean:>7}",
+            format!("{design:?}"),
+            counts.round_trips()
+        );
     }
     direct
         .execute(format!("DROP PROCEDURE IF EXISTS {proc_name}").as_str())

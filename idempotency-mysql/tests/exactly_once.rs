@@ -310,10 +310,18 @@ async fn dropped_after_completion(engine: MysqlIdempotency, orders: Arc<str>) {
         panic!("a fresh key is executed");
     };
     let mut tx = engine.store().pool().begin().await.unwrap();
-    insert_order(&mut tx, &orders, &key, "dropped").await.unwrap();
+    insert_order(&mut tx, &orders, &key, "dropped")
+        .await
+        .unwrap();
     engine
         .store()
-        .complete_in(&mut tx, lease.id(), lease.token(), b"{\"Ok\":1}", lease.ttl())
+        .complete_in(
+            &mut tx,
+            lease.id(),
+            lease.token(),
+            b"{\"Ok\":1}",
+            lease.ttl(),
+        )
         .await
         .expect("the holder's completion applies inside its transaction");
     let token = lease.token();
@@ -498,7 +506,9 @@ async fn deadlock_reruns(level: Isolation) {
     ))
     .await;
     common::exec(&format!("INSERT INTO {stock} VALUES (1, 0, 0, NULL)")).await;
-    let policy = Policy::default().lease(Duration::from_secs(30)).heartbeat(None);
+    let policy = Policy::default()
+        .lease(Duration::from_secs(30))
+        .heartbeat(None);
     let engine = MysqlIdempotency::new(rig.store.clone(), policy).unwrap();
     let key = IdempotencyKey::random();
     let id = RecordId::new(scope(), key.clone());
@@ -571,23 +581,39 @@ async fn deadlock_reruns(level: Isolation) {
     record_locked.notify_one();
     // Waits for the holder's stock lock, until InnoDB breaks the cycle by rolling the holder
     // back (its completion waits for the record row this transaction holds).
-    sqlx::query(&format!("UPDATE {stock} SET touched = touched + 1 WHERE id = 1"))
-        .execute(&mut *tx)
-        .await
-        .expect("InnoDB picks the lighter transaction, the holder's, as the victim");
+    sqlx::query(&format!(
+        "UPDATE {stock} SET touched = touched + 1 WHERE id = 1"
+    ))
+    .execute(&mut *tx)
+    .await
+    .expect("InnoDB picks the lighter transaction, the holder's, as the victim");
     tx.commit().await.unwrap();
     let _ = other.close().await;
-    let outcome = holder.await.expect("task").expect("the holder's transaction runs again");
-    assert_eq!(outcome, Outcome::Fresh(Ok(2)), "the deadlock ran the transaction again");
+    let outcome = holder
+        .await
+        .expect("task")
+        .expect("the holder's transaction runs again");
+    assert_eq!(
+        outcome,
+        Outcome::Fresh(Ok(2)),
+        "the deadlock ran the transaction again"
+    );
     assert_eq!(attempts.load(Ordering::SeqCst), 2);
-    assert_eq!(orders_for(&rig.orders, &key).await, vec!["holder".to_owned()]);
+    assert_eq!(
+        orders_for(&rig.orders, &key).await,
+        vec!["holder".to_owned()]
+    );
     let mut conn = common::admin().await;
     let (sold, touched): (i32, i32) =
         sqlx::query_as(&format!("SELECT sold, touched FROM {stock} WHERE id = 1"))
             .fetch_one(&mut conn)
             .await
             .unwrap();
-    assert_eq!((sold, touched), (1, 1), "each transaction's effect landed once");
+    assert_eq!(
+        (sold, touched),
+        (1, 1),
+        "each transaction's effect landed once"
+    );
     let record = rig.store.get(&id).await.unwrap().unwrap();
     assert_eq!(record.status, RecordStatus::Completed);
     drop(stock_guard);
@@ -636,10 +662,11 @@ async fn long_work(level: Isolation) {
                     let (orders, key, started) = (orders.clone(), k.clone(), started.clone());
                     Box::pin(async move {
                         // Take the snapshot (REPEATABLE READ) before any heartbeat.
-                        let _: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM information_schema.TABLES")
-                            .fetch_one(&mut *tx)
-                            .await
-                            .map_err(|e| e.to_string())?;
+                        let _: i64 =
+                            sqlx::query_scalar("SELECT COUNT(*) FROM information_schema.TABLES")
+                                .fetch_one(&mut *tx)
+                                .await
+                                .map_err(|e| e.to_string())?;
                         insert_order(tx, &orders, &key, "long").await?;
                         started.notify_one();
                         tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -668,7 +695,10 @@ async fn long_work(level: Isolation) {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(duplicates >= 5);
-    let outcome = holder.await.expect("task").expect("the long work completes");
+    let outcome = holder
+        .await
+        .expect("task")
+        .expect("the long work completes");
     assert_eq!(outcome, Outcome::Fresh(Ok(first.token.0)));
     let record = rig.store.get(&id).await.unwrap().unwrap();
     assert_eq!(record.status, RecordStatus::Completed);

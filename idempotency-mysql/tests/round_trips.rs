@@ -40,7 +40,10 @@ pub(crate) async fn rig() -> Rig {
         .port(proxy.port())
         .ssl_mode(MySqlSslMode::Disabled);
     let pool = common::pool_with(options, Isolation::RepeatableRead, 1).await;
-    let store = MysqlStore::builder().table(&guard.table).build(pool).unwrap();
+    let store = MysqlStore::builder()
+        .table(&guard.table)
+        .build(pool)
+        .unwrap();
     store.migrate().await.unwrap();
     Rig {
         store,
@@ -158,8 +161,15 @@ async fn one_round_trip_per_operation() {
             "{op}: exactly one round trip, got {counts:?}"
         );
         assert_eq!(counts.get("stmt_execute"), 1, "{op}: {counts:?}");
-        assert_eq!(counts.get("stmt_prepare"), 0, "{op}: prepared statement reused");
-        assert!(counts.get("ping") <= 1, "{op}: at most the pool's release ping");
+        assert_eq!(
+            counts.get("stmt_prepare"),
+            0,
+            "{op}: prepared statement reused"
+        );
+        assert!(
+            counts.get("ping") <= 1,
+            "{op}: at most the pool's release ping"
+        );
     }
 
     // Through the engine: a new key costs claim + complete, a replay one claim.
@@ -215,7 +225,12 @@ async fn one_round_trip_per_operation() {
     .await;
     let insert: Arc<str> = format!("INSERT INTO {orders} () VALUES ()").into();
     let _warmed = my_engine
-        .run_in_transaction(&IdempotencyKey::random(), &scope, &fp, insert_work(insert.clone()))
+        .run_in_transaction(
+            &IdempotencyKey::random(),
+            &scope,
+            &fp,
+            insert_work(insert.clone()),
+        )
         .await
         .unwrap();
     let key = IdempotencyKey::random();
@@ -233,7 +248,10 @@ async fn one_round_trip_per_operation() {
     table.push(("run_in_transaction, replay", txn_replay.clone()));
     assert_eq!(txn_replay.round_trips(), 1, "{txn_replay:?}");
 
-    eprintln!("\n{:<66} round trips  (release pings)  prepares", "operation");
+    eprintln!(
+        "\n{:<66} round trips  (release pings)  prepares",
+        "operation"
+    );
     for (op, c) in &table {
         eprintln!(
             "{op:<66} {:>11}  {:>15}  {:>8}",
@@ -248,7 +266,10 @@ async fn one_round_trip_per_operation() {
 /// Work that inserts one row through the transaction it is given.
 fn insert_work(
     insert: Arc<str>,
-) -> impl for<'c> FnMut(&'c mut sqlx::MySqlConnection, WorkContext) -> BoxFuture<'c, Result<i32, String>>
+) -> impl for<'c> FnMut(
+    &'c mut sqlx::MySqlConnection,
+    WorkContext,
+) -> BoxFuture<'c, Result<i32, String>>
        + Send {
     move |tx, _ctx| {
         let insert = insert.clone();

@@ -5,7 +5,9 @@
 pub(crate) mod proxy;
 
 use idempotency_mysql::sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
-use idempotency_mysql::sqlx::{self, ConnectOptions, Connection, Executor, MySqlConnection, MySqlPool};
+use idempotency_mysql::sqlx::{
+    self, ConnectOptions, Connection, Executor, MySqlConnection, MySqlPool,
+};
 use idempotency_mysql::MysqlStore;
 use std::str::FromStr;
 use std::sync::Once;
@@ -87,7 +89,11 @@ pub(crate) async fn pool(level: Isolation, max: u32) -> MySqlPool {
     pool_with(options(), level, max).await
 }
 
-pub(crate) async fn pool_with(options: MySqlConnectOptions, level: Isolation, max: u32) -> MySqlPool {
+pub(crate) async fn pool_with(
+    options: MySqlConnectOptions,
+    level: Isolation,
+    max: u32,
+) -> MySqlPool {
     let set = format!("SET SESSION TRANSACTION ISOLATION LEVEL {}", level.sql());
     MySqlPoolOptions::new()
         .max_connections(max)
@@ -127,7 +133,9 @@ impl TableGuard {
                 .await
                 .unwrap_or_default();
                 for t in old {
-                    let _ = conn.execute(format!("DROP TABLE IF EXISTS `{t}`").as_str()).await;
+                    let _ = conn
+                        .execute(format!("DROP TABLE IF EXISTS `{t}`").as_str())
+                        .await;
                 }
             })
         });

@@ -169,9 +169,7 @@ async fn pipe(
                         .push(String::from_utf8_lossy(&payload[1..]).into_owned());
                 }
                 *counts.lock().unwrap().by_command.entry(name).or_default() += 1;
-                if name == "stmt_execute"
-                    && cut.swap(false, std::sync::atomic::Ordering::SeqCst)
-                {
+                if name == "stmt_execute" && cut.swap(false, std::sync::atomic::Ordering::SeqCst) {
                     cut_now = true;
                     cutting.store(true, std::sync::atomic::Ordering::SeqCst);
                 }
