@@ -51,7 +51,8 @@ impl Statements {
         //   nothing and so writes nothing).
         // `claim_nonce` is set to the caller's random nonce only when the statement inserted
         // or replaced the record: the returned nonce says whether this claim won, whatever
-        // the connection's CLIENT_FOUND_ROWS setting makes of the affected-row count.
+        // the connection's CLIENT_FOUND_ROWS setting makes of the affected-row count. A
+        // claim sent again (its first send's answer was lost) finds its own nonce: no hit.
         //
         // MySQL evaluates ON DUPLICATE KEY UPDATE assignments left to right, each seeing the
         // columns assigned before it: every condition reads `expires_ms`, so it is assigned
@@ -75,7 +76,7 @@ ON DUPLICATE KEY UPDATE
     attempts = IF({expired}, 1, attempts),
     failure_retryable = IF({expired}, NULL, failure_retryable),
     failure_message = IF({expired}, NULL, failure_message),
-    hits = IF({expired}, 0, hits + ?),
+    hits = IF({expired}, 0, hits + IF(claim_nonce = VALUES(claim_nonce), 0, ?)),
     created_ms = IF({expired}, VALUES(created_ms), created_ms),
     updated_ms = IF({expired}, VALUES(updated_ms), updated_ms),
     expires_ms = IF({expired}, VALUES(expires_ms), expires_ms)

@@ -348,12 +348,13 @@ impl IdempotencyStore for MysqlStore {
         let lease_ms = duration_millis(request.lease);
         let hold_ms = duration_millis(claim_retention(request.lease, request.ttl));
         // Written only if this statement inserts or replaces the record: the one sign of a
-        // won claim that no other claim can forge (a resent claim draws a new one).
+        // won claim that no other claim can forge. The same nonce goes with every send, so a
+        // claim sent again after its connection was lost recognises the record its first send
+        // wrote as its own (and counts no hit for it) instead of leaving it held by nobody.
         let table = &*self.quoted;
-        let mut nonce = 0i64;
+        let nonce: i64 = rand::thread_rng().gen_range(1..=i64::MAX);
         let row = self
             .run(Effect::Write, OnLoss::Resend, One, || {
-                nonce = rand::thread_rng().gen_range(1..=i64::MAX);
                 sqlx::query(&self.sql.claim)
                     .bind(request.id.scope.as_str().as_bytes())
                     .bind(request.id.key.as_str().as_bytes())

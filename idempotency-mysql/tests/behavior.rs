@@ -266,17 +266,45 @@ async fn lost_connections_mid_statement() {
     // A read is sent again.
     proxy.cut_next_execute();
     assert!(store.get(&req.id).await.unwrap().is_some());
-    // A claim of a new key is sent again: the repeat observes what the first one wrote (it
-    // never claims twice), a Pending record nobody holds, whose lease will pass.
+    // A claim of a new key is sent again: the repeat finds the record its first send wrote
+    // (same nonce) and answers Claimed, counting no hit, rather than leaving a Pending record
+    // that nobody holds.
     let fresh = request(Duration::from_secs(60));
     proxy.cut_next_execute();
-    match store.claim(&fresh).await.unwrap() {
-        Claim::Claimed { .. } => {}
-        Claim::Existing { record, .. } => {
-            assert_eq!(record.status, RecordStatus::Pending);
-            assert_eq!(record.hits, 1);
-        }
-    }
+    let before = proxy.snapshot();
+    let Claim::Claimed { token, lease_until } = store.claim(&fresh).await.unwrap() else {
+        panic!("the resent claim is this caller's")
+    };
+    let sent = proxy.snapshot() - before;
+    assert_eq!(sent.get("stmt_execute"), 2, "sent twice: {sent:?}");
+    let first_applied: i64 = {
+        use idempotency_mysql::sqlx::Connection;
+        let mut conn = common::admin().await;
+        let n = sqlx::query_scalar(&format!(
+            "SELECT revision FROM {} WHERE idem_key = ?",
+            store.table_name().quoted()
+        ))
+        .bind(fresh.id.key.as_str().as_bytes())
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+        let _ = conn.close().await;
+        n
+    };
+    assert_eq!(first_applied, 0, "one insert, nothing replaced");
+    let record = store.get(&fresh.id).await.unwrap().unwrap();
+    assert_eq!(
+        (record.token, record.lease_until),
+        (token, Some(lease_until))
+    );
+    assert_eq!(record.hits, 0);
+    assert_eq!(
+        store
+            .complete(&fresh.id, token, b"1", fresh.ttl)
+            .await
+            .unwrap(),
+        Cas::Applied
+    );
 }
 
 /// Timestamps come from `UTC_TIMESTAMP(6)` as milliseconds since the epoch: a session in
