@@ -162,8 +162,10 @@ async fn takeover_pair(engine: MysqlIdempotency, orders: Arc<str>) {
                         insert_order(tx, &orders, &key, "stale").await?;
                         stale_token.store(ctx.token.0, Ordering::SeqCst);
                         started.notify_one();
-                        // Stall well past the 300 ms lease, transaction open.
-                        tokio::time::sleep(Duration::from_millis(900)).await;
+                        // Stall well past the 300 ms lease, transaction open, and long after
+                        // the retry starts (it has 1.5 s to take the key over, however slow
+                        // a loaded machine's commits are).
+                        tokio::time::sleep(Duration::from_millis(2000)).await;
                         Ok::<u64, String>(ctx.token.0)
                     })
                 })
@@ -642,7 +644,9 @@ async fn deadlock_reruns_serializable() {
 
 async fn long_work(level: Isolation) {
     let rig = setup(level, 6).await;
-    let lease = Duration::from_millis(300);
+    // A heartbeat every 300 ms for a 1 s lease: 700 ms of slack for an extension's commit on a
+    // loaded machine (each is a durable write).
+    let lease = Duration::from_secs(1);
     let policy = Policy::default().lease(lease).heartbeat(Some(0.3));
     let engine = MysqlIdempotency::new(rig.store.clone(), policy).unwrap();
     let key = IdempotencyKey::random();
@@ -669,7 +673,7 @@ async fn long_work(level: Isolation) {
                                 .map_err(|e| e.to_string())?;
                         insert_order(tx, &orders, &key, "long").await?;
                         started.notify_one();
-                        tokio::time::sleep(Duration::from_millis(1500)).await;
+                        tokio::time::sleep(Duration::from_millis(3500)).await;
                         Ok::<u64, String>(ctx.token.0)
                     })
                 })
@@ -679,7 +683,7 @@ async fn long_work(level: Isolation) {
     started.notified().await;
     let first = rig.store.get(&id).await.unwrap().unwrap();
     // Duplicates while the work runs, well past the first lease.
-    let until = Instant::now() + Duration::from_millis(1200);
+    let until = Instant::now() + Duration::from_millis(3000);
     let mut duplicates = 0;
     while Instant::now() < until {
         let dup = engine
@@ -692,7 +696,7 @@ async fn long_work(level: Isolation) {
             "a duplicate during the long work must be told it is in progress, got {dup:?}"
         );
         duplicates += 1;
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
     assert!(duplicates >= 5);
     let outcome = holder
