@@ -98,7 +98,12 @@ impl MysqlStore {
                 .map_err(|e| Error::backend(true, e))?
             {
                 Ok(tx) => return Ok(tx),
-                Err(e) if is_connection_loss(&e) && lost < max_lost => lost += 1,
+                Err(e) if is_connection_loss(&e) && lost < max_lost => {
+                    if lost == 0 {
+                        self.sweep_idle().await;
+                    }
+                    lost += 1;
+                }
                 Err(e) => return Err(map_sqlx(e, &self.quoted, Effect::None)),
             }
         }

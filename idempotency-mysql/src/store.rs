@@ -18,6 +18,10 @@ use sqlx::{MySql, MySqlConnection, MySqlPool};
 use std::sync::Arc;
 use std::time::Duration;
 
+/// How long [`MysqlStore::sweep_idle`] waits for an idle connection's ping before it takes
+/// the connection for dead.
+const SWEEP_PING: Duration = Duration::from_secs(1);
+
 /// What [`MysqlStore::run`] does when a statement's connection is lost after it was sent.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum OnLoss {
@@ -165,8 +169,11 @@ impl MysqlStore {
     /// and lock wait timeouts (the autocommit statement was rolled back, so nothing was
     /// applied), with a jittered backoff. Each attempt takes a connection from the pool.
     ///
-    /// A lost connection (most often one that died idle in the pool, after a server restart)
-    /// is, with [`OnLoss::Resend`], sent again on another connection (up to once per
+    /// A lost connection is most often one that died idle in the pool: after a server
+    /// restart or failover every idle connection is dead, and the pool (which does not ping
+    /// before it hands a connection out) would hand them out one by one, each failing one
+    /// operation. So a lost connection first has the pool's idle connections checked
+    /// ([`MysqlStore::sweep_idle`]). Then the statement is, with [`OnLoss::Resend`], sent again on another connection (up to once per
     /// connection the pool can hold, plus one); with [`OnLoss::Report`] (a holder's
     /// compare-and-swap, which the engine retries and reads back) a write's outcome is
     /// reported unknown.
@@ -198,6 +205,9 @@ impl MysqlStore {
                     tokio::time::sleep(Duration::from_millis(ms)).await;
                 }
                 Err(Attempt::Sent(e)) if is_connection_loss(&e) => {
+                    if lost == 0 {
+                        self.sweep_idle().await;
+                    }
                     lost += 1;
                     if on_loss == OnLoss::Report || lost > max_lost {
                         return Err(map_sqlx(e, &self.quoted, effect));
@@ -222,6 +232,36 @@ impl MysqlStore {
                 }
             }
         }
+    }
+
+    /// Checks the pool's idle connections after a lost one: each gets a ping (at most
+    /// [`SWEEP_PING`] each, all at once), and those that do not answer are closed, so the
+    /// next operations get live or fresh connections. Costs nothing until a connection is
+    /// lost.
+    pub(crate) async fn sweep_idle(&self) {
+        let mut idle = Vec::new();
+        while let Some(conn) = self.pool.try_acquire() {
+            idle.push(conn);
+        }
+        let checked = idle.len();
+        let dead = futures::future::join_all(idle.into_iter().map(|mut conn| async move {
+            let alive = matches!(
+                tokio::time::timeout(SWEEP_PING, sqlx::Connection::ping(&mut *conn)).await,
+                Ok(Ok(()))
+            );
+            if !alive {
+                conn.close_on_drop();
+            }
+            usize::from(!alive)
+        }))
+        .await
+        .into_iter()
+        .sum::<usize>();
+        tracing::debug!(
+            checked,
+            dead,
+            "a connection was lost: checked the idle ones"
+        );
     }
 
     async fn once<'q, X: Fetch>(

@@ -354,3 +354,72 @@ async fn session_time_zone_moves_nothing() {
         }
     }
 }
+
+/// Every idle connection of the pool dies at once (as after a server restart; here each is
+/// killed with `KILL`): the first operation to meet one has the idle ones checked and the
+/// dead ones closed, so at most one holder's write is reported `OutcomeUnknown`, reads and
+/// claims are answered, and an exactly-once transaction begins on a live connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_idle_connections_are_swept() {
+    const POOL: u32 = 6;
+    let (store, _guard) = common::store_with(Isolation::RepeatableRead, POOL).await;
+    for _round in 0..3 {
+        // Records held, to be completed after the "restart".
+        let mut held = Vec::new();
+        for _ in 0..POOL {
+            let req = request(Duration::from_secs(60));
+            let Claim::Claimed { token, .. } = store.claim(&req).await.unwrap() else {
+                panic!("fresh key")
+            };
+            held.push((req, token));
+        }
+        // Fill the pool: every connection out at once, each telling its id.
+        let mut conns = Vec::new();
+        for _ in 0..POOL {
+            conns.push(store.pool().acquire().await.unwrap());
+        }
+        let mut ids = Vec::new();
+        for conn in &mut conns {
+            let id: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
+                .fetch_one(&mut **conn)
+                .await
+                .unwrap();
+            ids.push(id);
+        }
+        drop(conns);
+        // Let the pool take them back (it pings each as it does).
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while store.pool().num_idle() < POOL as usize {
+            assert!(
+                Instant::now() < deadline,
+                "the pool never got its connections back"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let mut admin = common::admin().await;
+        for id in &ids {
+            admin.execute(format!("KILL {id}").as_str()).await.unwrap();
+        }
+        let _ = admin.close().await;
+
+        // The holders' completions first: without the sweep each would meet a dead
+        // connection and be reported unknown.
+        let mut unknown = 0;
+        for (req, token) in &held {
+            match store.complete(&req.id, *token, b"1", req.ttl).await {
+                Ok(Cas::Applied) => {}
+                Err(Error::OutcomeUnknown { .. }) => unknown += 1,
+                other => panic!("complete after the restart: {other:?}"),
+            }
+        }
+        for (req, _) in &held {
+            assert!(store.get(&req.id).await.unwrap().is_some());
+        }
+        let req = request(Duration::from_secs(60));
+        assert!(matches!(
+            store.claim(&req).await.unwrap(),
+            Claim::Claimed { .. }
+        ));
+        assert!(unknown <= 1, "{unknown} writes met a dead connection");
+    }
+}
