@@ -738,3 +738,123 @@ async fn sessions_run_at_the_level_asked() {
         assert_eq!(got, level.reported());
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// A connection lost at the commit: the caller is told the outcome is unknown, and the key is
+// held, never released while the writes may have committed. If the COMMIT reached the server,
+// the key is Completed with its one order and a retry replays it; if it did not, nothing was
+// written, the key stays Pending until its lease passes, and then a retry runs the work once.
+
+async fn lost_at_commit(level: Isolation, committed: bool) {
+    let rig = setup(level, 2).await;
+    let options = common::options();
+    let upstream = format!("{}:{}", options.get_host(), options.get_port());
+    let proxy = common::proxy::CountingProxy::start(upstream).await.unwrap();
+    let proxied = options
+        .host("127.0.0.1")
+        .port(proxy.port())
+        .ssl_mode(idempotency_mysql::sqlx::mysql::MySqlSslMode::Disabled);
+    let store = MysqlStore::builder()
+        .table(rig.store.table_name().table())
+        .build(common::pool_with(proxied, level, 4).await)
+        .unwrap();
+    let policy = Policy::default().lease(Duration::from_secs(1));
+    let engine = MysqlIdempotency::new(store, policy).unwrap();
+    let key = IdempotencyKey::random();
+    let id = RecordId::new(scope(), key.clone());
+    proxy.cut_next_commit(committed);
+    let (o, k) = (rig.orders.clone(), key.clone());
+    let holder = engine
+        .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, ctx| {
+            let (orders, key) = (o.clone(), k.clone());
+            Box::pin(async move {
+                insert_order(tx, &orders, &key, "holder").await?;
+                Ok::<u64, String>(ctx.token.0)
+            })
+        })
+        .await;
+    assert!(
+        matches!(holder, Err(Error::OutcomeUnknown { .. })),
+        "a commit whose answer was lost: expected OutcomeUnknown, got {holder:?}"
+    );
+    let record = rig.store.get(&id).await.unwrap().unwrap();
+    let token = record.token;
+    if committed {
+        assert_eq!(record.status, RecordStatus::Completed);
+        assert_eq!(
+            orders_for(&rig.orders, &key).await,
+            vec!["holder".to_owned()]
+        );
+        let replay = engine
+            .run_in_transaction(&key, &scope(), &fingerprint(), |_tx, _ctx| {
+                Box::pin(async { panic!("a completed key must not run again") })
+            })
+            .await
+            .unwrap();
+        assert_eq!(
+            replay,
+            Outcome::<Result<u64, String>>::Replayed(Ok(token.0))
+        );
+        return;
+    }
+    // Nothing committed: the key is held, not released.
+    assert_eq!(record.status, RecordStatus::Pending, "{record:?}");
+    assert!(orders_for(&rig.orders, &key).await.is_empty());
+    let (o, k) = (rig.orders.clone(), key.clone());
+    let early = engine
+        .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, ctx| {
+            let (orders, key) = (o.clone(), k.clone());
+            Box::pin(async move {
+                insert_order(tx, &orders, &key, "too early").await?;
+                Ok::<u64, String>(ctx.token.0)
+            })
+        })
+        .await;
+    assert!(
+        matches!(early, Err(Error::InProgress { .. })),
+        "the key must be held while the lost commit's lease lives, got {early:?}"
+    );
+    // Once the lease passes, a retry takes the key over and runs the work once.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let retried = loop {
+        let (o, k) = (rig.orders.clone(), key.clone());
+        match engine
+            .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, ctx| {
+                let (orders, key) = (o.clone(), k.clone());
+                Box::pin(async move {
+                    insert_order(tx, &orders, &key, "retry").await?;
+                    Ok::<u64, String>(ctx.token.0)
+                })
+            })
+            .await
+        {
+            Err(Error::InProgress { .. }) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            other => break other,
+        }
+    };
+    assert_eq!(retried.unwrap(), Outcome::Fresh(Ok(token.next().0)));
+    assert_eq!(
+        orders_for(&rig.orders, &key).await,
+        vec!["retry".to_owned()]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn connection_lost_at_commit_read_committed() {
+    lost_at_commit(Isolation::ReadCommitted, true).await;
+    lost_at_commit(Isolation::ReadCommitted, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn connection_lost_at_commit_repeatable_read() {
+    lost_at_commit(Isolation::RepeatableRead, true).await;
+    lost_at_commit(Isolation::RepeatableRead, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn connection_lost_at_commit_serializable() {
+    lost_at_commit(Isolation::Serializable, true).await;
+    lost_at_commit(Isolation::Serializable, false).await;
+}

@@ -6,7 +6,14 @@
 #![allow(dead_code, clippy::unwrap_used)]
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
+
+/// What the proxy cuts next (`CountingProxy::cut_next_*`).
+const CUT_NONE: u8 = 0;
+const CUT_AFTER_EXECUTE: u8 = 1;
+const CUT_AFTER_COMMIT: u8 = 2;
+const CUT_INSTEAD_OF_COMMIT: u8 = 3;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -63,7 +70,7 @@ fn command_name(byte: u8) -> &'static str {
 
 pub(crate) struct CountingProxy {
     port: u16,
-    cut: Arc<std::sync::atomic::AtomicBool>,
+    cut: Arc<AtomicU8>,
     counts: Arc<Mutex<Counts>>,
     queries: Arc<Mutex<Vec<String>>>,
 }
@@ -75,7 +82,7 @@ impl CountingProxy {
         let counts = Arc::new(Mutex::new(Counts::default()));
         let queries = Arc::new(Mutex::new(Vec::new()));
         let (c, q) = (counts.clone(), queries.clone());
-        let cut = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let cut = Arc::new(AtomicU8::new(CUT_NONE));
         let armed = cut.clone();
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
@@ -96,7 +103,19 @@ impl CountingProxy {
     /// The next `COM_STMT_EXECUTE` is passed on whole, then its connection is cut in both
     /// directions before any answer reaches the client: a statement whose answer is lost.
     pub(crate) fn cut_next_execute(&self) {
-        self.cut.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.cut.store(CUT_AFTER_EXECUTE, Ordering::SeqCst);
+    }
+
+    /// The next `COMMIT` is passed on (`forward`: the server commits) or dropped (the server
+    /// sees the client go and rolls back), and its connection cut before any answer reaches
+    /// the client: a commit whose outcome the client cannot know.
+    pub(crate) fn cut_next_commit(&self, forward: bool) {
+        let mode = if forward {
+            CUT_AFTER_COMMIT
+        } else {
+            CUT_INSTEAD_OF_COMMIT
+        };
+        self.cut.store(mode, Ordering::SeqCst);
     }
 
     pub(crate) fn port(&self) -> u16 {
@@ -118,11 +137,11 @@ async fn pipe(
     server: TcpStream,
     counts: Arc<Mutex<Counts>>,
     queries: Arc<Mutex<Vec<String>>>,
-    cut: Arc<std::sync::atomic::AtomicBool>,
+    cut: Arc<AtomicU8>,
 ) {
     let (mut cr, mut cw) = client.into_split();
     let (mut sr, mut sw) = server.into_split();
-    let cutting = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let cutting = Arc::new(AtomicBool::new(false));
     let cutting_down = cutting.clone();
     let down = tokio::spawn(async move {
         let mut buf = vec![0u8; 64 * 1024];
@@ -131,7 +150,7 @@ async fn pipe(
                 Ok(0) | Err(_) => break,
                 Ok(n) => n,
             };
-            if cutting_down.load(std::sync::atomic::Ordering::SeqCst) {
+            if cutting_down.load(Ordering::SeqCst) {
                 break;
             }
             if cw.write_all(&buf[..n]).await.is_err() {
@@ -151,6 +170,7 @@ async fn pipe(
         // Whole packets: 3-byte length, 1-byte sequence id, payload.
         let mut at = 0;
         let mut cut_now = false;
+        let mut forward = true;
         while pending.len() - at >= 4 {
             let len = usize::from(pending[at])
                 | usize::from(pending[at + 1]) << 8
@@ -169,14 +189,32 @@ async fn pipe(
                         .push(String::from_utf8_lossy(&payload[1..]).into_owned());
                 }
                 *counts.lock().unwrap().by_command.entry(name).or_default() += 1;
-                if name == "stmt_execute" && cut.swap(false, std::sync::atomic::Ordering::SeqCst) {
+                let is_commit = name == "query"
+                    && String::from_utf8_lossy(&payload[1..])
+                        .trim()
+                        .eq_ignore_ascii_case("commit");
+                let mode = cut.load(Ordering::SeqCst);
+                let hit = match mode {
+                    CUT_AFTER_EXECUTE => name == "stmt_execute",
+                    CUT_AFTER_COMMIT | CUT_INSTEAD_OF_COMMIT => is_commit,
+                    _ => false,
+                };
+                if hit
+                    && cut
+                        .compare_exchange(mode, CUT_NONE, Ordering::SeqCst, Ordering::SeqCst)
+                        .is_ok()
+                {
                     cut_now = true;
-                    cutting.store(true, std::sync::atomic::Ordering::SeqCst);
+                    forward = mode != CUT_INSTEAD_OF_COMMIT;
+                    cutting.store(true, Ordering::SeqCst);
                 }
             }
             at += 4 + len;
         }
         pending.drain(..at);
+        if cut_now && !forward {
+            break;
+        }
         if sw.write_all(&buf[..n]).await.is_err() {
             break;
         }
@@ -187,7 +225,7 @@ async fn pipe(
         }
     }
     let _ = sw.shutdown().await;
-    if cutting.load(std::sync::atomic::Ordering::SeqCst) {
+    if cutting.load(Ordering::SeqCst) {
         down.abort();
     }
     let _ = down.await;
