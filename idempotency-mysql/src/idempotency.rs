@@ -1,0 +1,136 @@
+//! The exactly-once engine: an [`Idempotency`] engine over one [`MysqlStore`], whose
+//! work writes in the transaction that completes its record.
+
+use crate::MysqlStore;
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use idempotency_core::{
+    Error, Fingerprint, Idempotency, IdempotencyKey, Outcome, Policy, Scope, WorkContext,
+};
+use serde::{de::DeserializeOwned, Serialize};
+use sqlx::MySqlConnection;
+use std::fmt::Display;
+use std::sync::Arc;
+
+/// An [`Idempotency`] engine over a [`MysqlStore`] that runs the work and its completion
+/// in one database transaction: exactly-once effects for work whose effects are writes to the
+/// same database.
+///
+/// ```no_run
+/// use idempotency_core::{Fingerprint, IdempotencyKey, Policy, Scope};
+/// use idempotency_mysql::{MysqlIdempotency, MysqlStore};
+///
+/// # async fn f() -> Result<(), Box<dyn std::error::Error>> {
+/// let store = MysqlStore::connect("mysql://app@127.0.0.1/app").await?;
+/// store.migrate().await?;
+/// let engine = MysqlIdempotency::new(store, Policy::default())?;
+/// let key = IdempotencyKey::new("order-42")?;
+/// let scope = Scope::from_parts(["tenant-1", "POST /orders"])?;
+/// let fp = Fingerprint::from_json(&serde_json::json!({"sku": "A1", "qty": 2}));
+/// let outcome = engine
+///     .run_in_transaction(&key, &scope, &fp, |tx, _ctx| {
+///         Box::pin(async move {
+///             let id: i64 = sqlx::query_scalar(
+///                 "INSERT INTO orders (sku, qty) VALUES ('A1', 2) RETURNING id",
+///             )
+///             .fetch_one(&mut *tx)
+///             .await
+///             .map_err(|e| e.to_string())?;
+///             Ok::<_, String>(id)
+///         })
+///     })
+///     .await?;
+/// println!("order {:?}, replayed: {}", outcome.get(), outcome.is_replayed());
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Debug)]
+pub struct MysqlIdempotency {
+    engine: Idempotency,
+    store: MysqlStore,
+}
+
+impl MysqlIdempotency {
+    /// An engine over `store` with `policy`.
+    pub fn new(store: MysqlStore, policy: Policy) -> Result<Self, Error> {
+        let engine = Idempotency::new(Arc::new(store.clone()), policy)?;
+        Ok(Self { engine, store })
+    }
+
+    /// An exactly-once engine from an `engine` whose store is `store` behind a decorator (one
+    /// that adds metrics, tracing or injected faults to the calls): its calls must reach
+    /// `store`'s table, or the completion in the work's transaction will not find the record
+    /// it claimed. Prefer [`MysqlIdempotency::new`].
+    pub fn with_engine(store: MysqlStore, engine: Idempotency) -> Self {
+        Self { engine, store }
+    }
+
+    /// The plain engine, for work that does not write to this database.
+    pub fn engine(&self) -> &Idempotency {
+        &self.engine
+    }
+
+    /// The store.
+    pub fn store(&self) -> &MysqlStore {
+        &self.store
+    }
+
+    /// Runs `work` once for `(scope, key)` inside a transaction on the store's pool, and
+    /// stores its `Ok` outcome in the same transaction.
+    ///
+    /// - Replays return the stored outcome; the work does not run.
+    /// - `Ok(v)`: the completion CAS runs in the work's transaction, then it commits. If the
+    ///   lease was lost meanwhile (a stalled holder whose key was reclaimed), the CAS matches
+    ///   nothing, the transaction rolls back with all the work's writes, and the result is
+    ///   [`Error::LeaseLost`].
+    /// - `Err(e)`: the transaction rolls back, then the error is handled per
+    ///   [`Policy::errors`] (by default the key is released for a retry) and returned as
+    ///   `Fresh(Err(e))`.
+    /// - A deadlock (1213) or lock wait timeout (1205) in the completion or the commit re-runs the
+    ///   transaction (at most
+    ///   [`MAX_TRANSACTION_ATTEMPTS`](idempotency_core::MAX_TRANSACTION_ATTEMPTS) runs in all),
+    ///   so `work` must only act through the connection it is
+    ///   given. Errors inside `work` are `work`'s to return.
+    /// - If the connection dies during the commit, the result is [`Error::OutcomeUnknown`]
+    ///   and the key is held (nothing is written) until its lease passes: a retry then finds
+    ///   the Completed record and replays the committed outcome, or, if nothing committed,
+    ///   takes the key over and runs the work once. Either way the key ends with one committed
+    ///   execution. The key is never released while the work's writes may still commit.
+    /// - A connection found dead when the transaction begins (every idle connection is, after
+    ///   a server restart) is given back, and the transaction begins on the next one.
+    ///
+    /// # Isolation levels
+    ///
+    /// The transaction runs at the level the pool's sessions run at (set for example with
+    /// `SET SESSION TRANSACTION ISOLATION LEVEL …` in the pool's `after_connect`); do not
+    /// issue `SET TRANSACTION` inside `work`, which runs after the transaction began. At
+    /// every level (READ COMMITTED, REPEATABLE READ, SERIALIZABLE) the heartbeat
+    /// ([`Policy::heartbeat`]) extends the lease from another pooled connection while the
+    /// work runs, as in [`Idempotency::run`]: InnoDB's `UPDATE` reads the latest committed
+    /// row whatever the transaction's snapshot, so the completion inside the transaction
+    /// sees the extended lease, and no row lock is held while the work runs. A duplicate
+    /// request is told at once that the key is in progress; a holder that stalls past its
+    /// lease can be taken over, and its completion is then fenced and everything it wrote
+    /// rolls back.
+    ///
+    /// A work that never returns holds the key as long as the heartbeat runs.
+    pub async fn run_in_transaction<T, E, F>(
+        &self,
+        key: &IdempotencyKey,
+        scope: &Scope,
+        fingerprint: &Fingerprint,
+        mut work: F,
+    ) -> Result<Outcome<Result<T, E>>, Error>
+    where
+        T: Serialize + DeserializeOwned + Send + 'static,
+        E: Serialize + DeserializeOwned + Display + Send + 'static,
+        F: for<'c> FnMut(&'c mut MySqlConnection, WorkContext) -> BoxFuture<'c, Result<T, E>>
+            + Send,
+    {
+        let engine = &self.engine;
+        engine
+            .run_in_transaction(&self.store, key, scope, fingerprint, |tx, ctx| {
+                work(tx.connection(), ctx).map(Ok).boxed()
+            })
+            .await
+    }
+}

@@ -1,0 +1,44 @@
+#![doc = include_str!("../README.md")]
+#![cfg_attr(docsrs, feature(doc_auto_cfg))]
+
+mod builder;
+mod decode;
+mod error;
+mod exactly_once;
+mod idempotency;
+mod names;
+mod schema;
+mod sql;
+mod store;
+
+pub use builder::MysqlStoreBuilder;
+pub use error::MysqlError;
+pub use exactly_once::MysqlTransaction;
+pub use idempotency::MysqlIdempotency;
+pub use names::{TableName, MAX_TABLE_NAME_LEN};
+pub use store::MysqlStore;
+
+/// The driver, re-exported so your transactions and this store use the same sqlx.
+pub use sqlx;
+
+#[cfg(test)]
+mod send_checks {
+    use super::*;
+    use idempotency_core::{FencingToken, IdempotencyKey, RecordId, Scope};
+
+    fn assert_send<T: Send>(_: &T) {}
+
+    /// The store's own futures can be spawned onto a multi-threaded runtime.
+    #[allow(dead_code)]
+    fn futures_are_send(store: MysqlStore, conn: &mut sqlx::MySqlConnection) {
+        assert_send(&store.migrate());
+        assert_send(&store.verify());
+        assert_send(&MysqlStore::connect("mysql://x"));
+        let id = RecordId::new(
+            Scope::new("s").expect("scope"),
+            IdempotencyKey::new("k").expect("key"),
+        );
+        let ttl = std::time::Duration::from_secs(1);
+        assert_send(&store.complete_in(conn, &id, FencingToken(1), b"", ttl));
+    }
+}

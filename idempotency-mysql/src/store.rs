@@ -1,0 +1,543 @@
+//! The store.
+
+use crate::decode::{col, decode_record, get};
+use crate::error::{is_conflict, is_connection_loss, map_sqlx, Effect};
+use crate::schema;
+use crate::sql::Statements;
+use crate::{MysqlError, MysqlStoreBuilder, TableName};
+use async_trait::async_trait;
+use futures::future::BoxFuture;
+use idempotency_core::{
+    claim_retention, duration_millis, Cas, Claim, ClaimRequest, Error, Failure, FencingToken,
+    Fingerprint, IdempotencyStore, Reclaim, Record, RecordId, Timestamp,
+};
+use rand::Rng;
+use sqlx::mysql::{MySqlArguments, MySqlQueryResult, MySqlRow};
+use sqlx::query::Query;
+use sqlx::{MySql, MySqlConnection, MySqlPool};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How long [`MysqlStore::sweep_idle`] waits for an idle connection's ping before it takes
+/// the connection for dead.
+const SWEEP_PING: Duration = Duration::from_secs(1);
+
+/// What [`MysqlStore::run`] does when a statement's connection is lost after it was sent.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum OnLoss {
+    /// Send it again on another connection: a read, a claim (a repeat observes what an
+    /// applied claim wrote, never claims twice) or a purge.
+    Resend,
+    /// Report it (for a write, [`Error::OutcomeUnknown`]): a holder's compare-and-swap, which
+    /// the engine retries and reads back.
+    Report,
+}
+
+/// How one attempt at a statement failed: before it was sent (no connection), or after.
+enum Attempt {
+    NotSent(sqlx::Error),
+    Sent(sqlx::Error),
+}
+
+/// A MySQL (MariaDB) [`IdempotencyStore`].
+///
+/// Each operation is exactly one prepared statement, so one round trip. The server's clock
+/// decides leases and expiry. See the crate documentation for the exactly-once path
+/// ([`crate::MysqlIdempotency`]).
+///
+/// Cloning is cheap: clones share the pool.
+#[derive(Clone, Debug)]
+pub struct MysqlStore {
+    pool: MySqlPool,
+    name: TableName,
+    pub(crate) quoted: Arc<str>,
+    sql: Arc<Statements>,
+    conflict_retries: u32,
+}
+
+impl MysqlStore {
+    /// A builder, to choose the table and pool settings.
+    pub fn builder() -> MysqlStoreBuilder {
+        MysqlStoreBuilder::default()
+    }
+
+    /// Connects to `url` with the default table `idempotency_records` in the URL's database.
+    ///
+    /// ```no_run
+    /// # async fn f() -> Result<(), idempotency_mysql::MysqlError> {
+    /// let store = idempotency_mysql::MysqlStore::connect("mysql://app@127.0.0.1/app").await?;
+    /// store.migrate().await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn connect(url: &str) -> Result<Self, MysqlError> {
+        Self::builder().connect(url).await
+    }
+
+    /// A store over an existing pool with the default table `idempotency_records`. Every
+    /// operation takes a connection from the pool and gives it back.
+    pub fn from_pool(pool: MySqlPool) -> Self {
+        Self::assemble(
+            pool,
+            TableName::default(),
+            crate::builder::DEFAULT_CONFLICT_RETRIES,
+        )
+    }
+
+    pub(crate) fn assemble(pool: MySqlPool, name: TableName, conflict_retries: u32) -> Self {
+        Self {
+            quoted: name.quoted().into(),
+            sql: Arc::new(Statements::new(&name)),
+            pool,
+            name,
+            conflict_retries,
+        }
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &MySqlPool {
+        &self.pool
+    }
+
+    /// The table.
+    pub fn table_name(&self) -> &TableName {
+        &self.name
+    }
+
+    /// Creates the table and its expiry index if they do not exist, then checks the table's
+    /// shape ([`MysqlStore::verify`]).
+    ///
+    /// Safe to call at every start and from several processes at once
+    /// (`CREATE TABLE IF NOT EXISTS`). A table of another shape under the same name is
+    /// refused with [`MysqlError::TableShape`] and nothing is changed.
+    pub async fn migrate(&self) -> Result<(), MysqlError> {
+        let mut conn = self
+            .pool
+            .acquire()
+            .await
+            .map_err(|source| MysqlError::Connect { source })?;
+        schema::migrate(&mut conn, &self.name).await
+    }
+
+    /// Checks that the table exists and has the shape this crate needs, without changing
+    /// anything: [`MysqlError::MissingTable`] or [`MysqlError::TableShape`] otherwise.
+    pub async fn verify(&self) -> Result<(), MysqlError> {
+        let mut conn = self
+            .pool
+            .acquire()
+            .await
+            .map_err(|source| MysqlError::Connect { source })?;
+        schema::verify(&mut conn, &self.name).await
+    }
+
+    /// The completion compare-and-swap, inside the caller's transaction.
+    ///
+    /// Run it in the same transaction as the business writes, then commit. It applies only
+    /// if the record is live, `Pending` and still held by `token`; otherwise it returns
+    /// [`Error::LeaseLost`] and the caller must roll back, so the business writes of a holder
+    /// that lost its lease never commit. An InnoDB `UPDATE` reads the latest committed row
+    /// whatever the isolation level, so a heartbeat committed meanwhile from another
+    /// connection does not make it miss. The row stays locked until the transaction ends.
+    /// [`crate::MysqlIdempotency`] does all of this for you.
+    pub async fn complete_in(
+        &self,
+        tx: &mut MySqlConnection,
+        id: &RecordId,
+        token: FencingToken,
+        outcome: &[u8],
+        ttl: Duration,
+    ) -> Result<(), Error> {
+        let Ok(t) = i64::try_from(token.0) else {
+            return Err(Error::LeaseLost { token });
+        };
+        let done = sqlx::query(&self.sql.complete)
+            .bind(outcome)
+            .bind(duration_millis(ttl))
+            .bind(id.scope.as_str().as_bytes())
+            .bind(id.key.as_str().as_bytes())
+            .bind(t)
+            .execute(&mut *tx)
+            .await
+            // Nothing commits until the caller commits: a lost connection applied nothing.
+            .map_err(|e| map_sqlx(e, &self.quoted, Effect::None))?;
+        match done.rows_affected() {
+            0 => Err(Error::LeaseLost { token }),
+            _ => Ok(()),
+        }
+    }
+
+    /// Runs the statement `query` builds on one connection, re-running it after deadlocks
+    /// and lock wait timeouts (the autocommit statement was rolled back, so nothing was
+    /// applied), with a jittered backoff. Each attempt takes a connection from the pool.
+    ///
+    /// A lost connection is most often one that died idle in the pool: after a server
+    /// restart or failover every idle connection is dead, and the pool (which does not ping
+    /// before it hands a connection out) would hand them out one by one, each failing one
+    /// operation. So a lost connection first has the pool's idle connections checked
+    /// ([`MysqlStore::sweep_idle`]). Then the statement is, with [`OnLoss::Resend`], sent again on another connection (up to once per
+    /// connection the pool can hold, plus one); with [`OnLoss::Report`] (a holder's
+    /// compare-and-swap, which the engine retries and reads back) a write's outcome is
+    /// reported unknown.
+    async fn run<'q, X: Fetch>(
+        &self,
+        effect: Effect,
+        on_loss: OnLoss,
+        fetch: X,
+        mut query: impl FnMut() -> Query<'q, MySql, MySqlArguments> + Send,
+    ) -> Result<X::Out, Error> {
+        let mut attempt = 0u32;
+        let mut lost = 0u32;
+        let max_lost = self.pool.options().get_max_connections().saturating_add(1);
+        // A write whose connection was lost after it was sent may have applied.
+        let mut maybe_applied = None;
+        loop {
+            match self.once(fetch, query()).await {
+                Ok(v) => return Ok(v),
+                Err(Attempt::NotSent(e)) => {
+                    return Err(match maybe_applied {
+                        Some(lost) => map_sqlx(lost, &self.quoted, Effect::Write),
+                        None => map_sqlx(e, &self.quoted, Effect::None),
+                    });
+                }
+                Err(Attempt::Sent(e)) if is_conflict(&e) && attempt < self.conflict_retries => {
+                    attempt += 1;
+                    let cap_ms = 1u64 << attempt.min(6);
+                    let ms = rand::thread_rng().gen_range(0..=cap_ms);
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
+                }
+                Err(Attempt::Sent(e)) if is_connection_loss(&e) => {
+                    if lost == 0 {
+                        self.sweep_idle().await;
+                    }
+                    lost += 1;
+                    if on_loss == OnLoss::Report || lost > max_lost {
+                        return Err(map_sqlx(e, &self.quoted, effect));
+                    }
+                    tracing::debug!(
+                        error = %e,
+                        lost,
+                        "the connection was lost; sending the statement on another connection"
+                    );
+                    if effect == Effect::Write {
+                        maybe_applied = Some(e);
+                    }
+                }
+                Err(Attempt::Sent(e)) => {
+                    return Err(match (maybe_applied, map_sqlx(e, &self.quoted, effect)) {
+                        // An earlier attempt of this write may have applied.
+                        (Some(_), e @ Error::Backend { .. }) => Error::OutcomeUnknown {
+                            source: Box::new(e),
+                        },
+                        (_, e) => e,
+                    });
+                }
+            }
+        }
+    }
+
+    /// Checks the pool's idle connections after a lost one: each gets a ping (at most
+    /// [`SWEEP_PING`] each, all at once), and those that do not answer are closed, so the
+    /// next operations get live or fresh connections. Costs nothing until a connection is
+    /// lost.
+    pub(crate) async fn sweep_idle(&self) {
+        let mut idle = Vec::new();
+        while let Some(conn) = self.pool.try_acquire() {
+            idle.push(conn);
+        }
+        let checked = idle.len();
+        let dead = futures::future::join_all(idle.into_iter().map(|mut conn| async move {
+            let alive = matches!(
+                tokio::time::timeout(SWEEP_PING, sqlx::Connection::ping(&mut *conn)).await,
+                Ok(Ok(()))
+            );
+            if !alive {
+                conn.close_on_drop();
+            }
+            usize::from(!alive)
+        }))
+        .await
+        .into_iter()
+        .sum::<usize>();
+        tracing::debug!(
+            checked,
+            dead,
+            "a connection was lost: checked the idle ones"
+        );
+    }
+
+    async fn once<'q, X: Fetch>(
+        &self,
+        fetch: X,
+        query: Query<'q, MySql, MySqlArguments>,
+    ) -> Result<X::Out, Attempt> {
+        let mut conn = self.pool.acquire().await.map_err(Attempt::NotSent)?;
+        // Dropped mid-statement (the operation was cancelled) or on an error, the connection
+        // goes back to the pool, whose release ping finds a broken one.
+        fetch.run(query, &mut conn).await.map_err(Attempt::Sent)
+    }
+
+    /// A compare-and-swap statement: applied when it matched the record.
+    async fn cas(&self, sql: &str, binds: CasBinds<'_>) -> Result<Cas, Error> {
+        let Ok(token) = i64::try_from(binds.token.0) else {
+            // No stored record can hold a token above i64::MAX.
+            return Ok(Cas::Fenced);
+        };
+        let done = self
+            .run(Effect::Write, OnLoss::Report, Execute, || {
+                let q = sqlx::query(sql);
+                let q = match binds.extra {
+                    Extra::Complete { outcome, ttl_ms } => q.bind(outcome).bind(ttl_ms),
+                    Extra::Fail {
+                        retryable,
+                        message,
+                        ttl_ms,
+                    } => q.bind(retryable).bind(message).bind(ttl_ms),
+                    Extra::Extend { lease_ms } => q.bind(lease_ms).bind(lease_ms),
+                };
+                q.bind(binds.id.scope.as_str().as_bytes())
+                    .bind(binds.id.key.as_str().as_bytes())
+                    .bind(token)
+            })
+            .await?;
+        Ok(match done.rows_affected() {
+            0 => Cas::Fenced,
+            _ => Cas::Applied,
+        })
+    }
+}
+
+/// How [`MysqlStore::run`] runs a statement on a connection, and what it returns.
+trait Fetch: Copy + Send {
+    type Out: Send;
+    fn run<'q: 'e, 'e>(
+        self,
+        query: Query<'q, MySql, MySqlArguments>,
+        conn: &'e mut MySqlConnection,
+    ) -> BoxFuture<'e, Result<Self::Out, sqlx::Error>>;
+}
+
+/// Exactly one row.
+#[derive(Clone, Copy)]
+struct One;
+
+/// At most one row.
+#[derive(Clone, Copy)]
+struct Optional;
+
+/// No rows: the rows affected.
+#[derive(Clone, Copy)]
+struct Execute;
+
+impl Fetch for One {
+    type Out = MySqlRow;
+    fn run<'q: 'e, 'e>(
+        self,
+        query: Query<'q, MySql, MySqlArguments>,
+        conn: &'e mut MySqlConnection,
+    ) -> BoxFuture<'e, Result<MySqlRow, sqlx::Error>> {
+        Box::pin(query.fetch_one(conn))
+    }
+}
+
+impl Fetch for Optional {
+    type Out = Option<MySqlRow>;
+    fn run<'q: 'e, 'e>(
+        self,
+        query: Query<'q, MySql, MySqlArguments>,
+        conn: &'e mut MySqlConnection,
+    ) -> BoxFuture<'e, Result<Option<MySqlRow>, sqlx::Error>> {
+        Box::pin(query.fetch_optional(conn))
+    }
+}
+
+impl Fetch for Execute {
+    type Out = MySqlQueryResult;
+    fn run<'q: 'e, 'e>(
+        self,
+        query: Query<'q, MySql, MySqlArguments>,
+        conn: &'e mut MySqlConnection,
+    ) -> BoxFuture<'e, Result<MySqlQueryResult, sqlx::Error>> {
+        Box::pin(query.execute(conn))
+    }
+}
+
+struct CasBinds<'a> {
+    id: &'a RecordId,
+    token: FencingToken,
+    extra: Extra<'a>,
+}
+
+#[derive(Clone, Copy)]
+enum Extra<'a> {
+    Complete {
+        outcome: &'a [u8],
+        ttl_ms: i64,
+    },
+    Fail {
+        retryable: bool,
+        message: &'a str,
+        ttl_ms: i64,
+    },
+    Extend {
+        lease_ms: i64,
+    },
+}
+
+#[async_trait]
+impl IdempotencyStore for MysqlStore {
+    async fn claim(&self, request: &ClaimRequest) -> Result<Claim, Error> {
+        let lease_ms = duration_millis(request.lease);
+        let hold_ms = duration_millis(claim_retention(request.lease, request.ttl));
+        // Written only if this statement inserts or replaces the record: the one sign of a
+        // won claim that no other claim can forge. The same nonce goes with every send, so a
+        // claim sent again after its connection was lost recognises the record its first send
+        // wrote as its own (and counts no hit for it) instead of leaving it held by nobody.
+        let table = &*self.quoted;
+        let nonce: i64 = rand::thread_rng().gen_range(1..=i64::MAX);
+        let row = self
+            .run(Effect::Write, OnLoss::Resend, One, || {
+                sqlx::query(&self.sql.claim)
+                    .bind(request.id.scope.as_str().as_bytes())
+                    .bind(request.id.key.as_str().as_bytes())
+                    .bind(&request.fingerprint.as_bytes()[..])
+                    .bind(nonce)
+                    .bind(lease_ms)
+                    .bind(hold_ms)
+                    .bind(i64::from(request.count_hit))
+            })
+            .await?;
+        // By position: sqlx names a row's columns after the prepared statement's metadata, and
+        // MariaDB prepares `INSERT … RETURNING` without describing its result columns.
+        let now_ms: i64 = get(&row, col::NOW_MS, table)?;
+        let won: i64 = get(&row, col::CLAIM_NONCE, table)?;
+        if won == nonce {
+            let token: i64 = get(&row, col::TOKEN, table)?;
+            let lease_until: Option<i64> = get(&row, col::LEASE_UNTIL_MS, table)?;
+            let (Ok(token), Some(lease_until)) = (u64::try_from(token), lease_until) else {
+                return Err(Error::corrupt(format!(
+                    "claimed record {} came back without a valid token or lease",
+                    request.id
+                )));
+            };
+            return Ok(Claim::Claimed {
+                token: FencingToken(token),
+                lease_until: Timestamp::from_millis(lease_until),
+            });
+        }
+        let record = decode_record(&row, &request.id, table)?;
+        Ok(Claim::Existing {
+            record,
+            now: Timestamp::from_millis(now_ms),
+        })
+    }
+
+    async fn complete(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        outcome: &[u8],
+        ttl: Duration,
+    ) -> Result<Cas, Error> {
+        let extra = Extra::Complete {
+            outcome,
+            ttl_ms: duration_millis(ttl),
+        };
+        self.cas(&self.sql.complete, CasBinds { id, token, extra })
+            .await
+    }
+
+    async fn fail(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        failure: &Failure,
+        ttl: Duration,
+    ) -> Result<Cas, Error> {
+        let extra = Extra::Fail {
+            retryable: failure.retryable,
+            message: &failure.message,
+            ttl_ms: duration_millis(ttl),
+        };
+        self.cas(&self.sql.fail, CasBinds { id, token, extra })
+            .await
+    }
+
+    async fn extend(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<Cas, Error> {
+        let extra = Extra::Extend {
+            lease_ms: duration_millis(lease),
+        };
+        self.cas(&self.sql.extend, CasBinds { id, token, extra })
+            .await
+    }
+
+    async fn reclaim(
+        &self,
+        id: &RecordId,
+        expected: FencingToken,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Reclaim, Error> {
+        let Ok(expected_i) = i64::try_from(expected.0) else {
+            return Ok(Reclaim::Lost);
+        };
+        let (lease_ms, hold_ms) = (
+            duration_millis(lease),
+            duration_millis(claim_retention(lease, ttl)),
+        );
+        let done = self
+            .run(Effect::Write, OnLoss::Report, Execute, || {
+                sqlx::query(&self.sql.reclaim)
+                    .bind(&fingerprint.as_bytes()[..])
+                    .bind(lease_ms)
+                    .bind(hold_ms)
+                    .bind(id.scope.as_str().as_bytes())
+                    .bind(id.key.as_str().as_bytes())
+                    .bind(expected_i)
+            })
+            .await?;
+        if done.rows_affected() == 0 {
+            return Ok(Reclaim::Lost);
+        }
+        // The new lease, as `LAST_INSERT_ID(expr)` reported it in the statement's answer.
+        let lease_until = i64::try_from(done.last_insert_id()).map_err(|_| {
+            Error::corrupt(format!(
+                "reclaimed record {id} came back with lease {}",
+                done.last_insert_id()
+            ))
+        })?;
+        Ok(Reclaim::Reclaimed {
+            token: expected.next(),
+            lease_until: Timestamp::from_millis(lease_until),
+        })
+    }
+
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
+        let row = self
+            .run(Effect::None, OnLoss::Resend, Optional, || {
+                sqlx::query(&self.sql.get)
+                    .bind(id.scope.as_str().as_bytes())
+                    .bind(id.key.as_str().as_bytes())
+            })
+            .await?;
+        row.map(|row| decode_record(&row, id, &self.quoted))
+            .transpose()
+    }
+
+    async fn purge_expired(&self, batch: usize) -> Result<u64, Error> {
+        if batch == 0 {
+            return Ok(0);
+        }
+        let limit = u64::try_from(batch).unwrap_or(u64::MAX);
+        let done = self
+            .run(Effect::Write, OnLoss::Resend, Execute, || {
+                sqlx::query(&self.sql.purge).bind(limit)
+            })
+            .await?;
+        Ok(done.rows_affected())
+    }
+}
