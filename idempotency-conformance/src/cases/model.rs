@@ -5,8 +5,8 @@ use crate::reference::{RefClaim, RefRecord, ReferenceStore};
 use crate::{TestStore, TimeControl};
 use futures::StreamExt;
 use idempotency_core::{
-    Cas, Claim, ClaimRequest, Clock, Failure, FencingToken, Fingerprint, IdempotencyKey, Reclaim,
-    Record, RecordId, RecordStatus, Scope, Timestamp,
+    Cas, Claim, ClaimRequest, Clock, Error, Failure, FencingToken, Fingerprint, IdempotencyKey,
+    Reclaim, Record, RecordId, RecordStatus, Scope, Timestamp,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -150,6 +150,29 @@ struct Sequence {
     /// Every token each key has had, for stale picks.
     tokens: Vec<Vec<FencingToken>>,
     log: String,
+}
+
+/// A store call, sent again while it fails with a retryable backend error, which says that
+/// nothing was applied (a serialization failure under contention at SERIALIZABLE that
+/// outlasted the store's own retries, a busy SQLite): a correct client does the same. A store
+/// that applied a write and still answered so would diverge from the model on the retry.
+async fn patiently<T, F, Fut>(call: F) -> Result<T, Error>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<T, Error>>,
+{
+    let mut tries = 0u32;
+    loop {
+        match call().await {
+            Err(Error::Backend {
+                retryable: true, ..
+            }) if tries < 20 => {
+                tries += 1;
+                tokio::time::sleep(Duration::from_millis(5u64 << tries.min(5))).await;
+            }
+            other => return other,
+        }
+    }
 }
 
 impl Sequence {
@@ -304,7 +327,9 @@ impl Sequence {
                 let id = &self.ids[*key];
                 let fingerprint = Fingerprint::from_bytes(FINGERPRINTS[*fp].as_bytes());
                 let req = ClaimRequest::new(id.clone(), fingerprint, *lease, *ttl);
-                let got = store.claim(&req).await.map_err(|e| format!("claim: {e}"))?;
+                let got = patiently(|| store.claim(&req))
+                    .await
+                    .map_err(|e| format!("claim: {e}"))?;
                 let before = self.reference.stored(key).cloned();
                 match self.reference.claim(key, &fingerprint, *lease, *ttl, now) {
                     RefClaim::Existing(m) => {
@@ -368,8 +393,7 @@ impl Sequence {
                 outcome,
                 ttl,
             } => {
-                let got = store
-                    .complete(&self.ids[*key], *token, outcome, *ttl)
+                let got = patiently(|| store.complete(&self.ids[*key], *token, outcome, *ttl))
                     .await
                     .map_err(|e| format!("complete: {e}"))?;
                 let want = self.reference.complete(key, *token, outcome, *ttl, now);
@@ -382,8 +406,7 @@ impl Sequence {
                 failure,
                 ttl,
             } => {
-                let got = store
-                    .fail(&self.ids[*key], *token, failure, *ttl)
+                let got = patiently(|| store.fail(&self.ids[*key], *token, failure, *ttl))
                     .await
                     .map_err(|e| format!("fail: {e}"))?;
                 let want = self.reference.fail(key, *token, failure, *ttl, now);
@@ -391,8 +414,7 @@ impl Sequence {
                 expect_eq("fail", got, want, self.reference.stored(key))
             }
             Op::Extend { key, token, lease } => {
-                let got = store
-                    .extend(&self.ids[*key], *token, *lease)
+                let got = patiently(|| store.extend(&self.ids[*key], *token, *lease))
                     .await
                     .map_err(|e| format!("extend: {e}"))?;
                 let want = self.reference.extend(key, *token, *lease, now);
@@ -407,10 +429,11 @@ impl Sequence {
                 ttl,
             } => {
                 let fingerprint = Fingerprint::from_bytes(FINGERPRINTS[*fp].as_bytes());
-                let got = store
-                    .reclaim(&self.ids[*key], *expected, &fingerprint, *lease, *ttl)
-                    .await
-                    .map_err(|e| format!("reclaim: {e}"))?;
+                let got = patiently(|| {
+                    store.reclaim(&self.ids[*key], *expected, &fingerprint, *lease, *ttl)
+                })
+                .await
+                .map_err(|e| format!("reclaim: {e}"))?;
                 let before = self.reference.stored(key).cloned();
                 match self
                     .reference
@@ -445,8 +468,7 @@ impl Sequence {
                 }
             }
             Op::Purge => {
-                store
-                    .purge_expired(64)
+                patiently(|| store.purge_expired(64))
                     .await
                     .map_err(|e| format!("purge_expired: {e}"))?;
                 // What a purge removed is checked by the next operations on those keys: a
@@ -456,7 +478,9 @@ impl Sequence {
             }
             Op::Get { key } => {
                 let id = &self.ids[*key];
-                let got = store.get(id).await.map_err(|e| format!("get: {e}"))?;
+                let got = patiently(|| store.get(id))
+                    .await
+                    .map_err(|e| format!("get: {e}"))?;
                 match (self.reference.get(key, now), got) {
                     (Some(m), Some(r)) => compare(&r, id, m, manual),
                     (Some(m), None) => Err(format!("get returned None, expected {m:?}")),
