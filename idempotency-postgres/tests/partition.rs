@@ -44,6 +44,21 @@ async fn bounded<T>(what: &str, call: impl std::future::Future<Output = T>) -> T
     out
 }
 
+/// Waits until the pool holds an idle connection, so that the next statement is sent on it
+/// (sqlx pings a connection given back before it is idle again, and a partition that cuts
+/// that ping leaves the pool to open a new one, whose handshake never gets through: the
+/// statement is then not sent at all, a different case).
+async fn an_idle_connection(store: &PostgresStore) {
+    let started = Instant::now();
+    while store.pool().num_idle() == 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "no connection went back idle"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 fn no_answer(e: &Error) -> bool {
     matches!(PostgresError::find(e), Some(PostgresError::NoAnswer { .. }))
 }
@@ -74,6 +89,7 @@ async fn a_partition_ends_every_call_in_a_defined_outcome() {
     // Cut before the completion reaches the server: unknown to the caller, not applied.
     let cut = id();
     let token = claimed(&store, &cut).await;
+    an_idle_connection(&store).await;
     proxy.partition();
     let e = bounded("complete", store.complete(&cut, token, b"done", TTL))
         .await
@@ -105,6 +121,7 @@ async fn a_partition_ends_every_call_in_a_defined_outcome() {
     // caller, and once healed the record shows it applied (what the engine's read-back finds).
     let lost = id();
     let token = claimed(&store, &lost).await;
+    an_idle_connection(&store).await;
     proxy.hold_replies();
     let e = bounded("complete", store.complete(&lost, token, b"done", TTL))
         .await
