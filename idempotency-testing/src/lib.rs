@@ -1,5 +1,10 @@
 #![doc = include_str!("../README.md")]
 
+#[cfg(feature = "mysql")]
+pub mod mariadb_server;
+#[cfg(feature = "mysql")]
+pub mod mysql;
+pub mod mysql_wire;
 pub mod partition;
 pub mod payloads;
 pub mod pg_wire;

@@ -3,7 +3,6 @@
 //! for the server's answer, so each is one round trip. `COM_PING` (sqlx's pool pings a
 //! connection as it takes it back, in the background) is counted apart, and
 //! `COM_STMT_PREPARE` shows whether statements were prepared again.
-#![allow(dead_code, clippy::unwrap_used)]
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
@@ -19,14 +18,14 @@ use tokio::net::{TcpListener, TcpStream};
 
 /// Command packets seen, by kind.
 #[derive(Clone, Default, Debug, PartialEq, Eq)]
-pub(crate) struct Counts {
-    /// By command name.
+pub struct Counts {
+    /// By command name (`query`, `stmt_prepare`, `stmt_execute`, `ping`...).
     pub by_command: BTreeMap<&'static str, u64>,
 }
 
 impl Counts {
     /// Commands that wait for an answer, pings left out.
-    pub(crate) fn round_trips(&self) -> u64 {
+    pub fn round_trips(&self) -> u64 {
         self.by_command
             .iter()
             .filter(|(k, _)| !matches!(**k, "ping" | "stmt_close" | "quit"))
@@ -34,7 +33,8 @@ impl Counts {
             .sum()
     }
 
-    pub(crate) fn get(&self, command: &str) -> u64 {
+    /// How many `command` packets were seen.
+    pub fn get(&self, command: &str) -> u64 {
         self.by_command.get(command).copied().unwrap_or(0)
     }
 }
@@ -68,7 +68,10 @@ fn command_name(byte: u8) -> &'static str {
     }
 }
 
-pub(crate) struct CountingProxy {
+/// A loopback proxy that counts the client's commands and can cut a connection at a chosen
+/// command.
+#[derive(Debug)]
+pub struct CountingProxy {
     port: u16,
     cut: Arc<AtomicU8>,
     counts: Arc<Mutex<Counts>>,
@@ -76,7 +79,9 @@ pub(crate) struct CountingProxy {
 }
 
 impl CountingProxy {
-    pub(crate) async fn start(upstream: String) -> std::io::Result<Self> {
+    /// Listens on a free loopback port and forwards each connection to `upstream`
+    /// (`host:port`).
+    pub async fn start(upstream: String) -> std::io::Result<Self> {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let port = listener.local_addr()?.port();
         let counts = Arc::new(Mutex::new(Counts::default()));
@@ -102,14 +107,14 @@ impl CountingProxy {
 
     /// The next `COM_STMT_EXECUTE` is passed on whole, then its connection is cut in both
     /// directions before any answer reaches the client: a statement whose answer is lost.
-    pub(crate) fn cut_next_execute(&self) {
+    pub fn cut_next_execute(&self) {
         self.cut.store(CUT_AFTER_EXECUTE, Ordering::SeqCst);
     }
 
     /// The next `COMMIT` is passed on (`forward`: the server commits) or dropped (the server
     /// sees the client go and rolls back), and its connection cut before any answer reaches
     /// the client: a commit whose outcome the client cannot know.
-    pub(crate) fn cut_next_commit(&self, forward: bool) {
+    pub fn cut_next_commit(&self, forward: bool) {
         let mode = if forward {
             CUT_AFTER_COMMIT
         } else {
@@ -118,17 +123,19 @@ impl CountingProxy {
         self.cut.store(mode, Ordering::SeqCst);
     }
 
-    pub(crate) fn port(&self) -> u16 {
+    /// The port to point the client at.
+    pub fn port(&self) -> u16 {
         self.port
     }
 
-    pub(crate) fn snapshot(&self) -> Counts {
-        self.counts.lock().unwrap().clone()
+    /// The counts so far.
+    pub fn snapshot(&self) -> Counts {
+        lock(&self.counts).clone()
     }
 
     /// The SQL of every `COM_QUERY` and `COM_STMT_PREPARE` so far.
-    pub(crate) fn statements(&self) -> Vec<String> {
-        self.queries.lock().unwrap().clone()
+    pub fn statements(&self) -> Vec<String> {
+        lock(&self.queries).clone()
     }
 }
 
@@ -183,12 +190,9 @@ async fn pipe(
                 let payload = &pending[at + 4..at + 4 + len];
                 let name = command_name(payload[0]);
                 if matches!(name, "query" | "stmt_prepare") {
-                    queries
-                        .lock()
-                        .unwrap()
-                        .push(String::from_utf8_lossy(&payload[1..]).into_owned());
+                    lock(&queries).push(String::from_utf8_lossy(&payload[1..]).into_owned());
                 }
-                *counts.lock().unwrap().by_command.entry(name).or_default() += 1;
+                *lock(&counts).by_command.entry(name).or_default() += 1;
                 let is_commit = name == "query"
                     && String::from_utf8_lossy(&payload[1..])
                         .trim()
@@ -229,4 +233,9 @@ async fn pipe(
         down.abort();
     }
     let _ = down.await;
+}
+
+/// A poisoned lock still holds valid counts (a test thread panicked while counting).
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
