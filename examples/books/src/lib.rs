@@ -31,6 +31,9 @@ pub const ACCEPT_PATCH: &str = "application/merge-patch+json, application/json";
 /// The key prefix of the service's records when they live in Redis.
 pub const REDIS_PREFIX: &str = "books-api:";
 
+/// The books table's name in MariaDB, after [`Config::mysql_table_prefix`].
+pub const MYSQL_BOOKS_TABLE: &str = "books";
+
 /// Which idempotency store records the keys.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -43,19 +46,29 @@ pub enum StoreChoice {
     Postgres(String),
     /// A Redis server at this URL (records under the `books-api:` key prefix).
     Redis(String),
+    /// A MariaDB server at this URL, in the database the URL names: the books move there too,
+    /// in `<prefix>books` beside the records in `<prefix>idempotency_records`
+    /// ([`Config::mysql_table_prefix`]), both created at start.
+    Mysql(String),
 }
 
 /// How the service is set up.
 #[derive(Clone, Debug)]
 pub struct Config {
     /// The SQLite file holding the books table (and, with [`StoreChoice::Sqlite`], the
-    /// idempotency records). With [`StoreChoice::Postgres`] the books are in Postgres instead.
+    /// idempotency records). With [`StoreChoice::Postgres`] or [`StoreChoice::Mysql`] the books
+    /// are in that server instead.
     pub database: PathBuf,
     /// The idempotency store.
     pub store: StoreChoice,
     /// With [`StoreChoice::Postgres`]: the schema holding the books table and the idempotency
     /// records (created when missing).
     pub postgres_schema: String,
+    /// With [`StoreChoice::Mysql`]: the prefix of the two tables' names, `<prefix>books` and
+    /// `<prefix>idempotency_records`, in the URL's database (created when missing). MariaDB has
+    /// no schemas inside a database: the prefix keeps services that share one database apart,
+    /// as the Postgres schema does. Empty by default; ASCII letters, digits and `_`.
+    pub mysql_table_prefix: String,
     /// The engine policy (lease, retention, in-flight behaviour).
     pub policy: Policy,
     /// How often expired idempotency records are purged.
@@ -83,23 +96,26 @@ pub struct ConfigError(String);
 
 impl Config {
     /// The books in `database` (a SQLite file), the keys in `store`, with the default policy,
-    /// the `public` Postgres schema and a purge every minute.
+    /// the `public` Postgres schema, no MariaDB table prefix and a purge every minute.
     pub fn new(database: impl Into<PathBuf>, store: StoreChoice) -> Self {
         Self {
             database: database.into(),
             store,
             postgres_schema: "public".to_owned(),
+            mysql_table_prefix: String::new(),
             policy: Policy::default(),
             purge_every: Duration::from_secs(60),
         }
     }
 
     /// Reads `BOOKS_DATABASE` (default: `books-api.sqlite3` in the temp directory),
-    /// `BOOKS_STORE` (`sqlite`, the default, `postgres`, `redis` or `memory`) and, for
+    /// `BOOKS_STORE` (`sqlite`, the default, `postgres`, `mysql`, `redis` or `memory`) and, for
     /// Postgres, `BOOKS_POSTGRES_URL` (default `postgres://postgres@127.0.0.1:5432/test`) and
-    /// `BOOKS_POSTGRES_SCHEMA` (default `public`), for Redis, `BOOKS_REDIS_URL` (default
-    /// `redis://127.0.0.1:6379`); `BOOKS_KEY_RETENTION_SECS` (default 86400),
-    /// `BOOKS_LEASE_SECS` (default 30) and `BOOKS_PURGE_EVERY_SECS` (default 60).
+    /// `BOOKS_POSTGRES_SCHEMA` (default `public`), for MariaDB, `BOOKS_MYSQL_URL` (default
+    /// `mysql://root@127.0.0.1:3306/test`) and `BOOKS_MYSQL_TABLE_PREFIX` (default empty), for
+    /// Redis, `BOOKS_REDIS_URL` (default `redis://127.0.0.1:6379`);
+    /// `BOOKS_KEY_RETENTION_SECS` (default 86400), `BOOKS_LEASE_SECS` (default 30) and
+    /// `BOOKS_PURGE_EVERY_SECS` (default 60).
     pub fn from_env() -> Result<Self, ConfigError> {
         let database = std::env::var_os("BOOKS_DATABASE")
             .map(PathBuf::from)
@@ -111,13 +127,18 @@ impl Config {
                 std::env::var("BOOKS_POSTGRES_URL")
                     .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned()),
             ),
+            Ok("mysql") => StoreChoice::Mysql(
+                std::env::var("BOOKS_MYSQL_URL")
+                    .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned()),
+            ),
             Ok("redis") => StoreChoice::Redis(
                 std::env::var("BOOKS_REDIS_URL")
                     .unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned()),
             ),
             Ok(other) => {
                 return Err(ConfigError(format!(
-                    "BOOKS_STORE={other} is not supported (use: sqlite, postgres, redis, memory)"
+                    "BOOKS_STORE={other} is not supported \
+                     (use: sqlite, postgres, mysql, redis, memory)"
                 )))
             }
         };
@@ -136,9 +157,20 @@ impl Config {
             store,
             postgres_schema: std::env::var("BOOKS_POSTGRES_SCHEMA")
                 .unwrap_or_else(|_| "public".to_owned()),
+            mysql_table_prefix: std::env::var("BOOKS_MYSQL_TABLE_PREFIX").unwrap_or_default(),
             policy,
             purge_every: env_secs("BOOKS_PURGE_EVERY_SECS")?.unwrap_or(Duration::from_secs(60)),
         })
+    }
+
+    /// With [`StoreChoice::Mysql`]: the names of the books table and of the idempotency
+    /// records' table, `(<prefix>books, <prefix>idempotency_records)`.
+    pub fn mysql_tables(&self) -> (String, String) {
+        let prefix = &self.mysql_table_prefix;
+        (
+            format!("{prefix}{MYSQL_BOOKS_TABLE}"),
+            format!("{prefix}{}", idempotency_mysql::TableName::DEFAULT_TABLE),
+        )
     }
 }
 
@@ -174,6 +206,10 @@ pub enum BuildError {
     /// The Postgres idempotency store could not be reached or migrated.
     #[error(transparent)]
     Postgres(#[from] idempotency_postgres::PostgresError),
+    /// The MariaDB idempotency store could not be reached or migrated, or a table name made
+    /// with [`Config::mysql_table_prefix`] is not valid.
+    #[error(transparent)]
+    Mysql(#[from] idempotency_mysql::MysqlError),
 }
 
 /// The caller identity, from `Authorization: Bearer <token>`. The example accepts any token:
@@ -197,8 +233,8 @@ async fn authenticate(mut req: Request, next: Next) -> Response {
 }
 
 /// The idempotency store `config` names, and the books table beside it: in the same SQLite
-/// file or Postgres schema when the records are there, so that a create and its completion
-/// commit together.
+/// file, Postgres schema or MariaDB database (under the same table prefix) when the records are
+/// there, so that a create and its completion commit together.
 pub async fn stores(config: &Config) -> Result<(Arc<dyn IdempotencyStore>, BookRepo), BuildError> {
     match config.store {
         StoreChoice::Sqlite => {
@@ -218,6 +254,18 @@ pub async fn stores(config: &Config) -> Result<(Arc<dyn IdempotencyStore>, BookR
                 .await?;
             store.migrate().await?;
             let books = BookRepo::open_postgres(store.clone()).await?;
+            Ok((Arc::new(store), books))
+        }
+        StoreChoice::Mysql(ref url) => {
+            let (books_table, records_table) = config.mysql_tables();
+            // Both names are checked before anything is created.
+            let books_table = idempotency_mysql::TableName::new(&books_table)?;
+            let store = idempotency_mysql::MysqlStore::builder()
+                .table(records_table)
+                .connect(url)
+                .await?;
+            store.migrate().await?;
+            let books = BookRepo::open_mysql(store.clone(), &books_table).await?;
             Ok((Arc::new(store), books))
         }
         StoreChoice::Redis(ref url) => {
@@ -432,10 +480,10 @@ fn created_response(book: &Book) -> http::Response<Bytes> {
     resp
 }
 
-/// `POST /books`. With the idempotency records in the books' database (SQLite, the default, or
-/// Postgres), the book row and the key's completion commit in one transaction: a crash between
-/// the insert and the answer leaves either both (the retry replays the 201) or neither (the
-/// retry creates the book, once).
+/// `POST /books`. With the idempotency records in the books' database (SQLite, the default,
+/// Postgres or MariaDB), the book row and the key's completion commit in one transaction: a
+/// crash between the insert and the answer leaves either both (the retry replays the 201) or
+/// neither (the retry creates the book, once).
 async fn create(
     State(state): State<Arc<AppState>>,
     claim: Option<ClaimedKey>,

@@ -1,5 +1,5 @@
-//! The books table: in SQLite through rusqlite (the default), or in Postgres through sqlx when
-//! the idempotency records are there too.
+//! The books table: in SQLite through rusqlite (the default), or in Postgres or MariaDB through
+//! sqlx when the idempotency records are there too.
 //!
 //! Each row has a `version` that every update increments. The ETag is computed from the
 //! representation, and a conditional update compares the version it read in the same request
@@ -7,6 +7,9 @@
 //! representation's format, or a row written by another program, never makes every PATCH fail.
 
 use crate::book::{Book, BookInput};
+use idempotency_mysql::sqlx::mysql::MySqlRow;
+use idempotency_mysql::sqlx::{MySqlConnection, MySqlPool};
+use idempotency_mysql::{MysqlStore, TableName as MysqlTableName};
 use idempotency_postgres::sqlx::{self, PgPool, Row as _};
 use idempotency_postgres::PostgresStore;
 use idempotency_sqlite::SqliteStore;
@@ -25,6 +28,10 @@ pub enum RepoError {
     /// Postgres failed.
     #[error("books database error: {0}")]
     Postgres(#[from] sqlx::Error),
+    /// MariaDB failed. (The same `sqlx::Error` type as Postgres's, so not converted by `?`:
+    /// the MariaDB paths map their errors here explicitly.)
+    #[error("books database error: {0}")]
+    Mysql(sqlx::Error),
     /// The blocking task running the statement failed.
     #[error("books database task failed: {0}")]
     Task(String),
@@ -78,6 +85,12 @@ enum Backend {
         /// The quoted, schema-qualified table name.
         table: String,
         records: PostgresStore,
+    },
+    Mysql {
+        pool: MySqlPool,
+        /// The back-quoted table name, in the database of the pool's URL.
+        table: String,
+        records: MysqlStore,
     },
 }
 
@@ -166,12 +179,47 @@ impl BookRepo {
         })
     }
 
+    /// Creates the table `table` in the database of `records`' pool (the database its URL
+    /// names, where its records' table is), and keeps the books there: creates complete their
+    /// key in the book's own transaction.
+    ///
+    /// Ids are bytes (`VARBINARY`), compared exactly as in SQLite and Postgres: no collation
+    /// folds case or ignores trailing spaces.
+    pub async fn open_mysql(
+        records: MysqlStore,
+        table: &MysqlTableName,
+    ) -> Result<Self, RepoError> {
+        let table = table.quoted();
+        let pool = records.pool().clone();
+        sqlx::query(&format!(
+            "CREATE TABLE IF NOT EXISTS {table} (
+                id VARBINARY(255) NOT NULL PRIMARY KEY,
+                title TEXT CHARACTER SET utf8mb4 NOT NULL,
+                author TEXT CHARACTER SET utf8mb4 NOT NULL,
+                year INT NOT NULL,
+                summary TEXT CHARACTER SET utf8mb4 NULL,
+                version BIGINT NOT NULL DEFAULT 1,
+                created_at DATETIME(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)
+            ) ENGINE = InnoDB"
+        ))
+        .execute(&pool)
+        .await
+        .map_err(RepoError::Mysql)?;
+        Ok(Self {
+            backend: Backend::Mysql {
+                pool,
+                table,
+                records,
+            },
+        })
+    }
+
     /// Whether the idempotency records live in the books' database, so that a create and its
     /// completion can commit together.
     pub fn completes_in_transaction(&self) -> bool {
         match &self.backend {
             Backend::Sqlite { records, .. } => records.is_some(),
-            Backend::Postgres { .. } => true,
+            Backend::Postgres { .. } | Backend::Mysql { .. } => true,
         }
     }
 
@@ -205,6 +253,12 @@ impl BookRepo {
             Backend::Postgres { pool, table, .. } => {
                 let mut conn = pool.acquire().await?;
                 insert_postgres(&mut conn, table, book).await
+            }
+            Backend::Mysql { pool, table, .. } => {
+                let mut conn = pool.acquire().await.map_err(RepoError::Mysql)?;
+                insert_mysql(&mut conn, table, book)
+                    .await
+                    .map_err(RepoError::Mysql)
             }
         }
     }
@@ -251,6 +305,22 @@ impl BookRepo {
                 tx.commit().await?;
                 Ok(())
             }
+            Backend::Mysql {
+                pool,
+                table,
+                records,
+            } => {
+                let mut tx = pool.begin().await.map_err(RepoError::Mysql)?;
+                insert_mysql(&mut tx, table, book)
+                    .await
+                    .map_err(RepoError::Mysql)?;
+                // Fenced: `tx` is dropped on return, rolling the insert back.
+                records
+                    .complete_in(&mut tx, claim.id(), claim.token(), outcome, claim.ttl())
+                    .await?;
+                tx.commit().await.map_err(RepoError::Mysql)?;
+                Ok(())
+            }
         }
     }
 
@@ -278,6 +348,18 @@ impl BookRepo {
                 .await?;
                 row.map(|r| postgres_row(&r)).transpose()
             }
+            Backend::Mysql { pool, table, .. } => {
+                let row = sqlx::query(&format!(
+                    "SELECT id, title, author, year, summary, version FROM {table} WHERE id = ?"
+                ))
+                .bind(id)
+                .fetch_optional(pool)
+                .await
+                .map_err(RepoError::Mysql)?;
+                row.map(|r| mysql_row(&r))
+                    .transpose()
+                    .map_err(RepoError::Mysql)
+            }
         }
     }
 
@@ -304,6 +386,18 @@ impl BookRepo {
                 .await?;
                 rows.iter()
                     .map(|r| postgres_row(r).map(|v| v.book))
+                    .collect()
+            }
+            Backend::Mysql { pool, table, .. } => {
+                let rows = sqlx::query(&format!(
+                    "SELECT id, title, author, year, summary, version FROM {table}
+                     ORDER BY created_at, id"
+                ))
+                .fetch_all(pool)
+                .await
+                .map_err(RepoError::Mysql)?;
+                rows.iter()
+                    .map(|r| mysql_row(r).map(|v| v.book).map_err(RepoError::Mysql))
                     .collect()
             }
         }
@@ -356,6 +450,25 @@ impl BookRepo {
                 .await?;
                 done.rows_affected() == 1
             }
+            Backend::Mysql { pool, table, .. } => {
+                // `version + 1` changes the row whenever it matches, so the affected-row count
+                // is the match count whether or not the client sets `CLIENT_FOUND_ROWS`.
+                let done = sqlx::query(&format!(
+                    "UPDATE {table} SET title = ?, author = ?, year = ?, summary = ?,
+                         version = version + 1
+                     WHERE id = ? AND version = ?"
+                ))
+                .bind(&book.input.title)
+                .bind(&book.input.author)
+                .bind(book.input.year)
+                .bind(&book.input.summary)
+                .bind(&book.id)
+                .bind(version)
+                .execute(pool)
+                .await
+                .map_err(RepoError::Mysql)?;
+                done.rows_affected() == 1
+            }
         };
         if changed {
             return Ok(Update::Updated(book));
@@ -400,6 +513,24 @@ async fn insert_postgres(
     Ok(())
 }
 
+async fn insert_mysql(
+    conn: &mut MySqlConnection,
+    table: &str,
+    book: &Book,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(&format!(
+        "INSERT INTO {table} (id, title, author, year, summary) VALUES (?, ?, ?, ?, ?)"
+    ))
+    .bind(&book.id)
+    .bind(&book.input.title)
+    .bind(&book.input.author)
+    .bind(book.input.year)
+    .bind(&book.input.summary)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
 fn sqlite_row(r: &rusqlite::Row<'_>) -> Result<Versioned, rusqlite::Error> {
     Ok(Versioned {
         book: Book::new(
@@ -419,6 +550,27 @@ fn postgres_row(r: &sqlx::postgres::PgRow) -> Result<Versioned, RepoError> {
     Ok(Versioned {
         book: Book::new(
             r.try_get("id")?,
+            BookInput {
+                title: r.try_get("title")?,
+                author: r.try_get("author")?,
+                year: r.try_get("year")?,
+                summary: r.try_get("summary")?,
+            },
+        ),
+        version: r.try_get("version")?,
+    })
+}
+
+fn mysql_row(r: &MySqlRow) -> Result<Versioned, sqlx::Error> {
+    // The id column is VARBINARY: bytes, which this service only ever writes as UTF-8.
+    let id: Vec<u8> = r.try_get("id")?;
+    let id = String::from_utf8(id).map_err(|e| sqlx::Error::ColumnDecode {
+        index: "\"id\"".to_owned(),
+        source: Box::new(e),
+    })?;
+    Ok(Versioned {
+        book: Book::new(
+            id,
             BookInput {
                 title: r.try_get("title")?,
                 author: r.try_get("author")?,

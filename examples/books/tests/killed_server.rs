@@ -1,5 +1,6 @@
 //! The exactly-once create, with the real `books-api` binary killed (SIGKILL) between the
-//! insert and the answer, many times, on SQLite (the default) and on the real Postgres server.
+//! insert and the answer, many times, on SQLite (the default), on the real Postgres server and
+//! on the real MariaDB server.
 //!
 //! Each run sends a create with a fresh key, kills the server at one of three points, starts
 //! it again on the same database, and retries the same request until it is no longer in
@@ -10,10 +11,11 @@
 //! retry replays the committed create, or (nothing was committed) runs it once.
 //!
 //! What was committed is read only once it is settled: the killed process is reaped, and on
-//! Postgres its backends, which finish the statement in hand (a COMMIT included) before they
-//! notice their client is gone, have exited.
+//! Postgres and MariaDB its server sessions, which finish the statement in hand (a COMMIT
+//! included) before they notice their client is gone, have exited.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use idempotency_mysql::sqlx::{Connection as _, Executor as _, MySqlConnection, MySqlPool};
 use idempotency_postgres::sqlx::{self, PgPool, Postgres, Transaction};
 use reqwest::{Client, StatusCode};
 use serde_json::{json, Value};
@@ -27,8 +29,9 @@ use server_process::Server;
 const RUNS: usize = 100;
 /// Short, so that a retry after a kill before the commit does not wait long for the lease.
 const LEASE_SECS: &str = "0.5";
-/// How long the test waits for the database to reach a state it expects.
-const SETTLE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the test waits for the database to reach a state it expects: only a bound for a
+/// poll that normally ends in milliseconds, generous so that a loaded machine does not fail it.
+const SETTLE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Where the books are, to see the insert commit from outside the server.
 enum Books {
@@ -40,6 +43,19 @@ enum Books {
         /// test, so that `pg_stat_activity` tells when the killed server's backends are gone.
         application_name: String,
     },
+    Mysql {
+        /// The test's own connections, on the database the test URL names (never on the
+        /// server's, so that they are not counted as the server's sessions).
+        pool: MySqlPool,
+        /// The database of the server's URL, holding its `books` and `idempotency_records`,
+        /// created for this test and used by no other client. MariaDB has no
+        /// `application_name`, and connection attributes show only in the performance schema
+        /// (off by default); but `information_schema.PROCESSLIST` shows every session's
+        /// default database, which the server's sessions never change (they never run `USE`),
+        /// so the sessions with this `DB` are exactly the server's. (The client port would
+        /// name them too, but the test does not know the ports of a process it has killed.)
+        database: String,
+    },
 }
 
 /// The books' writes held by the test, so that a kill lands before the commit.
@@ -49,6 +65,15 @@ enum WritesBlocked {
     /// `LOCK TABLE books IN EXCLUSIVE MODE`: reads go on and the claim commits; the insert
     /// waits.
     Postgres(Transaction<'static, Postgres>),
+    /// `LOCK TABLES books READ` on a connection of its own: it holds the table's metadata lock
+    /// in a mode that lets every session read the table but no session write it, whatever the
+    /// isolation level (a row or gap lock from a `SELECT … FOR UPDATE` would depend on it: at
+    /// READ COMMITTED InnoDB takes no gap locks, and the new book's key could fall in any
+    /// gap). The claim, on the records' table, commits; the insert waits for the lock
+    /// (`Waiting for table metadata lock`). A session whose client dies while it waits
+    /// gives up the wait, and any session that got past it only once the lock was released
+    /// still finds its client gone before a COMMIT could arrive: nothing it did commits.
+    Mysql(MySqlConnection),
 }
 
 impl Books {
@@ -75,32 +100,41 @@ impl Books {
                     .await
                     .unwrap_or(0)
             }
+            Books::Mysql { pool, database } => {
+                sqlx::query_scalar(&format!("SELECT count(*) FROM `{database}`.books"))
+                    .fetch_one(pool)
+                    .await
+                    .expect("count the books in MariaDB")
+            }
         }
     }
 
     /// The count once a killed server can no longer change it. SQLite: at once, as the
     /// process was reaped and no other one writes the file. Postgres: once no backend of the
     /// server is left, as a backend whose client died still finishes the statement in hand,
-    /// a COMMIT included, before it reads the closed socket and exits.
+    /// a COMMIT included, before it reads the closed socket and exits. MariaDB: likewise, once
+    /// no session of the server is left (its thread ends the statement in hand, then reads
+    /// the closed socket, rolls back what is not committed and ends).
     async fn settled_count(&self) -> i64 {
-        if let Books::Postgres {
-            pool,
-            application_name,
-            ..
-        } = self
-        {
-            let deadline = Instant::now() + SETTLE_TIMEOUT;
-            loop {
-                let live = backends(pool, application_name, "").await;
-                if live == 0 {
-                    break;
-                }
-                assert!(
-                    Instant::now() < deadline,
-                    "{live} backends of the killed server still run after {SETTLE_TIMEOUT:?}"
-                );
-                tokio::time::sleep(Duration::from_millis(2)).await;
+        let deadline = Instant::now() + SETTLE_TIMEOUT;
+        loop {
+            let live = match self {
+                Books::Sqlite(_) => 0,
+                Books::Postgres {
+                    pool,
+                    application_name,
+                    ..
+                } => backends(pool, application_name, "").await,
+                Books::Mysql { pool, database } => sessions(pool, database, "").await,
+            };
+            if live == 0 {
+                break;
             }
+            assert!(
+                Instant::now() < deadline,
+                "{live} sessions of the killed server still run after {SETTLE_TIMEOUT:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
         }
         self.count().await
     }
@@ -121,12 +155,20 @@ impl Books {
                     .unwrap();
                 WritesBlocked::Postgres(tx)
             }
+            Books::Mysql { database, .. } => {
+                let mut conn = idempotency_testing::mysql::admin().await;
+                // Text protocol: `LOCK TABLES` is not a statement to prepare.
+                conn.execute(format!("LOCK TABLES `{database}`.books READ").as_str())
+                    .await
+                    .unwrap();
+                WritesBlocked::Mysql(conn)
+            }
         }
     }
 
-    /// Returns once the server has the request in hand and waits for the writes: on Postgres,
-    /// when its insert waits for the lock (the key is claimed by then); on SQLite, which shows
-    /// no waiter from outside, after a random delay of up to 20 ms.
+    /// Returns once the server has the request in hand and waits for the writes: on Postgres
+    /// and MariaDB, when its insert waits for the lock (the key is claimed by then); on
+    /// SQLite, which shows no waiter from outside, after a random delay of up to 20 ms.
     async fn wait_for_blocked_server(&self) {
         match self {
             Books::Sqlite(_) => random_delay().await,
@@ -145,6 +187,24 @@ impl Books {
                     tokio::time::sleep(Duration::from_millis(1)).await;
                 }
             }
+            Books::Mysql { pool, database } => {
+                let deadline = Instant::now() + SETTLE_TIMEOUT;
+                while sessions(
+                    pool,
+                    database,
+                    "AND STATE = 'Waiting for table metadata lock'",
+                )
+                .await
+                    == 0
+                {
+                    assert!(
+                        Instant::now() < deadline,
+                        "the server's insert did not wait for the test's lock within \
+                         {SETTLE_TIMEOUT:?}"
+                    );
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            }
         }
     }
 }
@@ -154,8 +214,24 @@ impl WritesBlocked {
         match self {
             WritesBlocked::Sqlite(conn) => conn.execute_batch("ROLLBACK").unwrap(),
             WritesBlocked::Postgres(tx) => tx.rollback().await.unwrap(),
+            WritesBlocked::Mysql(mut conn) => {
+                conn.execute("UNLOCK TABLES").await.unwrap();
+                conn.close().await.unwrap();
+            }
         }
     }
+}
+
+/// The sessions of the MariaDB server whose default database is `database` (and matching
+/// `and`, an extra condition).
+async fn sessions(pool: &MySqlPool, database: &str, and: &str) -> i64 {
+    sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM information_schema.PROCESSLIST WHERE DB = ? {and}"
+    ))
+    .bind(database)
+    .fetch_one(pool)
+    .await
+    .unwrap()
 }
 
 /// The backends named `application_name` (and matching `and`, an extra condition).
@@ -187,8 +263,8 @@ enum KillPoint {
 
 impl KillPoint {
     /// A fixed share of each: one run in four after a random delay, one in eight with the
-    /// writes blocked (on Postgres the claim is left in progress, so its retry waits out the
-    /// lease), the rest at the row.
+    /// writes blocked (on Postgres and MariaDB the claim is left in progress, so its retry
+    /// waits out the lease), the rest at the row.
     fn of_run(run: usize) -> Self {
         match (run % 4, run % 8) {
             (3, _) => KillPoint::RandomDelay,
@@ -204,8 +280,8 @@ struct Tally {
     killed_after_commit: usize,
     killed_before_commit: usize,
     killed_with_writes_blocked: usize,
-    /// Runs whose commit became visible only after the kill (a Postgres backend outliving
-    /// its killed client).
+    /// Runs whose commit became visible only after the kill (a Postgres backend or MariaDB
+    /// session outliving its killed client).
     committed_after_kill: usize,
     answered_before_kill: usize,
     retries_replayed: usize,
@@ -403,6 +479,101 @@ async fn postgres_create_killed_between_insert_and_answer_makes_one_book() {
         .execute(&pool)
         .await
         .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_create_killed_between_insert_and_answer_makes_one_book() {
+    let database = Database::create().await;
+    let pool =
+        idempotency_testing::mysql::pool(idempotency_testing::mysql::Isolation::RepeatableRead, 4)
+            .await;
+    // The server's URL is the test's with the database of its own.
+    let mut server_url = reqwest::Url::parse(&idempotency_testing::mysql::url()).unwrap();
+    server_url.set_path(&format!("/{}", database.name));
+    let dir = tempfile::tempdir().unwrap();
+    let env = vec![
+        ("BOOKS_STORE", "mysql".to_owned()),
+        ("BOOKS_MYSQL_URL", server_url.to_string()),
+        (
+            "BOOKS_DATABASE",
+            path_string(&dir.path().join("unused.sqlite3")),
+        ),
+    ];
+    // The first start creates the books table and the records' table in the database.
+    campaign(
+        Books::Mysql {
+            pool: pool.clone(),
+            database: database.name.clone(),
+        },
+        env,
+        "mysql",
+    )
+    .await;
+    pool.close().await;
+}
+
+/// A database of the test's own on the MariaDB server (`books_killed_<random>`), dropped with
+/// its tables when the guard is dropped, also when the test fails. Databases of this name that
+/// crashed runs left behind are dropped first, once all their tables are an hour old.
+struct Database {
+    name: String,
+}
+
+impl Database {
+    async fn create() -> Self {
+        let mut admin = idempotency_testing::mysql::admin().await;
+        let stale: Vec<String> = sqlx::query_scalar(
+            "SELECT CAST(TABLE_SCHEMA AS CHAR) FROM information_schema.TABLES
+             WHERE TABLE_SCHEMA LIKE 'books\\_killed\\_%'
+             GROUP BY TABLE_SCHEMA HAVING MAX(CREATE_TIME) < NOW() - INTERVAL 1 HOUR",
+        )
+        .fetch_all(&mut admin)
+        .await
+        .unwrap();
+        for old in stale {
+            let _ = admin
+                .execute(format!("DROP DATABASE IF EXISTS `{old}`").as_str())
+                .await;
+        }
+        let name = format!(
+            "books_killed_{}",
+            &uuid::Uuid::new_v4().simple().to_string()[..20]
+        );
+        admin
+            .execute(format!("CREATE DATABASE `{name}`").as_str())
+            .await
+            .unwrap();
+        admin.close().await.unwrap();
+        Self { name }
+    }
+}
+
+impl Drop for Database {
+    fn drop(&mut self) {
+        let sql = format!("DROP DATABASE IF EXISTS `{}`", self.name);
+        // `drop` may run inside the test's runtime: the drop runs on a runtime of its own, on
+        // another thread.
+        let dropped = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .ok()?;
+            rt.block_on(async {
+                use idempotency_mysql::sqlx::ConnectOptions as _;
+                let mut conn = idempotency_testing::mysql::options().connect().await.ok()?;
+                let dropped = conn.execute(sql.as_str()).await.is_ok();
+                let _ = conn.close().await;
+                dropped.then_some(())
+            })
+        })
+        .join()
+        .ok()
+        .flatten()
+        .is_some();
+        if !dropped {
+            eprintln!("warning: could not drop the test database {}", self.name);
+        }
+    }
 }
 
 fn path_string(p: &Path) -> String {

@@ -1,6 +1,7 @@
-// End-to-end cases, included by `e2e.rs` (store from `BOOKS_TEST_STORE`, default SQLite) and
-// `e2e_postgres.rs` (Postgres): the service on a loopback port, the books table in a real
-// SQLite file, a real HTTP client.
+// End-to-end cases, included by `e2e.rs` (store from `BOOKS_TEST_STORE`, default SQLite),
+// `e2e_postgres.rs` (Postgres), `e2e_mysql.rs` (MariaDB) and `e2e_redis.rs` (Redis): the service
+// on a loopback port, the books table in a real SQLite file (or beside the records in Postgres
+// or MariaDB), a real HTTP client.
 
 use axum::extract::{Request, State};
 use axum::middleware::{from_fn_with_state, Next};
@@ -72,10 +73,14 @@ struct Svc {
     config: Config,
     client: Client,
     _dir: tempfile::TempDir,
+    /// With MariaDB: the service's two tables, dropped with the service (also when the test
+    /// fails).
+    _tables: Vec<idempotency_testing::mysql::TableGuard>,
 }
 
 /// The store the tests run on: `BOOKS_TEST_STORE` (default `sqlite`, as the service;
-/// `postgres` uses `IDEMPOTENCY_TEST_POSTGRES_URL`, default the local server).
+/// `postgres` uses `IDEMPOTENCY_TEST_POSTGRES_URL`, `mysql` uses `MYSQL_URL`, `redis` uses
+/// `IDEMPOTENCY_TEST_REDIS_URL`, each by default the local server).
 fn store_choice() -> StoreChoice {
     let chosen = FORCED_STORE
         .map(str::to_owned)
@@ -88,11 +93,14 @@ fn store_choice() -> StoreChoice {
             std::env::var("IDEMPOTENCY_TEST_POSTGRES_URL")
                 .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned()),
         ),
+        Ok("mysql") => StoreChoice::Mysql(idempotency_testing::mysql::url()),
         Ok("redis") => StoreChoice::Redis(
             std::env::var("IDEMPOTENCY_TEST_REDIS_URL")
                 .unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned()),
         ),
-        Ok(other) => panic!("BOOKS_TEST_STORE={other} is not a store (sqlite, postgres, redis, memory)"),
+        Ok(other) => panic!(
+            "BOOKS_TEST_STORE={other} is not a store (sqlite, postgres, mysql, redis, memory)"
+        ),
     }
 }
 
@@ -106,19 +114,39 @@ async fn svc_with(configure: impl FnOnce(&mut Config)) -> Svc {
     config.policy = Policy::default();
     // Books in Postgres go in a schema of their own, so that each service sees only its books.
     config.postgres_schema = format!("books_{}", uuid::Uuid::new_v4().simple());
+    // In MariaDB, in tables of their own, dropped with the service: `idem_t_<random>_books`
+    // and `idem_t_<random>_idempotency_records`. The prefix is a fresh name of the shared
+    // `TableGuard` (whose first use in the binary also drops the `idem_t_` tables that crashed
+    // runs left behind), and the guard is pointed at the books table.
+    let tables = match config.store {
+        StoreChoice::Mysql(_) => {
+            let mut books = idempotency_testing::mysql::TableGuard::new();
+            config.mysql_table_prefix = format!("{}_", books.table);
+            let (books_table, records_table) = config.mysql_tables();
+            books.table = books_table;
+            vec![
+                books,
+                idempotency_testing::mysql::TableGuard {
+                    table: records_table,
+                },
+            ]
+        }
+        _ => Vec::new(),
+    };
     configure(&mut config);
     let faults = Arc::new(Faults::default());
     let layer = from_fn_with_state(faults.clone(), inject);
     let running = start_with(&config, 0, Box::new(move |create| create.layer(layer)))
         .await
         .unwrap_or_else(|e| {
-        panic!(
-            "cannot start the books service on {:?}: {e}\n\
+            panic!(
+                "cannot start the books service on {:?}: {e}\n\
              For Postgres, start the local server with `bash .ci/services` (127.0.0.1:5432, \
-             database `test`) or set IDEMPOTENCY_TEST_POSTGRES_URL.",
-            config.store
-        )
-    });
+             database `test`) or set IDEMPOTENCY_TEST_POSTGRES_URL; for MariaDB, the same \
+             script starts it (127.0.0.1:3306, root, database `test`) or set MYSQL_URL.",
+                config.store
+            )
+        });
     Svc {
         // One caller per service: records in a shared store never cross test runs.
         token: format!("Bearer {}", uuid::Uuid::new_v4()),
@@ -127,6 +155,7 @@ async fn svc_with(configure: impl FnOnce(&mut Config)) -> Svc {
         config,
         client: Client::builder().no_proxy().build().unwrap(),
         _dir: dir,
+        _tables: tables,
     }
 }
 
@@ -729,7 +758,9 @@ impl Svc {
     async fn insert_directly(&self, id: &str, version: i64) {
         match &self.config.store {
             StoreChoice::Postgres(url) => {
-                let pool = idempotency_postgres::sqlx::PgPool::connect(url).await.unwrap();
+                let pool = idempotency_postgres::sqlx::PgPool::connect(url)
+                    .await
+                    .unwrap();
                 idempotency_postgres::sqlx::query(&format!(
                     "INSERT INTO \"{}\".books (id, title, author, year, version)
                      VALUES ($1, 'Dawn', 'Octavia E. Butler', 1987, $2)",
@@ -740,6 +771,21 @@ impl Svc {
                 .execute(&pool)
                 .await
                 .unwrap();
+            }
+            StoreChoice::Mysql(url) => {
+                use idempotency_mysql::sqlx::{self, Connection as _};
+                let mut conn = sqlx::MySqlConnection::connect(url).await.unwrap();
+                let (books, _) = self.config.mysql_tables();
+                sqlx::query(&format!(
+                    "INSERT INTO `{books}` (id, title, author, year, version)
+                     VALUES (?, 'Dawn', 'Octavia E. Butler', 1987, ?)"
+                ))
+                .bind(id)
+                .bind(version)
+                .execute(&mut conn)
+                .await
+                .unwrap();
+                conn.close().await.unwrap();
             }
             _ => {
                 let conn = rusqlite::Connection::open(&self.config.database).unwrap();
@@ -782,7 +828,11 @@ async fn patch_with_a_key_412_then_fresh_if_match_applies() {
         .send()
         .await
         .unwrap();
-    assert_eq!(retried.status(), StatusCode::OK, "the stored 412 was replayed");
+    assert_eq!(
+        retried.status(),
+        StatusCode::OK,
+        "the stored 412 was replayed"
+    );
     assert!(!replayed(&retried));
     let newest = retried.headers()["etag"].to_str().unwrap().to_owned();
     let body: Value = retried.json().await.unwrap();
@@ -828,7 +878,11 @@ async fn non_object_and_nested_merge_patches_get_422() {
     let doc = problem(r, 422, "validation-failed").await;
     assert_eq!(doc["errors"][0]["path"], "/summary", "{doc}");
     let read = s.client.get(s.book_url(&id)).send().await.unwrap();
-    assert_eq!(read.headers()["etag"].to_str().unwrap(), etag, "a patch wrote");
+    assert_eq!(
+        read.headers()["etag"].to_str().unwrap(),
+        etag,
+        "a patch wrote"
+    );
 }
 
 /// A row written by another program (any version) can be read and patched with its ETag:
