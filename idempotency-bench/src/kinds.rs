@@ -3,10 +3,16 @@
 //! filled store.
 
 use crate::harness::Kind;
-use crate::{memory, postgres, redis, sqlite};
+use crate::{memory, mysql, postgres, redis, sqlite};
 
 /// Every backend, in the order `all` runs them.
-pub(crate) const KINDS: &[Kind] = &[memory::KIND, sqlite::KIND, postgres::KIND, redis::KIND];
+pub(crate) const KINDS: &[Kind] = &[
+    memory::KIND,
+    sqlite::KIND,
+    postgres::KIND,
+    mysql::KIND,
+    redis::KIND,
+];
 
 /// The backend named `name`.
 pub(crate) fn find(name: &str) -> Option<&'static Kind> {

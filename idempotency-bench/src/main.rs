@@ -3,6 +3,7 @@
 mod harness;
 mod kinds;
 mod memory;
+mod mysql;
 mod postgres;
 mod profile;
 mod redis;
@@ -29,6 +30,7 @@ const USAGE: &str = "usage: idempotency-bench [--backend NAME|all|a,b] [--client
 --ops and --duration bound every measurement (whichever ends first). --sizes are the live-key
 counts of the scaling tables (each backend takes the sizes up to its own bound).
 Servers: IDEMPOTENCY_BENCH_POSTGRES_URL (default postgres://postgres@127.0.0.1:5432/test),
+IDEMPOTENCY_BENCH_MYSQL_URL (default mysql://root@127.0.0.1:3306/test),
 IDEMPOTENCY_BENCH_REDIS_URL (default redis://127.0.0.1:6379).";
 
 fn parse_args() -> Result<Args, String> {
@@ -178,6 +180,8 @@ fn ratio_target(backend: &str, workload: &str, clients: usize) -> Option<f64> {
         ("sqlite (dedicated thread)", "replay", _) => Some(0.8),
         ("postgres", "new-key cycle", _) => Some(0.9),
         ("postgres", "replay", _) => Some(0.9),
+        ("mysql", "new-key cycle", _) => Some(0.8),
+        ("mysql", "replay", _) => Some(0.9),
         _ => None,
     }
 }
