@@ -2,23 +2,60 @@
 //! ([`TransactionalStore`]): begin on a live connection, complete the record inside the
 //! transaction, commit.
 
+use crate::abandon::CloseIfAbandoned;
 use crate::error::{is_conflict, is_connection_loss, map_sqlx, Effect};
 use crate::MysqlStore;
 use idempotency_core::{async_trait, Begun, CommitError, Error, Lease, TransactionalStore};
-use sqlx::{MySql, MySqlConnection};
+use sqlx::pool::PoolConnection;
+use sqlx::{Database, MySql, MySqlConnection, TransactionManager};
+
+type Manager = <MySql as Database>::TransactionManager;
 
 /// A transaction on one of the store's pooled connections, as
 /// [`Idempotency::run_in_transaction`](idempotency_core::Idempotency::run_in_transaction)
 /// gives it to the work: write through [`MysqlTransaction::connection`].
+///
+/// Dropped before it committed or rolled back (the work panicked, the call was cancelled,
+/// the lease was lost mid-statement), its connection is closed rather than handed back to
+/// the pool: the server rolls the transaction back, and a connection left mid-statement,
+/// whose protocol state is unknown, never serves another caller.
 #[derive(Debug)]
 pub struct MysqlTransaction {
-    tx: sqlx::Transaction<'static, MySql>,
+    conn: PoolConnection<MySql>,
+    open: bool,
 }
 
 impl MysqlTransaction {
     /// The connection the transaction runs on.
     pub fn connection(&mut self) -> &mut MySqlConnection {
-        &mut self.tx
+        &mut self.conn
+    }
+
+    /// Commits (`commit`) or rolls back the transaction. The connection goes back to the
+    /// pool only when the server answered.
+    async fn end(mut self, commit: bool) -> Result<(), sqlx::Error> {
+        let result = {
+            let mut guard = CloseIfAbandoned::new(&mut self.conn);
+            let result = if commit {
+                Manager::commit(guard.conn()).await
+            } else {
+                Manager::rollback(guard.conn()).await
+            };
+            if result.is_ok() {
+                guard.finished();
+            }
+            result
+        };
+        self.open = result.is_err();
+        result
+    }
+}
+
+impl Drop for MysqlTransaction {
+    fn drop(&mut self) {
+        if self.open {
+            self.conn.close_on_drop();
+        }
     }
 }
 
@@ -34,9 +71,7 @@ impl TransactionalStore for MysqlStore {
     /// whole work, and a duplicate request is told at once that the key is in progress
     /// instead of waiting on a lock (up to `innodb_lock_wait_timeout`).
     async fn begin(&self, _lease: &Lease) -> Result<Begun<MysqlTransaction>, Error> {
-        Ok(Begun::Open(MysqlTransaction {
-            tx: self.begin_live().await?,
-        }))
+        Ok(Begun::Open(self.begin_live().await?))
     }
 
     async fn complete_in(
@@ -45,12 +80,18 @@ impl TransactionalStore for MysqlStore {
         lease: &Lease,
         outcome: &[u8],
     ) -> Result<(), Error> {
-        self.complete_in(&mut tx.tx, lease.id(), lease.token(), outcome, lease.ttl())
-            .await
+        self.complete_in(
+            &mut tx.conn,
+            lease.id(),
+            lease.token(),
+            outcome,
+            lease.ttl(),
+        )
+        .await
     }
 
     async fn commit(&self, tx: MysqlTransaction) -> Result<(), CommitError> {
-        match tx.tx.commit().await {
+        match tx.end(true).await {
             Ok(()) => Ok(()),
             // The server rolled the transaction back: nothing of it committed.
             Err(e) if is_conflict(&e) => Err(CommitError::NotCommitted(map_sqlx(
@@ -68,7 +109,7 @@ impl TransactionalStore for MysqlStore {
     }
 
     async fn rollback(&self, tx: MysqlTransaction) {
-        let _ = tx.tx.rollback().await;
+        let _ = tx.end(false).await;
     }
 
     /// Deadlocks (1213, InnoDB rolled the transaction back) and lock wait timeouts (1205,
@@ -80,11 +121,11 @@ impl TransactionalStore for MysqlStore {
 }
 
 impl MysqlStore {
-    /// Begins a transaction on a live connection. `BEGIN` runs in a task of its own: sqlx 0.8
-    /// leaks an open transaction into the pool when the future of `Pool::begin` is dropped
-    /// after BEGIN was sent but before its answer. A dead connection (as every idle one is
-    /// after a server restart) is given back and BEGIN sent on the next one.
-    async fn begin_live(&self) -> Result<sqlx::Transaction<'static, MySql>, Error> {
+    /// Begins a transaction on a live connection. A `BEGIN` whose answer never came (the
+    /// call was cancelled) closes its connection, so no pooled connection is ever left
+    /// inside a transaction. A dead connection (as every idle one is after a server restart)
+    /// is given back and BEGIN sent on the next one.
+    async fn begin_live(&self) -> Result<MysqlTransaction, Error> {
         let max_lost = self
             .pool()
             .options()
@@ -92,12 +133,23 @@ impl MysqlStore {
             .saturating_add(1);
         let mut lost = 0;
         loop {
-            let pool = self.pool().clone();
-            match tokio::spawn(async move { pool.begin().await })
+            let mut conn = self
+                .pool()
+                .acquire()
                 .await
-                .map_err(|e| Error::backend(true, e))?
-            {
-                Ok(tx) => return Ok(tx),
+                .map_err(|e| map_sqlx(e, &self.quoted, Effect::None))?;
+            let begun = {
+                let mut guard = CloseIfAbandoned::new(&mut conn);
+                // Through sqlx's transaction manager, so that the work's own `begin()` on the
+                // connection makes a savepoint, never a second `BEGIN` (which would commit).
+                let begun = Manager::begin(guard.conn(), None).await;
+                if begun.is_ok() {
+                    guard.finished();
+                }
+                begun
+            };
+            match begun {
+                Ok(_) => return Ok(MysqlTransaction { conn, open: true }),
                 Err(e) if is_connection_loss(&e) && lost < max_lost => {
                     if lost == 0 {
                         self.sweep_idle().await;

@@ -1,5 +1,6 @@
 //! The store.
 
+use crate::abandon::CloseIfAbandoned;
 use crate::decode::{col, decode_record, get};
 use crate::error::{is_conflict, is_connection_loss, map_sqlx, Effect};
 use crate::schema;
@@ -270,9 +271,13 @@ impl MysqlStore {
         query: Query<'q, MySql, MySqlArguments>,
     ) -> Result<X::Out, Attempt> {
         let mut conn = self.pool.acquire().await.map_err(Attempt::NotSent)?;
-        // Dropped mid-statement (the operation was cancelled) or on an error, the connection
-        // goes back to the pool, whose release ping finds a broken one.
-        fetch.run(query, &mut conn).await.map_err(Attempt::Sent)
+        // Dropped mid-statement (the operation was cancelled), the connection is closed
+        // rather than handed back in an unknown state; after an error the pool's release
+        // ping finds a broken one.
+        let mut guard = CloseIfAbandoned::new(&mut conn);
+        let out = fetch.run(query, guard.conn()).await;
+        guard.finished();
+        out.map_err(Attempt::Sent)
     }
 
     /// A compare-and-swap statement: applied when it matched the record.

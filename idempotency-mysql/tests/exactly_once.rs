@@ -858,3 +858,58 @@ async fn connection_lost_at_commit_serializable() {
     lost_at_commit(Isolation::Serializable, true).await;
     lost_at_commit(Isolation::Serializable, false).await;
 }
+
+/// The work's own `begin()` on the transaction's connection is a savepoint inside the
+/// completion's transaction, never a second `BEGIN` (which MySQL answers by committing the
+/// first): rolling the savepoint back undoes only its own writes, and the rest commits with
+/// the completion.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nested_begin_in_the_work_is_a_savepoint() {
+    let rig = setup(Isolation::RepeatableRead, 2).await;
+    let engine = MysqlIdempotency::new(rig.store.clone(), Policy::default()).unwrap();
+    let orders = rig.orders.clone();
+    let key = IdempotencyKey::random();
+    let scope = Scope::new("savepoint").unwrap();
+    let out = engine
+        .run_in_transaction(
+            &key,
+            &scope,
+            &Fingerprint::from_bytes(b"p"),
+            move |tx, _ctx| {
+                let orders = orders.clone();
+                Box::pin(async move {
+                    let insert = format!("INSERT INTO {orders} (ref, placed_by) VALUES (?, 'w')");
+                    sqlx::query(&insert)
+                        .bind("kept")
+                        .execute(&mut *tx)
+                        .await
+                        .unwrap();
+                    let mut inner = tx.begin().await.unwrap();
+                    sqlx::query(&insert)
+                        .bind("undone")
+                        .execute(&mut *inner)
+                        .await
+                        .unwrap();
+                    inner.rollback().await.unwrap();
+                    Ok::<u64, String>(1)
+                })
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(out, Outcome::Fresh(Ok(1)));
+    let mut conn = common::admin().await;
+    let refs: Vec<String> =
+        sqlx::query_scalar(&format!("SELECT ref FROM {} ORDER BY id", rig.orders))
+            .fetch_all(&mut conn)
+            .await
+            .unwrap();
+    assert_eq!(refs, vec!["kept".to_owned()]);
+    let record = rig
+        .store
+        .get(&RecordId::new(scope, key))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(record.status, RecordStatus::Completed);
+}

@@ -74,6 +74,7 @@ fn command_name(byte: u8) -> &'static str {
 pub struct CountingProxy {
     port: u16,
     cut: Arc<AtomicU8>,
+    split: Arc<Split>,
     counts: Arc<Mutex<Counts>>,
     queries: Arc<Mutex<Vec<String>>>,
 }
@@ -89,17 +90,27 @@ impl CountingProxy {
         let (c, q) = (counts.clone(), queries.clone());
         let cut = Arc::new(AtomicU8::new(CUT_NONE));
         let armed = cut.clone();
+        let split = Arc::new(Split::default());
+        let splitting = split.clone();
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 let Ok(server) = TcpStream::connect(&upstream).await else {
                     continue;
                 };
-                tokio::spawn(pipe(client, server, c.clone(), q.clone(), armed.clone()));
+                tokio::spawn(pipe(
+                    client,
+                    server,
+                    c.clone(),
+                    q.clone(),
+                    armed.clone(),
+                    splitting.clone(),
+                ));
             }
         });
         Ok(Self {
             port,
             cut,
+            split,
             counts,
             queries,
         })
@@ -123,6 +134,19 @@ impl CountingProxy {
         self.cut.store(mode, Ordering::SeqCst);
     }
 
+    /// The next piece of the server's answers that reaches the proxy is passed on only in
+    /// part (its first 4 bytes: a packet header), the rest held until
+    /// [`release_split`](Self::release_split): a client reading a packet sees its header and
+    /// then waits for the payload.
+    pub fn split_next_reply(&self) {
+        self.split.armed.store(true, Ordering::SeqCst);
+    }
+
+    /// Passes on what [`split_next_reply`](Self::split_next_reply) held.
+    pub fn release_split(&self) {
+        self.split.release.notify_one();
+    }
+
     /// The port to point the client at.
     pub fn port(&self) -> u16 {
         self.port
@@ -139,12 +163,20 @@ impl CountingProxy {
     }
 }
 
+/// A reply to pass on in two parts.
+#[derive(Debug, Default)]
+struct Split {
+    armed: AtomicBool,
+    release: tokio::sync::Notify,
+}
+
 async fn pipe(
     client: TcpStream,
     server: TcpStream,
     counts: Arc<Mutex<Counts>>,
     queries: Arc<Mutex<Vec<String>>>,
     cut: Arc<AtomicU8>,
+    split: Arc<Split>,
 ) {
     let (mut cr, mut cw) = client.into_split();
     let (mut sr, mut sw) = server.into_split();
@@ -159,6 +191,21 @@ async fn pipe(
             };
             if cutting_down.load(Ordering::SeqCst) {
                 break;
+            }
+            if n > 4
+                && split
+                    .armed
+                    .compare_exchange(true, false, Ordering::SeqCst, Ordering::SeqCst)
+                    .is_ok()
+            {
+                if cw.write_all(&buf[..4]).await.is_err() {
+                    break;
+                }
+                split.release.notified().await;
+                if cw.write_all(&buf[4..n]).await.is_err() {
+                    break;
+                }
+                continue;
             }
             if cw.write_all(&buf[..n]).await.is_err() {
                 break;
