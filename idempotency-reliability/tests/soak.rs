@@ -7,12 +7,15 @@
 mod runners;
 
 use idempotency_core::IdempotencyStore;
+use idempotency_mysql::MysqlStore;
 use idempotency_postgres::PostgresStore;
 use idempotency_redis::RedisStore;
 use idempotency_reliability::soak::{soak, EngineRunner, Runner, SoakConfig};
 use idempotency_sqlite::{ConnectionMode, SqliteStore};
+use idempotency_testing::mysql::{self as my, TableGuard};
 use idempotency_testing::postgres::{self as pg, Isolation, SchemaGuard};
 use idempotency_testing::redis_server::{self as rs, Cleanup};
+use runners::mysql::MysqlTransactionalRunner;
 use runners::postgres::PgTransactionalRunner;
 use std::sync::Arc;
 
@@ -131,6 +134,44 @@ async fn soak_postgres_transactional() {
     // Stalled holders keep their transaction's connection while they sleep.
     let (store, guard) = postgres_store(24).await;
     let runner = PgTransactionalRunner::new(store, &guard.schema, config.lease).await;
+    let report = soak(Arc::new(runner), config).await;
+    eprintln!("{report}");
+    report.assert_clean();
+    assert_eq!(
+        report.effect_rows,
+        Some(report.committed_effects),
+        "one business row per committed key: {report}"
+    );
+}
+
+async fn mysql_store(pool_size: u32) -> (MysqlStore, TableGuard) {
+    let guard = TableGuard::new();
+    // InnoDB's default level, REPEATABLE READ: gap locks and deadlocks included.
+    let pool = my::pool(my::Isolation::RepeatableRead, pool_size).await;
+    let store = MysqlStore::builder()
+        .table(&guard.table)
+        .build(pool)
+        .expect("valid name");
+    store.migrate().await.expect("migrate");
+    (store, guard)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn soak_mysql() {
+    let config = SoakConfig::from_env("mysql");
+    let (store, _guard) = mysql_store(16).await;
+    run(engine(Arc::new(store), &config), config, Purge::Deletes).await;
+}
+
+/// Through `MysqlIdempotency::run_in_transaction`: every execution inserts a business row in
+/// the completion's transaction, and the rows are counted against the records.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn soak_mysql_transactional() {
+    let config = SoakConfig::from_env("mysql-transactional");
+    // Stalled holders keep their transaction's connection while they sleep.
+    let (store, _guard) = mysql_store(24).await;
+    let effects = TableGuard::new();
+    let runner = MysqlTransactionalRunner::new(store, &effects.table, config.lease).await;
     let report = soak(Arc::new(runner), config).await;
     eprintln!("{report}");
     report.assert_clean();

@@ -2,5 +2,6 @@
 //! uses the ones it needs).
 #![allow(dead_code)]
 
+pub(crate) mod mysql;
 pub(crate) mod postgres;
 pub(crate) mod sqlite;

@@ -1,0 +1,106 @@
+//! The soak's runner for MySQL/MariaDB's exactly-once path: the work writes a business row in the
+//! transaction that also runs the completion CAS ([`MysqlIdempotency::run_in_transaction`]), so
+//! the rows can be counted.
+
+use futures::future::BoxFuture;
+use idempotency_core::{Fingerprint, IdempotencyKey, IdempotencyStore, Scope};
+use idempotency_mysql::sqlx;
+use idempotency_mysql::{MysqlIdempotency, MysqlStore};
+use idempotency_reliability::soak::{soak_policy, RunResult, Runner, Work, WorkFault};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Runs work through [`MysqlIdempotency::run_in_transaction`], inserting one row into an
+/// `effects` table per execution, in the completion's transaction.
+#[derive(Debug)]
+pub(crate) struct MysqlTransactionalRunner {
+    engine: MysqlIdempotency,
+    stall_engine: MysqlIdempotency,
+    effects: Arc<str>,
+}
+
+impl MysqlTransactionalRunner {
+    /// Creates the `effects` table (named `effects`, e.g. `<records table>_effects`; no
+    /// uniqueness: a double effect must be countable, not prevented) and the engines, with and
+    /// without the heartbeat. The caller drops the table.
+    pub(crate) async fn new(store: MysqlStore, effects: &str, lease: Duration) -> Self {
+        let effects: Arc<str> = format!("`{effects}`").into();
+        sqlx::query(&format!(
+            "CREATE TABLE {effects} (id BIGINT AUTO_INCREMENT PRIMARY KEY, \
+             scope VARCHAR(255) NOT NULL, `key` VARCHAR(255) NOT NULL, value BIGINT NOT NULL) \
+             ENGINE = InnoDB"
+        ))
+        .execute(store.pool())
+        .await
+        .expect("create the effects table");
+        Self {
+            engine: MysqlIdempotency::new(store.clone(), soak_policy(lease, true)).expect("policy"),
+            stall_engine: MysqlIdempotency::new(store, soak_policy(lease, false)).expect("policy"),
+            effects,
+        }
+    }
+}
+
+impl Runner for MysqlTransactionalRunner {
+    fn store(&self) -> Arc<dyn IdempotencyStore> {
+        Arc::new(self.engine.store().clone())
+    }
+
+    fn run(
+        &self,
+        key: IdempotencyKey,
+        scope: Scope,
+        fingerprint: Fingerprint,
+        work: Work,
+    ) -> BoxFuture<'static, RunResult> {
+        let engine = if work.fault == WorkFault::Stall {
+            self.stall_engine.clone()
+        } else {
+            self.engine.clone()
+        };
+        let effects = self.effects.clone();
+        Box::pin(async move {
+            let (s, k) = (scope.as_str().to_owned(), key.as_str().to_owned());
+            engine
+                .run_in_transaction(&key, &scope, &fingerprint, move |tx, _ctx| {
+                    let (work, effects, s, k) =
+                        (work.clone(), effects.clone(), s.clone(), k.clone());
+                    Box::pin(async move {
+                        let value = i64::try_from(work.value).map_err(|e| e.to_string())?;
+                        sqlx::query(&format!(
+                            "INSERT INTO {effects} (scope, `key`, value) VALUES (?, ?, ?)"
+                        ))
+                        .bind(s)
+                        .bind(k)
+                        .bind(value)
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                        work.perform().await
+                    })
+                })
+                .await
+        })
+    }
+
+    fn effects<'a>(&'a self, scope: &'a Scope) -> BoxFuture<'a, Option<HashMap<String, Vec<u64>>>> {
+        Box::pin(async move {
+            let rows: Vec<(String, i64)> = sqlx::query_as(&format!(
+                "SELECT `key`, value FROM {} WHERE scope = ? ORDER BY id",
+                self.effects
+            ))
+            .bind(scope.as_str())
+            .fetch_all(self.engine.store().pool())
+            .await
+            .expect("read the effects table");
+            let mut map: HashMap<String, Vec<u64>> = HashMap::new();
+            for (key, value) in rows {
+                map.entry(key)
+                    .or_default()
+                    .push(u64::try_from(value).expect("values are positive"));
+            }
+            Some(map)
+        })
+    }
+}
