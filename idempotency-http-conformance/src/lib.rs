@@ -52,6 +52,7 @@ macro_rules! __with_http_case_list {
             handler_5xx_after_its_commit_is_replayed_not_rerun,
             handler_whose_lease_was_lost_gets_409_and_no_effect,
             handler_rolled_back_frees_the_key,
+            heartbeat_stops_when_the_handler_settled_the_key,
         }
     };
 }

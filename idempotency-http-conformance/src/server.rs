@@ -244,6 +244,7 @@ pub struct Outage {
     inner: Arc<dyn IdempotencyStore>,
     down: AtomicBool,
     completes: AtomicU64,
+    extends: AtomicU64,
 }
 
 impl Outage {
@@ -253,6 +254,7 @@ impl Outage {
             inner,
             down: AtomicBool::new(false),
             completes: AtomicU64::new(0),
+            extends: AtomicU64::new(0),
         })
     }
 
@@ -264,6 +266,11 @@ impl Outage {
     /// How many completions were sent through the wrapper (down or up).
     pub fn completes(&self) -> u64 {
         self.completes.load(Ordering::SeqCst)
+    }
+
+    /// How many extensions (heartbeats) were sent through the wrapper (down or up).
+    pub fn extends(&self) -> u64 {
+        self.extends.load(Ordering::SeqCst)
     }
 
     /// Takes the store down (`true`) or brings it back.
@@ -319,6 +326,7 @@ impl IdempotencyStore for Outage {
         token: FencingToken,
         lease: Duration,
     ) -> Result<Cas, Error> {
+        self.extends.fetch_add(1, Ordering::SeqCst);
         self.check()?;
         self.inner.extend(id, token, lease).await
     }

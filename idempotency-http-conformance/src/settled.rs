@@ -22,6 +22,8 @@ use std::time::Duration;
 const DELAY_MS: &str = "x-test-delay-ms";
 /// Answer with this status after the commit, in place of the committed response.
 const STATUS_AFTER_COMMIT: &str = "x-test-status-after-commit";
+/// After the commit, go on for this many milliseconds before answering.
+const DELAY_AFTER_COMMIT_MS: &str = "x-test-delay-after-commit-ms";
 /// Fail before the commit: roll back, tell the layer (`ClaimedKey::rolled_back`), answer 500.
 const ROLL_BACK: &str = "x-test-roll-back";
 
@@ -32,6 +34,8 @@ struct App {
     effects: AtomicU64,
     /// Handler runs, committed or not.
     runs: AtomicU64,
+    /// Extensions sent to the store when the last handler's completion committed.
+    extends_at_commit: AtomicU64,
 }
 
 struct Server {
@@ -54,6 +58,7 @@ impl Server {
             store: counting,
             effects: AtomicU64::new(0),
             runs: AtomicU64::new(0),
+            extends_at_commit: AtomicU64::new(0),
         });
         let router = Router::new()
             .route("/orders", post(create).get(create))
@@ -106,6 +111,11 @@ async fn create(State(app): State<Arc<App>>, claim: ClaimedKey, headers: HeaderM
         Ok(Cas::Applied) => {
             app.effects.fetch_add(1, Ordering::SeqCst);
             let response = prepared.committed();
+            app.extends_at_commit
+                .store(app.store.extends(), Ordering::SeqCst);
+            if let Some(ms) = header(DELAY_AFTER_COMMIT_MS).and_then(|v| v.parse().ok()) {
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+            }
             match header(STATUS_AFTER_COMMIT).and_then(|v| v.parse::<u16>().ok()) {
                 Some(status) => (
                     StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
@@ -168,6 +178,34 @@ pub async fn handler_5xx_after_its_commit_is_replayed_not_rerun(store: TestStore
         retry.replayed(),
         "the committed create ran again: {retry:?}"
     );
+    assert_eq!(retry.body.as_ref(), b"{\"run\":1}");
+    assert_eq!((s.effects(), s.completes()), (1, 0));
+}
+
+/// A handler that goes on for four leases after its own transaction committed the completion
+/// (the heartbeat on) is answered with its own 201, not a lost lease: the heartbeat stops once
+/// the record is settled (at most one extension, fenced, after the commit), and the retry
+/// replays the committed create.
+pub async fn heartbeat_stops_when_the_handler_settled_the_key(store: TestStore) {
+    let lease = Duration::from_millis(300);
+    let s = Server::start(&store, Policy::default().lease(lease)).await;
+    let c = client();
+    let key = uuid::Uuid::new_v4().to_string();
+    let first = send(
+        c.post(&s.base)
+            .header("idempotency-key", &key)
+            .header(DELAY_AFTER_COMMIT_MS, (lease * 4).as_millis().to_string()),
+    )
+    .await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    assert!(!first.replayed());
+    let after_commit = s.app.store.extends() - s.app.extends_at_commit.load(Ordering::SeqCst);
+    assert!(
+        after_commit <= 1,
+        "{after_commit} extensions after the handler's commit: the heartbeat went on"
+    );
+    let retry = send(c.post(&s.base).header("idempotency-key", &key)).await;
+    assert!(retry.replayed(), "{retry:?}");
     assert_eq!(retry.body.as_ref(), b"{\"run\":1}");
     assert_eq!((s.effects(), s.completes()), (1, 0));
 }

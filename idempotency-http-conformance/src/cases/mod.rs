@@ -222,4 +222,5 @@ fn outcome_header(l: idempotency_tower::IdempotencyLayer) -> idempotency_tower::
 pub use crate::settled::{
     handler_5xx_after_its_commit_is_replayed_not_rerun, handler_rolled_back_frees_the_key,
     handler_settled_key_is_not_written_again, handler_whose_lease_was_lost_gets_409_and_no_effect,
+    heartbeat_stops_when_the_handler_settled_the_key,
 };
