@@ -369,6 +369,9 @@ async fn bench_backend(b: &Backend, args: &Args, targets: &mut Targets) -> Resul
     if b.name == "postgres" {
         postgres::wal_syncs(args.ops.min(500), targets).await?;
     }
+    if b.name == "mysql" {
+        mysql::log_syncs(args.ops.min(500), targets).await?;
+    }
 
     let race = harness::same_key_race(&engine, &run).await;
     println!(

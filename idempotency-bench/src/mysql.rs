@@ -204,3 +204,96 @@ pub(crate) const KIND: Kind = Kind {
     },
     scaling: None,
 };
+
+/// Redo-log writes and data fsyncs (`Innodb_log_writes`, `Innodb_data_fsyncs`, server-wide)
+/// caused by `n` operations of each kind on one connection: does a replay cost a durable
+/// write?
+pub(crate) async fn log_syncs(n: usize, targets: &mut crate::Targets) -> Result<(), BoxError> {
+    let tables = Tables::create().await?;
+    let options = MySqlConnectOptions::from_str(&url())?;
+    let one = pool(options.clone(), 1).await?;
+    let store = store(one.clone(), &tables.records).await?;
+    let raw = RawMysql::new(one, &tables.raw);
+    let mut admin = options.connect().await.map_err(unreachable)?;
+    let scope = crate::harness::scope();
+    let ids: Vec<_> = (0..n)
+        .map(|i| idempotency_core::RecordId::new(scope.clone(), crate::harness::key("syncs", 0, i)))
+        .collect();
+
+    async fn counters(admin: &mut sqlx::MySqlConnection) -> Result<(i64, i64), BoxError> {
+        let rows: Vec<(String, String)> = sqlx::query_as(
+            "SHOW GLOBAL STATUS WHERE Variable_name IN ('Innodb_log_writes', 'Innodb_data_fsyncs')",
+        )
+        .fetch_all(&mut *admin)
+        .await?;
+        let get = |name: &str| -> Result<i64, BoxError> {
+            Ok(rows
+                .iter()
+                .find(|(k, _)| k == name)
+                .ok_or_else(|| format!("no {name} in SHOW GLOBAL STATUS"))?
+                .1
+                .parse()?)
+        };
+        Ok((get("Innodb_log_writes")?, get("Innodb_data_fsyncs")?))
+    }
+
+    let mut rows = Vec::new();
+    let c0 = counters(&mut admin).await?;
+    for id in &ids {
+        crate::harness::store_cycle(&store, id.clone()).await?;
+    }
+    let c1 = counters(&mut admin).await?;
+    rows.push((
+        "new-key cycles (claim + complete)",
+        c1.0 - c0.0,
+        c1.1 - c0.1,
+    ));
+    for id in &ids {
+        crate::harness::store_replay(&store, id.clone()).await?;
+    }
+    let c2 = counters(&mut admin).await?;
+    rows.push((
+        "replays (claim of a completed key)",
+        c2.0 - c1.0,
+        c2.1 - c1.1,
+    ));
+    for (i, _) in ids.iter().enumerate() {
+        raw.new_key_cycle(&format!("syncs-{i}"), crate::harness::OUTCOME.as_bytes())
+            .await?;
+    }
+    let c3 = counters(&mut admin).await?;
+    rows.push(("raw INSERT IGNORE + UPDATE", c3.0 - c2.0, c3.1 - c2.1));
+    for (i, _) in ids.iter().enumerate() {
+        raw.replay(&format!("syncs-{i}")).await?;
+    }
+    let c4 = counters(&mut admin).await?;
+    rows.push((
+        "raw SELECT (other sessions' writes: the noise floor)",
+        c4.0 - c3.0,
+        c4.1 - c3.1,
+    ));
+    println!(
+        "\nredo-log writes and fsyncs (Innodb_log_writes, Innodb_data_fsyncs, whole server, so \
+         other sessions add to them), {n} operations each on one connection:\n"
+    );
+    println!("| operations | log writes | fsyncs | fsyncs per operation |");
+    println!("|---|---|---|---|");
+    for (what, writes, syncs) in &rows {
+        println!(
+            "| {what} | {writes} | {syncs} | {:.3} |",
+            *syncs as f64 / n as f64
+        );
+    }
+    let replay = rows[1].2 as f64 / n as f64;
+    targets.check(
+        "mysql: a replay costs no fsync",
+        format!(
+            "{replay:.3} fsyncs per replay (new-key cycle: {:.3}; noise floor: {:.3})",
+            rows[0].2 as f64 / n as f64,
+            rows[3].2 as f64 / n as f64
+        ),
+        replay < 0.1,
+    );
+    drop(tables);
+    Ok(())
+}
