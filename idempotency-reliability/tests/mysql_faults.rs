@@ -587,18 +587,21 @@ async fn cancellation_storm_leaves_no_session_in_a_transaction() {
 /// and since every acknowledged commit was in InnoDB's log (`innodb_flush_log_at_trx_commit
 /// = 1`), the whole history, across the restart, is still linearizable with no double effect.
 ///
-/// The crash must be noticed (a call in flight fails): a run whose crash fell between calls
-/// proves nothing about it, and is run again (at most five runs); every run's history is
-/// checked whole all the same.
+/// The crash must be met: calls in flight when the server died, and at least 500 answered
+/// after the restart. The store recovers most calls in flight by itself (reads and claims are
+/// sent again on a fresh connection; a holder's lost completion is read back by the engine),
+/// so few or none fail; any that do fail only after the crash and at most 10 s after the
+/// restart. A run whose crash came after the soak (a fast machine) proves nothing about it
+/// and is run again (at most five runs); every run's history is checked whole all the same.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn restart_mid_soak() {
     for run in 1..=5 {
         if restart_mid_soak_once().await {
             return;
         }
-        eprintln!("run {run}: the crash fell between calls; running the scenario again");
+        eprintln!("run {run}: the soak did not outlast the crash; running the scenario again");
     }
-    panic!("the crash went unnoticed in five runs: no call was in flight when it came");
+    panic!("in five runs the soak never outlasted the crash and the restart");
 }
 
 /// One run of [`restart_mid_soak`]: `false` when no call noticed the crash.
@@ -642,32 +645,38 @@ async fn restart_mid_soak_once() -> bool {
         .collect();
     let early = failed.iter().filter(|t| **t < crashed).count();
     assert_eq!(early, 0, "{early} calls failed before the crash");
-    let Some(last_error) = failed.iter().max().copied() else {
-        return false;
-    };
-    let resumed_after = last_error.saturating_duration_since(restarted);
-    assert!(
-        resumed_after < Duration::from_secs(10),
-        "calls still failed {resumed_after:?} after the restart"
-    );
+    // Calls in flight when the server died: the store met the crash (it recovers most of
+    // them itself: reads and claims are sent again on a fresh connection, a holder's lost
+    // completion is read back by the engine, so few or none fail).
+    let spanning = report
+        .events
+        .iter()
+        .filter(|e| report.instant(e.op.call) < crashed && report.instant(e.ended) > crashed)
+        .count();
     let answered_after = report
         .events
         .iter()
-        .filter(|e| e.op.ret.is_some() && report.instant(e.op.call) > last_error)
+        .filter(|e| e.op.ret.is_some() && report.instant(e.op.call) > restarted)
         .count();
-    assert!(
-        answered_after >= 500,
-        "only {answered_after} calls answered after the last error: the run ended too soon"
-    );
+    if spanning == 0 || answered_after < 500 {
+        // The run ended before (or just as) the crash came: it proves nothing about it.
+        return false;
+    }
+    if let Some(last_error) = failed.iter().max() {
+        let resumed_after = last_error.saturating_duration_since(restarted);
+        assert!(
+            resumed_after < Duration::from_secs(10),
+            "calls still failed {resumed_after:?} after the restart"
+        );
+    }
     eprintln!(
-        "mysql restart under load: crash at {:.1} s, restarted {:.1} s later, {} calls failed \
-         (the last {:.2} s after the restart), {answered_after} answered after",
+        "mysql restart under load: crash at {:.1} s with {spanning} calls in flight, restarted \
+         {:.1} s later; {} calls failed, {answered_after} answered after the restart",
         crashed
             .duration_since(report.origin.expect("origin"))
             .as_secs_f64(),
         restarted.duration_since(crashed).as_secs_f64(),
         failed.len(),
-        resumed_after.as_secs_f64(),
     );
     true
 }
