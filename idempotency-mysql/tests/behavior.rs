@@ -451,14 +451,25 @@ async fn cancelled_calls_give_their_connections_back() {
             cut += 1;
         }
     }
+    every_connection_comes_back(&store, POOL, cut).await;
+    let req = request(Duration::from_secs(60));
+    assert!(matches!(
+        store.claim(&req).await.unwrap(),
+        Claim::Claimed { .. }
+    ));
+}
+
+/// Every one of the pool's `size` connections can be taken at once within 20 s of `cut`
+/// cancelled calls.
+async fn every_connection_comes_back(store: &MysqlStore, size: u32, cut: u32) {
     let started = Instant::now();
     let mut held = Vec::new();
-    while held.len() < POOL as usize {
+    while held.len() < size as usize {
         match tokio::time::timeout(Duration::from_millis(100), store.pool().acquire()).await {
             Ok(conn) => held.push(conn.unwrap()),
             Err(_) => assert!(
                 started.elapsed() < Duration::from_secs(20),
-                "{} of {POOL} connections came back within 20 s of {cut} cancelled calls \
+                "{} of {size} connections came back within 20 s of {cut} cancelled calls \
                  (size {}, idle {})",
                 held.len(),
                 store.pool().size(),
@@ -466,12 +477,6 @@ async fn cancelled_calls_give_their_connections_back() {
             ),
         }
     }
-    drop(held);
-    let req = request(Duration::from_secs(60));
-    assert!(matches!(
-        store.claim(&req).await.unwrap(),
-        Claim::Claimed { .. }
-    ));
 }
 
 /// A spread of deadlines from 0 to 3 ms, without a random number generator.
@@ -512,21 +517,7 @@ async fn cancelled_transactions_give_their_connections_back() {
             cut += 1;
         }
     }
-    let started = Instant::now();
-    let mut held = Vec::new();
-    while held.len() < POOL as usize {
-        match tokio::time::timeout(Duration::from_millis(100), store.pool().acquire()).await {
-            Ok(conn) => held.push(conn.unwrap()),
-            Err(_) => assert!(
-                started.elapsed() < Duration::from_secs(20),
-                "{} of {POOL} connections came back within 20 s of {cut} cancelled calls \
-                 (size {}, idle {})",
-                held.len(),
-                store.pool().size(),
-                store.pool().num_idle()
-            ),
-        }
-    }
+    every_connection_comes_back(&store, POOL, cut).await;
 }
 
 /// A call cancelled while its connection reads an answer, between a packet's header and its

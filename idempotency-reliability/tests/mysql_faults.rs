@@ -109,7 +109,6 @@ async fn kill(id: u64) -> bool {
         // 1094: unknown thread id, the session is gone.
         Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("HY000") => {
             assert!(e.message().contains("Unknown thread"), "KILL {id}: {e}");
-            eprintln!("KILL {id}: {e}");
             false
         }
         Err(e) => panic!("KILL {id}: {e}"),
