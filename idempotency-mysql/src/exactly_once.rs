@@ -32,19 +32,13 @@ impl MysqlTransaction {
     }
 
     /// Commits (`commit`) or rolls back the transaction. The connection goes back to the
-    /// pool only when the server answered.
+    /// pool only when the server answered: after an error, or if this future is dropped
+    /// before the answer, `open` is still set and the drop closes it.
     async fn end(mut self, commit: bool) -> Result<(), sqlx::Error> {
-        let result = {
-            let mut guard = CloseIfAbandoned::new(&mut self.conn);
-            let result = if commit {
-                Manager::commit(guard.conn()).await
-            } else {
-                Manager::rollback(guard.conn()).await
-            };
-            if result.is_ok() {
-                guard.finished();
-            }
-            result
+        let result = if commit {
+            Manager::commit(&mut self.conn).await
+        } else {
+            Manager::rollback(&mut self.conn).await
         };
         self.open = result.is_err();
         result
