@@ -2,11 +2,13 @@
 
 use crate::error::{config_error, connect_error};
 use crate::keys;
+use crate::sentinel::SentinelConnection;
 use crate::store::{Connection, RedisStore, ReplicaWait, Scripts};
 use idempotency_core::{duration_millis, Error};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
+use redis::sentinel::{SentinelClient, SentinelServerType};
 use redis::IntoConnectionInfo;
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,8 +20,8 @@ pub const DEFAULT_PREFIX: &str = "idempotency:";
 /// [`RedisStoreBuilder::expired_retention`] sets another.
 pub const DEFAULT_EXPIRED_RETENTION: Duration = Duration::from_secs(3600);
 
-/// Timeouts of the connections [`RedisStore::connect`] and [`RedisStore::connect_cluster`]
-/// open. A call that times out after being sent is reported as
+/// Timeouts of the connections [`RedisStore::connect`], [`RedisStore::connect_cluster`] and
+/// [`RedisStoreBuilder::connect_sentinel`] open. A call that times out after being sent is reported as
 /// [`Error::OutcomeUnknown`].
 pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 pub(crate) const RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -75,7 +77,8 @@ impl RedisStoreBuilder {
     /// choose from. `WAIT` also blocks the connection it is sent on, so every call on the
     /// store's connection waits behind a write whose replicas are slow, up to `timeout`.
     ///
-    /// Standalone servers (and primaries) only; refused on a cluster connection. `replicas`
+    /// Standalone servers, primaries and Sentinel-managed primaries; refused on a cluster
+    /// connection. `replicas`
     /// must be at least 1 and `timeout` between 1 ms and the connection's 5 s response
     /// timeout, or building the store is an [`Error::Config`].
     pub fn wait_for_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
@@ -130,6 +133,48 @@ impl RedisStoreBuilder {
         self.build_cluster(connection)
     }
 
+    /// Connects to the primary that Redis Sentinel names `primary_name`, given one or more
+    /// Sentinels: the store asks them for the primary, checks that it is one (`ROLE`), and
+    /// after a failover finds the new primary the same way. A call that finds the primary
+    /// gone (its connection failed, or the server answers `READONLY` because it came back
+    /// as a replica) makes the next call ask the Sentinels again; while they elect a new
+    /// primary, calls fail with a retryable error. 5 s connect and response timeouts.
+    ///
+    /// Replication is asynchronous: a write the old primary acknowledged can be lost in a
+    /// failover. [`RedisStoreBuilder::wait_for_replicas`] says what it takes to keep it.
+    ///
+    /// `sentinels` are Sentinel URLs such as `redis://127.0.0.1:26379`. For a primary that
+    /// needs a password, TLS or a database other than 0, build the
+    /// [`SentinelClient`] yourself and use [`RedisStoreBuilder::connect_sentinel_client`].
+    pub async fn connect_sentinel<T: IntoConnectionInfo>(
+        self,
+        sentinels: impl IntoIterator<Item = T>,
+        primary_name: &str,
+    ) -> Result<RedisStore, Error> {
+        let client = SentinelClient::build(
+            sentinels.into_iter().collect(),
+            primary_name.to_owned(),
+            None,
+            SentinelServerType::Master,
+        )
+        .map_err(config_error)?;
+        self.connect_sentinel_client(client).await
+    }
+
+    /// As [`RedisStoreBuilder::connect_sentinel`], with a [`SentinelClient`] you built (its
+    /// node settings carry the primary's password, TLS and database). It must ask for the
+    /// primary ([`SentinelServerType::Master`]); the store writes.
+    pub async fn connect_sentinel_client(
+        self,
+        client: SentinelClient,
+    ) -> Result<RedisStore, Error> {
+        keys::validate_prefix(&self.prefix)?;
+        let connection = SentinelConnection::connect(client, CONNECT_TIMEOUT, RESPONSE_TIMEOUT)
+            .await
+            .map_err(connect_error)?;
+        self.with_connection(Connection::Sentinel(Arc::new(connection)))
+    }
+
     /// A store on a connection manager you configured yourself (TLS, auth, timeouts).
     pub fn build(self, manager: ConnectionManager) -> Result<RedisStore, Error> {
         self.with_connection(Connection::Standalone(Box::new(manager)))
@@ -145,7 +190,7 @@ impl RedisStoreBuilder {
         if let Some(wait) = self.wait {
             if matches!(connection, Connection::Cluster(_)) {
                 return Err(Error::Config(
-                    "wait_for_replicas is for standalone servers, not a cluster connection".into(),
+                    "wait_for_replicas is for standalone and Sentinel-managed servers, not a cluster connection".into(),
                 ));
             }
             if wait.replicas == 0 {

@@ -5,6 +5,7 @@ mod decode;
 mod error;
 mod keys;
 mod scripts;
+mod sentinel;
 mod store;
 
 pub use builder::{RedisStoreBuilder, DEFAULT_EXPIRED_RETENTION, DEFAULT_PREFIX};

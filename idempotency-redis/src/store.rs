@@ -2,6 +2,7 @@
 
 use crate::decode::{cas_reply, claim_reply, get_reply, reclaim_reply};
 use crate::error::{call_error, read_error, NotAcknowledged};
+use crate::sentinel::SentinelConnection;
 use crate::{keys, scripts};
 use async_trait::async_trait;
 use idempotency_core::{
@@ -22,12 +23,14 @@ const _: () = assert!(
     1_000_000_000_000_000 + 2 * (idempotency_core::MAX_DURATION.as_millis() as i64) < 1 << 53
 );
 
-/// The connection the store talks through: both kinds multiplex concurrent calls over shared
-/// sockets and reconnect by themselves.
+/// The connection the store talks through: every kind multiplexes concurrent calls over
+/// shared sockets and reconnects by itself (through Sentinel, to whichever server is the
+/// primary now).
 #[derive(Clone)]
 pub(crate) enum Connection {
     Standalone(Box<ConnectionManager>),
     Cluster(ClusterConnection),
+    Sentinel(Arc<SentinelConnection>),
 }
 
 impl Connection {
@@ -36,6 +39,25 @@ impl Connection {
         match self {
             Self::Standalone(c) => cmd.query_async(&mut ConnectionManager::clone(c)).await,
             Self::Cluster(c) => cmd.query_async(&mut c.clone()).await,
+            Self::Sentinel(c) => c.query(cmd).await,
+        }
+    }
+
+    /// Sends a pipeline of one write script and its `WAIT` (never on a cluster: the builder
+    /// refuses it).
+    async fn query_with_wait(&self, pipe: &redis::Pipeline) -> Result<(Value, u32), RedisError> {
+        match self {
+            Self::Standalone(c) => pipe.query_async(&mut ConnectionManager::clone(c)).await,
+            Self::Sentinel(c) => pipe.query_async(&mut &**c).await,
+            Self::Cluster(c) => pipe.query_async(&mut c.clone()).await,
+        }
+    }
+
+    pub(crate) fn topology(&self) -> &'static str {
+        match self {
+            Self::Standalone(_) => "standalone",
+            Self::Cluster(_) => "cluster",
+            Self::Sentinel(_) => "sentinel",
         }
     }
 }
@@ -100,12 +122,8 @@ pub struct RedisStore {
 
 impl fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let topology = match self.connection {
-            Connection::Standalone(_) => "standalone",
-            Connection::Cluster(_) => "cluster",
-        };
         f.debug_struct("RedisStore")
-            .field("topology", &topology)
+            .field("topology", &self.connection.topology())
             .field("prefix", &self.prefix)
             .field("expired_retention_ms", &self.retention_ms)
             .field(
@@ -163,8 +181,7 @@ impl RedisStore {
         id: &RecordId,
         args: &[&[u8]],
     ) -> Result<(Value, Option<NotAcknowledged>), Error> {
-        let (Some(wait), Connection::Standalone(manager)) = (self.wait, &self.connection) else {
-            // The builder refuses a wait on a cluster connection.
+        let Some(wait) = self.wait else {
             return Ok((self.eval(script, id, args).await?, None));
         };
         let key = self.record_key(id);
@@ -179,10 +196,7 @@ impl RedisStore {
                 .arg(duration_millis(wait.timeout));
             p
         };
-        let send = |p: redis::Pipeline| async move {
-            p.query_async::<(Value, u32)>(&mut ConnectionManager::clone(manager))
-                .await
-        };
+        let send = |p: redis::Pipeline| async move { self.connection.query_with_wait(&p).await };
         let (value, acknowledged) = match send(pipe("EVALSHA", &script.sha)).await {
             Err(e) if e.kind() == ErrorKind::NoScriptError => {
                 send(pipe("EVAL", &script.source)).await

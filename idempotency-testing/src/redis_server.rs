@@ -121,8 +121,24 @@ impl RedisServer {
     /// arguments, and waits until it answers `PING`. `remove_dir` makes the watchdog delete
     /// `dir` once the server has stopped.
     pub fn start(port: u16, dir: &Path, extra: &[&str], remove_dir: bool) -> Option<Self> {
+        Self::launch(None, port, dir, extra, remove_dir)
+    }
+
+    /// [`RedisServer::start`], with a configuration file first on the command line when
+    /// `config` is given (Sentinel needs one it can rewrite).
+    fn launch(
+        config: Option<&Path>,
+        port: u16,
+        dir: &Path,
+        extra: &[&str],
+        remove_dir: bool,
+    ) -> Option<Self> {
         let port_s = port.to_string();
-        let mut args = vec![
+        let mut args: Vec<&str> = config
+            .map(|c| c.to_str().expect("utf-8 temp dir"))
+            .into_iter()
+            .collect();
+        args.extend([
             "--port",
             &port_s,
             "--bind",
@@ -135,7 +151,7 @@ impl RedisServer {
             "redis.log",
             "--protected-mode",
             "no",
-        ];
+        ]);
         args.extend_from_slice(extra);
         let mut cmd = Command::new("bash");
         cmd.arg("-c")
@@ -232,6 +248,211 @@ impl Drop for RedisServer {
             let _ = stdin.flush();
         }
         self.stop_watchdog();
+    }
+}
+
+/// A connection to `url` for a test's own commands (5 s timeouts).
+fn admin(url: &str) -> redis::RedisResult<redis::Connection> {
+    let conn = redis::Client::open(url)?.get_connection_with_timeout(Duration::from_secs(5))?;
+    conn.set_read_timeout(Some(Duration::from_secs(5)))?;
+    Ok(conn)
+}
+
+/// Polls `ready` every 50 ms until it holds, failing the test with `what` after `limit`.
+fn wait_until(limit: Duration, what: &str, mut ready: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !ready() {
+        assert!(start.elapsed() < limit, "{what} within {limit:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Whether the server at `url` reports `role`, and as a replica a live, synced link.
+fn has_role(url: &str, role: &str) -> bool {
+    let Ok(mut conn) = admin(url) else {
+        return false;
+    };
+    let info: String = redis::cmd("INFO")
+        .arg("replication")
+        .query(&mut conn)
+        .unwrap_or_default();
+    info.contains(&format!("role:{role}"))
+        && (role != "slave"
+            || (info.contains("master_link_status:up")
+                && !info.contains("master_sync_in_progress:1")))
+}
+
+/// A primary, one replica and three Sentinels (quorum 2) on free loopback ports, the
+/// Sentinels quick to act: the primary is taken for down after 1 s without an answer.
+#[derive(Debug)]
+pub struct SentinelGroup {
+    /// The name the Sentinels monitor the primary under.
+    pub name: String,
+    /// The data servers: the first started as the primary, the second as its replica. A
+    /// crashed one is `None` until it is restarted.
+    pub servers: Vec<Option<RedisServer>>,
+    /// The Sentinels.
+    pub sentinels: Vec<RedisServer>,
+}
+
+impl SentinelGroup {
+    /// Starts the group and waits until every Sentinel knows the replica and the other
+    /// Sentinels.
+    pub fn start() -> Self {
+        assert_redis_installed();
+        let name = "idem-primary".to_owned();
+        let primary = RedisServer::start_anywhere(&[]);
+        let replica = Self::replica_of(primary.port);
+        let sentinels: Vec<RedisServer> = (0..3)
+            .map(|_| RedisServer::start_sentinel(&name, primary.port))
+            .collect();
+        let group = Self {
+            name,
+            servers: vec![Some(primary), Some(replica)],
+            sentinels,
+        };
+        for sentinel in &group.sentinels {
+            wait_until(
+                Duration::from_secs(30),
+                "a Sentinel did not discover the replica and the other Sentinels",
+                || {
+                    let Ok(mut conn) = admin(&sentinel.url()) else {
+                        return false;
+                    };
+                    let fields: Vec<String> = redis::cmd("SENTINEL")
+                        .arg("MASTER")
+                        .arg(&group.name)
+                        .query(&mut conn)
+                        .unwrap_or_default();
+                    let field = |k: &str| {
+                        fields
+                            .iter()
+                            .position(|f| f == k)
+                            .and_then(|i| fields.get(i + 1))
+                            .cloned()
+                    };
+                    field("num-slaves").as_deref() == Some("1")
+                        && field("num-other-sentinels").as_deref() == Some("2")
+                },
+            );
+        }
+        group
+    }
+
+    /// Starts a replica of the server on `primary_port` and waits until it has synced.
+    fn replica_of(primary_port: u16) -> RedisServer {
+        let port = primary_port.to_string();
+        let replica = RedisServer::start_anywhere(&["--replicaof", "127.0.0.1", &port]);
+        let url = replica.url();
+        wait_until(Duration::from_secs(30), "the replica did not sync", || {
+            has_role(&url, "slave")
+        });
+        replica
+    }
+
+    /// The Sentinels' URLs.
+    pub fn sentinel_urls(&self) -> Vec<String> {
+        self.sentinels.iter().map(RedisServer::url).collect()
+    }
+
+    /// The primary's port as the first Sentinel that answers names it.
+    pub fn primary_port(&self) -> Option<u16> {
+        self.sentinels.iter().find_map(|s| {
+            let mut conn = admin(&s.url()).ok()?;
+            let addr: Vec<String> = redis::cmd("SENTINEL")
+                .arg("GET-MASTER-ADDR-BY-NAME")
+                .arg(&self.name)
+                .query(&mut conn)
+                .ok()?;
+            addr.get(1)?.parse().ok()
+        })
+    }
+
+    /// Kills the current primary with SIGKILL; returns its port.
+    pub fn crash_primary(&mut self) -> u16 {
+        let port = self.primary_port().expect("the Sentinels name a primary");
+        let slot = self
+            .servers
+            .iter_mut()
+            .find(|s| s.as_ref().is_some_and(|s| s.port == port))
+            .expect("the primary is one of the group's servers");
+        slot.take().expect("running").crash();
+        port
+    }
+
+    /// Waits until the Sentinels name a primary other than `old` and it reports the role;
+    /// returns its port.
+    pub fn wait_for_failover(&self, old: u16, limit: Duration) -> u16 {
+        let mut new = None;
+        wait_until(limit, "the Sentinels did not promote the replica", || {
+            new = self
+                .primary_port()
+                .filter(|p| *p != old && has_role(&format!("redis://127.0.0.1:{p}"), "master"));
+            new.is_some()
+        });
+        new.expect("checked")
+    }
+
+    /// Waits until the server on `port` reports `role` (`master`, or `slave` with a live,
+    /// synced link).
+    pub fn wait_for_role(&self, port: u16, role: &str, limit: Duration) {
+        let url = format!("redis://127.0.0.1:{port}");
+        wait_until(limit, &format!("port {port} never became {role}"), || {
+            has_role(&url, role)
+        });
+    }
+
+    /// Restarts the crashed server that listened on `port` as a replica of the primary on
+    /// `primary_port` (empty: it kept nothing on disk) and waits until it has synced.
+    pub fn rejoin(&mut self, port: u16, primary_port: u16) {
+        let slot = self
+            .servers
+            .iter_mut()
+            .find(|s| s.is_none())
+            .expect("a crashed server to restart");
+        let dir = tempfile::Builder::new()
+            .prefix("idem-redis-test-")
+            .tempdir()
+            .expect("temp dir")
+            .keep();
+        let primary = primary_port.to_string();
+        let server = RedisServer::start(port, &dir, &["--replicaof", "127.0.0.1", &primary], true)
+            .unwrap_or_else(|| panic!("could not restart redis-server on port {port}"));
+        let url = server.url();
+        wait_until(
+            Duration::from_secs(30),
+            "the restarted server did not sync",
+            || has_role(&url, "slave"),
+        );
+        *slot = Some(server);
+    }
+}
+
+impl RedisServer {
+    /// Starts a Sentinel on a free port that monitors the primary on `primary_port` as
+    /// `name` (quorum 2, down after 1 s, failover timeout 5 s).
+    pub fn start_sentinel(name: &str, primary_port: u16) -> Self {
+        for _ in 0..5 {
+            let dir = tempfile::Builder::new()
+                .prefix("idem-sentinel-test-")
+                .tempdir()
+                .expect("temp dir")
+                .keep();
+            let config = dir.join("sentinel.conf");
+            std::fs::write(
+                &config,
+                format!(
+                    "sentinel monitor {name} 127.0.0.1 {primary_port} 2\n\
+                     sentinel down-after-milliseconds {name} 1000\n\
+                     sentinel failover-timeout {name} 5000\n"
+                ),
+            )
+            .expect("write sentinel.conf");
+            if let Some(s) = Self::launch(Some(&config), free_port(), &dir, &["--sentinel"], true) {
+                return s;
+            }
+        }
+        panic!("could not start a Sentinel on a free loopback port");
     }
 }
 
