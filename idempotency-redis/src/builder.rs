@@ -68,8 +68,12 @@ impl RedisStoreBuilder {
     /// is a retryable [`Error::Backend`] (its Pending record holds the key until its lease
     /// passes), a completion or a failure is [`Error::OutcomeUnknown`] (the engine retries it
     /// and reads it back, and holds the key if it stays unknown), an extension or a reclaim a
-    /// retryable error. Reads, and calls that wrote nothing (a claim that found the key
-    /// taken, a fenced compare-and-swap), answer as usual.
+    /// retryable error. Reads are followed by `WAIT` too: it waits for every write the
+    /// server had made when the read ran, so a claim that found the key taken, or a `get`,
+    /// is answered only once the replicas have what it saw, and is a retryable error
+    /// otherwise. Without this, another instance could replay a completion that only the
+    /// old primary had, and after the failover the work would run again. A fenced
+    /// compare-and-swap answers as usual (it wrote nothing and stops the caller).
     ///
     /// `WAIT` makes a lost write unlikely, not impossible: it says the write reached the
     /// replicas' memory, not their disks, and a failover may still promote a replica that
@@ -137,8 +141,11 @@ impl RedisStoreBuilder {
     /// Sentinels: the store asks them for the primary, checks that it is one (`ROLE`), and
     /// after a failover finds the new primary the same way. A call that finds the primary
     /// gone (its connection failed, or the server answers `READONLY` because it came back
-    /// as a replica) makes the next call ask the Sentinels again; while they elect a new
-    /// primary, calls fail with a retryable error. 5 s connect and response timeouts.
+    /// as a replica) makes the next call ask the Sentinels again, and go on asking while they
+    /// elect a new primary: calls made during a failover wait for it, up to the 5 s connect
+    /// timeout, then fail with a retryable error (nothing was sent). 5 s response timeout.
+    /// Calls that were in flight when the primary died end as usual for a lost connection
+    /// (a write's outcome is unknown).
     ///
     /// Replication is asynchronous: a write the old primary acknowledged can be lost in a
     /// failover. [`RedisStoreBuilder::wait_for_replicas`] says what it takes to keep it.

@@ -47,14 +47,14 @@ pub(crate) fn read_error(e: Error) -> Error {
     }
 }
 
-/// A write fewer replicas acknowledged than
+/// A write (or a read: what it saw) fewer replicas acknowledged than
 /// [`RedisStoreBuilder::wait_for_replicas`](crate::RedisStoreBuilder::wait_for_replicas)
-/// asks for, within its timeout: the primary applied it, but a failover may lose it, so it
-/// is not trusted. The source of the [`Error::Backend`] or [`Error::OutcomeUnknown`] the
+/// asks for, within its timeout: the primary has it, but a failover may lose it, so it is
+/// not trusted. The source of the [`Error::Backend`] or [`Error::OutcomeUnknown`] the
 /// call returns; find it with [`Error::find_source`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "{operation}: {acknowledged} of the {wanted} replicas asked for acknowledged the write \
+    "{operation}: {acknowledged} of the {wanted} replicas asked for caught up with it \
      within {timeout:?}, so it is not trusted"
 )]
 pub struct NotAcknowledged {

@@ -4,14 +4,15 @@
 //! it does not notice a failover. This connection keeps one multiplexed connection to the
 //! current primary and drops it when a call shows that the primary is gone or no longer a
 //! primary (the connection failed, or the server answered `READONLY`: a former primary that
-//! came back as a replica). The next call asks the Sentinels again, so calls fail with a
-//! retryable error while the Sentinels elect a new primary, then reach it.
+//! came back as a replica). The next call asks the Sentinels again, and goes on asking while
+//! they elect a new primary (up to the connect timeout), so a call made during a failover
+//! waits for the new primary instead of failing at once.
 
 use redis::aio::{ConnectionLike, MultiplexedConnection};
 use redis::sentinel::SentinelClient;
 use redis::{AsyncConnectionConfig, Cmd, ErrorKind, Pipeline, RedisError, RedisFuture, Value};
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// The current primary's connection, and a generation number that tells one connection
 /// from the next (a call that failed on an old connection must not drop a new one).
@@ -20,13 +21,27 @@ struct Current {
     connection: MultiplexedConnection,
 }
 
+/// The Sentinel client and how its last search for a primary ended.
+struct Lookup {
+    client: SentinelClient,
+    /// When the last search gave up, and why: callers that waited for that search fail
+    /// with its error instead of each searching again.
+    gave_up: Option<(Instant, String)>,
+}
+
+/// The first pause between two questions to the Sentinels while no primary is found; it
+/// doubles up to [`MAX_PAUSE`].
+const FIRST_PAUSE: Duration = Duration::from_millis(25);
+const MAX_PAUSE: Duration = Duration::from_millis(400);
+
 pub(crate) struct SentinelConnection {
     /// Asking the Sentinels takes `&mut`; the lock also makes callers that find no
-    /// connection wait for one lookup instead of each running their own.
-    client: tokio::sync::Mutex<SentinelClient>,
+    /// connection wait for one search instead of each running their own.
+    lookup: tokio::sync::Mutex<Lookup>,
     current: Mutex<Option<Current>>,
     config: AsyncConnectionConfig,
-    /// Bounds one lookup: asking the Sentinels, checking the primary's role, connecting.
+    /// How long one search for a primary may take: asking the Sentinels (again and again
+    /// while they elect one), checking the primary's role, connecting.
     connect_timeout: Duration,
 }
 
@@ -38,7 +53,10 @@ impl SentinelConnection {
         response_timeout: Duration,
     ) -> Result<Self, RedisError> {
         let connection = Self {
-            client: tokio::sync::Mutex::new(client),
+            lookup: tokio::sync::Mutex::new(Lookup {
+                client,
+                gave_up: None,
+            }),
             current: Mutex::new(None),
             config: AsyncConnectionConfig::new()
                 .set_connection_timeout(connect_timeout)
@@ -56,28 +74,49 @@ impl SentinelConnection {
             .map(|c| (c.generation, c.connection.clone()))
     }
 
-    /// The current primary's connection, looked up through the Sentinels if there is none.
+    /// The current primary's connection. With none, the first caller searches for the
+    /// primary through the Sentinels, asking again with a growing pause while they name none
+    /// that answers as a primary (during a failover), for up to the connect timeout; callers
+    /// that arrive meanwhile wait for its result.
     async fn get(&self) -> Result<(u64, MultiplexedConnection), RedisError> {
         if let Some(current) = self.current() {
             return Ok(current);
         }
-        let mut client = self.client.lock().await;
-        // Another caller may have connected while this one waited for the lock.
+        let arrived = Instant::now();
+        let mut lookup = self.lookup.lock().await;
+        // Another caller may have connected, or given up, while this one waited.
         if let Some(current) = self.current() {
             return Ok(current);
         }
-        // Nothing was sent to a primary yet: a failed lookup is reported as a refused
-        // connection, which callers retry.
-        let connection = match tokio::time::timeout(
-            self.connect_timeout,
-            client.get_async_connection_with_config(&self.config),
-        )
-        .await
-        {
-            Ok(Ok(connection)) => connection,
-            Ok(Err(e)) => return Err(not_reached(&e)),
-            Err(_) => return Err(not_reached(&"no answer in time")),
+        if let Some((at, why)) = &lookup.gave_up {
+            if *at >= arrived {
+                return Err(not_reached(why));
+            }
+        }
+        let deadline = arrived + self.connect_timeout;
+        let mut pause = FIRST_PAUSE;
+        // Nothing is sent to a primary until one is found: a search that gives up is
+        // reported as a refused connection, which callers retry.
+        let connection = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let why = match tokio::time::timeout(
+                left,
+                lookup.client.get_async_connection_with_config(&self.config),
+            )
+            .await
+            {
+                Ok(Ok(connection)) => break connection,
+                Ok(Err(e)) => e.to_string(),
+                Err(_) => "no answer in time".to_owned(),
+            };
+            if Instant::now() + pause >= deadline {
+                lookup.gave_up = Some((Instant::now(), why.clone()));
+                return Err(not_reached(&why));
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(MAX_PAUSE);
         };
+        lookup.gave_up = None;
         let mut current = self.current.lock().unwrap_or_else(|p| p.into_inner());
         let generation = current.as_ref().map_or(0, |c| c.generation) + 1;
         *current = Some(Current {

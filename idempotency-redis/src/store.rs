@@ -171,8 +171,9 @@ impl RedisStore {
 }
 
 impl RedisStore {
-    /// Runs the write `script`: as [`RedisStore::eval`], followed in the same round trip by
-    /// `WAIT` when the store waits for replicas. Returns the script's reply and, when the
+    /// Runs `script` (a write, or a read that must only be trusted once the replicas have
+    /// what it saw): as [`RedisStore::eval`], followed in the same round trip by `WAIT` when
+    /// the store waits for replicas. Returns the script's reply and, when the
     /// write was not acknowledged by enough replicas in time, what is missing.
     async fn eval_write(
         &self,
@@ -248,9 +249,13 @@ impl IdempotencyStore for RedisStore {
                 ],
             )
             .await?;
-        match (claim_reply(value, &request.id)?, missing) {
-            (Claim::Claimed { .. }, Some(missing)) => Err(untrusted(missing, false)),
-            (claim, _) => Ok(claim),
+        // A claim that took the key, and also one that found it: `WAIT` after a read waits
+        // for every write the server had made when the read ran, so a short count says what
+        // was read may be lost in a failover (a completion another instance wrote, say). It
+        // must not be answered from.
+        match missing {
+            Some(missing) => Err(untrusted(missing, false)),
+            None => claim_reply(value, &request.id),
         }
     }
 
@@ -360,10 +365,15 @@ impl IdempotencyStore for RedisStore {
     }
 
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
-        let value = self
-            .eval(&self.scripts.get, id, &[])
+        // With `wait_for_replicas`, a read is trusted only once the replicas have what it saw
+        // (the engine reads a completion back after an unknown outcome).
+        let (value, missing) = self
+            .eval_write("get", &self.scripts.get, id, &[])
             .await
             .map_err(read_error)?;
+        if let Some(missing) = missing {
+            return Err(untrusted(missing, false));
+        }
         get_reply(value, id)
     }
 

@@ -8,7 +8,8 @@ use idempotency_core::{
     Cas, Claim, ClaimRequest, Error, FencingToken, Fingerprint, IdempotencyKey, IdempotencyStore,
     RecordId, RecordStatus, Scope,
 };
-use idempotency_redis::{redis, RedisStore};
+use idempotency_redis::{redis, NotAcknowledged, RedisStore};
+use idempotency_testing::partition::PartitionProxy;
 use idempotency_testing::redis_server::SentinelGroup;
 use std::time::{Duration, Instant};
 
@@ -98,10 +99,6 @@ async fn a_killed_primary_is_replaced_and_acknowledged_writes_survive() {
     })
     .await
     .unwrap();
-    let (answer, failures) = get_until_answered(&store, &done).await;
-    let record = answer.expect("an acknowledged completion survives the failover");
-    assert_eq!(record.status, RecordStatus::Completed);
-    assert_eq!(record.outcome.as_deref(), Some(&b"outcome"[..]));
     let (new, mut group) = tokio::task::spawn_blocking(move || {
         let new = group.wait_for_failover(old, FAILOVER_LIMIT);
         (new, group)
@@ -109,16 +106,41 @@ async fn a_killed_primary_is_replaced_and_acknowledged_writes_survive() {
     .await
     .unwrap();
     assert_ne!(new, old);
-    eprintln!("failover from port {old} to {new}; {failures} reads failed (retryable) meanwhile");
-
-    // The held key is still held by its holder, whose completion now reaches the new primary
-    // once a replica acknowledges it: the crashed server rejoins as the new primary's replica.
+    // Until a replica is back, nothing the new primary has can be acknowledged: reads are
+    // refused too (retryably). The crashed server rejoins as the new primary's replica.
+    let start = Instant::now();
+    loop {
+        match store.get(&done).await {
+            Err(
+                e @ Error::Backend {
+                    retryable: true, ..
+                },
+            ) => {
+                if e.find_source::<NotAcknowledged>().is_some() {
+                    break;
+                }
+                // Still on the dead primary's connection, or looking for the new one.
+                assert!(start.elapsed() < FAILOVER_LIMIT, "{e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            other => panic!("a read no replica acknowledged was answered: {other:?}"),
+        }
+    }
     let group = tokio::task::spawn_blocking(move || {
         group.rejoin(old, new);
         group
     })
     .await
     .unwrap();
+    let (answer, failures) = get_until_answered(&store, &done).await;
+    let record = answer.expect("an acknowledged completion survives the failover");
+    assert_eq!(record.status, RecordStatus::Completed);
+    assert_eq!(record.outcome.as_deref(), Some(&b"outcome"[..]));
+    eprintln!(
+        "failover from port {old} to {new}; {failures} reads failed (retryable) after the rejoin"
+    );
+
+    // The held key is still held by its holder, whose completion reaches the new primary.
     assert!(matches!(
         store.claim(&request(&held)).await.unwrap(),
         Claim::Existing { .. }
@@ -227,4 +249,97 @@ async fn no_sentinel_answering_is_a_retryable_connect_error() {
         ),
         "{err:?}"
     );
+}
+
+/// One instance completes a key while the replication link is cut; another instance claims
+/// the key meanwhile. The completion is on the primary only, so the second instance must not
+/// trust it: if it answered with the outcome (a replay) and the primary then died, the new
+/// primary would hold the key as Pending, and once the lease passed the work would run again
+/// behind an outcome a client was already given. With `wait_for_replicas`, an observation is
+/// trusted only once a replica has everything it saw.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unacknowledged_completion_is_not_replayed_by_another_instance() {
+    let runtime = tokio::runtime::Handle::current();
+    let (group, link) = tokio::task::spawn_blocking(move || {
+        let mut link = None;
+        let group = SentinelGroup::start_linked(
+            |primary| {
+                let proxy =
+                    runtime.block_on(PartitionProxy::start(([127, 0, 0, 1], primary).into()));
+                let port = proxy.addr().port();
+                link = Some(proxy);
+                port
+            },
+            Duration::from_secs(600),
+        );
+        (group, link.expect("the replica's link"))
+    })
+    .await
+    .unwrap();
+    let writer = sentinel_store_builder()
+        .connect_sentinel(group.sentinel_urls(), &group.name)
+        .await
+        .unwrap();
+    let reader = sentinel_store_builder()
+        .connect_sentinel(group.sentinel_urls(), &group.name)
+        .await
+        .unwrap();
+    // Both instances have run every script once, so nothing waits on a script load later.
+    completed(&writer).await;
+    let warm = id();
+    reader.claim(&request(&warm)).await.unwrap();
+    let key = id();
+    let token = claimed(&writer, &key).await;
+
+    link.partition();
+    let completion = {
+        let (writer, key) = (writer.clone(), key.clone());
+        tokio::spawn(async move { writer.complete(&key, token, b"outcome", TTL).await })
+    };
+    // Until the completion reached the primary, the reader sees the key Pending; then it must
+    // see an error, never the completed outcome.
+    let start = Instant::now();
+    let observed = loop {
+        let claim = reader.claim(&request(&key).with_count_hit(false)).await;
+        match claim {
+            Ok(Claim::Existing { record, .. }) if record.status == RecordStatus::Pending => {
+                assert!(
+                    start.elapsed() < FAILOVER_LIMIT,
+                    "the completion never reached the primary"
+                );
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            other => break other,
+        }
+    };
+    assert!(
+        matches!(
+            observed,
+            Err(Error::Backend {
+                retryable: true,
+                ..
+            })
+        ),
+        "a completion no replica has was trusted by another instance: {observed:?}"
+    );
+    let unknown = completion.await.unwrap().unwrap_err();
+    assert!(
+        matches!(unknown, Error::OutcomeUnknown { .. }),
+        "{unknown:?}"
+    );
+
+    // What trusting it would have cost: the primary dies with the completion.
+    let group = tokio::task::spawn_blocking(move || {
+        let mut group = group;
+        let old = group.crash_primary();
+        drop(link);
+        let new = group.wait_for_failover(old, FAILOVER_LIMIT);
+        group.rejoin(old, new);
+        group
+    })
+    .await
+    .unwrap();
+    let (after, _) = get_until_answered(&reader, &key).await;
+    assert_eq!(after.unwrap().status, RecordStatus::Pending);
+    drop(group);
 }

@@ -227,13 +227,28 @@ impl RedisServer {
 
     /// Kills the server with SIGKILL, as a crash would, and waits until it is gone.
     pub fn crash(mut self) {
+        self.signal("-KILL");
+        self.stop_watchdog();
+    }
+
+    /// Freezes the server (SIGSTOP): it keeps its connections but answers nothing, as a
+    /// server stalled by its host would, until [`RedisServer::resume`].
+    pub fn pause(&self) {
+        self.signal("-STOP");
+    }
+
+    /// Lets a [`paused`](RedisServer::pause) server run again (SIGCONT).
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, signal: &str) {
         let status = Command::new("kill")
-            .arg("-KILL")
+            .arg(signal)
             .arg(self.pid.to_string())
             .status()
             .expect("run kill");
-        assert!(status.success(), "kill -KILL {} failed", self.pid);
-        self.stop_watchdog();
+        assert!(status.success(), "kill {signal} {} failed", self.pid);
     }
 
     fn stop_watchdog(&mut self) {
@@ -297,14 +312,23 @@ pub struct SentinelGroup {
 
 impl SentinelGroup {
     /// Starts the group and waits until every Sentinel knows the replica and the other
-    /// Sentinels.
+    /// Sentinels. The Sentinels' failover timeout is 5 s.
     pub fn start() -> Self {
+        Self::start_linked(|primary| primary, Duration::from_secs(5))
+    }
+
+    /// [`SentinelGroup::start`], with the replica replicating from the port `link` returns
+    /// for the primary's port (a proxy of the test's, say, to cut the replication link), and
+    /// the Sentinels' `failover-timeout` set to `failover_timeout`. Sentinel repoints a
+    /// replica that replicates from an address other than the primary's once that timeout
+    /// has passed, so a linked group needs one longer than the test.
+    pub fn start_linked(link: impl FnOnce(u16) -> u16, failover_timeout: Duration) -> Self {
         assert_redis_installed();
         let name = "idem-primary".to_owned();
         let primary = RedisServer::start_anywhere(&[]);
-        let replica = Self::replica_of(primary.port);
+        let replica = Self::replica_of(link(primary.port));
         let sentinels: Vec<RedisServer> = (0..3)
-            .map(|_| RedisServer::start_sentinel(&name, primary.port))
+            .map(|_| RedisServer::start_sentinel(&name, primary.port, failover_timeout))
             .collect();
         let group = Self {
             name,
@@ -366,6 +390,15 @@ impl SentinelGroup {
                 .ok()?;
             addr.get(1)?.parse().ok()
         })
+    }
+
+    /// The running data server that is not on `primary_port`.
+    pub fn replica(&self, primary_port: u16) -> &RedisServer {
+        self.servers
+            .iter()
+            .flatten()
+            .find(|s| s.port != primary_port)
+            .expect("a running replica")
     }
 
     /// Kills the current primary with SIGKILL; returns its port.
@@ -430,8 +463,9 @@ impl SentinelGroup {
 
 impl RedisServer {
     /// Starts a Sentinel on a free port that monitors the primary on `primary_port` as
-    /// `name` (quorum 2, down after 1 s, failover timeout 5 s).
-    pub fn start_sentinel(name: &str, primary_port: u16) -> Self {
+    /// `name` (quorum 2, down after 1 s).
+    pub fn start_sentinel(name: &str, primary_port: u16, failover_timeout: Duration) -> Self {
+        let failover_ms = failover_timeout.as_millis();
         for _ in 0..5 {
             let dir = tempfile::Builder::new()
                 .prefix("idem-sentinel-test-")
@@ -444,7 +478,7 @@ impl RedisServer {
                 format!(
                     "sentinel monitor {name} 127.0.0.1 {primary_port} 2\n\
                      sentinel down-after-milliseconds {name} 1000\n\
-                     sentinel failover-timeout {name} 5000\n"
+                     sentinel failover-timeout {name} {failover_ms}\n"
                 ),
             )
             .expect("write sentinel.conf");
