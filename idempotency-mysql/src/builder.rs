@@ -10,6 +10,10 @@ use std::time::Duration;
 /// [`MysqlStoreBuilder::conflict_retries`] says otherwise.
 pub(crate) const DEFAULT_CONFLICT_RETRIES: u32 = 16;
 
+/// How long the store waits for the answer to one of its statements, unless
+/// [`MysqlStoreBuilder::response_timeout`] says otherwise.
+pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// Builds a [`MysqlStore`] with a chosen table and pool settings.
 ///
 /// The name is validated when the store is built ([`MysqlStoreBuilder::connect`] or
@@ -21,6 +25,7 @@ pub struct MysqlStoreBuilder {
     acquire_timeout: Duration,
     connect_timeout: Duration,
     conflict_retries: u32,
+    response_timeout: Duration,
 }
 
 impl Default for MysqlStoreBuilder {
@@ -31,6 +36,7 @@ impl Default for MysqlStoreBuilder {
             acquire_timeout: Duration::from_secs(10),
             connect_timeout: Duration::from_secs(10),
             conflict_retries: DEFAULT_CONFLICT_RETRIES,
+            response_timeout: DEFAULT_RESPONSE_TIMEOUT,
         }
     }
 }
@@ -68,6 +74,24 @@ impl MysqlStoreBuilder {
         self
     }
 
+    /// How long the store waits for the answer to one of its statements (default
+    /// [`DEFAULT_RESPONSE_TIMEOUT`], 30 s). Past it the connection is closed (it is stuck
+    /// mid-statement) and the call ends: a read or a claim with a retryable error, a
+    /// compare-and-swap with [`idempotency_core::Error::OutcomeUnknown`] (it may have
+    /// applied; the engine retries it and reads it back), a statement of an exactly-once
+    /// transaction with a retryable error (nothing of the transaction committed), its commit
+    /// with an unknown outcome that holds the key. Each has [`MysqlError::NoAnswer`] as its
+    /// source. Without it, a network partition (no reset, no answer) would hold a call for as
+    /// long as TCP keeps trying, many minutes.
+    ///
+    /// A statement can legitimately wait this long only on a lock, and InnoDB gives up on a
+    /// lock after `innodb_lock_wait_timeout` (50 s by default): keep this above the lock
+    /// waits you expect.
+    pub fn response_timeout(mut self, timeout: Duration) -> Self {
+        self.response_timeout = timeout;
+        self
+    }
+
     /// Builds the store over an existing pool, whose settings are kept (its `after_connect`,
     /// for example, may set the sessions' isolation level).
     ///
@@ -76,7 +100,12 @@ impl MysqlStoreBuilder {
     /// round trip per step.
     pub fn build(self, pool: MySqlPool) -> Result<MysqlStore, MysqlError> {
         let name = TableName::new(&self.table)?;
-        Ok(MysqlStore::assemble(pool, name, self.conflict_retries))
+        Ok(MysqlStore::assemble(
+            pool,
+            name,
+            self.conflict_retries,
+            self.response_timeout,
+        ))
     }
 
     /// Connects to `url` (`mysql://user:password@host:port/database?ssl-mode=…`) and builds
@@ -117,6 +146,11 @@ impl MysqlStoreBuilder {
             .acquire_timeout(self.acquire_timeout)
             .test_before_acquire(false)
             .connect_lazy_with(options);
-        Ok(MysqlStore::assemble(pool, name, self.conflict_retries))
+        Ok(MysqlStore::assemble(
+            pool,
+            name,
+            self.conflict_retries,
+            self.response_timeout,
+        ))
     }
 }

@@ -51,6 +51,16 @@ pub enum MysqlError {
         /// What differs.
         detail: String,
     },
+    /// The server did not answer a statement within the store's response timeout
+    /// ([`crate::MysqlStoreBuilder::response_timeout`]): a network partition, a server that
+    /// stopped answering, or a lock held that long. The connection was closed. A write that
+    /// got no answer may have applied; the core error says so
+    /// ([`Error::OutcomeUnknown`]).
+    #[error("MySQL did not answer within {after:?}; the connection was closed")]
+    NoAnswer {
+        /// The response timeout.
+        after: std::time::Duration,
+    },
     /// Any other database error while setting up.
     #[error("database error: {source}")]
     Database {
@@ -65,6 +75,7 @@ impl MysqlError {
     pub fn is_retryable(&self) -> bool {
         match self {
             Self::Connect { source } | Self::Database { source } => sqlx_retryable(source),
+            Self::NoAnswer { .. } => true,
             Self::InvalidName { .. }
             | Self::InvalidUrl { .. }
             | Self::MissingTable { .. }

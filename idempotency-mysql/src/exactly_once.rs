@@ -8,6 +8,7 @@ use crate::MysqlStore;
 use idempotency_core::{async_trait, Begun, CommitError, Error, Lease, TransactionalStore};
 use sqlx::pool::PoolConnection;
 use sqlx::{Database, MySql, MySqlConnection, TransactionManager};
+use std::time::Duration;
 
 type Manager = <MySql as Database>::TransactionManager;
 
@@ -34,15 +35,28 @@ impl MysqlTransaction {
     /// Commits (`commit`) or rolls back the transaction. The connection goes back to the
     /// pool only when the server answered: after an error, or if this future is dropped
     /// before the answer, `open` is still set and the drop closes it.
-    async fn end(mut self, commit: bool) -> Result<(), sqlx::Error> {
-        let result = if commit {
-            Manager::commit(&mut self.conn).await
-        } else {
-            Manager::rollback(&mut self.conn).await
+    async fn end(mut self, commit: bool, timeout: Duration) -> Result<(), Ended> {
+        let ending = async {
+            if commit {
+                Manager::commit(&mut self.conn).await
+            } else {
+                Manager::rollback(&mut self.conn).await
+            }
+        };
+        let result = match tokio::time::timeout(timeout, ending).await {
+            Ok(answer) => answer.map_err(Ended::Error),
+            Err(_) => Err(Ended::NoAnswer),
         };
         self.open = result.is_err();
         result
     }
+}
+
+/// How ending a transaction failed.
+enum Ended {
+    Error(sqlx::Error),
+    /// No answer within the response timeout.
+    NoAnswer,
 }
 
 impl Drop for MysqlTransaction {
@@ -85,25 +99,26 @@ impl TransactionalStore for MysqlStore {
     }
 
     async fn commit(&self, tx: MysqlTransaction) -> Result<(), CommitError> {
-        match tx.end(true).await {
+        match tx.end(true, self.response_timeout).await {
             Ok(()) => Ok(()),
             // The server rolled the transaction back: nothing of it committed.
-            Err(e) if is_conflict(&e) => Err(CommitError::NotCommitted(map_sqlx(
+            Err(Ended::Error(e)) if is_conflict(&e) => Err(CommitError::NotCommitted(map_sqlx(
                 e,
                 &self.quoted,
                 Effect::None,
             ))),
-            // A lost connection, or anything else: the commit may have applied.
-            Err(e) => Err(CommitError::Unknown(map_sqlx(
+            // A lost connection, no answer, or anything else: the commit may have applied.
+            Err(Ended::Error(e)) => Err(CommitError::Unknown(map_sqlx(
                 e,
                 &self.quoted,
                 Effect::Write,
             ))),
+            Err(Ended::NoAnswer) => Err(CommitError::Unknown(self.no_answer(Effect::Write))),
         }
     }
 
     async fn rollback(&self, tx: MysqlTransaction) {
-        let _ = tx.end(false).await;
+        let _ = tx.end(false, self.response_timeout).await;
     }
 
     /// Deadlocks (1213, InnoDB rolled the transaction back) and lock wait timeouts (1205,
@@ -136,7 +151,11 @@ impl MysqlStore {
                 let mut guard = CloseIfAbandoned::new(&mut conn);
                 // Through sqlx's transaction manager, so that the work's own `begin()` on the
                 // connection makes a savepoint, never a second `BEGIN` (which would commit).
-                let begun = Manager::begin(guard.conn(), None).await;
+                // Unanswered in time, the guard closes the connection.
+                let begun =
+                    tokio::time::timeout(self.response_timeout, Manager::begin(guard.conn(), None))
+                        .await
+                        .map_err(|_| self.no_answer(Effect::None))?;
                 if begun.is_ok() {
                     guard.finished();
                 }

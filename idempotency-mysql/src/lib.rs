@@ -12,7 +12,7 @@ mod schema;
 mod sql;
 mod store;
 
-pub use builder::MysqlStoreBuilder;
+pub use builder::{MysqlStoreBuilder, DEFAULT_RESPONSE_TIMEOUT};
 pub use error::MysqlError;
 pub use exactly_once::MysqlTransaction;
 pub use idempotency::MysqlIdempotency;

@@ -34,10 +34,12 @@ enum OnLoss {
     Report,
 }
 
-/// How one attempt at a statement failed: before it was sent (no connection), or after.
+/// How one attempt at a statement failed: before it was sent (no connection), after, or
+/// with no answer within the response timeout (the connection was closed).
 enum Attempt {
     NotSent(sqlx::Error),
     Sent(sqlx::Error),
+    NoAnswer,
 }
 
 /// A MySQL (MariaDB) [`IdempotencyStore`].
@@ -54,6 +56,7 @@ pub struct MysqlStore {
     pub(crate) quoted: Arc<str>,
     sql: Arc<Statements>,
     conflict_retries: u32,
+    pub(crate) response_timeout: Duration,
 }
 
 impl MysqlStore {
@@ -81,16 +84,23 @@ impl MysqlStore {
             pool,
             TableName::default(),
             crate::builder::DEFAULT_CONFLICT_RETRIES,
+            crate::builder::DEFAULT_RESPONSE_TIMEOUT,
         )
     }
 
-    pub(crate) fn assemble(pool: MySqlPool, name: TableName, conflict_retries: u32) -> Self {
+    pub(crate) fn assemble(
+        pool: MySqlPool,
+        name: TableName,
+        conflict_retries: u32,
+        response_timeout: Duration,
+    ) -> Self {
         Self {
             quoted: name.quoted().into(),
             sql: Arc::new(Statements::new(&name)),
             pool,
             name,
             conflict_retries,
+            response_timeout,
         }
     }
 
@@ -139,6 +149,11 @@ impl MysqlStore {
     /// whatever the isolation level, so a heartbeat committed meanwhile from another
     /// connection does not make it miss. The row stays locked until the transaction ends.
     /// [`crate::MysqlIdempotency`] does all of this for you.
+    ///
+    /// Unanswered within the response timeout, the statement ends with a retryable error
+    /// whose source is [`MysqlError::NoAnswer`]: nothing committed, but the connection is
+    /// stuck mid-statement, so close it (`close_on_drop` on a pooled connection) rather than
+    /// roll back on it.
     pub async fn complete_in(
         &self,
         tx: &mut MySqlConnection,
@@ -150,15 +165,18 @@ impl MysqlStore {
         let Ok(t) = i64::try_from(token.0) else {
             return Err(Error::LeaseLost { token });
         };
-        let done = sqlx::query(&self.sql.complete)
+        let statement = sqlx::query(&self.sql.complete)
             .bind(outcome)
             .bind(duration_millis(ttl))
             .bind(id.scope.as_str().as_bytes())
             .bind(id.key.as_str().as_bytes())
             .bind(t)
-            .execute(&mut *tx)
+            .execute(&mut *tx);
+        let done = tokio::time::timeout(self.response_timeout, statement)
             .await
-            // Nothing commits until the caller commits: a lost connection applied nothing.
+            // Nothing commits until the caller commits: a statement without an answer, or a
+            // lost connection, applied nothing.
+            .map_err(|_| self.no_answer(Effect::None))?
             .map_err(|e| map_sqlx(e, &self.quoted, Effect::None))?;
         match done.rows_affected() {
             0 => Err(Error::LeaseLost { token }),
@@ -193,6 +211,11 @@ impl MysqlStore {
         loop {
             match self.once(fetch, query()).await {
                 Ok(v) => return Ok(v),
+                // Not sent again: in a partition the next connection would wait as long.
+                Err(Attempt::NoAnswer) => {
+                    let unknown = on_loss == OnLoss::Report && effect == Effect::Write;
+                    return Err(self.no_answer(if unknown { Effect::Write } else { Effect::None }));
+                }
                 Err(Attempt::NotSent(e)) => {
                     return Err(match maybe_applied {
                         Some(lost) => map_sqlx(lost, &self.quoted, Effect::Write),
@@ -275,9 +298,26 @@ impl MysqlStore {
         // rather than handed back in an unknown state; after an error the pool's release
         // ping finds a broken one.
         let mut guard = CloseIfAbandoned::new(&mut conn);
-        let out = fetch.run(query, guard.conn()).await;
+        let answer = tokio::time::timeout(self.response_timeout, fetch.run(query, guard.conn()));
+        // No answer in time: the guard, still armed, closes the connection (its answer may
+        // yet come, and would be read as the next statement's).
+        let out = answer.await.map_err(|_| Attempt::NoAnswer)?;
         guard.finished();
         out.map_err(Attempt::Sent)
+    }
+
+    /// The error of a statement that got no answer within the response timeout: a write's
+    /// outcome is unknown, anything else is worth trying again.
+    pub(crate) fn no_answer(&self, effect: Effect) -> Error {
+        let e = MysqlError::NoAnswer {
+            after: self.response_timeout,
+        };
+        match effect {
+            Effect::Write => Error::OutcomeUnknown {
+                source: Box::new(e),
+            },
+            _ => e.into(),
+        }
     }
 
     /// A compare-and-swap statement: applied when it matched the record.
