@@ -3,7 +3,7 @@
 
 use idempotency_core::Scope;
 use idempotency_redis::RedisStore;
-use idempotency_reliability::soak::{soak, EngineRunner, Report, Runner, SoakConfig};
+use idempotency_reliability::soak::{soak, EngineRunner, Instances, Report, Runner, SoakConfig};
 use idempotency_reliability::storm::{
     calibrate, cancellation_storm, next_calls_succeed, storm_keys_settle, StormSize,
 };
@@ -194,41 +194,6 @@ async fn cancellation_storm_then_every_call_succeeds() {
     assert!(failures.is_empty(), "{failures:?}");
 }
 
-/// Several application instances, each an engine over its own store: calls take turns.
-struct Instances {
-    engines: Vec<EngineRunner>,
-    next: std::sync::atomic::AtomicUsize,
-}
-
-impl Instances {
-    fn new(stores: Vec<RedisStore>, lease: Duration) -> Self {
-        Self {
-            engines: stores
-                .into_iter()
-                .map(|s| EngineRunner::new(Arc::new(s), lease))
-                .collect(),
-            next: Default::default(),
-        }
-    }
-}
-
-impl Runner for Instances {
-    fn store(&self) -> Arc<dyn idempotency_core::IdempotencyStore> {
-        self.engines[0].store()
-    }
-
-    fn run(
-        &self,
-        key: idempotency_core::IdempotencyKey,
-        scope: Scope,
-        fingerprint: idempotency_core::Fingerprint,
-        work: idempotency_reliability::soak::Work,
-    ) -> futures::future::BoxFuture<'static, idempotency_reliability::soak::RunResult> {
-        let i = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.engines[i % self.engines.len()].run(key, scope, fingerprint, work)
-    }
-}
-
 /// What one failover soak found.
 struct Failover {
     report: Report,
@@ -280,7 +245,7 @@ async fn failover_soak_once(wait: bool) -> Option<Failover> {
             .connect_sentinel(group.sentinel_urls(), &group.name)
             .await
             .expect("connect through the Sentinels");
-        instances.push(store);
+        instances.push(Arc::new(store) as Arc<dyn idempotency_core::IdempotencyStore>);
     }
     let mut config = SoakConfig::from_env(if wait {
         "redis-sentinel-failover-wait"

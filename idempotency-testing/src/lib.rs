@@ -7,6 +7,8 @@ pub mod mysql;
 pub mod mysql_wire;
 pub mod partition;
 pub mod payloads;
+#[cfg(feature = "postgres")]
+pub mod pg_server;
 pub mod pg_wire;
 #[cfg(feature = "postgres")]
 pub mod postgres;

@@ -25,6 +25,7 @@ enum State {
 #[derive(Debug)]
 pub struct PartitionProxy {
     addr: SocketAddr,
+    target: Arc<std::sync::Mutex<SocketAddr>>,
     state: Arc<watch::Sender<State>>,
     accept: tokio::task::JoinHandle<()>,
 }
@@ -38,9 +39,12 @@ impl PartitionProxy {
         let addr = listener.local_addr().expect("proxy address");
         let state = Arc::new(watch::channel(State::Open).0);
         let shared = state.clone();
+        let target = Arc::new(std::sync::Mutex::new(target));
+        let current = target.clone();
         let accept = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
-                let Ok(server) = TcpStream::connect(target).await else {
+                let upstream = *current.lock().unwrap_or_else(|p| p.into_inner());
+                let Ok(server) = TcpStream::connect(upstream).await else {
                     continue;
                 };
                 let _ = client.set_nodelay(true);
@@ -58,6 +62,7 @@ impl PartitionProxy {
         });
         Self {
             addr,
+            target,
             state,
             accept,
         }
@@ -66,6 +71,12 @@ impl PartitionProxy {
     /// The address clients connect to.
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Sends new connections to `target` from now on (as a virtual address moved to a
+    /// promoted standby would); connections already open keep their server.
+    pub fn retarget(&self, target: SocketAddr) {
+        *self.target.lock().unwrap_or_else(|p| p.into_inner()) = target;
     }
 
     /// Cuts both directions.

@@ -441,6 +441,45 @@ impl Runner for EngineRunner {
     }
 }
 
+/// Several application instances, each an engine over its own store (its own connection or
+/// pool): calls take turns, so one instance reads what another wrote.
+#[derive(Debug)]
+pub struct Instances {
+    engines: Vec<EngineRunner>,
+    next: std::sync::atomic::AtomicUsize,
+}
+
+impl Instances {
+    /// One [`EngineRunner`] per store.
+    pub fn new(stores: Vec<Arc<dyn IdempotencyStore>>, lease: Duration) -> Self {
+        assert!(!stores.is_empty(), "at least one instance");
+        Self {
+            engines: stores
+                .into_iter()
+                .map(|s| EngineRunner::new(s, lease))
+                .collect(),
+            next: Default::default(),
+        }
+    }
+}
+
+impl Runner for Instances {
+    fn store(&self) -> Arc<dyn IdempotencyStore> {
+        self.engines[0].store()
+    }
+
+    fn run(
+        &self,
+        key: IdempotencyKey,
+        scope: Scope,
+        fingerprint: Fingerprint,
+        work: Work,
+    ) -> BoxFuture<'static, RunResult> {
+        let i = self.next.fetch_add(1, Ordering::Relaxed);
+        self.engines[i % self.engines.len()].run(key, scope, fingerprint, work)
+    }
+}
+
 /// One recorded call.
 #[derive(Clone, Debug)]
 pub struct Event {

@@ -1,0 +1,186 @@
+//! A PostgreSQL failover in the middle of a history-checked soak: a primary and a streaming
+//! standby of the test's own (`initdb`, `pg_basebackup`, ports of their own), the standby
+//! replicating through a proxy the test can cut, the application reaching the primary
+//! through a second proxy (a virtual address) that is moved to the standby once it is
+//! promoted. 1.5 s in, the replication link is cut for a second; then the primary is
+//! SIGKILLed, the standby promoted and the address moved.
+//!
+//! Run with the standby asynchronous, and synchronous with `synchronous_commit` `on` and
+//! `remote_apply`: asynchronous replication loses the commits of the cut second (the checker
+//! must find that, or the scenario proves nothing), a synchronous standby loses nothing a
+//! caller was told.
+
+use idempotency_core::IdempotencyStore;
+use idempotency_postgres::PostgresStore;
+use idempotency_reliability::soak::{soak, Instances, Report, Runner, SoakConfig};
+use idempotency_testing::partition::PartitionProxy;
+use idempotency_testing::pg_server::PgServer;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Replication {
+    Asynchronous,
+    /// `synchronous_commit` at this level, the standby in `synchronous_standby_names`.
+    Synchronous(&'static str),
+}
+
+struct Failover {
+    report: Report,
+    /// Calls in flight when the primary died.
+    spanning: usize,
+    /// From the crash until the address pointed at the promoted standby.
+    switch: Duration,
+    /// Calls answered after the switch.
+    answered_after: usize,
+}
+
+fn loopback(port: u16) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], port))
+}
+
+/// One run; `None` when it ended before it had calls in flight at the crash and 500 answered
+/// after the switch (it proves nothing then).
+async fn failover_soak_once(replication: Replication) -> Option<Failover> {
+    let settings: Vec<String> = match replication {
+        Replication::Asynchronous => vec![],
+        Replication::Synchronous(level) => vec![
+            "synchronous_standby_names=standby1".to_owned(),
+            format!("synchronous_commit={level}"),
+        ],
+    };
+    let primary = tokio::task::spawn_blocking(move || {
+        let settings: Vec<&str> = settings.iter().map(String::as_str).collect();
+        PgServer::primary(&settings)
+    })
+    .await
+    .expect("start the primary");
+    let link = PartitionProxy::start(loopback(primary.port)).await;
+    let link_port = link.addr().port();
+    let standby = tokio::task::spawn_blocking(move || PgServer::standby(link_port, "standby1"))
+        .await
+        .expect("start the standby");
+    let address = Arc::new(PartitionProxy::start(loopback(primary.port)).await);
+    let url = format!("postgres://postgres@{}/postgres", address.addr());
+
+    // Two application instances, each with its own pool.
+    let mut instances: Vec<Arc<dyn IdempotencyStore>> = Vec::new();
+    for _ in 0..2 {
+        let store = PostgresStore::builder()
+            .max_connections(8)
+            .connect(&url)
+            .await
+            .expect("connect through the address");
+        store.migrate().await.expect("migrate");
+        instances.push(Arc::new(store));
+    }
+    let mut config = SoakConfig::from_env(format!("postgres-failover-{replication:?}"));
+    // Long enough to outlast the failover, whatever the soak length.
+    config.ops = config.ops.max(20_000);
+    let runner: Arc<dyn Runner> = Arc::new(Instances::new(instances, config.lease));
+    let chaos = {
+        let address = address.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(1_500)).await;
+            // The replication link is cut for a second (a network partition between the
+            // servers): with a synchronous standby commits wait; without, they go on and
+            // never reach it.
+            link.partition();
+            tokio::time::sleep(Duration::from_millis(1_000)).await;
+            let crashed = Instant::now();
+            tokio::task::spawn_blocking(move || primary.crash())
+                .await
+                .expect("crash the primary");
+            drop(link);
+            standby.promote().await;
+            address.retarget(loopback(standby.port));
+            (standby, crashed, Instant::now())
+        })
+    };
+    let report = soak(runner, config).await;
+    let (_standby, crashed, switched) = chaos.await.expect("chaos");
+    let spanning = report
+        .events
+        .iter()
+        .filter(|e| report.instant(e.op.call) < crashed && report.instant(e.ended) > crashed)
+        .count();
+    let answered_after = report
+        .events
+        .iter()
+        .filter(|e| e.op.ret.is_some() && report.instant(e.op.call) > switched)
+        .count();
+    eprintln!("{report}");
+    if spanning == 0 || answered_after < 500 {
+        eprintln!(
+            "the run ended before it met the failover ({spanning} calls in flight at the \
+             crash, {answered_after} answered after the switch)"
+        );
+        return None;
+    }
+    Some(Failover {
+        report,
+        spanning,
+        switch: switched.duration_since(crashed),
+        answered_after,
+    })
+}
+
+async fn failover_soak(replication: Replication) -> Failover {
+    for run in 1..=5 {
+        if let Some(f) = failover_soak_once(replication).await {
+            let r = &f.report;
+            eprintln!(
+                "postgres failover, {replication:?}: {} calls, {} checked, 1 failover ({:.1} s \
+                 to switch) with {} calls in flight, {} answered after the switch; {} failed \
+                 calls (unknown), {} violations, {} double effects",
+                r.ops,
+                r.checked_ops,
+                f.switch.as_secs_f64(),
+                f.spanning,
+                f.answered_after,
+                r.backend_errors,
+                r.violations.len(),
+                r.double_effects.len(),
+            );
+            return f;
+        }
+        eprintln!("run {run}: running the scenario again");
+    }
+    panic!("in five runs the soak never outlasted the failover");
+}
+
+/// Asynchronous streaming replication: the commits of the second the link was cut are lost
+/// with the primary, and the checker finds callers told outcomes the new primary does not
+/// have.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn asynchronous_standby_loses_outcomes() {
+    let f = failover_soak(Replication::Asynchronous).await;
+    let r = &f.report;
+    assert!(r.unexpected.is_empty(), "{r}");
+    assert!(
+        !r.violations.is_empty() || !r.double_effects.is_empty(),
+        "a failover to a standby that missed a second of commits lost nothing the checker \
+         could see: {r}"
+    );
+}
+
+/// `synchronous_commit = on` with the standby named in `synchronous_standby_names`: a commit
+/// returns once the standby has flushed it, so the promoted standby has every outcome a
+/// caller was told.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn synchronous_standby_on_loses_nothing() {
+    failover_soak(Replication::Synchronous("on"))
+        .await
+        .report
+        .assert_clean();
+}
+
+/// `synchronous_commit = remote_apply`: as `on`, and the standby has also applied the commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn synchronous_standby_remote_apply_loses_nothing() {
+    failover_soak(Replication::Synchronous("remote_apply"))
+        .await
+        .report
+        .assert_clean();
+}
