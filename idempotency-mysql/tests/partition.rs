@@ -10,48 +10,18 @@ mod common;
 
 use common::TableGuard;
 use idempotency_core::{
-    Cas, Claim, ClaimRequest, Error, Fingerprint, IdempotencyKey, IdempotencyStore, Policy,
-    RecordId, RecordStatus, Scope,
+    Error, Fingerprint, IdempotencyKey, IdempotencyStore, Policy, RecordId, RecordStatus, Scope,
 };
 use idempotency_mysql::sqlx::mysql::{MySqlConnectOptions, MySqlSslMode};
 use idempotency_mysql::{MysqlError, MysqlIdempotency, MysqlStore};
 use idempotency_testing::partition::PartitionProxy;
+use idempotency_testing::partition_case::PartitionCase;
 use std::str::FromStr;
 use std::time::{Duration, Instant};
 
 // Generous: a statement on a loaded machine, not partitioned, must never take as long.
 const TIMEOUT: Duration = Duration::from_secs(3);
 const LEASE: Duration = Duration::from_secs(60);
-const TTL: Duration = Duration::from_secs(3600);
-
-fn id() -> RecordId {
-    RecordId::new(Scope::new("partition").unwrap(), IdempotencyKey::random())
-}
-
-fn request(id: &RecordId) -> ClaimRequest {
-    ClaimRequest::new(id.clone(), Fingerprint::from_bytes(b"p"), LEASE, TTL)
-}
-
-async fn claimed(store: &MysqlStore, id: &RecordId) -> idempotency_core::FencingToken {
-    match store.claim(&request(id)).await.unwrap() {
-        Claim::Claimed { token, .. } => token,
-        other => panic!("a fresh key was found: {other:?}"),
-    }
-}
-
-/// Runs `call`, which must end (whatever its answer) within the response timeout and a
-/// generous margin, and not before the timeout.
-async fn bounded<T>(what: &str, call: impl std::future::Future<Output = T>) -> T {
-    let started = Instant::now();
-    let out = tokio::time::timeout(TIMEOUT + Duration::from_secs(10), call)
-        .await
-        .unwrap_or_else(|_| panic!("{what} hung through the partition"));
-    assert!(
-        started.elapsed() >= TIMEOUT,
-        "{what} answered before its timeout, through a partition"
-    );
-    out
-}
 
 /// Waits until the pool holds an idle connection, so that the next statement is sent on it
 /// (sqlx pings a connection given back before it is idle again; a partition that cut that
@@ -70,6 +40,14 @@ async fn an_idle_connection(store: &MysqlStore) {
 
 fn no_answer(e: &Error) -> bool {
     matches!(MysqlError::find(e), Some(MysqlError::NoAnswer { .. }))
+}
+
+/// No answer to the statement, or no connection to send it on (a new connection's handshake
+/// is cut too, and the pool gives up after its acquire timeout).
+fn nothing_answered(e: &Error) -> bool {
+    no_answer(e)
+        || e.find_source::<idempotency_mysql::sqlx::Error>()
+            .is_some_and(|e| matches!(e, idempotency_mysql::sqlx::Error::PoolTimedOut))
 }
 
 async fn partitioned_store(proxy: &PartitionProxy, guard: &TableGuard) -> MysqlStore {
@@ -105,88 +83,17 @@ async fn a_partition_ends_every_call_in_a_defined_outcome() {
     let proxy = proxy().await;
     let guard = TableGuard::new();
     let store = partitioned_store(&proxy, &guard).await;
-
-    // Cut before the completion's answer comes back: unknown to the caller.
-    let cut = id();
-    let token = claimed(&store, &cut).await;
-    an_idle_connection(&store).await;
-    proxy.partition();
-    let e = bounded("complete", store.complete(&cut, token, b"done", TTL))
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(e, Error::OutcomeUnknown { .. }) && no_answer(&e),
-        "{e:?}"
-    );
-    for (what, e) in [
-        ("get", bounded("get", store.get(&cut)).await.map(|_| ())),
-        (
-            "claim",
-            bounded("claim", store.claim(&request(&id())))
-                .await
-                .map(|_| ()),
-        ),
-    ] {
-        let e = e.unwrap_err();
-        assert!(
-            matches!(
-                e,
-                Error::Backend {
-                    retryable: true,
-                    ..
-                }
-            ),
-            "{what}: {e:?}"
-        );
+    PartitionCase {
+        store: &store,
+        proxy: &proxy,
+        timeout: TIMEOUT,
+        settle: &|| Box::pin(an_idle_connection(&store)),
+        no_answer,
+        read_failed: nothing_answered,
+        claim_unknown: false,
     }
-    proxy.heal();
-    // Unknown means either: the request may still be delivered once the partition heals
-    // (TCP held it). Pending with the holder's token, or completed by it; never anything
-    // else.
-    let r = store.get(&cut).await.unwrap().unwrap();
-    match r.status {
-        RecordStatus::Pending => {
-            assert_eq!(r.token, token);
-            assert_eq!(
-                store.complete(&cut, token, b"done", TTL).await.unwrap(),
-                Cas::Applied
-            );
-        }
-        RecordStatus::Completed => {
-            assert_eq!((r.token, r.outcome.as_deref()), (token, Some(&b"done"[..])));
-        }
-        other => panic!("the cut completion left {other:?}"),
-    }
-
-    // The completion reaches the server and applies; its answer is lost: unknown to the
-    // caller, and once healed the record shows it applied (what the engine's read-back finds).
-    let lost = id();
-    let token = claimed(&store, &lost).await;
-    an_idle_connection(&store).await;
-    proxy.hold_replies();
-    let e = bounded("complete", store.complete(&lost, token, b"done", TTL))
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(e, Error::OutcomeUnknown { .. }) && no_answer(&e),
-        "{e:?}"
-    );
-    proxy.heal();
-    let r = store.get(&lost).await.unwrap().unwrap();
-    assert_eq!(
-        (r.status, r.token, r.outcome.as_deref()),
-        (RecordStatus::Completed, token, Some(&b"done"[..]))
-    );
-
-    // Every connection that was stuck was closed: many calls on the healed pool all answer.
-    for _ in 0..20 {
-        let k = id();
-        let token = claimed(&store, &k).await;
-        assert_eq!(
-            store.complete(&k, token, b"done", TTL).await.unwrap(),
-            Cas::Applied
-        );
-    }
+    .run()
+    .await;
 }
 
 /// The exactly-once transaction: the answers are held from inside the work, so the completion

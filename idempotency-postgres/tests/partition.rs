@@ -2,48 +2,21 @@
 //! of the real server: no call hangs past the store's response timeout, each ends in a
 //! defined outcome (a write whose answer did not come is an unknown outcome, a read a
 //! retryable error), the connection it was stuck on is closed rather than reused, and once
-//! the partition heals the store works again and shows what really happened.
+//! the partition heals the store works again and shows what really happened
+//! (`idempotency-testing`'s `PartitionCase`).
 #![allow(clippy::unwrap_used)]
 
 mod common;
 
 use common::SchemaGuard;
-use idempotency_core::{Cas, Claim, ClaimRequest, Error, Fingerprint, IdempotencyKey};
-use idempotency_core::{IdempotencyStore, RecordId, RecordStatus, Scope};
+use idempotency_core::Error;
 use idempotency_postgres::{PostgresError, PostgresStore};
 use idempotency_testing::partition::PartitionProxy;
+use idempotency_testing::partition_case::PartitionCase;
 use std::time::{Duration, Instant};
 
 // Generous: a statement on a loaded machine, not partitioned, must never take as long.
 const TIMEOUT: Duration = Duration::from_secs(3);
-const LEASE: Duration = Duration::from_secs(60);
-const TTL: Duration = Duration::from_secs(3600);
-
-fn id() -> RecordId {
-    RecordId::new(Scope::new("partition").unwrap(), IdempotencyKey::random())
-}
-
-async fn claimed(store: &PostgresStore, id: &RecordId) -> idempotency_core::FencingToken {
-    let request = ClaimRequest::new(id.clone(), Fingerprint::from_bytes(b"p"), LEASE, TTL);
-    match store.claim(&request).await.unwrap() {
-        Claim::Claimed { token, .. } => token,
-        other => panic!("a fresh key was found: {other:?}"),
-    }
-}
-
-/// Runs `call`, which must end (whatever its answer) within the response timeout and a
-/// generous margin.
-async fn bounded<T>(what: &str, call: impl std::future::Future<Output = T>) -> T {
-    let started = Instant::now();
-    let out = tokio::time::timeout(TIMEOUT + Duration::from_secs(10), call)
-        .await
-        .unwrap_or_else(|_| panic!("{what} hung through the partition"));
-    assert!(
-        started.elapsed() >= TIMEOUT,
-        "{what} answered before its timeout, through a partition"
-    );
-    out
-}
 
 /// Waits until the pool holds an idle connection, so that the next statement is sent on it
 /// (sqlx pings a connection given back before it is idle again, and a partition that cuts
@@ -87,61 +60,15 @@ async fn a_partition_ends_every_call_in_a_defined_outcome() {
         .unwrap();
     store.migrate().await.unwrap();
 
-    // Cut before the completion reaches the server: unknown to the caller, not applied.
-    let cut = id();
-    let token = claimed(&store, &cut).await;
-    an_idle_connection(&store).await;
-    proxy.partition();
-    let e = bounded("complete", store.complete(&cut, token, b"done", TTL))
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(e, Error::OutcomeUnknown { .. }) && no_answer(&e),
-        "{e:?}"
-    );
-    let e = bounded("get", store.get(&cut)).await.unwrap_err();
-    assert!(
-        matches!(
-            e,
-            Error::Backend {
-                retryable: true,
-                ..
-            }
-        ) && nothing_answered(&e),
-        "{e:?}"
-    );
-    proxy.heal();
-    let r = store.get(&cut).await.unwrap().unwrap();
-    assert_eq!((r.status, r.token), (RecordStatus::Pending, token));
-    assert_eq!(
-        store.complete(&cut, token, b"done", TTL).await.unwrap(),
-        Cas::Applied
-    );
-
-    // The completion reaches the server and applies; its answer is lost: unknown to the
-    // caller, and once healed the record shows it applied (what the engine's read-back finds).
-    let lost = id();
-    let token = claimed(&store, &lost).await;
-    an_idle_connection(&store).await;
-    proxy.hold_replies();
-    let e = bounded("complete", store.complete(&lost, token, b"done", TTL))
-        .await
-        .unwrap_err();
-    assert!(matches!(e, Error::OutcomeUnknown { .. }), "{e:?}");
-    proxy.heal();
-    let r = store.get(&lost).await.unwrap().unwrap();
-    assert_eq!(
-        (r.status, r.token, r.outcome.as_deref()),
-        (RecordStatus::Completed, token, Some(&b"done"[..]))
-    );
-
-    // Every connection that was stuck was closed: many calls on the healed pool all answer.
-    for _ in 0..20 {
-        let k = id();
-        let token = claimed(&store, &k).await;
-        assert_eq!(
-            store.complete(&k, token, b"done", TTL).await.unwrap(),
-            Cas::Applied
-        );
+    PartitionCase {
+        store: &store,
+        proxy: &proxy,
+        timeout: TIMEOUT,
+        settle: &|| Box::pin(an_idle_connection(&store)),
+        no_answer,
+        read_failed: nothing_answered,
+        claim_unknown: false,
     }
+    .run()
+    .await;
 }

@@ -6,6 +6,8 @@ pub mod mariadb_server;
 pub mod mysql;
 pub mod mysql_wire;
 pub mod partition;
+#[cfg(feature = "partition-case")]
+pub mod partition_case;
 pub mod payloads;
 #[cfg(feature = "postgres")]
 pub mod pg_server;

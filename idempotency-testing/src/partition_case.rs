@@ -1,0 +1,187 @@
+//! The partition scenario every networked store's tests run through a [`PartitionProxy`]:
+//! no call hangs past the store's response timeout, each ends in a defined outcome, and once
+//! the partition heals the store works again and shows what really happened.
+
+use crate::partition::PartitionProxy;
+use idempotency_core::{
+    Cas, Claim, ClaimRequest, Error, FencingToken, Fingerprint, IdempotencyKey, IdempotencyStore,
+    RecordId, RecordStatus, Scope,
+};
+use std::future::Future;
+use std::pin::Pin;
+use std::time::{Duration, Instant};
+
+const LEASE: Duration = Duration::from_secs(60);
+const TTL: Duration = Duration::from_secs(3600);
+
+/// A store behind a proxy, and what its errors must look like.
+pub struct PartitionCase<'a> {
+    /// The store, connected through `proxy`.
+    pub store: &'a dyn IdempotencyStore,
+    /// The proxy in front of its server.
+    pub proxy: &'a PartitionProxy,
+    /// The store's response timeout: a call through a partition must end after it, and not
+    /// much later.
+    pub timeout: Duration,
+    /// Runs before each cut, so that the next statement goes out on an established
+    /// connection (a pool that is still pinging the connection it got back would open a new
+    /// one, whose handshake the partition cuts: a different case).
+    pub settle: &'a dyn Fn() -> Pin<Box<dyn Future<Output = ()> + 'a>>,
+    /// Whether an error says the store got no answer (its own error type's variant).
+    pub no_answer: fn(&Error) -> bool,
+    /// Whether a read's error through the partition is the one the store gives (a
+    /// retryable error is checked besides): no answer, say, or no connection to be had.
+    pub read_failed: fn(&Error) -> bool,
+    /// Whether a claim without an answer must be an unknown outcome (it may have taken the
+    /// key) rather than a retryable error.
+    pub claim_unknown: bool,
+}
+
+impl std::fmt::Debug for PartitionCase<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PartitionCase")
+            .field("proxy", &self.proxy.addr())
+            .field("timeout", &self.timeout)
+            .field("claim_unknown", &self.claim_unknown)
+            .finish_non_exhaustive()
+    }
+}
+
+fn id() -> RecordId {
+    RecordId::new(
+        Scope::new("partition").expect("scope"),
+        IdempotencyKey::random(),
+    )
+}
+
+fn request(id: &RecordId) -> ClaimRequest {
+    ClaimRequest::new(id.clone(), Fingerprint::from_bytes(b"p"), LEASE, TTL)
+}
+
+async fn claimed(store: &dyn IdempotencyStore, id: &RecordId) -> FencingToken {
+    match store.claim(&request(id)).await.expect("claim") {
+        Claim::Claimed { token, .. } => token,
+        other => panic!("a fresh key was found: {other:?}"),
+    }
+}
+
+impl PartitionCase<'_> {
+    /// Runs `call`, which must end (whatever its answer) after the response timeout and
+    /// within a generous margin of it.
+    async fn bounded<T>(&self, what: &str, call: impl Future<Output = T>) -> T {
+        let started = Instant::now();
+        let out = tokio::time::timeout(self.timeout + Duration::from_secs(10), call)
+            .await
+            .unwrap_or_else(|_| panic!("{what} hung through the partition"));
+        assert!(
+            started.elapsed() >= self.timeout - Duration::from_millis(100),
+            "{what} answered before its timeout, through a partition"
+        );
+        out
+    }
+
+    /// The scenario:
+    /// - the traffic is cut while a completion is in flight: `OutcomeUnknown` with the
+    ///   store's no-answer error; a read meanwhile is a retryable error, a claim a retryable
+    ///   error or (`claim_unknown`) an unknown outcome; once healed the record is Pending
+    ///   with the holder's token (then completed by it) or already completed by it (TCP may
+    ///   deliver the held request after the heal), never anything else;
+    /// - only the answers are held while a completion applies: `OutcomeUnknown`, and once
+    ///   healed the record shows it applied (what the engine's read-back finds);
+    /// - afterwards 20 cycles on the healed store all answer correctly (no stuck connection
+    ///   reused, no late answer taken for another call's).
+    pub async fn run(&self) {
+        let store = self.store;
+        let cut = id();
+        let token = claimed(store, &cut).await;
+        (self.settle)().await;
+        self.proxy.partition();
+        let e = self
+            .bounded("complete", store.complete(&cut, token, b"done", TTL))
+            .await
+            .expect_err("a completion through a partition");
+        assert!(
+            matches!(e, Error::OutcomeUnknown { .. }) && (self.no_answer)(&e),
+            "{e:?}"
+        );
+        let e = self
+            .bounded("get", store.get(&cut))
+            .await
+            .expect_err("a read through a partition");
+        assert!(
+            matches!(
+                e,
+                Error::Backend {
+                    retryable: true,
+                    ..
+                }
+            ) && (self.read_failed)(&e),
+            "get: {e:?}"
+        );
+        let e = self
+            .bounded("claim", store.claim(&request(&id())))
+            .await
+            .expect_err("a claim through a partition");
+        match self.claim_unknown {
+            true => assert!(matches!(e, Error::OutcomeUnknown { .. }), "claim: {e:?}"),
+            false => assert!(
+                matches!(
+                    e,
+                    Error::Backend {
+                        retryable: true,
+                        ..
+                    }
+                ),
+                "claim: {e:?}"
+            ),
+        }
+        self.proxy.heal();
+        let r = store.get(&cut).await.expect("get").expect("the record");
+        match r.status {
+            RecordStatus::Pending => {
+                assert_eq!(r.token, token);
+                assert_eq!(
+                    store
+                        .complete(&cut, token, b"done", TTL)
+                        .await
+                        .expect("complete"),
+                    Cas::Applied
+                );
+            }
+            RecordStatus::Completed => {
+                assert_eq!((r.token, r.outcome.as_deref()), (token, Some(&b"done"[..])));
+            }
+            other => panic!("the cut completion left {other:?}"),
+        }
+
+        let lost = id();
+        let token = claimed(store, &lost).await;
+        (self.settle)().await;
+        self.proxy.hold_replies();
+        let e = self
+            .bounded("complete", store.complete(&lost, token, b"done", TTL))
+            .await
+            .expect_err("a completion whose answer is held");
+        assert!(matches!(e, Error::OutcomeUnknown { .. }), "{e:?}");
+        self.proxy.heal();
+        let r = store.get(&lost).await.expect("get").expect("the record");
+        assert_eq!(
+            (r.status, r.token, r.outcome.as_deref()),
+            (RecordStatus::Completed, token, Some(&b"done"[..]))
+        );
+
+        for _ in 0..20 {
+            let k = id();
+            let token = claimed(store, &k).await;
+            assert_eq!(
+                store
+                    .complete(&k, token, b"done", TTL)
+                    .await
+                    .expect("complete"),
+                Cas::Applied
+            );
+            let r = store.get(&k).await.expect("get").expect("the record");
+            assert_eq!((r.status, r.token), (RecordStatus::Completed, token));
+        }
+    }
+}
