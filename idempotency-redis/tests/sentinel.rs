@@ -9,7 +9,6 @@ use idempotency_core::{
     RecordId, RecordStatus, Scope,
 };
 use idempotency_redis::{redis, NotAcknowledged, RedisStore};
-use idempotency_testing::partition::PartitionProxy;
 use idempotency_testing::redis_server::SentinelGroup;
 use std::time::{Duration, Instant};
 
@@ -259,23 +258,7 @@ async fn no_sentinel_answering_is_a_retryable_connect_error() {
 /// trusted only once a replica has everything it saw.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unacknowledged_completion_is_not_replayed_by_another_instance() {
-    let runtime = tokio::runtime::Handle::current();
-    let (group, link) = tokio::task::spawn_blocking(move || {
-        let mut link = None;
-        let group = SentinelGroup::start_linked(
-            |primary| {
-                let proxy =
-                    runtime.block_on(PartitionProxy::start(([127, 0, 0, 1], primary).into()));
-                let port = proxy.addr().port();
-                link = Some(proxy);
-                port
-            },
-            Duration::from_secs(600),
-        );
-        (group, link.expect("the replica's link"))
-    })
-    .await
-    .unwrap();
+    let (group, link) = SentinelGroup::start_with_cuttable_link().await;
     let writer = sentinel_store_builder()
         .connect_sentinel(group.sentinel_urls(), &group.name)
         .await

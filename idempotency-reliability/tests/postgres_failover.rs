@@ -12,7 +12,7 @@
 
 use idempotency_core::IdempotencyStore;
 use idempotency_postgres::PostgresStore;
-use idempotency_reliability::soak::{soak, Instances, Report, Runner, SoakConfig};
+use idempotency_reliability::soak::{soak, FailoverRun, Instances, Runner, SoakConfig};
 use idempotency_testing::partition::PartitionProxy;
 use idempotency_testing::pg_server::PgServer;
 use std::net::SocketAddr;
@@ -26,23 +26,13 @@ enum Replication {
     Synchronous(&'static str),
 }
 
-struct Failover {
-    report: Report,
-    /// Calls in flight when the primary died.
-    spanning: usize,
-    /// From the crash until the address pointed at the promoted standby.
-    switch: Duration,
-    /// Calls answered after the switch.
-    answered_after: usize,
-}
-
 fn loopback(port: u16) -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], port))
 }
 
 /// One run; `None` when it ended before it had calls in flight at the crash and 500 answered
 /// after the switch (it proves nothing then).
-async fn failover_soak_once(replication: Replication) -> Option<Failover> {
+async fn failover_soak_once(replication: Replication) -> Option<FailoverRun> {
     let settings: Vec<String> = match replication {
         Replication::Asynchronous => vec![],
         Replication::Synchronous(level) => vec![
@@ -100,54 +90,12 @@ async fn failover_soak_once(replication: Replication) -> Option<Failover> {
     };
     let report = soak(runner, config).await;
     let (_standby, crashed, switched) = chaos.await.expect("chaos");
-    let spanning = report
-        .events
-        .iter()
-        .filter(|e| report.instant(e.op.call) < crashed && report.instant(e.ended) > crashed)
-        .count();
-    let answered_after = report
-        .events
-        .iter()
-        .filter(|e| e.op.ret.is_some() && report.instant(e.op.call) > switched)
-        .count();
-    eprintln!("{report}");
-    if spanning == 0 || answered_after < 500 {
-        eprintln!(
-            "the run ended before it met the failover ({spanning} calls in flight at the \
-             crash, {answered_after} answered after the switch)"
-        );
-        return None;
-    }
-    Some(Failover {
-        report,
-        spanning,
-        switch: switched.duration_since(crashed),
-        answered_after,
-    })
+    FailoverRun::measure(report, crashed, switched)
 }
 
-async fn failover_soak(replication: Replication) -> Failover {
-    for run in 1..=5 {
-        if let Some(f) = failover_soak_once(replication).await {
-            let r = &f.report;
-            eprintln!(
-                "postgres failover, {replication:?}: {} calls, {} checked, 1 failover ({:.1} s \
-                 to switch) with {} calls in flight, {} answered after the switch; {} failed \
-                 calls (unknown), {} violations, {} double effects",
-                r.ops,
-                r.checked_ops,
-                f.switch.as_secs_f64(),
-                f.spanning,
-                f.answered_after,
-                r.backend_errors,
-                r.violations.len(),
-                r.double_effects.len(),
-            );
-            return f;
-        }
-        eprintln!("run {run}: running the scenario again");
-    }
-    panic!("in five runs the soak never outlasted the failover");
+async fn failover_soak(replication: Replication) -> FailoverRun {
+    let label = format!("postgres failover, {replication:?}");
+    FailoverRun::repeat(&label, || failover_soak_once(replication)).await
 }
 
 /// Asynchronous streaming replication: the commits of the second the link was cut are lost
@@ -155,14 +103,9 @@ async fn failover_soak(replication: Replication) -> Failover {
 /// have.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn asynchronous_standby_loses_outcomes() {
-    let f = failover_soak(Replication::Asynchronous).await;
-    let r = &f.report;
-    assert!(r.unexpected.is_empty(), "{r}");
-    assert!(
-        !r.violations.is_empty() || !r.double_effects.is_empty(),
-        "a failover to a standby that missed a second of commits lost nothing the checker \
-         could see: {r}"
-    );
+    failover_soak(Replication::Asynchronous)
+        .await
+        .assert_lost_something();
 }
 
 /// `synchronous_commit = on` with the standby named in `synchronous_standby_names`: a commit

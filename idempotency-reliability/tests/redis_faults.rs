@@ -3,11 +3,12 @@
 
 use idempotency_core::Scope;
 use idempotency_redis::RedisStore;
-use idempotency_reliability::soak::{soak, EngineRunner, Instances, Report, Runner, SoakConfig};
+use idempotency_reliability::soak::{
+    soak, EngineRunner, FailoverRun, Instances, Report, Runner, SoakConfig,
+};
 use idempotency_reliability::storm::{
     calibrate, cancellation_storm, next_calls_succeed, storm_keys_settle, StormSize,
 };
-use idempotency_testing::partition::PartitionProxy;
 use idempotency_testing::redis_server::{free_port, RedisServer, SentinelGroup};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -194,18 +195,6 @@ async fn cancellation_storm_then_every_call_succeeds() {
     assert!(failures.is_empty(), "{failures:?}");
 }
 
-/// What one failover soak found.
-struct Failover {
-    report: Report,
-    /// Calls in flight when the primary died.
-    spanning: usize,
-    /// How long Sentinel took to name and promote the replica.
-    promotion: Duration,
-    /// Calls answered after the store could write again: after the crashed server rejoined
-    /// as a replica with acknowledged writes, after the promotion without.
-    answered_after: usize,
-}
-
 /// A soak through a store on a Sentinel-managed primary (one replica, three Sentinels), with
 /// or without `wait_for_replicas(1, …)`: 1.5 s in, the replication link is cut for a second,
 /// then the primary is SIGKILLed; Sentinel
@@ -213,26 +202,9 @@ struct Failover {
 /// primary's replica, so writes can be acknowledged again. `None` when the run ended before it
 /// had calls in flight at the crash and 500 answered after it could write again (it proves
 /// nothing then).
-async fn failover_soak_once(wait: bool) -> Option<Failover> {
-    // The replica replicates through a proxy the test can cut; the Sentinels' failover
-    // timeout outlasts the run, so they leave that link alone.
-    let runtime = tokio::runtime::Handle::current();
-    let (group, link) = tokio::task::spawn_blocking(move || {
-        let mut link = None;
-        let group = SentinelGroup::start_linked(
-            |primary| {
-                let proxy =
-                    runtime.block_on(PartitionProxy::start(([127, 0, 0, 1], primary).into()));
-                let port = proxy.addr().port();
-                link = Some(proxy);
-                port
-            },
-            Duration::from_secs(600),
-        );
-        (group, link.expect("the replica's link"))
-    })
-    .await
-    .expect("start the Sentinel group");
+async fn failover_soak_once(wait: bool) -> Option<FailoverRun> {
+    // The replica replicates through a proxy the test can cut.
+    let (group, link) = SentinelGroup::start_with_cuttable_link().await;
     // Two application instances, each with its own store (its own connection): a call goes
     // to one or the other, so one instance reads what the other wrote.
     let mut instances = Vec::new();
@@ -274,56 +246,15 @@ async fn failover_soak_once(wait: bool) -> Option<Failover> {
     let (_group, crashed, promoted, rejoined) = chaos.await.expect("chaos");
     // With acknowledged writes, writes are trusted again once a replica is back; without,
     // as soon as the replica is promoted.
-    let recovered = if wait { rejoined } else { promoted };
-    let spanning = report
-        .events
-        .iter()
-        .filter(|e| report.instant(e.op.call) < crashed && report.instant(e.ended) > crashed)
-        .count();
-    let answered_after = report
-        .events
-        .iter()
-        .filter(|e| e.op.ret.is_some() && report.instant(e.op.call) > recovered)
-        .count();
-    eprintln!("{report}");
-    if spanning == 0 || answered_after < 500 {
-        eprintln!(
-            "the run ended before it met the failover ({spanning} calls in flight at the crash, \
-             {answered_after} answered after it)"
-        );
-        return None;
-    }
-    Some(Failover {
-        report,
-        spanning,
-        promotion: promoted.duration_since(crashed),
-        answered_after,
-    })
+    FailoverRun::measure(report, crashed, if wait { rejoined } else { promoted })
 }
 
-async fn failover_soak(wait: bool) -> Failover {
-    for run in 1..=5 {
-        if let Some(f) = failover_soak_once(wait).await {
-            let r = &f.report;
-            eprintln!(
-                "redis sentinel failover, wait_for_replicas {}: {} calls, {} checked, 1 failover \
-                 ({:.1} s to promote) with {} calls in flight, {} answered after recovery; \
-                 {} failed calls (unknown), {} violations, {} double effects",
-                if wait { "on" } else { "off" },
-                r.ops,
-                r.checked_ops,
-                f.promotion.as_secs_f64(),
-                f.spanning,
-                f.answered_after,
-                r.backend_errors,
-                r.violations.len(),
-                r.double_effects.len(),
-            );
-            return f;
-        }
-        eprintln!("run {run}: running the scenario again");
-    }
-    panic!("in five runs the soak never outlasted the failover");
+async fn failover_soak(wait: bool) -> FailoverRun {
+    let label = format!(
+        "redis sentinel failover, wait_for_replicas {}",
+        if wait { "on" } else { "off" }
+    );
+    FailoverRun::repeat(&label, || failover_soak_once(wait)).await
 }
 
 /// With every write acknowledged by the replica before it is trusted, a failover to a replica
@@ -341,11 +272,5 @@ async fn sentinel_failover_with_acknowledged_writes_loses_nothing() {
 /// the cost of asynchronous replication.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sentinel_failover_without_acknowledged_writes_loses_outcomes() {
-    let f = failover_soak(false).await;
-    let r = &f.report;
-    assert!(r.unexpected.is_empty(), "{r}");
-    assert!(
-        !r.violations.is_empty() || !r.double_effects.is_empty(),
-        "a failover to a replica that missed a second of writes lost nothing the checker could          see: {r}"
-    );
+    failover_soak(false).await.assert_lost_something();
 }

@@ -363,6 +363,31 @@ impl SentinelGroup {
         group
     }
 
+    /// [`SentinelGroup::start_linked`] with the replica replicating through a
+    /// [`PartitionProxy`](crate::partition::PartitionProxy) the test can cut, and a failover
+    /// timeout of 10 minutes (Sentinel leaves that link alone). Call it from async code: it
+    /// starts the servers on a blocking thread and the proxy on the current runtime.
+    pub async fn start_with_cuttable_link() -> (Self, crate::partition::PartitionProxy) {
+        let runtime = tokio::runtime::Handle::current();
+        tokio::task::spawn_blocking(move || {
+            let mut link = None;
+            let group = Self::start_linked(
+                |primary| {
+                    let proxy = runtime.block_on(crate::partition::PartitionProxy::start(
+                        ([127, 0, 0, 1], primary).into(),
+                    ));
+                    let port = proxy.addr().port();
+                    link = Some(proxy);
+                    port
+                },
+                Duration::from_secs(600),
+            );
+            (group, link.expect("the replica's link"))
+        })
+        .await
+        .expect("start the Sentinel group")
+    }
+
     /// Starts a replica of the server on `primary_port` and waits until it has synced.
     fn replica_of(primary_port: u16) -> RedisServer {
         let port = primary_port.to_string();

@@ -24,9 +24,11 @@ use std::sync::{Arc, Once};
 use std::time::{Duration, Instant};
 
 mod check;
+mod failover;
 mod run;
 
 pub use crate::faults::WorkFault;
+pub use failover::FailoverRun;
 pub use run::soak;
 
 /// The env var that sets the number of operations of a soak run.

@@ -1,0 +1,95 @@
+//! A soak that meets one failover: whether it did (calls in flight at the crash, enough
+//! answered after the recovery), and its figures.
+
+use super::Report;
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+/// Calls that must be answered after the recovery for a run to count.
+const ANSWERED_AFTER: usize = 500;
+
+/// One soak run across one failover.
+#[derive(Debug)]
+pub struct FailoverRun {
+    /// The soak's report (the whole history checked).
+    pub report: Report,
+    /// Calls in flight when the primary died.
+    pub spanning: usize,
+    /// From the crash to the recovery (the promotion, or the switch of the address).
+    pub outage: Duration,
+    /// Calls answered after the recovery.
+    pub answered_after: usize,
+}
+
+impl FailoverRun {
+    /// The run's figures, or `None` when it ended before it met the failover: no call in
+    /// flight at `crashed`, or fewer than 500 answered after `recovered` (it proves nothing
+    /// about the failover then).
+    pub fn measure(report: Report, crashed: Instant, recovered: Instant) -> Option<Self> {
+        let spanning = report
+            .events
+            .iter()
+            .filter(|e| report.instant(e.op.call) < crashed && report.instant(e.ended) > crashed)
+            .count();
+        let answered_after = report
+            .events
+            .iter()
+            .filter(|e| e.op.ret.is_some() && report.instant(e.op.call) > recovered)
+            .count();
+        eprintln!("{report}");
+        if spanning == 0 || answered_after < ANSWERED_AFTER {
+            eprintln!(
+                "the run ended before it met the failover ({spanning} calls in flight at the \
+                 crash, {answered_after} answered after the recovery)"
+            );
+            return None;
+        }
+        Some(Self {
+            report,
+            spanning,
+            outage: recovered.duration_since(crashed),
+            answered_after,
+        })
+    }
+
+    /// Runs `once` until a run met its failover, at most five times, and prints its figures
+    /// under `label`.
+    pub async fn repeat<F, Fut>(label: &str, mut once: F) -> Self
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Option<Self>>,
+    {
+        for run in 1..=5 {
+            if let Some(f) = once().await {
+                let r = &f.report;
+                eprintln!(
+                    "{label}: {} calls, {} checked, 1 failover ({:.1} s from the crash to the \
+                     recovery) with {} calls in flight, {} answered after the recovery; {} \
+                     failed calls (unknown), {} violations, {} double effects",
+                    r.ops,
+                    r.checked_ops,
+                    f.outage.as_secs_f64(),
+                    f.spanning,
+                    f.answered_after,
+                    r.backend_errors,
+                    r.violations.len(),
+                    r.double_effects.len(),
+                );
+                return f;
+            }
+            eprintln!("{label}, run {run}: running the scenario again");
+        }
+        panic!("{label}: in five runs the soak never outlasted the failover");
+    }
+
+    /// Asserts that the checker found what the failover lost (violations or double effects)
+    /// and nothing a correct engine never answers: the scenario bites.
+    pub fn assert_lost_something(&self) {
+        let r = &self.report;
+        assert!(r.unexpected.is_empty(), "{r}");
+        assert!(
+            !r.violations.is_empty() || !r.double_effects.is_empty(),
+            "the failover lost nothing the checker could see: {r}"
+        );
+    }
+}
