@@ -15,28 +15,13 @@ use idempotency_core::{
 use idempotency_mysql::sqlx::mysql::{MySqlConnectOptions, MySqlSslMode};
 use idempotency_mysql::{MysqlError, MysqlIdempotency, MysqlStore};
 use idempotency_testing::partition::PartitionProxy;
-use idempotency_testing::partition_case::PartitionCase;
+use idempotency_testing::partition_case::{an_idle_connection, PartitionCase};
 use std::str::FromStr;
 use std::time::{Duration, Instant};
 
 // Generous: a statement on a loaded machine, not partitioned, must never take as long.
 const TIMEOUT: Duration = Duration::from_secs(3);
 const LEASE: Duration = Duration::from_secs(60);
-
-/// Waits until the pool holds an idle connection, so that the next statement is sent on it
-/// (sqlx pings a connection given back before it is idle again; a partition that cut that
-/// ping would leave the pool to open a new connection, whose handshake never gets through:
-/// the statement would then not be sent at all, a different case).
-async fn an_idle_connection(store: &MysqlStore) {
-    let started = Instant::now();
-    while store.pool().num_idle() == 0 {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "no connection went back idle"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
 
 fn no_answer(e: &Error) -> bool {
     matches!(MysqlError::find(e), Some(MysqlError::NoAnswer { .. }))
@@ -87,7 +72,7 @@ async fn a_partition_ends_every_call_in_a_defined_outcome() {
         store: &store,
         proxy: &proxy,
         timeout: TIMEOUT,
-        settle: &|| Box::pin(an_idle_connection(&store)),
+        settle: &|| Box::pin(an_idle_connection(|| store.pool().num_idle())),
         no_answer,
         read_failed: nothing_answered,
         claim_unknown: false,

@@ -12,26 +12,11 @@ use common::SchemaGuard;
 use idempotency_core::Error;
 use idempotency_postgres::{PostgresError, PostgresStore};
 use idempotency_testing::partition::PartitionProxy;
-use idempotency_testing::partition_case::PartitionCase;
-use std::time::{Duration, Instant};
+use idempotency_testing::partition_case::{an_idle_connection, PartitionCase};
+use std::time::Duration;
 
 // Generous: a statement on a loaded machine, not partitioned, must never take as long.
 const TIMEOUT: Duration = Duration::from_secs(3);
-
-/// Waits until the pool holds an idle connection, so that the next statement is sent on it
-/// (sqlx pings a connection given back before it is idle again, and a partition that cuts
-/// that ping leaves the pool to open a new one, whose handshake never gets through: the
-/// statement is then not sent at all, a different case).
-async fn an_idle_connection(store: &PostgresStore) {
-    let started = Instant::now();
-    while store.pool().num_idle() == 0 {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "no connection went back idle"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
 
 fn no_answer(e: &Error) -> bool {
     matches!(PostgresError::find(e), Some(PostgresError::NoAnswer { .. }))
@@ -64,7 +49,7 @@ async fn a_partition_ends_every_call_in_a_defined_outcome() {
         store: &store,
         proxy: &proxy,
         timeout: TIMEOUT,
-        settle: &|| Box::pin(an_idle_connection(&store)),
+        settle: &|| Box::pin(an_idle_connection(|| store.pool().num_idle())),
         no_answer,
         read_failed: nothing_answered,
         claim_unknown: false,

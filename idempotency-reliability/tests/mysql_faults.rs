@@ -647,16 +647,8 @@ async fn restart_mid_soak_once() -> bool {
     // Calls in flight when the server died: the store met the crash (it recovers most of
     // them itself: reads and claims are sent again on a fresh connection, a holder's lost
     // completion is read back by the engine, so few or none fail).
-    let spanning = report
-        .events
-        .iter()
-        .filter(|e| report.instant(e.op.call) < crashed && report.instant(e.ended) > crashed)
-        .count();
-    let answered_after = report
-        .events
-        .iter()
-        .filter(|e| e.op.ret.is_some() && report.instant(e.op.call) > restarted)
-        .count();
+    let spanning = report.in_flight_at(crashed);
+    let answered_after = report.answered_after(restarted);
     if spanning == 0 || answered_after < 500 {
         // The run ended before (or just as) the crash came: it proves nothing about it.
         return false;

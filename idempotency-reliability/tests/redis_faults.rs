@@ -104,11 +104,7 @@ async fn restart_and_script_flush_once() -> bool {
         resumed_after < Duration::from_secs(5),
         "calls still failed {resumed_after:?} after the restart"
     );
-    let answered_after: usize = report
-        .events
-        .iter()
-        .filter(|e| e.op.ret.is_some() && report.instant(e.op.call) > last_error)
-        .count();
+    let answered_after = report.answered_after(last_error);
     assert!(
         answered_after >= 500,
         "only {answered_after} calls answered after the last error: the run ended too soon"

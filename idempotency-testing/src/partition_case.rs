@@ -47,6 +47,22 @@ impl std::fmt::Debug for PartitionCase<'_> {
     }
 }
 
+/// Waits until a pool holds an idle connection (`num_idle` reads the pool's count), so that
+/// the next statement is sent on it: sqlx pings a connection given back before it is idle
+/// again, and a partition that cut that ping would leave the pool to open a new connection,
+/// whose handshake never gets through (the statement would then not be sent at all, a
+/// different case). For [`PartitionCase::settle`].
+pub async fn an_idle_connection(num_idle: impl Fn() -> usize) {
+    let started = Instant::now();
+    while num_idle() == 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "no connection went back idle"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 fn id() -> RecordId {
     RecordId::new(
         Scope::new("partition").expect("scope"),

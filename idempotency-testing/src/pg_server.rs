@@ -9,6 +9,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 /// Runs `postgres` under a shell watchdog that stops it when our end of its stdin closes:
@@ -27,7 +28,12 @@ rm -rf "$dir"
 
 /// The directory of PostgreSQL's server binaries: `$IDEMPOTENCY_TEST_PG_BIN`, or the newest
 /// `/usr/lib/postgresql/<version>/bin` (Debian's layout).
-pub fn bin_dir() -> PathBuf {
+fn bin_dir() -> PathBuf {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(find_bin_dir).clone()
+}
+
+fn find_bin_dir() -> PathBuf {
     if let Ok(dir) = std::env::var("IDEMPOTENCY_TEST_PG_BIN") {
         return PathBuf::from(dir);
     }
@@ -51,10 +57,13 @@ pub fn bin_dir() -> PathBuf {
 }
 
 fn running_as_root() -> bool {
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .is_ok_and(|o| o.stdout.trim_ascii() == b"0")
+    static ROOT: OnceLock<bool> = OnceLock::new();
+    *ROOT.get_or_init(|| {
+        Command::new("id")
+            .arg("-u")
+            .output()
+            .is_ok_and(|o| o.stdout.trim_ascii() == b"0")
+    })
 }
 
 /// `tool` from [`bin_dir`], run as `postgres` when the tests run as root.
@@ -101,7 +110,7 @@ fn run(mut cmd: Command, what: &str) {
 }
 
 /// A free loopback port.
-pub fn free_port() -> u16 {
+fn free_port() -> u16 {
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
     listener.local_addr().expect("local addr").port()
 }

@@ -231,17 +231,6 @@ impl RedisServer {
         self.stop_watchdog();
     }
 
-    /// Freezes the server (SIGSTOP): it keeps its connections but answers nothing, as a
-    /// server stalled by its host would, until [`RedisServer::resume`].
-    pub fn pause(&self) {
-        self.signal("-STOP");
-    }
-
-    /// Lets a [`paused`](RedisServer::pause) server run again (SIGCONT).
-    pub fn resume(&self) {
-        self.signal("-CONT");
-    }
-
     fn signal(&self, signal: &str) {
         let status = Command::new("kill")
             .arg(signal)
@@ -415,15 +404,6 @@ impl SentinelGroup {
                 .ok()?;
             addr.get(1)?.parse().ok()
         })
-    }
-
-    /// The running data server that is not on `primary_port`.
-    pub fn replica(&self, primary_port: u16) -> &RedisServer {
-        self.servers
-            .iter()
-            .flatten()
-            .find(|s| s.port != primary_port)
-            .expect("a running replica")
     }
 
     /// Kills the current primary with SIGKILL; returns its port.

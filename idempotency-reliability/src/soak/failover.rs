@@ -26,16 +26,8 @@ impl FailoverRun {
     /// flight at `crashed`, or fewer than 500 answered after `recovered` (it proves nothing
     /// about the failover then).
     pub fn measure(report: Report, crashed: Instant, recovered: Instant) -> Option<Self> {
-        let spanning = report
-            .events
-            .iter()
-            .filter(|e| report.instant(e.op.call) < crashed && report.instant(e.ended) > crashed)
-            .count();
-        let answered_after = report
-            .events
-            .iter()
-            .filter(|e| e.op.ret.is_some() && report.instant(e.op.call) > recovered)
-            .count();
+        let spanning = report.in_flight_at(crashed);
+        let answered_after = report.answered_after(recovered);
         eprintln!("{report}");
         if spanning == 0 || answered_after < ANSWERED_AFTER {
             eprintln!(

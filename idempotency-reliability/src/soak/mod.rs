@@ -608,6 +608,22 @@ impl Report {
         self.origin.expect("a finished run has an origin") + Duration::from_nanos(nanos)
     }
 
+    /// Calls in flight at `at`: made before it, answered (or given up) after.
+    pub fn in_flight_at(&self, at: Instant) -> usize {
+        self.events
+            .iter()
+            .filter(|e| self.instant(e.op.call) < at && self.instant(e.ended) > at)
+            .count()
+    }
+
+    /// Calls made after `at` that were answered.
+    pub fn answered_after(&self, at: Instant) -> usize {
+        self.events
+            .iter()
+            .filter(|e| e.op.ret.is_some() && self.instant(e.op.call) > at)
+            .count()
+    }
+
     /// Whether `event` is a call whose store failed (recorded as unknown).
     pub fn is_backend_error(event: &Event) -> bool {
         event.op.output == Response::Unknown
