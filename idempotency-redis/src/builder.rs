@@ -20,11 +20,14 @@ pub const DEFAULT_PREFIX: &str = "idempotency:";
 /// [`RedisStoreBuilder::expired_retention`] sets another.
 pub const DEFAULT_EXPIRED_RETENTION: Duration = Duration::from_secs(3600);
 
-/// Timeouts of the connections [`RedisStore::connect`], [`RedisStore::connect_cluster`] and
-/// [`RedisStoreBuilder::connect_sentinel`] open. A call that times out after being sent is reported as
-/// [`Error::OutcomeUnknown`].
+/// The connect timeout of the connections [`RedisStore::connect`],
+/// [`RedisStore::connect_cluster`] and [`RedisStoreBuilder::connect_sentinel`] open.
 pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-pub(crate) const RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long a call waits for the server's answer on the connections the builder opens,
+/// unless [`RedisStoreBuilder::response_timeout`] sets another. A call that times out after
+/// being sent is reported as [`Error::OutcomeUnknown`].
+pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Configures a [`RedisStore`] (key prefix, retention of expired records), then connects it or
 /// builds it on a connection you made.
@@ -33,6 +36,7 @@ pub struct RedisStoreBuilder {
     pub(crate) prefix: String,
     pub(crate) expired_retention: Duration,
     pub(crate) wait: Option<ReplicaWait>,
+    pub(crate) response_timeout: Duration,
 }
 
 impl RedisStoreBuilder {
@@ -54,6 +58,21 @@ impl RedisStoreBuilder {
     /// records as soon as they expire.
     pub fn expired_retention(mut self, retention: Duration) -> Self {
         self.expired_retention = retention;
+        self
+    }
+
+    /// How long a call waits for the server's answer (default [`DEFAULT_RESPONSE_TIMEOUT`]),
+    /// on the connections [`connect`](Self::connect), [`connect_cluster`](Self::connect_cluster)
+    /// and [`connect_sentinel`](Self::connect_sentinel) open; a connection you configured
+    /// yourself ([`build`](Self::build)) keeps its own.
+    ///
+    /// A call that gets no answer in time ends: a read with a retryable error, a write
+    /// (a claim included) with [`Error::OutcomeUnknown`], since the server may have applied
+    /// it. The engine then holds the key rather than run the work again. Without a timeout a
+    /// network partition would hold every call, and the work behind it, until TCP gave up
+    /// (minutes). Shorter than 1 ms is an [`Error::Config`] when the store is built.
+    pub fn response_timeout(mut self, timeout: Duration) -> Self {
+        self.response_timeout = timeout;
         self
     }
 
@@ -83,7 +102,7 @@ impl RedisStoreBuilder {
     ///
     /// Standalone servers, primaries and Sentinel-managed primaries; refused on a cluster
     /// connection. `replicas`
-    /// must be at least 1 and `timeout` between 1 ms and the connection's 5 s response
+    /// must be at least 1 and `timeout` between 1 ms and the connection's response
     /// timeout, or building the store is an [`Error::Config`].
     pub fn wait_for_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
         self.wait = Some(ReplicaWait { replicas, timeout });
@@ -91,20 +110,20 @@ impl RedisStoreBuilder {
     }
 
     /// Connects to a standalone server (or a primary) through a [`ConnectionManager`]: one
-    /// multiplexed connection that reconnects on its own, with 5 s connect and response
-    /// timeouts and up to three quick reconnect attempts per call.
+    /// multiplexed connection that reconnects on its own, with a 5 s connect timeout, the
+    /// [response timeout](Self::response_timeout) and up to three quick reconnect attempts per call.
     ///
     /// `url` is a Redis URL such as `redis://127.0.0.1:6379/0` or
     /// `redis://user:password@host:6379`.
     pub async fn connect(self, url: impl IntoConnectionInfo) -> Result<RedisStore, Error> {
-        keys::validate_prefix(&self.prefix)?;
+        self.validate()?;
         let client = redis::Client::open(url).map_err(config_error)?;
         // Reconnect attempts back off from about 0.5 s; after three failed attempts the
         // call fails and the next call starts over, so a call never waits more than a few
         // seconds for a server that is down. (The driver's default backoff grows to a minute.)
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(CONNECT_TIMEOUT)
-            .set_response_timeout(RESPONSE_TIMEOUT)
+            .set_response_timeout(self.response_timeout)
             .set_factor(2)
             .set_max_delay(500)
             .set_number_of_retries(2);
@@ -121,13 +140,13 @@ impl RedisStoreBuilder {
         self,
         nodes: impl IntoIterator<Item = T>,
     ) -> Result<RedisStore, Error> {
-        keys::validate_prefix(&self.prefix)?;
+        self.validate()?;
         // A few quick retries cover redirects during resharding and a failover's
         // TRYAGAIN/CLUSTERDOWN; the driver's default (16 retries from 1.3 s) would hold a
         // call for minutes.
         let client = ClusterClient::builder(nodes)
             .connection_timeout(CONNECT_TIMEOUT)
-            .response_timeout(RESPONSE_TIMEOUT)
+            .response_timeout(self.response_timeout)
             .retries(4)
             .min_retry_wait(50)
             .max_retry_wait(1000)
@@ -143,7 +162,7 @@ impl RedisStoreBuilder {
     /// gone (its connection failed, or the server answers `READONLY` because it came back
     /// as a replica) makes the next call ask the Sentinels again, and go on asking while they
     /// elect a new primary: calls made during a failover wait for it, up to the 5 s connect
-    /// timeout, then fail with a retryable error (nothing was sent). 5 s response timeout.
+    /// timeout, then fail with a retryable error (nothing was sent).
     /// Calls that were in flight when the primary died end as usual for a lost connection
     /// (a write's outcome is unknown).
     ///
@@ -175,10 +194,11 @@ impl RedisStoreBuilder {
         self,
         client: SentinelClient,
     ) -> Result<RedisStore, Error> {
-        keys::validate_prefix(&self.prefix)?;
-        let connection = SentinelConnection::connect(client, CONNECT_TIMEOUT, RESPONSE_TIMEOUT)
-            .await
-            .map_err(connect_error)?;
+        self.validate()?;
+        let connection =
+            SentinelConnection::connect(client, CONNECT_TIMEOUT, self.response_timeout)
+                .await
+                .map_err(connect_error)?;
         self.with_connection(Connection::Sentinel(Arc::new(connection)))
     }
 
@@ -192,8 +212,19 @@ impl RedisStoreBuilder {
         self.with_connection(Connection::Cluster(connection))
     }
 
-    fn with_connection(self, connection: Connection) -> Result<RedisStore, Error> {
+    fn validate(&self) -> Result<(), Error> {
         keys::validate_prefix(&self.prefix)?;
+        if self.response_timeout < Duration::from_millis(1) {
+            return Err(Error::Config(format!(
+                "response_timeout must be at least 1 ms, not {:?}",
+                self.response_timeout
+            )));
+        }
+        Ok(())
+    }
+
+    fn with_connection(self, connection: Connection) -> Result<RedisStore, Error> {
+        self.validate()?;
         if let Some(wait) = self.wait {
             if matches!(connection, Connection::Cluster(_)) {
                 return Err(Error::Config(
@@ -205,11 +236,11 @@ impl RedisStoreBuilder {
                     "wait_for_replicas needs at least one replica".into(),
                 ));
             }
-            if wait.timeout < Duration::from_millis(1) || wait.timeout >= RESPONSE_TIMEOUT {
+            if wait.timeout < Duration::from_millis(1) || wait.timeout >= self.response_timeout {
                 return Err(Error::Config(format!(
-                    "wait_for_replicas: the timeout must be between 1 ms and the {RESPONSE_TIMEOUT:?} \
+                    "wait_for_replicas: the timeout must be between 1 ms and the {:?} \
                      response timeout, not {:?}",
-                    wait.timeout
+                    self.response_timeout, wait.timeout
                 )));
             }
         }
@@ -231,6 +262,7 @@ impl RedisStore {
             prefix: DEFAULT_PREFIX.to_owned(),
             expired_retention: DEFAULT_EXPIRED_RETENTION,
             wait: None,
+            response_timeout: DEFAULT_RESPONSE_TIMEOUT,
         }
     }
 

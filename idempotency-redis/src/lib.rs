@@ -8,7 +8,9 @@ mod scripts;
 mod sentinel;
 mod store;
 
-pub use builder::{RedisStoreBuilder, DEFAULT_EXPIRED_RETENTION, DEFAULT_PREFIX};
+pub use builder::{
+    RedisStoreBuilder, DEFAULT_EXPIRED_RETENTION, DEFAULT_PREFIX, DEFAULT_RESPONSE_TIMEOUT,
+};
 pub use error::NotAcknowledged;
 pub use keys::MAX_PREFIX_LEN;
 /// The Redis driver this store is built on, re-exported so callers use the same version.

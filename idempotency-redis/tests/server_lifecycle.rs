@@ -218,6 +218,24 @@ async fn bad_settings_are_config_errors() {
             other => panic!("prefix {prefix:?}: expected a config error, got {other:?}"),
         }
     }
+    match RedisStore::builder()
+        .response_timeout(std::time::Duration::ZERO)
+        .connect(url.as_str())
+        .await
+    {
+        Err(Error::Config(msg)) => assert!(msg.contains("response_timeout"), "{msg}"),
+        other => panic!("a zero response timeout: expected a config error, got {other:?}"),
+    }
+    // The wait for replicas must end before the call's own timeout.
+    match RedisStore::builder()
+        .response_timeout(std::time::Duration::from_millis(500))
+        .wait_for_replicas(1, std::time::Duration::from_secs(1))
+        .connect(url.as_str())
+        .await
+    {
+        Err(Error::Config(msg)) => assert!(msg.contains("500ms"), "{msg}"),
+        other => panic!("a wait past the response timeout: expected a config error, got {other:?}"),
+    }
     let store = RedisStore::builder()
         .prefix("ok:")
         .connect(url.as_str())

@@ -4,8 +4,8 @@
 
 use crate::partition::PartitionProxy;
 use idempotency_core::{
-    Cas, Claim, ClaimRequest, Error, FencingToken, Fingerprint, IdempotencyKey, IdempotencyStore,
-    RecordId, RecordStatus, Scope,
+    Cas, Claim, ClaimRequest, Error, Failure, FencingToken, Fingerprint, IdempotencyKey,
+    IdempotencyStore, Record, RecordId, RecordStatus, Scope,
 };
 use std::future::Future;
 use std::pin::Pin;
@@ -13,6 +13,24 @@ use std::time::{Duration, Instant};
 
 const LEASE: Duration = Duration::from_secs(60);
 const TTL: Duration = Duration::from_secs(3600);
+/// The lease an extension asks for: longer than [`LEASE`], so that it shows.
+const LONGER: Duration = Duration::from_secs(600);
+
+/// A holder's write the scenario cuts: each must end as an unknown outcome, and once healed
+/// have applied or not, never anything else.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Step {
+    Complete,
+    Fail,
+    Extend,
+}
+
+fn failure() -> Failure {
+    Failure {
+        retryable: false,
+        message: "declined".into(),
+    }
+}
 
 /// A store behind a proxy, and what its errors must look like.
 pub struct PartitionCase<'a> {
@@ -63,6 +81,28 @@ pub async fn an_idle_connection(num_idle: impl Fn() -> usize) {
     }
 }
 
+/// Whether `r` shows the holder's `step` applied to the record it claimed (`before`).
+fn applied(step: Step, r: &Record, token: FencingToken, before: &Record) -> bool {
+    match step {
+        Step::Complete => completed(r, token),
+        Step::Fail => {
+            r.status == RecordStatus::Failed
+                && r.token == token
+                && r.failure.as_ref().map(|f| f.message.as_str()) == Some("declined")
+        }
+        Step::Extend => {
+            r.status == RecordStatus::Pending
+                && r.token == token
+                && r.lease_until > before.lease_until
+        }
+    }
+}
+
+fn completed(r: &Record, token: FencingToken) -> bool {
+    (r.status, r.token, r.outcome.as_deref())
+        == (RecordStatus::Completed, token, Some(&b"done"[..]))
+}
+
 fn id() -> RecordId {
     RecordId::new(
         Scope::new("partition").expect("scope"),
@@ -96,20 +136,63 @@ impl PartitionCase<'_> {
         out
     }
 
+    /// The holder's `step`, made on `k`.
+    async fn write(&self, step: Step, k: &RecordId, token: FencingToken) -> Result<Cas, Error> {
+        match step {
+            Step::Complete => self.store.complete(k, token, b"done", TTL).await,
+            Step::Fail => self.store.fail(k, token, &failure(), TTL).await,
+            Step::Extend => self.store.extend(k, token, LONGER).await,
+        }
+    }
+
+    /// After a cut `step`, the healed record `r` must be the holder's: applied, or untouched
+    /// (then the holder's write, made again, applies). `before` is the record as claimed.
+    async fn settled(
+        &self,
+        step: Step,
+        k: &RecordId,
+        token: FencingToken,
+        r: Record,
+        before: &Record,
+    ) {
+        let untouched = r.status == RecordStatus::Pending
+            && r.token == token
+            && r.lease_until == before.lease_until;
+        if untouched {
+            // Made again, as the engine would. The held request may still reach the server
+            // after the heal (TCP delivers what the partition held), before or after this
+            // one: then this one finds it applied. Either way the record must show it.
+            self.write(step, k, token).await.expect("the write again");
+            let r = self.store.get(k).await.expect("get").expect("the record");
+            assert!(applied(step, &r, token, before), "{step:?} again: {r:?}");
+        } else {
+            assert!(
+                applied(step, &r, token, before),
+                "the cut {step:?} left {r:?}"
+            );
+        }
+    }
+
     /// The scenario:
     /// - the traffic is cut while a completion is in flight: `OutcomeUnknown` with the
     ///   store's no-answer error; a read meanwhile is a retryable error, a claim a retryable
     ///   error or (`claim_unknown`) an unknown outcome; once healed the record is Pending
     ///   with the holder's token (then completed by it) or already completed by it (TCP may
     ///   deliver the held request after the heal), never anything else;
-    /// - only the answers are held while a completion applies: `OutcomeUnknown`, and once
-    ///   healed the record shows it applied (what the engine's read-back finds);
+    /// - the same cut during a failure and during a lease extension: `OutcomeUnknown`, and
+    ///   once healed the record is still the holder's, failed or extended by it or not, and
+    ///   the holder's write applies when made again;
+    /// - only the answers are held while a completion, a failure or an extension is sent:
+    ///   `OutcomeUnknown`, and once healed the record shows it applied (what the engine's
+    ///   read-back finds) or, when the statement waited for an answer before it could be
+    ///   sent, untouched, the write then applying when made again;
     /// - afterwards 20 cycles on the healed store all answer correctly (no stuck connection
     ///   reused, no late answer taken for another call's).
     pub async fn run(&self) {
         let store = self.store;
         let cut = id();
         let token = claimed(store, &cut).await;
+        let before = store.get(&cut).await.expect("get").expect("the record");
         (self.settle)().await;
         self.proxy.partition();
         let e = self
@@ -153,38 +236,51 @@ impl PartitionCase<'_> {
         }
         self.proxy.heal();
         let r = store.get(&cut).await.expect("get").expect("the record");
-        match r.status {
-            RecordStatus::Pending => {
-                assert_eq!(r.token, token);
-                assert_eq!(
-                    store
-                        .complete(&cut, token, b"done", TTL)
-                        .await
-                        .expect("complete"),
-                    Cas::Applied
-                );
-            }
-            RecordStatus::Completed => {
-                assert_eq!((r.token, r.outcome.as_deref()), (token, Some(&b"done"[..])));
-            }
-            other => panic!("the cut completion left {other:?}"),
+        self.settled(Step::Complete, &cut, token, r, &before).await;
+
+        for step in [Step::Fail, Step::Extend] {
+            let k = id();
+            let token = claimed(store, &k).await;
+            let before = store.get(&k).await.expect("get").expect("the record");
+            (self.settle)().await;
+            self.proxy.partition();
+            let e = self
+                .bounded(&format!("{step:?}"), self.write(step, &k, token))
+                .await
+                .expect_err("a holder's write through a partition");
+            assert!(
+                matches!(e, Error::OutcomeUnknown { .. }) && (self.no_answer)(&e),
+                "{step:?}: {e:?}"
+            );
+            self.proxy.heal();
+            let r = store.get(&k).await.expect("get").expect("the record");
+            self.settled(step, &k, token, r, &before).await;
         }
 
-        let lost = id();
-        let token = claimed(store, &lost).await;
-        (self.settle)().await;
-        self.proxy.hold_replies();
-        let e = self
-            .bounded("complete", store.complete(&lost, token, b"done", TTL))
-            .await
-            .expect_err("a completion whose answer is held");
-        assert!(matches!(e, Error::OutcomeUnknown { .. }), "{e:?}");
-        self.proxy.heal();
-        let r = store.get(&lost).await.expect("get").expect("the record");
-        assert_eq!(
-            (r.status, r.token, r.outcome.as_deref()),
-            (RecordStatus::Completed, token, Some(&b"done"[..]))
-        );
+        for step in [Step::Complete, Step::Fail, Step::Extend] {
+            // The step once on another key first, so that its statement is likely prepared
+            // on the connection the next one takes: a statement sqlx has not prepared on a
+            // connection waits for the answer to its preparation before it is sent, and
+            // then never reaches the server while answers are held.
+            let warm = id();
+            let warm_token = claimed(store, &warm).await;
+            self.write(step, &warm, warm_token)
+                .await
+                .expect("an uncut write");
+            let k = id();
+            let token = claimed(store, &k).await;
+            let before = store.get(&k).await.expect("get").expect("the record");
+            (self.settle)().await;
+            self.proxy.hold_replies();
+            let e = self
+                .bounded(&format!("{step:?}"), self.write(step, &k, token))
+                .await
+                .expect_err("a holder's write whose answer is held");
+            assert!(matches!(e, Error::OutcomeUnknown { .. }), "{step:?}: {e:?}");
+            self.proxy.heal();
+            let r = store.get(&k).await.expect("get").expect("the record");
+            self.settled(step, &k, token, r, &before).await;
+        }
 
         for _ in 0..20 {
             let k = id();
