@@ -13,9 +13,10 @@ use idempotency_core::{
     Error, Fingerprint, IdempotencyKey, IdempotencyStore, Policy, RecordId, RecordStatus, Scope,
 };
 use idempotency_mysql::sqlx::mysql::{MySqlConnectOptions, MySqlSslMode};
+use idempotency_mysql::sqlx::{self, Connection};
 use idempotency_mysql::{MysqlError, MysqlIdempotency, MysqlStore};
 use idempotency_testing::partition::PartitionProxy;
-use idempotency_testing::partition_case::{an_idle_connection, PartitionCase};
+use idempotency_testing::partition_case::{an_idle_connection, CommitCase, PartitionCase};
 use std::str::FromStr;
 use std::time::{Duration, Instant};
 
@@ -133,4 +134,78 @@ async fn a_partition_during_an_exactly_once_transaction_hangs_nothing() {
         RecordStatus::Completed,
         "a transaction whose statements got no answer committed"
     );
+}
+
+/// The exactly-once path cut at its `COMMIT` (then healed, or severed so that the server rolls
+/// back) or with the `COMMIT`'s answer held: an unknown outcome after the response timeout, the
+/// order and the completion committed together or not at all, and one order in the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_at_the_commit_keeps_the_order_and_the_completion_together() {
+    let proxy = proxy().await;
+    let guard = TableGuard::new();
+    let store = partitioned_store(&proxy, &guard).await;
+    let orders_guard = TableGuard::new();
+    let orders = format!("`{}`", orders_guard.table);
+    let records = format!("`{}`", guard.table);
+    common::exec(&format!(
+        "CREATE TABLE {orders} (id BIGINT AUTO_INCREMENT PRIMARY KEY, ref VARCHAR(255) NOT NULL) \
+         ENGINE = InnoDB"
+    ))
+    .await;
+    let lease = Duration::from_secs(1);
+    let engine = MysqlIdempotency::new(store, Policy::default().lease(lease)).unwrap();
+    let scope = Scope::new("partition|POST /orders").unwrap();
+    let fingerprint = Fingerprint::from_bytes(b"order");
+
+    CommitCase {
+        proxy: &proxy,
+        timeout: TIMEOUT,
+        lease,
+        run: &|key: IdempotencyKey| {
+            let (engine, orders, scope, fingerprint) =
+                (engine.clone(), orders.clone(), scope.clone(), fingerprint);
+            Box::pin(async move {
+                let k = key.clone();
+                engine
+                    .run_in_transaction(&key, &scope, &fingerprint, move |tx, ctx| {
+                        let (orders, k) = (orders.clone(), k.clone());
+                        Box::pin(async move {
+                            sqlx::query(&format!("INSERT INTO {orders} (ref) VALUES (?)"))
+                                .bind(k.as_str())
+                                .execute(&mut *tx)
+                                .await
+                                .map_err(|e| e.to_string())?;
+                            Ok::<u64, String>(ctx.token.0)
+                        })
+                    })
+                    .await
+            })
+        },
+        snapshot: &|key: IdempotencyKey| {
+            let (orders, records) = (orders.clone(), records.clone());
+            Box::pin(async move {
+                let mut admin = common::admin().await;
+                // One statement, one snapshot.
+                let (status, rows): (Option<String>, i64) = sqlx::query_as(&format!(
+                    "SELECT CAST((SELECT status FROM {records} WHERE idem_key = ?) AS CHAR), \
+                     (SELECT COUNT(*) FROM {orders} WHERE ref = ?)"
+                ))
+                .bind(key.as_str())
+                .bind(key.as_str())
+                .fetch_one(&mut admin)
+                .await
+                .expect("snapshot");
+                let _ = admin.close().await;
+                let status = status.map(|s| match s.as_str() {
+                    "completed" => RecordStatus::Completed,
+                    "failed" => RecordStatus::Failed,
+                    _ => RecordStatus::Pending,
+                });
+                (status, usize::try_from(rows).expect("a count"))
+            })
+        },
+        no_answer,
+    }
+    .run()
+    .await;
 }

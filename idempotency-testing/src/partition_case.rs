@@ -5,7 +5,7 @@
 use crate::partition::PartitionProxy;
 use idempotency_core::{
     Cas, Claim, ClaimRequest, Error, Failure, FencingToken, Fingerprint, IdempotencyKey,
-    IdempotencyStore, Record, RecordId, RecordStatus, Scope,
+    IdempotencyStore, Outcome, Record, RecordId, RecordStatus, Scope,
 };
 use std::future::Future;
 use std::pin::Pin;
@@ -295,5 +295,155 @@ impl PartitionCase<'_> {
             let r = store.get(&k).await.expect("get").expect("the record");
             assert_eq!((r.status, r.token), (RecordStatus::Completed, token));
         }
+    }
+}
+
+/// What the commit case's helpers return.
+pub type Boxed<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// A run through a store's transactional helper: the work inserts one business row for the
+/// key in the transaction that completes the record, and succeeds with its fencing token.
+pub type TransactionalRun<'a> =
+    dyn Fn(IdempotencyKey) -> Boxed<'a, Result<Outcome<Result<u64, String>>, Error>> + Sync + 'a;
+
+/// The record's status (`None` when there is no record) and the key's business rows, read
+/// in one snapshot on a connection that does not cross the proxy.
+pub type Snapshot<'a> =
+    dyn Fn(IdempotencyKey) -> Boxed<'a, (Option<RecordStatus>, usize)> + Sync + 'a;
+
+/// The exactly-once path through a partition at its `COMMIT`: whatever the partition does,
+/// the business row and the completion commit together or not at all, the caller hears an
+/// unknown outcome, and a retry ends with exactly one row.
+pub struct CommitCase<'a> {
+    /// The proxy the store's connections cross.
+    pub proxy: &'a PartitionProxy,
+    /// The store's response timeout.
+    pub timeout: Duration,
+    /// The engine's lease: a retry after it takes over a key its holder left Pending.
+    pub lease: Duration,
+    /// Runs the work once (see [`TransactionalRun`]).
+    pub run: &'a TransactionalRun<'a>,
+    /// Reads the record and the rows (see [`Snapshot`]).
+    pub snapshot: &'a Snapshot<'a>,
+    /// Whether an error says the store got no answer (its own error type's variant).
+    pub no_answer: fn(&Error) -> bool,
+}
+
+impl std::fmt::Debug for CommitCase<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CommitCase")
+            .field("proxy", &self.proxy.addr())
+            .field("timeout", &self.timeout)
+            .field("lease", &self.lease)
+            .finish_non_exhaustive()
+    }
+}
+
+/// How the partition at the `COMMIT` ends.
+#[derive(Clone, Copy, Debug)]
+enum AtCommit {
+    /// The `COMMIT` is held, then the partition heals: it reaches the server late.
+    CutThenHealed,
+    /// The `COMMIT` is held and the connection severed: the server never gets it and rolls
+    /// the transaction back.
+    CutThenSevered,
+    /// The `COMMIT` reaches the server and applies; its answer is held, then delivered.
+    AnswerHeld,
+}
+
+impl CommitCase<'_> {
+    /// The three partitions at the `COMMIT` (cut then healed, cut then severed, answer
+    /// held), each on a fresh key: the first call is an unknown outcome after the response
+    /// timeout; every snapshot shows the row and the completion together or neither; the
+    /// retry replays the committed outcome, or (after a rollback, once the lease passed) runs
+    /// the work once; the key ends with exactly one row.
+    pub async fn run(&self) {
+        for how in [
+            AtCommit::CutThenHealed,
+            AtCommit::CutThenSevered,
+            AtCommit::AnswerHeld,
+        ] {
+            self.once(how).await;
+        }
+    }
+
+    /// A snapshot that must be consistent: the record Completed with exactly one row, or not
+    /// Completed with none. Returns whether it is Completed.
+    async fn consistent(&self, key: &IdempotencyKey, how: AtCommit) -> bool {
+        let (status, rows) = (self.snapshot)(key.clone()).await;
+        let completed = status == Some(RecordStatus::Completed);
+        assert_eq!(
+            rows,
+            usize::from(completed),
+            "{how:?}: the record is {status:?} with {rows} business rows"
+        );
+        completed
+    }
+
+    async fn once(&self, how: AtCommit) {
+        let key = IdempotencyKey::random();
+        match how {
+            AtCommit::AnswerHeld => self.proxy.hold_replies_after(b"COMMIT"),
+            _ => self.proxy.partition_at(b"COMMIT"),
+        }
+        let started = Instant::now();
+        let first = tokio::time::timeout(
+            self.timeout + Duration::from_secs(10),
+            (self.run)(key.clone()),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("{how:?}: the run hung through the partition"));
+        assert!(
+            started.elapsed() >= self.timeout - Duration::from_millis(100),
+            "{how:?}: answered before the timeout, through a partition: {first:?}"
+        );
+        match &first {
+            Err(e @ Error::OutcomeUnknown { .. }) if (self.no_answer)(e) => {}
+            other => {
+                panic!("{how:?}: a commit without an answer must be an unknown outcome: {other:?}")
+            }
+        }
+        let completed = self.consistent(&key, how).await;
+        match how {
+            AtCommit::CutThenSevered => self.proxy.sever(),
+            _ => self.proxy.heal(),
+        }
+        match how {
+            AtCommit::CutThenSevered => {
+                // Once the lease passes a retry takes over the key its holder left Pending;
+                // the COMMIT the server never got must not have applied meanwhile.
+                tokio::time::sleep(self.lease).await;
+                assert!(
+                    !self.consistent(&key, how).await,
+                    "{how:?}: a COMMIT the server never got applied"
+                );
+            }
+            _ => {
+                // What the proxy held reaches the server: every snapshot until then must be
+                // consistent too.
+                let deadline = Instant::now() + Duration::from_secs(10);
+                let mut now_completed = completed;
+                while !now_completed && Instant::now() < deadline {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    now_completed = self.consistent(&key, how).await;
+                }
+                assert!(
+                    now_completed,
+                    "{how:?}: the COMMIT that reached the server did not apply"
+                );
+            }
+        }
+        let retry = (self.run)(key.clone())
+            .await
+            .unwrap_or_else(|e| panic!("{how:?}: the retry: {e:?}"));
+        match (how, retry) {
+            (AtCommit::CutThenSevered, Outcome::Fresh(Ok(_))) => {}
+            (AtCommit::CutThenHealed | AtCommit::AnswerHeld, Outcome::Replayed(Ok(_))) => {}
+            (how, other) => panic!("{how:?}: the retry answered {other:?}"),
+        }
+        assert!(
+            self.consistent(&key, how).await,
+            "{how:?}: the retry left no completion"
+        );
     }
 }
