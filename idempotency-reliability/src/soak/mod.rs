@@ -19,7 +19,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Once};
 use std::time::{Duration, Instant};
 
@@ -40,6 +40,11 @@ pub const DEFAULT_OPS: usize = 10_000;
 
 /// What an injected panic says; the soak's panic hook keeps these out of the test output.
 pub const PANIC_MARKER: &str = "injected panic (reliability soak)";
+
+/// How a runner's work begins its error when its own business write failed (the connection
+/// died under it, say): the transaction rolled back and the engine released the key, an
+/// answer the soak expects with or without an injected error.
+pub const BUSINESS_WRITE_FAILED: &str = "the business write failed";
 
 /// The clock skew allowed between the soak's clock and the store's (whose timestamps have
 /// millisecond resolution), in nanoseconds.
@@ -165,6 +170,9 @@ pub struct SoakConfig {
     pub mix: FaultMix,
     /// The seed of the fault schedule.
     pub seed: u64,
+    /// Set once the workers' calls have all ended, before the final reads: a fault schedule
+    /// of the caller's own (a partition, a crash) that runs beside the soak stops there.
+    pub calls_over: Arc<AtomicBool>,
 }
 
 impl SoakConfig {
@@ -202,6 +210,7 @@ impl SoakConfig {
             store_faults: StoreFaults::default(),
             mix: FaultMix::default(),
             seed,
+            calls_over: Arc::default(),
         }
     }
 }

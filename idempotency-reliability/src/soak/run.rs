@@ -286,9 +286,13 @@ async fn worker(shared: Arc<Shared>, seed: u64) -> Vec<Event> {
         };
         // An error released by the engine must come from an injected error.
         let note = match (output, fault, note) {
-            (Response::Released, f, Some(n)) if f != WorkFault::Error => Some(format!(
-                "UNEXPECTED: the work failed without an injected error: {n}"
-            )),
+            (Response::Released, f, Some(n))
+                if f != WorkFault::Error && !n.starts_with(BUSINESS_WRITE_FAILED) =>
+            {
+                Some(format!(
+                    "UNEXPECTED: the work failed without an injected error: {n}"
+                ))
+            }
             (_, _, n) => n,
         };
         events.push(Event {
@@ -399,6 +403,7 @@ pub async fn soak(runner: Arc<dyn Runner>, config: SoakConfig) -> Report {
         events.extend(w.await.expect("a worker panicked"));
     }
     let run_time = started.elapsed();
+    config.calls_over.store(true, Ordering::Relaxed);
     purging.store(false, Ordering::Relaxed);
     let purge_errors = match purger {
         Some(p) => p.await.expect("the purger panicked"),

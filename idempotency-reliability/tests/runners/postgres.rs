@@ -6,7 +6,9 @@ use futures::future::BoxFuture;
 use idempotency_core::{Fingerprint, IdempotencyKey, IdempotencyStore, Scope};
 use idempotency_postgres::sqlx;
 use idempotency_postgres::{PostgresIdempotency, PostgresStore};
-use idempotency_reliability::soak::{soak_policy, RunResult, Runner, Work, WorkFault};
+use idempotency_reliability::soak::{
+    soak_policy, RunResult, Runner, Work, WorkFault, BUSINESS_WRITE_FAILED,
+};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -76,7 +78,7 @@ impl Runner for PgTransactionalRunner {
                         .bind(value)
                         .execute(&mut *tx)
                         .await
-                        .map_err(|e| e.to_string())?;
+                        .map_err(|e| format!("{BUSINESS_WRITE_FAILED}: {e}"))?;
                         work.perform().await
                     })
                 })

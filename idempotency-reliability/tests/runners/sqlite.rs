@@ -3,7 +3,7 @@
 
 use futures::future::BoxFuture;
 use idempotency_core::{Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, Scope};
-use idempotency_reliability::soak::{RunResult, Runner, Work};
+use idempotency_reliability::soak::{RunResult, Runner, Work, BUSINESS_WRITE_FAILED};
 use idempotency_sqlite::rusqlite::params;
 use idempotency_sqlite::{SqliteIdempotency, SqliteStore};
 use std::sync::Arc;
@@ -36,7 +36,7 @@ impl Runner for SqliteTransactionalRunner {
                         "INSERT INTO effects (scope, key, value) VALUES (?1, ?2, ?3)",
                         params![s, k, i64::try_from(work.value).map_err(|e| e.to_string())?],
                     )
-                    .map_err(|e| e.to_string())?;
+                    .map_err(|e| format!("{BUSINESS_WRITE_FAILED}: {e}"))?;
                     std::thread::sleep(work.duration);
                     Ok::<u64, String>(work.value)
                 })
