@@ -74,7 +74,7 @@ async fn sleep_unless_over(length: Duration, over: &AtomicBool) -> bool {
 }
 
 /// Cuts the proxy until the soak's calls are over (then heals at once, so that the final
-/// reads get through): 0.2–0.7 s healthy, then a partition or held answers (half each) for
+/// reads get through): 0.2–0.7 s healthy, then a partition or held answers (taking turns) for
 /// 0.25–2.5 response timeouts, healed, or severed one time in three when the cut outlasted
 /// the timeout.
 async fn chaos(proxy: Arc<PartitionProxy>, over: Arc<AtomicBool>, seed: u64) -> Vec<Cut> {
@@ -84,7 +84,8 @@ async fn chaos(proxy: Arc<PartitionProxy>, over: Arc<AtomicBool>, seed: u64) -> 
         if sleep_unless_over(Duration::from_millis(rng.gen_range(200..700)), &over).await {
             return cuts;
         }
-        let kind = if rng.gen_bool(0.5) {
+        // Taking turns, so that each kind meets enough calls.
+        let kind = if cuts.len() % 2 == 0 {
             CutKind::Partition
         } else {
             CutKind::RepliesHeld
