@@ -23,8 +23,8 @@ enum State {
     RepliesHeld,
 }
 
-/// A partitionable proxy in front of one server. Dropping it stops accepting; connections
-/// already open keep forwarding until either side closes.
+/// A partitionable proxy in front of one server. Dropping it stops accepting and closes the
+/// connections it forwards.
 #[derive(Debug)]
 pub struct PartitionProxy {
     addr: SocketAddr,
@@ -131,7 +131,8 @@ impl PartitionProxy {
         self.shared.state.send_replace(State::Open);
     }
 
-    /// Closes every open connection on both sides, dropping what the proxy holds, and lets
+    /// Closes every connection open on both sides (one accepted at this very moment may
+    /// escape), dropping what the proxy holds, and lets
     /// new connections through: a partition that outlasted the server's patience (its
     /// keepalive or timeouts), so that the server ended the sessions and rolled back their
     /// open transactions.
@@ -145,8 +146,11 @@ impl PartitionProxy {
 }
 
 impl Drop for PartitionProxy {
+    /// Stops accepting and severs every open connection: a test that fails mid-partition
+    /// must not leave a session held open (inside a transaction, with its locks) behind it.
     fn drop(&mut self) {
         self.accept.abort();
+        self.sever();
     }
 }
 

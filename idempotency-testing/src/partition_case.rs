@@ -403,16 +403,29 @@ impl CommitCase<'_> {
                 panic!("{how:?}: a commit without an answer must be an unknown outcome: {other:?}")
             }
         }
+        // Where the COMMIT is now tells the cases apart: held at the proxy it has not
+        // applied; sent with its answer held it has.
         let completed = self.consistent(&key, how).await;
+        assert_eq!(
+            completed,
+            matches!(how, AtCommit::AnswerHeld),
+            "{how:?}: the record is {} while the proxy holds what it holds",
+            if completed {
+                "Completed"
+            } else {
+                "not Completed"
+            }
+        );
         match how {
             AtCommit::CutThenSevered => self.proxy.sever(),
             _ => self.proxy.heal(),
         }
         match how {
             AtCommit::CutThenSevered => {
-                // Once the lease passes a retry takes over the key its holder left Pending;
-                // the COMMIT the server never got must not have applied meanwhile.
-                tokio::time::sleep(self.lease).await;
+                // Once the lease passes (the response timeout may already have outlasted it)
+                // a retry takes over the key its holder left Pending; the COMMIT the server
+                // never got must not have applied meanwhile.
+                tokio::time::sleep(self.lease.saturating_sub(started.elapsed())).await;
                 assert!(
                     !self.consistent(&key, how).await,
                     "{how:?}: a COMMIT the server never got applied"

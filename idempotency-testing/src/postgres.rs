@@ -102,6 +102,9 @@ impl Drop for SchemaGuard {
             rt.block_on(async move {
                 let options = PgConnectOptions::from_str(&url()).ok()?;
                 let mut conn = PgConnection::connect_with(&options).await.ok()?;
+                // A failed test may leave a session inside a transaction on the schema: wait
+                // for its locks a bounded time, so that the failure is reported, not hung.
+                conn.execute("SET lock_timeout = '10s'").await.ok()?;
                 conn.execute(format!(r#"DROP SCHEMA IF EXISTS "{schema}" CASCADE"#).as_str())
                     .await
                     .ok()?;

@@ -43,7 +43,7 @@ pub const PANIC_MARKER: &str = "injected panic (reliability soak)";
 
 /// How a runner's work begins its error when its own business write failed (the connection
 /// died under it, say): the transaction rolled back and the engine released the key, an
-/// answer the soak expects with or without an injected error.
+/// answer the soak expects when [`SoakConfig::business_writes_may_fail`] says so.
 pub const BUSINESS_WRITE_FAILED: &str = "the business write failed";
 
 /// The clock skew allowed between the soak's clock and the store's (whose timestamps have
@@ -170,6 +170,10 @@ pub struct SoakConfig {
     pub mix: FaultMix,
     /// The seed of the fault schedule.
     pub seed: u64,
+    /// Whether a runner's business write may fail without an injected error (its connection
+    /// cut by a partition, say): such a call, released with [`BUSINESS_WRITE_FAILED`], is
+    /// then expected rather than unexpected (`false`).
+    pub business_writes_may_fail: bool,
     /// Set once the workers' calls have all ended, before the final reads: a fault schedule
     /// of the caller's own (a partition, a crash) that runs beside the soak stops there.
     pub calls_over: Arc<AtomicBool>,
@@ -210,6 +214,7 @@ impl SoakConfig {
             store_faults: StoreFaults::default(),
             mix: FaultMix::default(),
             seed,
+            business_writes_may_fail: false,
             calls_over: Arc::default(),
         }
     }

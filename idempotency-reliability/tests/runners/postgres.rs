@@ -88,14 +88,26 @@ impl Runner for PgTransactionalRunner {
 
     fn effects<'a>(&'a self, scope: &'a Scope) -> BoxFuture<'a, Option<HashMap<String, Vec<u64>>>> {
         Box::pin(async move {
-            let rows: Vec<(String, i64)> = sqlx::query_as(&format!(
-                "SELECT key, value FROM {} WHERE scope = $1 ORDER BY id",
-                self.effects
-            ))
-            .bind(scope.as_str())
-            .fetch_all(self.engine.store().pool())
-            .await
-            .expect("read the effects table");
+            // A pooled connection that a fault left dead fails once; the pool then opens
+            // another.
+            let mut tries = 0;
+            let rows: Vec<(String, i64)> = loop {
+                match sqlx::query_as(&format!(
+                    "SELECT key, value FROM {} WHERE scope = $1 ORDER BY id",
+                    self.effects
+                ))
+                .bind(scope.as_str())
+                .fetch_all(self.engine.store().pool())
+                .await
+                {
+                    Ok(rows) => break rows,
+                    Err(_) if tries < 5 => {
+                        tries += 1;
+                        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    }
+                    Err(e) => panic!("read the effects table: {e}"),
+                }
+            };
             let mut map: HashMap<String, Vec<u64>> = HashMap::new();
             for (key, value) in rows {
                 map.entry(key)
