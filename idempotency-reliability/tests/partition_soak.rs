@@ -12,7 +12,6 @@
 
 mod runners;
 
-use idempotency_mysql::sqlx::mysql::MySqlConnectOptions;
 use idempotency_mysql::MysqlStore;
 use idempotency_postgres::PostgresStore;
 use idempotency_redis::RedisStore;
@@ -27,7 +26,6 @@ use runners::mysql::MysqlTransactionalRunner;
 use runners::postgres::PgTransactionalRunner;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -264,7 +262,7 @@ async fn mariadb_exactly_once_through_partitions() {
         let (table, effects_table) = (records.table.clone(), effects.table.clone());
         guards.push((records, effects));
         async move {
-            let options = MySqlConnectOptions::from_str(&my::url()).expect("the test server's URL");
+            let options = my::options();
             let server = loopback(options.get_host(), options.get_port());
             let proxy = Arc::new(PartitionProxy::start(server).await);
             let url = through(&my::url(), server, &proxy);
