@@ -8,13 +8,16 @@
 //! Run with the standby asynchronous, and synchronous with `synchronous_commit` `on` and
 //! `remote_apply`: asynchronous replication loses the commits of the cut second (the checker
 //! must find that, or the scenario proves nothing), a synchronous standby loses nothing a
-//! caller was told.
+//! caller was told, through the engine and through the exactly-once path.
+
+mod runners;
 
 use idempotency_core::IdempotencyStore;
 use idempotency_postgres::PostgresStore;
 use idempotency_reliability::soak::{soak, FailoverRun, Instances, Runner, SoakConfig};
 use idempotency_testing::partition::PartitionProxy;
 use idempotency_testing::pg_server::PgServer;
+use runners::postgres::PgTransactionalRunner;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -26,13 +29,23 @@ enum Replication {
     Synchronous(&'static str),
 }
 
+/// What runs the soak's calls.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Path {
+    /// The engine, through two stores (two application instances).
+    Engine,
+    /// `PostgresIdempotency::run_in_transaction`, a business row per execution in the
+    /// completion's transaction.
+    ExactlyOnce,
+}
+
 fn loopback(port: u16) -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], port))
 }
 
 /// One run; `None` when it ended before it had calls in flight at the crash and 500 answered
 /// after the switch (it proves nothing then).
-async fn failover_soak_once(replication: Replication) -> Option<FailoverRun> {
+async fn failover_soak_once(replication: Replication, path: Path) -> Option<FailoverRun> {
     let settings: Vec<String> = match replication {
         Replication::Asynchronous => vec![],
         Replication::Synchronous(level) => vec![
@@ -54,21 +67,31 @@ async fn failover_soak_once(replication: Replication) -> Option<FailoverRun> {
     let address = Arc::new(PartitionProxy::start(loopback(primary.port)).await);
     let url = format!("postgres://postgres@{}/postgres", address.addr());
 
-    // Two application instances, each with its own pool.
-    let mut instances: Vec<Arc<dyn IdempotencyStore>> = Vec::new();
-    for _ in 0..2 {
+    let connect = || async {
         let store = PostgresStore::builder()
             .max_connections(8)
             .connect(&url)
             .await
             .expect("connect through the address");
         store.migrate().await.expect("migrate");
-        instances.push(Arc::new(store));
-    }
-    let mut config = SoakConfig::from_env(format!("postgres-failover-{replication:?}"));
+        store
+    };
+    let mut config = SoakConfig::from_env(format!("postgres-failover-{replication:?}-{path:?}"));
     // Long enough to outlast the failover, whatever the soak length.
     config.ops = config.ops.max(20_000);
-    let runner: Arc<dyn Runner> = Arc::new(Instances::new(instances, config.lease));
+    let runner: Arc<dyn Runner> = match path {
+        Path::Engine => {
+            // Two application instances, each with its own pool.
+            let mut instances: Vec<Arc<dyn IdempotencyStore>> = Vec::new();
+            for _ in 0..2 {
+                instances.push(Arc::new(connect().await));
+            }
+            Arc::new(Instances::new(instances, config.lease))
+        }
+        Path::ExactlyOnce => {
+            Arc::new(PgTransactionalRunner::new(connect().await, "public", config.lease).await)
+        }
+    };
     let chaos = {
         let address = address.clone();
         tokio::spawn(async move {
@@ -93,9 +116,9 @@ async fn failover_soak_once(replication: Replication) -> Option<FailoverRun> {
     FailoverRun::measure(report, crashed, switched)
 }
 
-async fn failover_soak(replication: Replication) -> FailoverRun {
-    let label = format!("postgres failover, {replication:?}");
-    FailoverRun::repeat(&label, || failover_soak_once(replication)).await
+async fn failover_soak(replication: Replication, path: Path) -> FailoverRun {
+    let label = format!("postgres failover, {replication:?}, {path:?}");
+    FailoverRun::repeat(&label, || failover_soak_once(replication, path)).await
 }
 
 /// Asynchronous streaming replication: the commits of the second the link was cut are lost
@@ -103,7 +126,7 @@ async fn failover_soak(replication: Replication) -> FailoverRun {
 /// have.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn asynchronous_standby_loses_outcomes() {
-    failover_soak(Replication::Asynchronous)
+    failover_soak(Replication::Asynchronous, Path::Engine)
         .await
         .assert_lost_something();
 }
@@ -113,7 +136,7 @@ async fn asynchronous_standby_loses_outcomes() {
 /// caller was told.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn synchronous_standby_on_loses_nothing() {
-    failover_soak(Replication::Synchronous("on"))
+    failover_soak(Replication::Synchronous("on"), Path::Engine)
         .await
         .report
         .assert_clean();
@@ -122,7 +145,17 @@ async fn synchronous_standby_on_loses_nothing() {
 /// `synchronous_commit = remote_apply`: as `on`, and the standby has also applied the commit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn synchronous_standby_remote_apply_loses_nothing() {
-    failover_soak(Replication::Synchronous("remote_apply"))
+    failover_soak(Replication::Synchronous("remote_apply"), Path::Engine)
+        .await
+        .report
+        .assert_clean();
+}
+
+/// `synchronous_commit = on` through the exactly-once path: business rows and completions move
+/// to the promoted standby together, and no key's work runs twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn synchronous_standby_on_keeps_exactly_once() {
+    failover_soak(Replication::Synchronous("on"), Path::ExactlyOnce)
         .await
         .report
         .assert_clean();

@@ -1,6 +1,6 @@
 //! A MariaDB server of the test's own (`mariadbd` on a free loopback port, over a data
 //! directory `mariadb-install-db` made), to crash and restart without touching the shared
-//! server other tests use.
+//! server other tests use; and a primary with a replica of the test's own, to fail over.
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
@@ -85,6 +85,16 @@ impl MariadbServer {
     /// connect, as root) and waits until it accepts connections, at most `limit` (crash
     /// recovery after [`crash`](Self::crash) is part of the start). `None` when it did not.
     pub fn start(port: u16, data: &DataDir, limit: Duration) -> Option<Self> {
+        Self::start_with(port, data, limit, &[])
+    }
+
+    /// As [`start`](Self::start), with `options` (`--name=value`) after the test's own.
+    pub fn start_with(
+        port: u16,
+        data: &DataDir,
+        limit: Duration,
+        options: &[String],
+    ) -> Option<Self> {
         let dir = data.path().to_owned();
         let mut cmd = Command::new("bash");
         cmd.arg("-c")
@@ -100,6 +110,7 @@ impl MariadbServer {
             .arg(format!("--log-error={}", dir.join("error.log").display()))
             .arg("--skip-grant-tables")
             .arg("--innodb-buffer-pool-size=32M")
+            .args(options)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::null());
@@ -130,19 +141,37 @@ impl MariadbServer {
 
     /// Creates the `test` database the [`url`](Self::url) names, if it is not there yet.
     pub async fn create_test_database(&self) {
-        use sqlx::{ConnectOptions, Connection, Executor};
-        let options = sqlx::mysql::MySqlConnectOptions::new()
-            .host("127.0.0.1")
-            .port(self.port)
-            .username("root");
-        let mut conn = options
-            .connect()
-            .await
-            .unwrap_or_else(|e| panic!("connect to the test's mariadbd: {e}"));
+        use sqlx::{Connection, Executor};
+        let mut conn = self.admin().await;
         conn.execute("CREATE DATABASE IF NOT EXISTS test")
             .await
             .expect("create database test");
         let _ = conn.close().await;
+    }
+
+    /// A connection of the test's own to this server (no database selected).
+    async fn admin(&self) -> sqlx::MySqlConnection {
+        use sqlx::ConnectOptions;
+        sqlx::mysql::MySqlConnectOptions::new()
+            .host("127.0.0.1")
+            .port(self.port)
+            .username("root")
+            .connect()
+            .await
+            .unwrap_or_else(|e| {
+                panic!(
+                    "connect to the test's mariadbd on port {}: {e}\n{}",
+                    self.port,
+                    self.log_tail()
+                )
+            })
+    }
+
+    /// The tail of its error log, for a failing test's message.
+    pub fn log_tail(&self) -> String {
+        let log = std::fs::read_to_string(self.dir.join("error.log")).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        lines[lines.len().saturating_sub(30)..].join("\n")
     }
 
     fn wait_ready(&self, limit: Duration) -> bool {
@@ -172,6 +201,204 @@ impl MariadbServer {
         drop(self.stdin.take());
         let _ = self.watchdog.wait();
     }
+}
+
+/// How a primary started by [`MariadbServer::primary`] acknowledges a commit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Replication {
+    /// Asynchronous (MariaDB's default): the commit returns once the primary has it; a
+    /// replica gets it later, or never if the primary dies first.
+    Asynchronous,
+    /// Semi-synchronous, `rpl_semi_sync_master_wait_point = AFTER_SYNC`: the commit is
+    /// written to the binary log, and becomes visible and returns only once a replica has
+    /// acknowledged receiving it. The wait is bounded by `rpl_semi_sync_master_timeout`
+    /// (here 10 minutes, longer than any test), after which MariaDB silently falls back to
+    /// asynchronous replication.
+    SemiSynchronous,
+}
+
+impl Replication {
+    fn primary_options(self) -> Vec<String> {
+        match self {
+            Self::Asynchronous => vec![],
+            Self::SemiSynchronous => vec![
+                "--rpl-semi-sync-master-enabled=ON".to_owned(),
+                "--rpl-semi-sync-master-wait-point=AFTER_SYNC".to_owned(),
+                "--rpl-semi-sync-master-timeout=600000".to_owned(),
+            ],
+        }
+    }
+
+    fn replica_options(self) -> Vec<String> {
+        match self {
+            Self::Asynchronous => vec![],
+            Self::SemiSynchronous => vec!["--rpl-semi-sync-slave-enabled=ON".to_owned()],
+        }
+    }
+}
+
+/// How long a server of the failover tests may take to start.
+const REPLICATED_START: Duration = Duration::from_secs(60);
+
+impl MariadbServer {
+    /// Starts a primary over `data` on `port`, writing a binary log with GTIDs
+    /// (`--server-id=1`) for replicas to follow, acknowledging commits as `replication` says.
+    /// Panics with the server's log when it does not start.
+    pub fn primary(port: u16, data: &DataDir, replication: Replication) -> Self {
+        let mut options = vec![
+            "--server-id=1".to_owned(),
+            format!("--log-bin={}", data.path().join("binlog").display()),
+            "--binlog-format=ROW".to_owned(),
+        ];
+        options.extend(replication.primary_options());
+        Self::start_with(port, data, REPLICATED_START, &options)
+            .unwrap_or_else(|| panic!("the primary did not start on port {port}"))
+    }
+
+    /// Starts a server over `data` on `port` (`--server-id=2`, a binary log of its own so it
+    /// can be promoted) that will replicate as `replication` says once
+    /// [`replicate_from`](Self::replicate_from) points it at a primary.
+    pub fn replica(port: u16, data: &DataDir, replication: Replication) -> Self {
+        let mut options = vec![
+            "--server-id=2".to_owned(),
+            format!("--log-bin={}", data.path().join("binlog").display()),
+            "--binlog-format=ROW".to_owned(),
+            "--log-slave-updates=ON".to_owned(),
+        ];
+        options.extend(replication.replica_options());
+        Self::start_with(port, data, REPLICATED_START, &options)
+            .unwrap_or_else(|| panic!("the replica did not start on port {port}"))
+    }
+
+    /// Makes this server a replica of the primary reachable at `upstream_port` (the primary,
+    /// or a proxy in front of it), from the start of its binary log (GTID `slave_pos`), and
+    /// waits until both replication threads run. Call it before the primary takes writes.
+    pub async fn replicate_from(&self, upstream_port: u16) {
+        use sqlx::Executor;
+        let mut conn = self.admin().await;
+        conn.execute(
+            format!(
+                "CHANGE MASTER TO MASTER_HOST = '127.0.0.1', MASTER_PORT = {upstream_port}, \
+                 MASTER_USER = 'root', MASTER_CONNECT_RETRY = 1, MASTER_USE_GTID = slave_pos"
+            )
+            .as_str(),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("CHANGE MASTER TO: {e}\n{}", self.log_tail()));
+        conn.execute("START SLAVE")
+            .await
+            .unwrap_or_else(|e| panic!("START SLAVE: {e}\n{}", self.log_tail()));
+        let start = Instant::now();
+        loop {
+            let status = slave_status(&mut conn).await;
+            let running = |name: &str| status.get(name).map(String::as_str) == Some("Yes");
+            if running("Slave_IO_Running") && running("Slave_SQL_Running") {
+                return;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "replication did not start: {status:?}\n{}",
+                self.log_tail()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Waits until `replicas` semi-synchronous replicas are connected to this primary, so no
+    /// commit waits for one that is not there yet.
+    pub async fn wait_semi_sync_replicas(&self, replicas: u32) {
+        let mut conn = self.admin().await;
+        let start = Instant::now();
+        loop {
+            let clients: Option<(String, String)> =
+                sqlx::query_as("SHOW GLOBAL STATUS LIKE 'Rpl_semi_sync_master_clients'")
+                    .fetch_optional(&mut conn)
+                    .await
+                    .expect("read Rpl_semi_sync_master_clients");
+            let clients: u32 = clients.and_then(|(_, v)| v.parse().ok()).unwrap_or(0);
+            if clients >= replicas {
+                return;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "{clients} semi-synchronous replicas connected after 30 s, not {replicas}\n{}",
+                self.log_tail()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Promotes a replica whose primary is gone: stops fetching, applies everything it had
+    /// received (`MASTER_GTID_WAIT` on the position its I/O thread reached), forgets the
+    /// primary and takes writes.
+    pub async fn promote(&self) {
+        use sqlx::Executor;
+        let mut conn = self.admin().await;
+        conn.execute("STOP SLAVE IO_THREAD")
+            .await
+            .unwrap_or_else(|e| panic!("STOP SLAVE IO_THREAD: {e}\n{}", self.log_tail()));
+        let status = slave_status(&mut conn).await;
+        let received = status.get("Gtid_IO_Pos").cloned().unwrap_or_default();
+        let waited: i64 = sqlx::query_scalar("SELECT MASTER_GTID_WAIT(?, 60)")
+            .bind(&received)
+            .fetch_one(&mut conn)
+            .await
+            .unwrap_or_else(|e| panic!("MASTER_GTID_WAIT: {e}\n{}", self.log_tail()));
+        assert_eq!(
+            waited,
+            0,
+            "the replica did not apply what it received ({received}) within 60 s\n{}",
+            self.log_tail()
+        );
+        for statement in ["STOP SLAVE", "RESET SLAVE ALL", "SET GLOBAL read_only = 0"] {
+            conn.execute(statement)
+                .await
+                .unwrap_or_else(|e| panic!("{statement}: {e}\n{}", self.log_tail()));
+        }
+    }
+}
+
+/// `SHOW SLAVE STATUS` as column name to text (empty when the server replicates nothing).
+async fn slave_status(
+    conn: &mut sqlx::MySqlConnection,
+) -> std::collections::HashMap<String, String> {
+    use sqlx::{Column, Executor, Row};
+    let Some(row) = conn
+        .fetch_optional("SHOW SLAVE STATUS")
+        .await
+        .expect("SHOW SLAVE STATUS")
+    else {
+        return Default::default();
+    };
+    row.columns()
+        .iter()
+        .map(|column| {
+            let value = row
+                .try_get::<Option<String>, _>(column.ordinal())
+                .ok()
+                .flatten()
+                .or_else(|| {
+                    row.try_get::<Option<Vec<u8>>, _>(column.ordinal())
+                        .ok()
+                        .flatten()
+                        .map(|bytes| String::from_utf8_lossy(&bytes).into_owned())
+                })
+                .or_else(|| {
+                    row.try_get::<Option<i64>, _>(column.ordinal())
+                        .ok()
+                        .flatten()
+                        .map(|n| n.to_string())
+                })
+                .or_else(|| {
+                    row.try_get::<Option<u64>, _>(column.ordinal())
+                        .ok()
+                        .flatten()
+                        .map(|n| n.to_string())
+                })
+                .unwrap_or_default();
+            (column.name().to_owned(), value)
+        })
+        .collect()
 }
 
 impl Drop for MariadbServer {
