@@ -7,9 +7,11 @@
 //! the address moves.
 //!
 //! Run with asynchronous replication (MariaDB's default), where the checker must find the
-//! commits of the cut second lost (or the scenario proves nothing), and semi-synchronous with
-//! `AFTER_SYNC`, through the engine and through the exactly-once path, where nothing a caller
-//! was told is lost.
+//! commits of the cut second lost (or the scenario proves nothing); semi-synchronous with
+//! `AFTER_SYNC` and a timeout longer than any outage, through the engine and through the
+//! exactly-once path, where nothing a caller was told is lost; and semi-synchronous with a
+//! timeout shorter than the cut, which falls back to asynchronous replication and loses
+//! outcomes again.
 
 mod runners;
 
@@ -25,6 +27,12 @@ use runners::mysql::MysqlTransactionalRunner;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+/// Semi-synchronous replication whose commits wait for the replica for up to 10 minutes:
+/// longer than the test.
+const SEMI_SYNCHRONOUS: Replication = Replication::SemiSynchronous {
+    timeout: Duration::from_secs(600),
+};
 
 fn loopback(port: u16) -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], port))
@@ -73,7 +81,7 @@ async fn failover_soak_once(replication: Replication, path: Path) -> Option<Fail
     .await
     .expect("start the replica");
     replica.0.replicate_from(link.addr().port()).await;
-    if replication == Replication::SemiSynchronous {
+    if matches!(replication, Replication::SemiSynchronous { .. }) {
         primary.0.wait_semi_sync_replicas(1).await;
     }
     primary.0.create_test_database().await;
@@ -143,7 +151,7 @@ async fn asynchronous_replica_loses_outcomes() {
 /// every outcome a caller was told or read.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn semi_synchronous_replica_loses_nothing() {
-    failover_soak(Replication::SemiSynchronous, Path::Engine)
+    failover_soak(SEMI_SYNCHRONOUS, Path::Engine)
         .await
         .report
         .assert_clean();
@@ -153,8 +161,22 @@ async fn semi_synchronous_replica_loses_nothing() {
 /// replica together, and no key's work runs twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn semi_synchronous_replica_keeps_exactly_once() {
-    failover_soak(Replication::SemiSynchronous, Path::ExactlyOnce)
+    failover_soak(SEMI_SYNCHRONOUS, Path::ExactlyOnce)
         .await
         .report
         .assert_clean();
+}
+
+/// Semi-synchronous replication whose timeout (200 ms) is shorter than the cut: the primary
+/// stops waiting, falls back to asynchronous replication, and the commits after the fallback
+/// are lost with it. The timeout must outlast any outage of the replica for the setting to
+/// keep the promise.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn semi_synchronous_replica_with_a_short_timeout_loses_outcomes() {
+    let replication = Replication::SemiSynchronous {
+        timeout: Duration::from_millis(200),
+    };
+    failover_soak(replication, Path::Engine)
+        .await
+        .assert_lost_something();
 }

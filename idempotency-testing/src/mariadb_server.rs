@@ -211,20 +211,23 @@ pub enum Replication {
     Asynchronous,
     /// Semi-synchronous, `rpl_semi_sync_master_wait_point = AFTER_SYNC`: the commit is
     /// written to the binary log, and becomes visible and returns only once a replica has
-    /// acknowledged receiving it. The wait is bounded by `rpl_semi_sync_master_timeout`
-    /// (here 10 minutes, longer than any test), after which MariaDB silently falls back to
-    /// asynchronous replication.
-    SemiSynchronous,
+    /// acknowledged receiving it, or once `timeout` (`rpl_semi_sync_master_timeout`) has
+    /// passed: then MariaDB silently falls back to asynchronous replication until a replica
+    /// catches up again.
+    SemiSynchronous {
+        /// How long a commit waits for the replica's acknowledgement.
+        timeout: Duration,
+    },
 }
 
 impl Replication {
     fn primary_options(self) -> Vec<String> {
         match self {
             Self::Asynchronous => vec![],
-            Self::SemiSynchronous => vec![
+            Self::SemiSynchronous { timeout } => vec![
                 "--rpl-semi-sync-master-enabled=ON".to_owned(),
                 "--rpl-semi-sync-master-wait-point=AFTER_SYNC".to_owned(),
-                "--rpl-semi-sync-master-timeout=600000".to_owned(),
+                format!("--rpl-semi-sync-master-timeout={}", timeout.as_millis()),
             ],
         }
     }
@@ -232,7 +235,9 @@ impl Replication {
     fn replica_options(self) -> Vec<String> {
         match self {
             Self::Asynchronous => vec![],
-            Self::SemiSynchronous => vec!["--rpl-semi-sync-slave-enabled=ON".to_owned()],
+            Self::SemiSynchronous { .. } => {
+                vec!["--rpl-semi-sync-slave-enabled=ON".to_owned()]
+            }
         }
     }
 }
