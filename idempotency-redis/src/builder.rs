@@ -100,10 +100,11 @@ impl RedisStoreBuilder {
     /// choose from. `WAIT` also blocks the connection it is sent on, so every call on the
     /// store's connection waits behind a write whose replicas are slow, up to `timeout`.
     ///
-    /// Standalone servers, primaries and Sentinel-managed primaries; refused on a cluster
-    /// connection. `replicas`
-    /// must be at least 1 and `timeout` between 1 ms and the connection's response
-    /// timeout, or building the store is an [`Error::Config`].
+    /// Standalone servers, Sentinel-managed primaries and Redis Cluster: on a cluster the
+    /// `WAIT` goes to the primary of the record's slot with its script, and `replicas` counts
+    /// that shard's replicas (give every shard at least that many). `replicas` must be at
+    /// least 1 and `timeout` between 1 ms and the connection's response timeout, or building
+    /// the store is an [`Error::Config`].
     pub fn wait_for_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
         self.wait = Some(ReplicaWait { replicas, timeout });
         self
@@ -226,11 +227,6 @@ impl RedisStoreBuilder {
     fn with_connection(self, connection: Connection) -> Result<RedisStore, Error> {
         self.validate()?;
         if let Some(wait) = self.wait {
-            if matches!(connection, Connection::Cluster(_)) {
-                return Err(Error::Config(
-                    "wait_for_replicas is for standalone and Sentinel-managed servers, not a cluster connection".into(),
-                ));
-            }
             if wait.replicas == 0 {
                 return Err(Error::Config(
                     "wait_for_replicas needs at least one replica".into(),

@@ -43,8 +43,10 @@ impl Connection {
         }
     }
 
-    /// Sends a pipeline of one write script and its `WAIT` (never on a cluster: the builder
-    /// refuses it).
+    /// Sends a pipeline of one script and its `WAIT`. On a cluster the pipeline goes whole to
+    /// the primary of the script's slot (the cluster client routes a pipeline by its first
+    /// keyed command, and follows a redirect with all of it), so `WAIT` counts that shard's
+    /// replicas.
     async fn query_with_wait(&self, pipe: &redis::Pipeline) -> Result<(Value, u32), RedisError> {
         match self {
             Self::Standalone(c) => pipe.query_async(&mut ConnectionManager::clone(c)).await,

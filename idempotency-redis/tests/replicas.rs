@@ -192,7 +192,7 @@ async fn writes_wait_for_replicas_and_an_unacknowledged_write_is_not_trusted() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn waiting_is_refused_on_a_cluster_and_past_the_response_timeout() {
+async fn waiting_is_refused_past_the_response_timeout_and_without_replicas() {
     let too_long = RedisStore::builder()
         .wait_for_replicas(1, Duration::from_secs(60))
         .connect("redis://127.0.0.1:6379")
@@ -205,11 +205,45 @@ async fn waiting_is_refused_on_a_cluster_and_past_the_response_timeout() {
         .await
         .unwrap_err();
     assert!(matches!(none, Error::Config(_)), "{none:?}");
+}
+
+/// On a cluster, `WAIT` goes with its script to the primary of the record's slot and counts
+/// that shard's replicas: on the shared cluster, whose shards have none, every write lands
+/// on the right primary (no `CROSSSLOT`, no redirect loop) and none is trusted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_cluster_a_write_no_replica_of_its_shard_acknowledged_is_not_trusted() {
     let cluster = idempotency_testing::redis_server::shared_cluster();
-    let on_cluster = RedisStore::builder()
-        .wait_for_replicas(1, ACK_TIMEOUT)
+    let store = RedisStore::builder()
+        .wait_for_replicas(1, Duration::from_millis(100))
         .connect_cluster(cluster.urls())
         .await
-        .unwrap_err();
-    assert!(matches!(on_cluster, Error::Config(_)), "{on_cluster:?}");
+        .unwrap();
+    let plain = RedisStore::connect_cluster(cluster.urls()).await.unwrap();
+    let mut slots = std::collections::HashSet::new();
+    // Enough keys to reach every shard.
+    for _ in 0..30 {
+        let fresh = id();
+        slots.insert(redis::cluster_routing::get_slot(store.record_key(&fresh).as_bytes()) / 5462);
+        let refused = store.claim(&request(&fresh)).await.unwrap_err();
+        assert!(
+            matches!(
+                refused,
+                Error::Backend {
+                    retryable: true,
+                    ..
+                }
+            ),
+            "a claim no replica acknowledged is a retryable error: {refused:?}"
+        );
+        assert!(
+            refused.to_string().contains("not trusted"),
+            "the error says why: {refused}"
+        );
+        // The script ran on the key's primary: the Pending record is there.
+        assert_eq!(
+            plain.get(&fresh).await.unwrap().map(|r| r.status),
+            Some(RecordStatus::Pending)
+        );
+    }
+    assert_eq!(slots.len(), 3, "the keys reached every shard");
 }

@@ -3,10 +3,12 @@
 //! them during a real partition) and after healing everything held goes through in order.
 //! It can also hold only the server's replies, so that a request reaches the server and is
 //! applied while its answer is lost for as long as the partition lasts; start either when a
-//! given request is sent (a transaction's `COMMIT`, say); and sever every connection, as a
-//! partition that outlasted the server's patience does.
+//! given request is sent (a transaction's `COMMIT`, say); sever every connection, as a
+//! partition that outlasted the server's patience does; and cut only the connections that
+//! sent a given request (a replica's replication stream, say, while clients go through).
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -41,6 +43,10 @@ struct Shared {
     trigger: std::sync::Mutex<Option<(Vec<u8>, State)>>,
     /// The forwarding tasks of the open connections.
     connections: std::sync::Mutex<Vec<AbortHandle>>,
+    /// Bytes that mark the connection whose client sends them.
+    marker: std::sync::Mutex<Option<Vec<u8>>>,
+    /// What crosses a marked connection, on top of [`Shared::state`].
+    marked_state: watch::Sender<State>,
 }
 
 fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -58,6 +64,8 @@ impl PartitionProxy {
             state: watch::channel(State::Open).0,
             trigger: std::sync::Mutex::new(None),
             connections: std::sync::Mutex::new(Vec::new()),
+            marker: std::sync::Mutex::new(None),
+            marked_state: watch::channel(State::Open).0,
         });
         let target = Arc::new(std::sync::Mutex::new(target));
         let current = target.clone();
@@ -72,10 +80,21 @@ impl PartitionProxy {
                 let _ = server.set_nodelay(true);
                 let (client_read, client_write) = client.into_split();
                 let (server_read, server_write) = server.into_split();
-                let requests =
-                    tokio::spawn(forward(client_read, server_write, proxied.clone(), false));
-                let replies =
-                    tokio::spawn(forward(server_read, client_write, proxied.clone(), true));
+                let marked = Arc::new(AtomicBool::new(false));
+                let requests = tokio::spawn(forward(
+                    client_read,
+                    server_write,
+                    proxied.clone(),
+                    marked.clone(),
+                    false,
+                ));
+                let replies = tokio::spawn(forward(
+                    server_read,
+                    client_write,
+                    proxied.clone(),
+                    marked,
+                    true,
+                ));
                 let mut open = lock(&proxied.connections);
                 open.retain(|t| !t.is_finished());
                 open.extend([requests.abort_handle(), replies.abort_handle()]);
@@ -125,9 +144,23 @@ impl PartitionProxy {
         *lock(&self.shared.trigger) = Some((request.to_vec(), State::RepliesHeld));
     }
 
+    /// Marks every connection whose client sends a request holding `request`, from the
+    /// request on (`REPLCONF`, say: a Redis replica sends it every second), so that
+    /// [`partition_marked`](Self::partition_marked) can cut those alone.
+    pub fn mark_connections_sending(&self, request: &[u8]) {
+        assert!(!request.is_empty(), "an empty marker");
+        *lock(&self.shared.marker) = Some(request.to_vec());
+    }
+
+    /// Cuts both directions of the marked connections; the others go on.
+    pub fn partition_marked(&self) {
+        self.shared.marked_state.send_replace(State::Partitioned);
+    }
+
     /// Lets everything through again, the bytes held first.
     pub fn heal(&self) {
         *lock(&self.shared.trigger) = None;
+        self.shared.marked_state.send_replace(State::Open);
         self.shared.state.send_replace(State::Open);
     }
 
@@ -141,6 +174,7 @@ impl PartitionProxy {
         for task in lock(&self.shared.connections).drain(..) {
             task.abort();
         }
+        self.shared.marked_state.send_replace(State::Open);
         self.shared.state.send_replace(State::Open);
     }
 }
@@ -154,24 +188,22 @@ impl Drop for PartitionProxy {
     }
 }
 
-/// Copies one direction, waiting while the state says it may not cross: before reading (so
-/// the bytes stay in the socket) and again before writing what was read. A request that
-/// holds the armed trigger switches the state first.
+/// Copies one direction, waiting while the state says it may not cross (the marked state
+/// too, once the connection is marked): before reading (so the bytes stay in the socket) and
+/// again before writing what was read. A request that holds the armed trigger switches the
+/// state first; one that holds the marker marks its connection.
 async fn forward(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
     shared: Arc<Shared>,
+    marked: Arc<AtomicBool>,
     replies: bool,
 ) {
     let mut state = shared.state.subscribe();
-    let may_cross = move |s: &State| match s {
-        State::Open => true,
-        State::Partitioned => false,
-        State::RepliesHeld => !replies,
-    };
+    let mut marked_state = shared.marked_state.subscribe();
     let mut buf = vec![0u8; 16 * 1024];
     loop {
-        if state.wait_for(may_cross).await.is_err() {
+        if !wait_to_cross(&mut state, &mut marked_state, &marked, replies).await {
             return;
         }
         let n = match from.read(&mut buf).await {
@@ -179,21 +211,52 @@ async fn forward(
             Ok(n) => n,
         };
         if !replies {
+            let holds = |request: &[u8]| buf[..n].windows(request.len()).any(|w| w == request);
             let mut trigger = lock(&shared.trigger);
-            let hit = trigger
-                .as_ref()
-                .is_some_and(|(request, _)| buf[..n].windows(request.len()).any(|w| w == request));
-            if hit {
+            if trigger.as_ref().is_some_and(|(request, _)| holds(request)) {
                 if let Some((_, switched)) = trigger.take() {
                     shared.state.send_replace(switched);
                 }
             }
+            drop(trigger);
+            if lock(&shared.marker).as_deref().is_some_and(holds) {
+                marked.store(true, Ordering::SeqCst);
+            }
         }
-        if state.wait_for(may_cross).await.is_err() {
+        if !wait_to_cross(&mut state, &mut marked_state, &marked, replies).await {
             return;
         }
         if to.write_all(&buf[..n]).await.is_err() {
             return;
+        }
+    }
+}
+
+/// Waits until every state that applies to the connection lets bytes cross this way (the
+/// marked state too, once it is marked); `false` once the proxy is gone.
+async fn wait_to_cross(
+    state: &mut watch::Receiver<State>,
+    marked_state: &mut watch::Receiver<State>,
+    marked: &AtomicBool,
+    replies: bool,
+) -> bool {
+    let may_cross = |s: &State| match s {
+        State::Open => true,
+        State::Partitioned => false,
+        State::RepliesHeld => !replies,
+    };
+    loop {
+        if state.wait_for(may_cross).await.is_err() {
+            return false;
+        }
+        if !marked.load(Ordering::SeqCst) {
+            return true;
+        }
+        if marked_state.wait_for(may_cross).await.is_err() {
+            return false;
+        }
+        if may_cross(&state.borrow()) {
+            return true;
         }
     }
 }

@@ -617,3 +617,289 @@ pub fn shared_cluster() -> &'static Cluster {
     static CLUSTER: OnceLock<Cluster> = OnceLock::new();
     CLUSTER.get_or_init(Cluster::start)
 }
+
+/// The `cluster-node-timeout` of a [`ReplicatedCluster`]: a primary is taken for failed, and
+/// its replica starts an election, after this long without an answer on the cluster bus.
+/// Shorter, and on a loaded 2-core machine a node slow to answer is failed over by mistake.
+pub const REPLICATED_CLUSTER_NODE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// One shard of a [`ReplicatedCluster`].
+#[derive(Debug)]
+struct Shard {
+    /// The server started as the primary; `None` once crashed.
+    primary: Option<RedisServer>,
+    /// Its replica (the primary once a failover promoted it).
+    replica: RedisServer,
+    /// The proxy in front of the primary, whose address the primary announces.
+    link: crate::partition::PartitionProxy,
+    /// The server that took the crashed primary's port as the promoted replica's replica.
+    rejoined: Option<RedisServer>,
+}
+
+/// A Redis Cluster of three shards, each a primary and one replica, on free loopback ports,
+/// failing over on its own after [`REPLICATED_CLUSTER_NODE_TIMEOUT`]. Each primary announces
+/// the address of a [`PartitionProxy`](crate::partition::PartitionProxy) in front of it, so
+/// clients and its replica both reach it through the proxy, and the test can cut the
+/// replication stream alone ([`cut_replication`](Self::cut_replication)) while clients go on.
+/// Nothing is persisted.
+#[derive(Debug)]
+pub struct ReplicatedCluster {
+    shards: Vec<Shard>,
+}
+
+/// The slots of shard `i` of three.
+fn shard_slots(i: usize) -> (u16, u16) {
+    [(0, 5460), (5461, 10922), (10923, 16383)][i]
+}
+
+/// Starts a cluster-enabled server on `port` in a fresh temp dir (removed when it stops).
+fn start_cluster_node(port: u16, extra: &[&str]) -> RedisServer {
+    let dir = tempfile::Builder::new()
+        .prefix("idem-redis-test-")
+        .tempdir()
+        .expect("temp dir")
+        .keep();
+    let timeout = REPLICATED_CLUSTER_NODE_TIMEOUT.as_millis().to_string();
+    let mut args = vec![
+        "--cluster-enabled",
+        "yes",
+        "--cluster-config-file",
+        "nodes.conf",
+        "--cluster-node-timeout",
+        &timeout,
+        "--appendonly",
+        "no",
+    ];
+    args.extend_from_slice(extra);
+    RedisServer::start(port, &dir, &args, true)
+        .unwrap_or_else(|| panic!("could not start a cluster node on port {port}"))
+}
+
+/// `command` on the server at `url`, failing the test with `what` on an error.
+fn run<T: redis::FromRedisValue>(url: &str, what: &str, command: &redis::Cmd) -> T {
+    admin(url)
+        .and_then(|mut conn| command.query(&mut conn))
+        .unwrap_or_else(|e| panic!("{what} on {url}: {e}"))
+}
+
+/// The node id of the server at `url`.
+fn node_id(url: &str) -> String {
+    run(url, "CLUSTER MYID", redis::cmd("CLUSTER").arg("MYID"))
+}
+
+/// How many nodes the server at `url` knows, itself included.
+fn known_nodes(url: &str) -> usize {
+    let nodes: String = run(url, "CLUSTER NODES", redis::cmd("CLUSTER").arg("NODES"));
+    nodes.lines().filter(|l| !l.trim().is_empty()).count()
+}
+
+/// Whether the server at `url` says the cluster is up, all slots served.
+fn cluster_ok(url: &str) -> bool {
+    admin(url)
+        .and_then(|mut c| redis::cmd("CLUSTER").arg("INFO").query::<String>(&mut c))
+        .is_ok_and(|info| {
+            info.contains("cluster_state:ok") && info.contains("cluster_slots_ok:16384")
+        })
+}
+
+/// Joins the fresh node at `url` to the cluster `via` knows (through `CLUSTER MEET`) as a
+/// replica of the primary `primary_id`, and waits until it replicates, synced.
+fn join_as_replica(url: &str, port: u16, via: &str, primary_id: &str) {
+    let _: String = run(
+        via,
+        "CLUSTER MEET",
+        redis::cmd("CLUSTER").arg("MEET").arg("127.0.0.1").arg(port),
+    );
+    wait_until(
+        Duration::from_secs(30),
+        "the new node did not learn of its primary",
+        || {
+            let nodes: String = run(url, "CLUSTER NODES", redis::cmd("CLUSTER").arg("NODES"));
+            nodes.contains(primary_id)
+        },
+    );
+    let _: String = run(
+        url,
+        "CLUSTER REPLICATE",
+        redis::cmd("CLUSTER").arg("REPLICATE").arg(primary_id),
+    );
+    wait_until(
+        Duration::from_secs(30),
+        "the new replica did not sync",
+        || has_role(url, "slave"),
+    );
+}
+
+impl ReplicatedCluster {
+    /// Starts the six servers and the proxies, assigns the slots, joins the nodes, makes each
+    /// replica follow its primary (through the proxy), and waits until every node says the
+    /// cluster is up and every replica has synced. Call it from async code: the proxies run
+    /// on the current runtime, the servers start on a blocking thread.
+    pub async fn start() -> Self {
+        assert_redis_installed();
+        let mut links = Vec::new();
+        let mut primary_ports = Vec::new();
+        for _ in 0..3 {
+            let port = free_port();
+            let link = crate::partition::PartitionProxy::start(std::net::SocketAddr::from((
+                [127, 0, 0, 1],
+                port,
+            )))
+            .await;
+            // A replica sends `REPLCONF` on its link at least every second.
+            link.mark_connections_sending(b"REPLCONF");
+            primary_ports.push(port);
+            links.push(link);
+        }
+        let announced: Vec<u16> = links.iter().map(|l| l.addr().port()).collect();
+        let ports = primary_ports.clone();
+        let servers = tokio::task::spawn_blocking(move || {
+            let mut primaries = Vec::new();
+            for (port, announced) in ports.iter().zip(&announced) {
+                let announced = announced.to_string();
+                let bus = (port + 10_000).to_string();
+                primaries.push(start_cluster_node(
+                    *port,
+                    &[
+                        "--cluster-announce-port",
+                        &announced,
+                        "--cluster-announce-bus-port",
+                        &bus,
+                    ],
+                ));
+            }
+            let replicas: Vec<RedisServer> = (0..3)
+                .map(|_| start_cluster_node(free_port(), &[]))
+                .collect();
+            let all: Vec<&RedisServer> = primaries.iter().chain(&replicas).collect();
+            for (epoch, node) in all.iter().enumerate() {
+                let _: String = run(
+                    &node.url(),
+                    "CLUSTER SET-CONFIG-EPOCH",
+                    redis::cmd("CLUSTER").arg("SET-CONFIG-EPOCH").arg(epoch + 1),
+                );
+            }
+            for (i, primary) in primaries.iter().enumerate() {
+                let (first, last) = shard_slots(i);
+                let _: String = run(
+                    &primary.url(),
+                    "CLUSTER ADDSLOTSRANGE",
+                    redis::cmd("CLUSTER")
+                        .arg("ADDSLOTSRANGE")
+                        .arg(first)
+                        .arg(last),
+                );
+            }
+            let first = primaries[0].url();
+            for node in &all[1..] {
+                let _: String = run(
+                    &first,
+                    "CLUSTER MEET",
+                    redis::cmd("CLUSTER")
+                        .arg("MEET")
+                        .arg("127.0.0.1")
+                        .arg(node.port),
+                );
+            }
+            for node in &all {
+                wait_until(
+                    Duration::from_secs(30),
+                    "the cluster's nodes did not all meet",
+                    || known_nodes(&node.url()) == 6,
+                );
+            }
+            for (primary, replica) in primaries.iter().zip(&replicas) {
+                let id = node_id(&primary.url());
+                let _: String = run(
+                    &replica.url(),
+                    "CLUSTER REPLICATE",
+                    redis::cmd("CLUSTER").arg("REPLICATE").arg(&id),
+                );
+            }
+            for node in &all {
+                wait_until(
+                    Duration::from_secs(30),
+                    "the cluster did not come up",
+                    || cluster_ok(&node.url()),
+                );
+            }
+            for replica in &replicas {
+                wait_until(Duration::from_secs(30), "a replica did not sync", || {
+                    has_role(&replica.url(), "slave")
+                });
+            }
+            (primaries, replicas)
+        })
+        .await
+        .expect("start the cluster");
+        let (primaries, replicas) = servers;
+        let shards: Vec<Shard> = primaries
+            .into_iter()
+            .zip(replicas)
+            .zip(links)
+            .map(|((primary, replica), link)| Shard {
+                primary: Some(primary),
+                replica,
+                link,
+                rejoined: None,
+            })
+            .collect();
+        for shard in &shards {
+            // The replica must follow its primary through the proxy, or cutting it cuts
+            // nothing.
+            let info: String = run(
+                &shard.replica.url(),
+                "INFO replication",
+                redis::cmd("INFO").arg("replication"),
+            );
+            assert!(
+                info.contains(&format!("master_port:{}", shard.link.addr().port())),
+                "the replica does not replicate through the proxy: {info}"
+            );
+        }
+        Self { shards }
+    }
+
+    /// The URLs clients start from (the primaries' announced addresses).
+    pub fn urls(&self) -> Vec<String> {
+        self.shards
+            .iter()
+            .map(|s| format!("redis://{}", s.link.addr()))
+            .collect()
+    }
+
+    /// Cuts the replication stream of shard `i`'s primary (both ways), as a network
+    /// partition between it and its replica would, while clients still reach it.
+    pub fn cut_replication(&self, i: usize) {
+        self.shards[i].link.partition_marked();
+    }
+
+    /// Kills shard `i`'s primary with SIGKILL and closes the connections through its proxy
+    /// (the replication link with them).
+    pub fn crash_primary(&mut self, i: usize) {
+        let shard = &mut self.shards[i];
+        shard.primary.take().expect("a live primary").crash();
+        shard.link.sever();
+    }
+
+    /// Waits until shard `i`'s replica is a primary and says the cluster is up again.
+    pub fn wait_for_failover(&self, i: usize, limit: Duration) {
+        let url = self.shards[i].replica.url();
+        wait_until(limit, "the replica was not promoted", || {
+            has_role(&url, "master") && cluster_ok(&url)
+        });
+    }
+
+    /// Starts a fresh, empty server (on a port of its own: the crashed primary is still
+    /// listed, failed, at its old address) and joins it as the promoted replica's replica,
+    /// so its writes can be acknowledged again; waits until it has synced.
+    pub fn rejoin(&mut self, i: usize) {
+        let shard = &mut self.shards[i];
+        assert!(shard.primary.is_none(), "shard {i}'s primary is still up");
+        let node = start_cluster_node(free_port(), &[]);
+        let promoted = shard.replica.url();
+        let id = node_id(&promoted);
+        join_as_replica(&node.url(), node.port, &promoted, &id);
+        shard.rejoined = Some(node);
+    }
+}
