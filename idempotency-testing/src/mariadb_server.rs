@@ -35,9 +35,15 @@ impl DataDir {
             .tempdir()
             .expect("temp dir");
         let data = dir.path().join("data");
+        let tmp = dir.path().join("tmp");
+        std::fs::create_dir(&tmp).expect("the data directory's tmpdir");
         let out = Command::new("mariadb-install-db")
             .arg("--no-defaults")
             .arg(format!("--datadir={}", data.display()))
+            // A tmpdir of its own: a `mariadbd` starting meanwhile (another test's) deletes
+            // the `#sql*` files in its tmpdir, the bootstrap's temporary tables among them
+            // when they share `/tmp`.
+            .arg(format!("--tmpdir={}", tmp.display()))
             .arg("--user=root")
             .arg("--auth-root-authentication-method=normal")
             .arg("--skip-test-db")
@@ -108,6 +114,7 @@ impl MariadbServer {
             .arg(format!("--socket={}", dir.join("mysqld.sock").display()))
             .arg(format!("--pid-file={}", dir.join("mysqld.pid").display()))
             .arg(format!("--log-error={}", dir.join("error.log").display()))
+            .arg(format!("--tmpdir={}", dir.join("tmp").display()))
             .arg("--skip-grant-tables")
             .arg("--innodb-buffer-pool-size=32M")
             .args(options)
