@@ -18,7 +18,7 @@ mod runners;
 use idempotency_core::IdempotencyStore;
 use idempotency_mysql::sqlx::mysql::MySqlConnectOptions;
 use idempotency_mysql::MysqlStore;
-use idempotency_reliability::soak::{soak, FailoverRun, Instances, Runner, SoakConfig};
+use idempotency_reliability::soak::{soak, Expect, FailoverRun, Instances, Runner, SoakConfig};
 use idempotency_testing::mariadb_server::{DataDir, MariadbServer, Replication};
 use idempotency_testing::mysql::{self as my, Isolation};
 use idempotency_testing::partition::PartitionProxy;
@@ -132,20 +132,16 @@ async fn failover_soak_once(replication: Replication, path: Path) -> Option<Fail
     FailoverRun::measure(report, crashed, switched)
 }
 
-async fn failover_soak(replication: Replication, path: Path, loses: bool) -> FailoverRun {
+async fn failover_soak(replication: Replication, path: Path, expect: Expect) -> FailoverRun {
     let label = format!("mariadb failover, {replication:?}, {path:?}");
-    if loses {
-        FailoverRun::repeat_until_lost(&label, || failover_soak_once(replication, path)).await
-    } else {
-        FailoverRun::repeat(&label, || failover_soak_once(replication, path)).await
-    }
+    FailoverRun::repeat(&label, expect, || failover_soak_once(replication, path)).await
 }
 
 /// Asynchronous replication: the commits of the second the link was cut are lost with the
 /// primary, and the checker finds callers told outcomes the promoted replica does not have.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn asynchronous_replica_loses_outcomes() {
-    failover_soak(Replication::Asynchronous, Path::Engine, true).await;
+    failover_soak(Replication::Asynchronous, Path::Engine, Expect::Loss).await;
 }
 
 /// Semi-synchronous replication with `AFTER_SYNC`: a commit becomes visible and returns only
@@ -153,20 +149,14 @@ async fn asynchronous_replica_loses_outcomes() {
 /// every outcome a caller was told or read.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn semi_synchronous_replica_loses_nothing() {
-    failover_soak(SEMI_SYNCHRONOUS, Path::Engine, false)
-        .await
-        .report
-        .assert_clean();
+    failover_soak(SEMI_SYNCHRONOUS, Path::Engine, Expect::Clean).await;
 }
 
 /// The same through the exactly-once path: business rows and completions move to the promoted
 /// replica together, and no key's work runs twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn semi_synchronous_replica_keeps_exactly_once() {
-    failover_soak(SEMI_SYNCHRONOUS, Path::ExactlyOnce, false)
-        .await
-        .report
-        .assert_clean();
+    failover_soak(SEMI_SYNCHRONOUS, Path::ExactlyOnce, Expect::Clean).await;
 }
 
 /// Semi-synchronous replication whose timeout (200 ms) is shorter than the cut: the primary
@@ -178,5 +168,5 @@ async fn semi_synchronous_replica_with_a_short_timeout_loses_outcomes() {
     let replication = Replication::SemiSynchronous {
         timeout: Duration::from_millis(200),
     };
-    failover_soak(replication, Path::Engine, true).await;
+    failover_soak(replication, Path::Engine, Expect::Loss).await;
 }

@@ -18,7 +18,7 @@ use idempotency_core::{
     RecordStatus, Scope,
 };
 use idempotency_postgres::PostgresStore;
-use idempotency_reliability::soak::{soak, FailoverRun, Instances, Runner, SoakConfig};
+use idempotency_reliability::soak::{soak, Expect, FailoverRun, Instances, Runner, SoakConfig};
 use idempotency_testing::partition::PartitionProxy;
 use idempotency_testing::pg_server::PgServer;
 use runners::postgres::PgTransactionalRunner;
@@ -120,13 +120,9 @@ async fn failover_soak_once(replication: Replication, path: Path) -> Option<Fail
     FailoverRun::measure(report, crashed, switched)
 }
 
-async fn failover_soak(replication: Replication, path: Path, loses: bool) -> FailoverRun {
+async fn failover_soak(replication: Replication, path: Path, expect: Expect) -> FailoverRun {
     let label = format!("postgres failover, {replication:?}, {path:?}");
-    if loses {
-        FailoverRun::repeat_until_lost(&label, || failover_soak_once(replication, path)).await
-    } else {
-        FailoverRun::repeat(&label, || failover_soak_once(replication, path)).await
-    }
+    FailoverRun::repeat(&label, expect, || failover_soak_once(replication, path)).await
 }
 
 /// Asynchronous streaming replication: the commits of the second the link was cut are lost
@@ -134,7 +130,7 @@ async fn failover_soak(replication: Replication, path: Path, loses: bool) -> Fai
 /// have.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn asynchronous_standby_loses_outcomes() {
-    failover_soak(Replication::Asynchronous, Path::Engine, true).await;
+    failover_soak(Replication::Asynchronous, Path::Engine, Expect::Loss).await;
 }
 
 /// `synchronous_commit = on` with the standby named in `synchronous_standby_names`: a commit
@@ -142,10 +138,7 @@ async fn asynchronous_standby_loses_outcomes() {
 /// caller was told.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn synchronous_standby_on_loses_nothing() {
-    failover_soak(Replication::Synchronous("on"), Path::Engine, false)
-        .await
-        .report
-        .assert_clean();
+    failover_soak(Replication::Synchronous("on"), Path::Engine, Expect::Clean).await;
 }
 
 /// `synchronous_commit = remote_apply`: as `on`, and the standby has also applied the commit.
@@ -154,21 +147,21 @@ async fn synchronous_standby_remote_apply_loses_nothing() {
     failover_soak(
         Replication::Synchronous("remote_apply"),
         Path::Engine,
-        false,
+        Expect::Clean,
     )
-    .await
-    .report
-    .assert_clean();
+    .await;
 }
 
 /// `synchronous_commit = on` through the exactly-once path: business rows and completions move
 /// to the promoted standby together, and no key's work runs twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn synchronous_standby_on_keeps_exactly_once() {
-    failover_soak(Replication::Synchronous("on"), Path::ExactlyOnce, false)
-        .await
-        .report
-        .assert_clean();
+    failover_soak(
+        Replication::Synchronous("on"),
+        Path::ExactlyOnce,
+        Expect::Clean,
+    )
+    .await;
 }
 
 /// PostgreSQL's one exception to a synchronous standby: a commit whose wait for the standby

@@ -8,6 +8,17 @@ use std::time::{Duration, Instant};
 /// Calls that must be answered after the recovery for a run to count.
 const ANSWERED_AFTER: usize = 500;
 
+/// What a failover must do to the history of a [`FailoverRun`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Expect {
+    /// Nothing: linearizable, no double effect, no unexpected answer (a setting that keeps
+    /// the promise).
+    Clean,
+    /// A loss the checker finds: violations or double effects, and no unexpected answer (a
+    /// setting that does not keep it; the scenario bites).
+    Loss,
+}
+
 /// One soak run across one failover.
 #[derive(Debug)]
 pub struct FailoverRun {
@@ -44,34 +55,12 @@ impl FailoverRun {
         })
     }
 
-    /// Runs `once` until a run met its failover, at most five times, and prints its figures
-    /// under `label`.
-    pub async fn repeat<F, Fut>(label: &str, once: F) -> Self
-    where
-        F: FnMut() -> Fut,
-        Fut: Future<Output = Option<Self>>,
-    {
-        Self::repeat_until(label, once, false).await
-    }
-
-    /// As [`repeat`](Self::repeat), for a setting that must lose outcomes: until a run met
-    /// its failover and the checker found what it lost ([`assert_lost_something`]), at most
-    /// five runs. On a loaded machine few writes may fall in the window a failover loses,
-    /// and a run that lost none proves nothing either way; every run must still answer
-    /// nothing a correct engine never answers.
-    ///
-    /// [`assert_lost_something`]: Self::assert_lost_something
-    pub async fn repeat_until_lost<F, Fut>(label: &str, once: F) -> Self
-    where
-        F: FnMut() -> Fut,
-        Fut: Future<Output = Option<Self>>,
-    {
-        let run = Self::repeat_until(label, once, true).await;
-        run.assert_lost_something();
-        run
-    }
-
-    async fn repeat_until<F, Fut>(label: &str, mut once: F, until_lost: bool) -> Self
+    /// Runs `once` until a run met its failover (at most five times), prints its figures
+    /// under `label`, and asserts what `expect` says. A setting that must lose outcomes runs
+    /// again until one did: on a loaded machine few writes may fall in the window a failover
+    /// loses, and a run that lost none proves nothing either way (it must still answer
+    /// nothing a correct engine never answers).
+    pub async fn repeat<F, Fut>(label: &str, expect: Expect, mut once: F) -> Self
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Option<Self>>,
@@ -92,11 +81,22 @@ impl FailoverRun {
                     r.violations.len(),
                     r.double_effects.len(),
                 );
-                if !until_lost || f.lost_something() || run == 5 {
-                    return f;
+                match expect {
+                    Expect::Clean => {
+                        r.assert_clean();
+                        return f;
+                    }
+                    Expect::Loss if f.lost_something() || run == 5 => {
+                        f.assert_lost_something();
+                        return f;
+                    }
+                    Expect::Loss => {
+                        assert!(r.unexpected.is_empty(), "{r}");
+                        eprintln!(
+                            "{label}, run {run}: the failover lost nothing the checker could see"
+                        );
+                    }
                 }
-                assert!(r.unexpected.is_empty(), "{r}");
-                eprintln!("{label}, run {run}: the failover lost nothing the checker could see");
             }
             eprintln!("{label}, run {run}: running the scenario again");
         }
