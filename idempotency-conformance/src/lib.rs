@@ -83,6 +83,7 @@ macro_rules! __with_case_list {
             scopes_are_independent,
             hits_are_counted,
             uncounted_claims_only_read,
+            uncounted_replays_end_at_expiry,
             keys_and_scopes_round_trip,
             model_based_random_sequences,
             engine_concurrent_runs_execute_once,

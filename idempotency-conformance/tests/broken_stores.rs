@@ -33,12 +33,17 @@ enum Bug {
     FailWritesNothing,
     /// Extend reports success but does not move the lease: heartbeats keep nothing alive.
     ExtendWritesNothing,
+    /// A replay cache in front of the store that keeps every Completed record an uncounted
+    /// claim found and answers it from memory for ever, ignoring `expires_at`.
+    ReplaysPastExpiry,
 }
 
 #[derive(Debug)]
 struct Broken {
     inner: MemoryStore,
     bug: Bug,
+    /// What [`Bug::ReplaysPastExpiry`] answers from memory.
+    replays: std::sync::Mutex<std::collections::HashMap<RecordId, Record>>,
 }
 
 impl Broken {
@@ -51,6 +56,23 @@ impl Broken {
 impl IdempotencyStore for Broken {
     async fn claim(&self, request: &ClaimRequest) -> Result<Claim, Error> {
         match self.bug {
+            Bug::ReplaysPastExpiry if !request.count_hit => {
+                let cached = self.replays.lock().expect("lock").get(&request.id).cloned();
+                if let Some(record) = cached {
+                    let now = record.updated_at;
+                    return Ok(Claim::Existing { record, now });
+                }
+                let claim = self.inner.claim(request).await?;
+                if let Claim::Existing { record, .. } = &claim {
+                    if record.status == RecordStatus::Completed {
+                        self.replays
+                            .lock()
+                            .expect("lock")
+                            .insert(request.id.clone(), record.clone());
+                    }
+                }
+                Ok(claim)
+            }
             Bug::CheckThenInsertClaim => {
                 let seen = self.current(&request.id).await?;
                 // The gap between the check and the insert.
@@ -205,6 +227,7 @@ fn assert_rejected(bug: Bug, expected: &[&str]) {
         Arc::new(Broken {
             inner: MemoryStore::builder().clock(Arc::new(clock)).build(),
             bug,
+            replays: Default::default(),
         })
     });
     eprintln!(
@@ -298,6 +321,11 @@ fn rejects_fail_that_writes_nothing() {
             "engine_error_not_stored",
         ],
     );
+}
+
+#[test]
+fn rejects_replays_past_expiry() {
+    assert_rejected(Bug::ReplaysPastExpiry, &["uncounted_replays_end_at_expiry"]);
 }
 
 #[test]

@@ -39,3 +39,13 @@ mod serializable {
     }
     idempotency_conformance::conformance_tests!(factory);
 }
+
+/// The suite again with the replay cache in front.
+mod replay_cache {
+    async fn factory() -> idempotency_conformance::TestStore {
+        let mut t = super::factory(super::Isolation::RepeatableRead).await;
+        t.store = std::sync::Arc::new(idempotency_cache::ReplayCache::new(t.store));
+        t
+    }
+    idempotency_conformance::conformance_tests!(factory);
+}

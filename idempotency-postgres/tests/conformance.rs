@@ -68,3 +68,13 @@ mod serializable_kept_connections {
     }
     idempotency_conformance::conformance_tests!(factory);
 }
+
+/// The suite again with the replay cache in front.
+mod replay_cache {
+    async fn factory() -> idempotency_conformance::TestStore {
+        let mut t = super::factory(super::Isolation::ReadCommitted).await;
+        t.store = std::sync::Arc::new(idempotency_cache::ReplayCache::new(t.store));
+        t
+    }
+    idempotency_conformance::conformance_tests!(factory);
+}

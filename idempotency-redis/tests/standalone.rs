@@ -13,6 +13,16 @@ async fn factory() -> TestStore {
 // Redis expires records by itself: purge has nothing to count.
 idempotency_conformance::conformance_tests!(factory, purge_reports_deletions = false);
 
+/// The suite again with the replay cache in front.
+mod replay_cache {
+    async fn factory() -> idempotency_conformance::TestStore {
+        let mut t = super::factory().await;
+        t.store = std::sync::Arc::new(idempotency_cache::ReplayCache::new(t.store));
+        t
+    }
+    idempotency_conformance::conformance_tests!(factory, purge_reports_deletions = false);
+}
+
 macro_rules! scenario_tests {
     ($($name:ident),* $(,)?) => {$(
         #[test]

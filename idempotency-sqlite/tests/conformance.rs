@@ -56,3 +56,23 @@ mod real_clock {
 
     idempotency_conformance::conformance_tests!(factory);
 }
+
+/// The suite again with the replay cache in front, on the store's clock.
+mod replay_cache {
+    use super::*;
+
+    async fn factory() -> TestStore {
+        let mut t = store_in_temp_dir(ConnectionMode::DedicatedThread).await;
+        let idempotency_conformance::TimeControl::Manual(clock) = t.time.clone() else {
+            unreachable!("a manual clock")
+        };
+        t.store = Arc::new(
+            idempotency_cache::ReplayCache::builder()
+                .clock(Arc::new(clock))
+                .build(t.store),
+        );
+        t
+    }
+
+    idempotency_conformance::conformance_tests!(factory);
+}

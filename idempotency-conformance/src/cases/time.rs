@@ -389,6 +389,45 @@ pub async fn extend_moves_lease(t: TestStore) {
     );
 }
 
+/// Replays end when the record does: a Completed record answers uncounted claims (replays,
+/// which a replay cache in front of the store may answer from memory) only while it lives,
+/// and once its retention has passed an uncounted claim takes the key afresh, however many
+/// replays came before. A cache that serves a record past its `expires_at` fails here.
+pub async fn uncounted_replays_end_at_expiry(t: TestStore) {
+    let ttl = t.short_ttl();
+    let id = unique_id("replay-expiry");
+    let req = request(&id, fp("a"), t.short_lease(), ttl).with_count_hit(false);
+    let token = must_claim(&t, &req).await;
+    assert_eq!(
+        t.store
+            .complete(&id, token, b"first", ttl)
+            .await
+            .expect("complete"),
+        Cas::Applied
+    );
+    for _ in 0..3 {
+        let seen = must_observe(&t, &req).await;
+        assert_eq!(
+            (seen.status, seen.outcome.as_deref()),
+            (RecordStatus::Completed, Some(&b"first"[..])),
+            "a replay before expiry"
+        );
+    }
+    t.advance(ttl).await;
+    match t.store.claim(&req).await.expect("claim") {
+        Claim::Claimed { token: again, .. } => {
+            assert!(
+                again > token,
+                "the key's tokens grow: {again} after {token}"
+            )
+        }
+        Claim::Existing { record, now } => panic!(
+            "a record past its expiry was answered at {now:?}: {record:?} (a replay served \
+             past expires_at)"
+        ),
+    }
+}
+
 /// A claim with [`ClaimRequest::count_hit`] `false` only reads a live record, whatever its
 /// status and whether its fingerprint matches: the record comes back exactly as `get` shows
 /// it, hits included, and stays so. It still claims an absent key, exactly once among
