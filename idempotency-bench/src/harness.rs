@@ -85,6 +85,31 @@ pub(crate) struct Counted {
     pub counter: Arc<dyn RoundTripCounter>,
     /// Where the counts come from, for the report.
     pub method: &'static str,
+    /// The least server time a correct script can take, for backends whose server runs the
+    /// store's scripts one at a time (Redis).
+    pub floor: Option<Arc<dyn ScriptFloor>>,
+}
+
+/// Server time per call of the smallest scripts that do what any correct store script must,
+/// measured on the counted server in the same run as the store's own scripts.
+#[async_trait]
+pub(crate) trait ScriptFloor: Send + Sync {
+    /// Runs each floor script `n` times, serially, on records of the size `sample`'s stored
+    /// record has, and returns the server µs per call of each.
+    async fn measure(&self, n: usize, sample: &RecordId) -> Result<Floors, BoxError>;
+}
+
+/// Server µs per call of the floor scripts.
+pub(crate) struct Floors {
+    /// Bytes of the record the floor scripts read and write.
+    pub record_len: usize,
+    /// `TIME`, then `GET` of the record, returned as it is.
+    pub read: f64,
+    /// `TIME`, `GET` of the record, then `SET … PXAT` of a record of the same size.
+    pub write: f64,
+    /// Other ways of calling the same scripts, each with its server µs per call (Redis
+    /// Functions: `FCALL` of a loaded library).
+    pub other: Vec<(String, f64)>,
 }
 
 /// One backend, ready to measure.

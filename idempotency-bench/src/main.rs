@@ -516,44 +516,8 @@ async fn round_trips(
 
     let ids: Vec<RecordId> = (0..N).map(|i| new_id("rt", i)).collect();
     let counter = counted.counter.as_ref();
-    let mut phases: Vec<Phase<'_>> = Vec::new();
+    let mut phases = store_phases(store, counter, &ids).await?;
     let mut mark = Snapshot::take(counter).await?;
-    let mut tokens = Vec::with_capacity(N);
-    for id in &ids {
-        let req = idempotency_core::ClaimRequest::new(
-            id.clone(),
-            harness::fingerprint(),
-            Duration::from_secs(30),
-            Duration::from_secs(3600),
-        )
-        .with_count_hit(false);
-        match store.claim(&req).await? {
-            idempotency_core::Claim::Claimed { token, .. } => tokens.push(token),
-            _ => return Err("round-trip claim found an existing key".into()),
-        }
-    }
-    let now = Snapshot::take(counter).await?;
-    phases.push(now.since("claim (new key)", &mark));
-    mark = now;
-    for (id, token) in ids.iter().zip(&tokens) {
-        store
-            .complete(
-                id,
-                *token,
-                harness::engine_outcome(),
-                Duration::from_secs(3600),
-            )
-            .await?;
-    }
-    let now = Snapshot::take(counter).await?;
-    phases.push(now.since("complete", &mark));
-    mark = now;
-    for id in &ids {
-        harness::store_replay(store, id.clone()).await?;
-    }
-    let now = Snapshot::take(counter).await?;
-    phases.push(now.since("replay (claim of a completed key)", &mark));
-    mark = now;
     for i in 0..N {
         raw.new_key_cycle(&format!("{run}-rt-{i}"), harness::OUTCOME.as_bytes())
             .await?;
@@ -598,7 +562,151 @@ async fn round_trips(
             }
         }
     }
+    if let Some(floor) = &counted.floor {
+        script_floor(backend, counted, floor.as_ref(), &new_id, targets).await?;
+    }
     Ok(())
+}
+
+/// Server µs per script call of a phase, where the counter saw scripts.
+fn script_usec(phase: &Phase<'_>) -> Option<f64> {
+    let of = |label: &str| phase.2.iter().find(|(k, _)| k == label).map(|(_, v)| *v);
+    let (usec, calls) = (of("evalsha server µs")?, of("evalsha")?);
+    Some(usec as f64 / calls.max(1) as f64)
+}
+
+/// The store's scripts against the floor scripts, measured serially on the same private
+/// server in the same run, in turns (store phases, then the floors) whose medians are
+/// compared: the ratio, not the machine, is the target.
+async fn script_floor(
+    backend: &str,
+    counted: &Counted,
+    floor: &dyn harness::ScriptFloor,
+    new_id: &dyn Fn(&str, usize) -> RecordId,
+    targets: &mut Targets,
+) -> Result<(), BoxError> {
+    const N: usize = 1_000;
+    const TURNS: usize = 5;
+    let mut seen: Vec<(String, Vec<f64>)> = Vec::new();
+    let mut add = |name: &str, us: f64| match seen.iter_mut().find(|(n, _)| n == name) {
+        Some((_, all)) => all.push(us),
+        None => seen.push((name.to_owned(), vec![us])),
+    };
+    let mut record_len = 0;
+    for turn in 0..TURNS {
+        let ids: Vec<RecordId> = (0..N).map(|i| new_id(&format!("floor{turn}"), i)).collect();
+        let phases = store_phases(counted.store.as_ref(), counted.counter.as_ref(), &ids).await?;
+        for phase in &phases {
+            let us = script_usec(phase).ok_or_else(|| format!("no script time for {}", phase.0))?;
+            add(phase.0, us);
+        }
+        let f = floor.measure(N, &ids[0]).await?;
+        record_len = f.record_len;
+        add("read floor (EVALSHA)", f.read);
+        add("write floor (EVALSHA)", f.write);
+        for (name, us) in f.other {
+            add(&name, us);
+        }
+    }
+    let median = |name: &str| -> Result<f64, BoxError> {
+        let (_, all) = seen
+            .iter()
+            .find(|(n, _)| n.starts_with(name))
+            .ok_or_else(|| format!("no figure for {name}"))?;
+        Ok(stats::median(all))
+    };
+    let (read, write) = (median("read floor (EVALSHA)")?, median("write floor (EVALSHA)")?);
+    println!(
+        "\nserver time per script call against the floor (INFO commandstats; {TURNS} turns of \
+         {N} serial calls each on the same private server, medians; records of {record_len} \
+         bytes): the read floor is `TIME` then `GET` of the record, the write floor `TIME`, \
+         `GET` and `SET … PXAT`\n"
+    );
+    println!("| script | server µs per call (median) | turns | against |");
+    println!("|---|---|---|---|");
+    for (name, all) in &seen {
+        let us = stats::median(all);
+        let spread = format!(
+            "{:.1}–{:.1}",
+            all.iter().copied().fold(f64::INFINITY, f64::min),
+            all.iter().copied().fold(0.0, f64::max)
+        );
+        let against = if name.contains("floor (EVALSHA)") {
+            String::new()
+        } else if name.contains("through FCALL") {
+            let base = if name.starts_with("read") { read } else { write };
+            format!("{:.2}× the EVALSHA floor", us / base)
+        } else if name.starts_with("replay") {
+            format!("{:.2}× the read floor", us / read)
+        } else {
+            format!("{:.2}× the write floor", us / write)
+        };
+        println!("| {name} | {us:.2} | {spread} | {against} |");
+    }
+    let (claim, complete, replay) = (median("claim")?, median("complete")?, median("replay")?);
+    let cycle = (claim + complete) / (2.0 * write);
+    println!(
+        "| claim + complete | {:.2} | | {cycle:.2}× twice the write floor |",
+        claim + complete
+    );
+    targets.check(
+        format!("{backend}: replay script ≤ 1.5× the read floor (server time, same run)"),
+        format!("{:.2}× ({replay:.2} vs {read:.2} µs)", replay / read),
+        replay / read <= 1.5,
+    );
+    targets.check(
+        format!("{backend}: claim + complete scripts ≤ 1.5× twice the write floor"),
+        format!("{cycle:.2}× ({:.2} vs 2 × {write:.2} µs)", claim + complete),
+        cycle <= 1.5,
+    );
+    Ok(())
+}
+
+/// Claims, completes and replays each of `ids` (new keys) through the counted store, one
+/// call at a time: what the counter saw in each of the three phases.
+async fn store_phases<'a>(
+    store: &dyn idempotency_core::IdempotencyStore,
+    counter: &dyn harness::RoundTripCounter,
+    ids: &[RecordId],
+) -> Result<Vec<Phase<'a>>, BoxError> {
+    let mut phases: Vec<Phase<'_>> = Vec::new();
+    let mut mark = Snapshot::take(counter).await?;
+    let mut tokens = Vec::with_capacity(ids.len());
+    for id in ids {
+        let req = idempotency_core::ClaimRequest::new(
+            id.clone(),
+            harness::fingerprint(),
+            Duration::from_secs(30),
+            Duration::from_secs(3600),
+        )
+        .with_count_hit(false);
+        match store.claim(&req).await? {
+            idempotency_core::Claim::Claimed { token, .. } => tokens.push(token),
+            _ => return Err("round-trip claim found an existing key".into()),
+        }
+    }
+    let now = Snapshot::take(counter).await?;
+    phases.push(now.since("claim (new key)", &mark));
+    mark = now;
+    for (id, token) in ids.iter().zip(&tokens) {
+        store
+            .complete(
+                id,
+                *token,
+                harness::engine_outcome(),
+                Duration::from_secs(3600),
+            )
+            .await?;
+    }
+    let now = Snapshot::take(counter).await?;
+    phases.push(now.since("complete", &mark));
+    mark = now;
+    for id in ids {
+        harness::store_replay(store, id.clone()).await?;
+    }
+    let now = Snapshot::take(counter).await?;
+    phases.push(now.since("replay (claim of a completed key)", &mark));
+    Ok(phases)
 }
 
 /// A named phase: round trips and the other counts' deltas.

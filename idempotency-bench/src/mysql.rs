@@ -186,6 +186,7 @@ async fn backend(max_clients: usize) -> Result<(Backend, Tables), BoxError> {
                 counter: Arc::new(ProxyCounter(proxy)),
                 method: "command packets counted by a loopback proxy (every command but \
                          COM_STMT_CLOSE and COM_QUIT waits for an answer: one round trip)",
+                floor: None,
             }),
             limit: None,
         },

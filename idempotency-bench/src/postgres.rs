@@ -209,6 +209,7 @@ pub(crate) async fn backend(max_clients: usize) -> Result<(Backend, Schema), Box
                 counter: Arc::new(ProxyCounter(proxy)),
                 method: "frontend messages counted by a loopback proxy (every Sync or Query is \
                          one round trip)",
+                floor: None,
             }),
             limit: Some(Arc::new(pgbench)),
         },

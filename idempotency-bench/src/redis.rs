@@ -6,9 +6,11 @@
 //! server cannot add to them.
 
 use crate::harness::Kind;
-use crate::harness::{Backend, Cleanup, Counted, RawBaseline, RoundTripCounter};
+use crate::harness::{
+    Backend, Cleanup, Counted, Floors, RawBaseline, RoundTripCounter, ScriptFloor,
+};
 use async_trait::async_trait;
-use idempotency_core::BoxError;
+use idempotency_core::{BoxError, RecordId};
 use idempotency_redis::redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use idempotency_redis::redis::{self, AsyncCommands};
 use idempotency_redis::RedisStore;
@@ -258,6 +260,109 @@ impl RoundTripCounter for CommandStats {
     }
 }
 
+/// The floor scripts: what any correct replay (read) and any correct claim or completion
+/// (write) must do, and no more: read the server clock, read the record, and for a write store
+/// a record with its physical expiry.
+const READ_FLOOR: &str = "local t = redis.call('TIME') return redis.call('GET', KEYS[1])";
+const WRITE_FLOOR: &str = "local t = redis.call('TIME') local v = redis.call('GET', KEYS[1]) \
+                           redis.call('SET', KEYS[1], ARGV[1], 'PXAT', ARGV[2]) return 1";
+
+/// The floor scripts on the counted server, called serially like the store's scripts there.
+struct RedisFloor {
+    store: RedisStore,
+    conn: ConnectionManager,
+}
+
+impl RedisFloor {
+    /// Server µs per call of `n` serial calls that `call(i)` builds, from the `INFO
+    /// commandstats` delta of `command`.
+    async fn per_call(
+        &self,
+        command: &str,
+        n: usize,
+        call: impl Fn(usize) -> redis::Cmd,
+    ) -> Result<f64, BoxError> {
+        let mut c = self.conn.clone();
+        let before = command_stats(&self.conn).await?;
+        for i in 0..n {
+            let _: redis::Value = call(i).query_async(&mut c).await?;
+        }
+        let after = command_stats(&self.conn).await?;
+        let of = |m: &BTreeMap<String, CommandCount>| m.get(command).copied().unwrap_or_default();
+        let (b, a) = (of(&before), of(&after));
+        let calls = a.calls.saturating_sub(b.calls);
+        if calls != n as u64 {
+            return Err(format!("expected {n} {command} calls, the server counted {calls}").into());
+        }
+        Ok(a.usec.saturating_sub(b.usec) as f64 / n as f64)
+    }
+}
+
+#[async_trait]
+impl ScriptFloor for RedisFloor {
+    async fn measure(&self, n: usize, sample: &RecordId) -> Result<Floors, BoxError> {
+        let mut c = self.conn.clone();
+        let record: Vec<u8> = c.get(self.store.record_key(sample)).await?;
+        let keys: Vec<String> = (0..n)
+            .map(|i| format!("{}floor:{i}", self.store.prefix()))
+            .collect();
+        let pxat = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_millis()
+            + 3_600_000;
+        let (read_sha, write_sha): (String, String) = (
+            redis::cmd("SCRIPT").arg("LOAD").arg(READ_FLOOR).query_async(&mut c).await?,
+            redis::cmd("SCRIPT").arg("LOAD").arg(WRITE_FLOOR).query_async(&mut c).await?,
+        );
+        let library = format!(
+            "#!lua name=idk_bench_floor\n\
+             redis.register_function('idk_floor_read', function(KEYS, ARGV) {} end)\n\
+             redis.register_function('idk_floor_write', function(KEYS, ARGV) {} end)",
+            READ_FLOOR,
+            WRITE_FLOOR
+        );
+        let _: String = redis::cmd("FUNCTION")
+            .arg("LOAD")
+            .arg("REPLACE")
+            .arg(&library)
+            .query_async(&mut c)
+            .await?;
+        let call = |command: &str, script: &str, i: usize, write: bool| {
+            let mut cmd = redis::cmd(command);
+            cmd.arg(script).arg(1).arg(&keys[i]);
+            if write {
+                cmd.arg(&record).arg(pxat.to_string());
+            }
+            cmd
+        };
+        // The first pass creates the keys, so the measured writes read a record of the size.
+        self.per_call("evalsha", n, |i| call("EVALSHA", &write_sha, i, true))
+            .await?;
+        let write = self
+            .per_call("evalsha", n, |i| call("EVALSHA", &write_sha, i, true))
+            .await?;
+        let read = self
+            .per_call("evalsha", n, |i| call("EVALSHA", &read_sha, i, false))
+            .await?;
+        let fwrite = self
+            .per_call("fcall", n, |i| call("FCALL", "idk_floor_write", i, true))
+            .await?;
+        let fread = self
+            .per_call("fcall", n, |i| call("FCALL", "idk_floor_read", i, false))
+            .await?;
+        let _: i64 = redis::cmd("UNLINK").arg(&keys).query_async(&mut c).await?;
+        Ok(Floors {
+            record_len: record.len(),
+            read,
+            write,
+            other: vec![
+                ("read floor through FCALL (Redis Functions)".to_owned(), fread),
+                ("write floor through FCALL (Redis Functions)".to_owned(), fwrite),
+            ],
+        })
+    }
+}
+
 /// The measured backend on the shared server and a counted twin on a private one.
 pub(crate) async fn backend() -> Result<(Backend, Cleanup), BoxError> {
     let url = url();
@@ -291,8 +396,12 @@ pub(crate) async fn backend() -> Result<(Backend, Cleanup), BoxError> {
             store: Arc::new(store),
             raw: Arc::new(raw),
             round_trips: Some(Counted {
-                store: Arc::new(counted_store),
+                store: Arc::new(counted_store.clone()),
                 raw: Arc::new(counted_raw),
+                floor: Some(Arc::new(RedisFloor {
+                    store: counted_store.clone(),
+                    conn: counted_conn.clone(),
+                })),
                 counter: Arc::new(CommandStats {
                     store: counted_conn,
                     raw: raw_conn,

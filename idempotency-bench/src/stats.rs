@@ -65,3 +65,14 @@ mod tests {
         assert!((s.ops_per_sec() - 100.0).abs() < 1e-9);
     }
 }
+
+/// The median of `values` (the mean of the middle two for an even count); 0 when empty.
+pub(crate) fn median(values: &[f64]) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
