@@ -90,26 +90,35 @@ pub(crate) struct Counted {
     pub floor: Option<Arc<dyn ScriptFloor>>,
 }
 
-/// Server time per call of the smallest scripts that do what any correct store script must,
-/// measured on the counted server in the same run as the store's own scripts.
+/// Server time per call of the store's scripts, recorded call by call by the server itself,
+/// and of the smallest scripts that do what any correct store script must, run on the same
+/// server in the same run.
 #[async_trait]
 pub(crate) trait ScriptFloor: Send + Sync {
-    /// Runs each floor script `n` times, serially, on records of the size `sample`'s stored
-    /// record has, and returns the server µs per call of each.
-    async fn measure(&self, n: usize, sample: &RecordId) -> Result<Floors, BoxError>;
+    /// Forgets what was recorded, and records the server time of every script call from now.
+    async fn record(&self) -> Result<(), BoxError>;
+    /// The server µs of each script call since [`ScriptFloor::record`], and stops recording.
+    async fn recorded(&self) -> Result<Vec<u64>, BoxError>;
+    /// Runs each floor script `n` times, `concurrency` calls at a time, on records of the
+    /// size `sample`'s stored record has, and returns the server µs of each call.
+    async fn measure(
+        &self,
+        n: usize,
+        concurrency: usize,
+        sample: &RecordId,
+    ) -> Result<Floors, BoxError>;
 }
 
-/// Server µs per call of the floor scripts.
+/// Server µs of each call of the floor scripts.
 pub(crate) struct Floors {
     /// Bytes of the record the floor scripts read and write.
     pub record_len: usize,
     /// `TIME`, then `GET` of the record, returned as it is.
-    pub read: f64,
+    pub read: Vec<u64>,
     /// `TIME`, `GET` of the record, then `SET … PXAT` of a record of the same size.
-    pub write: f64,
-    /// Other ways of calling the same scripts, each with its server µs per call (Redis
-    /// Functions: `FCALL` of a loaded library).
-    pub other: Vec<(String, f64)>,
+    pub write: Vec<u64>,
+    /// Other ways of calling the same scripts (Redis Functions: `FCALL` of a loaded library).
+    pub other: Vec<(String, Vec<u64>)>,
 }
 
 /// One backend, ready to measure.

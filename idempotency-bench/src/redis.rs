@@ -274,33 +274,100 @@ struct RedisFloor {
 }
 
 impl RedisFloor {
-    /// Server µs per call of `n` serial calls that `call(i)` builds, from the `INFO
-    /// commandstats` delta of `command`.
+    /// Sends `n` calls that `call(i)` builds, `concurrency` at a time, and returns the server
+    /// µs of each, from the slow log.
     async fn per_call(
         &self,
-        command: &str,
         n: usize,
+        concurrency: usize,
         call: impl Fn(usize) -> redis::Cmd,
-    ) -> Result<f64, BoxError> {
-        let mut c = self.conn.clone();
-        let before = command_stats(&self.conn).await?;
-        for i in 0..n {
-            let _: redis::Value = call(i).query_async(&mut c).await?;
+    ) -> Result<Vec<u64>, BoxError> {
+        use futures::{StreamExt, TryStreamExt};
+        self.record().await?;
+        futures::stream::iter(0..n)
+            .map(|i| {
+                let (cmd, mut c) = (call(i), self.conn.clone());
+                async move { cmd.query_async::<redis::Value>(&mut c).await }
+            })
+            .buffer_unordered(concurrency)
+            .try_collect::<Vec<_>>()
+            .await?;
+        let durations = self.recorded().await?;
+        if durations.len() != n {
+            let got = durations.len();
+            return Err(format!("expected {n} script calls in the slow log, found {got}").into());
         }
-        let after = command_stats(&self.conn).await?;
-        let of = |m: &BTreeMap<String, CommandCount>| m.get(command).copied().unwrap_or_default();
-        let (b, a) = (of(&before), of(&after));
-        let calls = a.calls.saturating_sub(b.calls);
-        if calls != n as u64 {
-            return Err(format!("expected {n} {command} calls, the server counted {calls}").into());
-        }
-        Ok(a.usec.saturating_sub(b.usec) as f64 / n as f64)
+        Ok(durations)
     }
 }
 
+/// The slow log holds this many entries while recording: more than any phase sends.
+const SLOWLOG_ENTRIES: u32 = 100_000;
+
 #[async_trait]
 impl ScriptFloor for RedisFloor {
-    async fn measure(&self, n: usize, sample: &RecordId) -> Result<Floors, BoxError> {
+    async fn record(&self) -> Result<(), BoxError> {
+        let mut c = self.conn.clone();
+        redis::pipe()
+            .cmd("CONFIG")
+            .arg("SET")
+            .arg("slowlog-max-len")
+            .arg(SLOWLOG_ENTRIES)
+            .ignore()
+            .cmd("CONFIG")
+            .arg("SET")
+            .arg("slowlog-log-slower-than")
+            .arg(0)
+            .ignore()
+            .cmd("SLOWLOG")
+            .arg("RESET")
+            .ignore()
+            .query_async::<()>(&mut c)
+            .await?;
+        Ok(())
+    }
+
+    async fn recorded(&self) -> Result<Vec<u64>, BoxError> {
+        let mut c = self.conn.clone();
+        let entries: Vec<redis::Value> = redis::cmd("SLOWLOG")
+            .arg("GET")
+            .arg(-1)
+            .query_async(&mut c)
+            .await?;
+        let () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("slowlog-log-slower-than")
+            .arg(-1)
+            .query_async(&mut c)
+            .await?;
+        // Each entry: id, time, duration in µs, the command and its arguments, client, name.
+        let mut out = Vec::new();
+        for entry in entries {
+            let redis::Value::Array(fields) = entry else {
+                return Err(format!("unreadable slow log entry {entry:?}").into());
+            };
+            let (Some(redis::Value::Int(us)), Some(redis::Value::Array(args))) =
+                (fields.get(2), fields.get(3))
+            else {
+                return Err(format!("unreadable slow log entry {fields:?}").into());
+            };
+            let command = match args.first() {
+                Some(redis::Value::BulkString(b)) => String::from_utf8_lossy(b).to_uppercase(),
+                _ => String::new(),
+            };
+            if ["EVALSHA", "EVAL", "FCALL"].contains(&command.as_str()) {
+                out.push(u64::try_from(*us)?);
+            }
+        }
+        Ok(out)
+    }
+
+    async fn measure(
+        &self,
+        n: usize,
+        concurrency: usize,
+        sample: &RecordId,
+    ) -> Result<Floors, BoxError> {
         let mut c = self.conn.clone();
         let record: Vec<u8> = c.get(self.store.record_key(sample)).await?;
         let keys: Vec<String> = (0..n)
@@ -311,15 +378,21 @@ impl ScriptFloor for RedisFloor {
             .as_millis()
             + 3_600_000;
         let (read_sha, write_sha): (String, String) = (
-            redis::cmd("SCRIPT").arg("LOAD").arg(READ_FLOOR).query_async(&mut c).await?,
-            redis::cmd("SCRIPT").arg("LOAD").arg(WRITE_FLOOR).query_async(&mut c).await?,
+            redis::cmd("SCRIPT")
+                .arg("LOAD")
+                .arg(READ_FLOOR)
+                .query_async(&mut c)
+                .await?,
+            redis::cmd("SCRIPT")
+                .arg("LOAD")
+                .arg(WRITE_FLOOR)
+                .query_async(&mut c)
+                .await?,
         );
         let library = format!(
             "#!lua name=idk_bench_floor\n\
-             redis.register_function('idk_floor_read', function(KEYS, ARGV) {} end)\n\
-             redis.register_function('idk_floor_write', function(KEYS, ARGV) {} end)",
-            READ_FLOOR,
-            WRITE_FLOOR
+             redis.register_function('idk_floor_read', function(KEYS, ARGV) {READ_FLOOR} end)\n\
+             redis.register_function('idk_floor_write', function(KEYS, ARGV) {WRITE_FLOOR} end)"
         );
         let _: String = redis::cmd("FUNCTION")
             .arg("LOAD")
@@ -336,20 +409,22 @@ impl ScriptFloor for RedisFloor {
             cmd
         };
         // The first pass creates the keys, so the measured writes read a record of the size.
-        self.per_call("evalsha", n, |i| call("EVALSHA", &write_sha, i, true))
+        let c = concurrency;
+        self.per_call(n, c, |i| call("EVALSHA", &write_sha, i, true))
             .await?;
         let write = self
-            .per_call("evalsha", n, |i| call("EVALSHA", &write_sha, i, true))
+            .per_call(n, c, |i| call("EVALSHA", &write_sha, i, true))
             .await?;
         let read = self
-            .per_call("evalsha", n, |i| call("EVALSHA", &read_sha, i, false))
+            .per_call(n, c, |i| call("EVALSHA", &read_sha, i, false))
             .await?;
         let fwrite = self
-            .per_call("fcall", n, |i| call("FCALL", "idk_floor_write", i, true))
+            .per_call(n, c, |i| call("FCALL", "idk_floor_write", i, true))
             .await?;
         let fread = self
-            .per_call("fcall", n, |i| call("FCALL", "idk_floor_read", i, false))
+            .per_call(n, c, |i| call("FCALL", "idk_floor_read", i, false))
             .await?;
+        let mut c = self.conn.clone();
         let _: i64 = redis::cmd("UNLINK").arg(&keys).query_async(&mut c).await?;
         Ok(Floors {
             record_len: record.len(),
