@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 
 mod harness;
+mod http;
 mod kinds;
 mod memory;
 mod mysql;
@@ -386,6 +387,30 @@ async fn bench_backend(b: &Backend, args: &Args, targets: &mut Targets) -> Resul
         format!("{} executions", race.executions),
         race.executions == 1 && race.other_errors == 0,
     );
+
+    let h = http::measure(b.store.clone(), &format!("{run}-http")).await?;
+    println!(
+        "\nHTTP through axum, the way peers publish it: one client sending one request at a \
+         time over a keep-alive loopback connection, {} requests per scenario after {} to warm \
+         up, a 1 KiB JSON body\n",
+        http::REQUESTS,
+        http::REQUESTS / 10
+    );
+    println!("| scenario | p50 | p99 | p50 added to no middleware |");
+    println!("|---|---|---|---|");
+    for (name, s) in [
+        ("no middleware", &h.plain),
+        ("fresh key", &h.fresh),
+        ("repeat key", &h.repeat),
+    ] {
+        let added = s.p50.as_secs_f64() - h.plain.p50.as_secs_f64();
+        println!(
+            "| {name} | {} | {} | {:+.3} ms |",
+            http::ms(s.p50),
+            http::ms(s.p99),
+            added * 1e3
+        );
+    }
     Ok(())
 }
 
@@ -592,9 +617,7 @@ async fn script_floor(
     };
     let mut record_len = 0;
     for turn in 0..TURNS {
-        let ids: Vec<RecordId> = (0..N)
-            .map(|i| new_id(&format!("floor{turn}"), i))
-            .collect();
+        let ids: Vec<RecordId> = (0..N).map(|i| new_id(&format!("floor{turn}"), i)).collect();
         floor.record().await?;
         let claimed = claim_all(store, &ids, CONCURRENCY).await?;
         add("claim (new key)", floor.recorded().await?);
@@ -617,7 +640,11 @@ async fn script_floor(
         if all.len() != N * TURNS {
             return Err(format!("{name}: {} calls recorded, not {}", all.len(), N * TURNS).into());
         }
-        figures.push((name.as_str(), fastest_mean(all, 0.9), stats::median(&to_f64(all))));
+        figures.push((
+            name.as_str(),
+            stats::fastest_mean(all, 0.9),
+            stats::median_u64(all),
+        ));
     }
     let of = |name: &str| -> Result<f64, BoxError> {
         figures
@@ -640,7 +667,11 @@ async fn script_floor(
         let against = if name.contains("floor (EVALSHA)") {
             String::new()
         } else if name.contains("through FCALL") {
-            let base = if name.starts_with("read") { read } else { write };
+            let base = if name.starts_with("read") {
+                read
+            } else {
+                write
+            };
             format!("{:.2}× the EVALSHA floor", us / base)
         } else if name.starts_with("replay") {
             format!("{:.2}× the read floor", us / read)
@@ -666,18 +697,6 @@ async fn script_floor(
         cycle <= 1.5,
     );
     Ok(())
-}
-
-fn to_f64(values: &[u64]) -> Vec<f64> {
-    values.iter().map(|&v| v as f64).collect()
-}
-
-/// The mean of the smallest `share` of `values`.
-fn fastest_mean(values: &[u64], share: f64) -> f64 {
-    let mut v = values.to_vec();
-    v.sort_unstable();
-    let keep = ((v.len() as f64 * share).ceil() as usize).clamp(1, v.len().max(1));
-    v.iter().take(keep).sum::<u64>() as f64 / keep as f64
 }
 
 /// Claims each of `ids` (new keys), `concurrency` calls at a time: the tokens.
@@ -716,7 +735,10 @@ async fn complete_all(
     futures::stream::iter(claimed)
         .map(|(id, token)| async move {
             let outcome = harness::engine_outcome();
-            match store.complete(id, *token, outcome, Duration::from_secs(3600)).await? {
+            match store
+                .complete(id, *token, outcome, Duration::from_secs(3600))
+                .await?
+            {
                 idempotency_core::Cas::Applied => Ok(()),
                 other => Err::<_, BoxError>(format!("completion answered {other:?}").into()),
             }

@@ -431,8 +431,14 @@ impl ScriptFloor for RedisFloor {
             read,
             write,
             other: vec![
-                ("read floor through FCALL (Redis Functions)".to_owned(), fread),
-                ("write floor through FCALL (Redis Functions)".to_owned(), fwrite),
+                (
+                    "read floor through FCALL (Redis Functions)".to_owned(),
+                    fread,
+                ),
+                (
+                    "write floor through FCALL (Redis Functions)".to_owned(),
+                    fwrite,
+                ),
             ],
         })
     }

@@ -19,77 +19,104 @@ const HAS_FAILURE: u8 = 2;
 const RETRYABLE: u8 = 4;
 const HAS_OUTCOME: u8 = 8;
 
-/// A script reply split into its tag and the values after it.
+/// A script reply: one string, a kind byte and then its fields (big-endian 64-bit numbers,
+/// then a record where there is one); see the table in [`crate::scripts`].
 pub(crate) struct Reply {
-    pub(crate) tag: String,
-    pub(crate) rest: Vec<Value>,
+    bytes: Vec<u8>,
 }
 
 impl Reply {
     pub(crate) fn parse(value: Value) -> Result<Self, Error> {
-        let Value::Array(mut items) = value else {
-            return Err(unexpected(format!("expected an array, got {value:?}")));
+        let bytes = match value {
+            Value::BulkString(bytes) => bytes,
+            other => return Err(unexpected(format!("expected a string, got {other:?}"))),
         };
-        if items.is_empty() {
-            return Err(unexpected("empty reply"));
+        match bytes.first() {
+            None => Err(unexpected("empty reply")),
+            Some(b'x') => Err(Error::corrupt(String::from_utf8_lossy(&bytes[1..]))),
+            Some(_) => Ok(Self { bytes }),
         }
-        let tag = text(&items.remove(0), "reply tag")?;
-        let reply = Self { tag, rest: items };
-        if reply.tag == "corrupt" {
-            let reason = reply
-                .rest
-                .first()
-                .and_then(|v| text(v, "reason").ok())
-                .unwrap_or_else(|| "no reason given".to_owned());
-            return Err(Error::corrupt(reason));
-        }
-        Ok(reply)
     }
 
-    /// The `i`-th value after the tag as an integer (an integer reply, or its decimal text).
-    fn integer(&self, i: usize, what: &str) -> Result<i64, Error> {
-        match self.rest.get(i) {
-            Some(Value::Int(n)) => Ok(*n),
-            Some(v) => {
-                let s = text(v, what)?;
-                s.parse::<i64>()
-                    .map_err(|e| unexpected_with(format!("{what} {s:?} is not an integer"), e))
+    /// The kind byte.
+    fn kind(&self) -> u8 {
+        self.bytes[0]
+    }
+
+    /// The `i`-th number after the kind byte.
+    fn u64(&self, i: usize, what: &str) -> Result<u64, Error> {
+        let at = 1 + 8 * i;
+        self.bytes
+            .get(at..at + 8)
+            .and_then(|b| <[u8; 8]>::try_from(b).ok())
+            .map(u64::from_be_bytes)
+            .ok_or_else(|| {
+                unexpected(format!(
+                    "a reply of kind {:?} and {} bytes has no {what}",
+                    char::from(self.kind()),
+                    self.bytes.len()
+                ))
+            })
+    }
+
+    /// The `i`-th number after the kind byte as a timestamp.
+    fn millis(&self, i: usize, what: &str) -> Result<Timestamp, Error> {
+        let n = self.u64(i, what)?;
+        i64::try_from(n)
+            .map(Timestamp::from_millis)
+            .map_err(|e| unexpected_with(format!("{what} {n} is out of range"), e))
+    }
+
+    /// The `i`-th number after the kind byte as a fencing token.
+    fn token(&self, i: usize) -> Result<FencingToken, Error> {
+        self.u64(i, "token").map(FencingToken)
+    }
+
+    /// Refuses a reply longer than its kind and `fields` numbers.
+    fn exactly(self, fields: usize) -> Result<Self, Error> {
+        match self.bytes.len() == 1 + 8 * fields {
+            true => Ok(self),
+            false => Err(unexpected(format!(
+                "a reply of kind {:?} has {} bytes, not {}",
+                char::from(self.kind()),
+                self.bytes.len(),
+                1 + 8 * fields
+            ))),
+        }
+    }
+
+    /// The stored record after the kind byte and `fields` numbers.
+    fn record(&self, fields: usize, id: &RecordId) -> Result<Record, Error> {
+        match self.bytes.get(1 + 8 * fields..) {
+            Some(bytes) => decode_record(id, bytes),
+            None => Err(unexpected(format!(
+                "a reply of {} bytes has no record",
+                self.bytes.len()
+            ))),
+        }
+    }
+
+    /// A record reply (`r`, or `h` with the hit the script just counted, which replaces the
+    /// stored count since the script wrote it after the read), with the server's time.
+    fn existing(&self, id: &RecordId) -> Result<(Timestamp, Record), Error> {
+        let now = self.millis(0, "server time")?;
+        match self.kind() {
+            b'h' => {
+                let hits = self.u64(1, "hit count")?;
+                let mut record = self.record(2, id)?;
+                record.hits = hits;
+                Ok((now, record))
             }
-            None => Err(unexpected(format!("reply has no {what}"))),
+            _ => Ok((now, self.record(1, id)?)),
         }
     }
 
-    /// The `i`-th value after the tag as a timestamp.
-    pub(crate) fn millis(&self, i: usize, what: &str) -> Result<Timestamp, Error> {
-        self.integer(i, what).map(Timestamp::from_millis)
-    }
-
-    /// The `i`-th value after the tag as a fencing token.
-    pub(crate) fn token(&self, i: usize) -> Result<FencingToken, Error> {
-        let n = self.integer(i, "token")?;
-        u64::try_from(n)
-            .map(FencingToken)
-            .map_err(|e| unexpected_with(format!("token {n} is negative"), e))
-    }
-
-    /// The `i`-th value after the tag as a stored record; a hit count after it, when the
-    /// script counted one, replaces the stored count (the script wrote it after the read).
-    pub(crate) fn record(&self, i: usize, id: &RecordId) -> Result<Record, Error> {
-        let mut record = match self.rest.get(i) {
-            Some(Value::BulkString(bytes)) => decode_record(id, bytes)?,
-            other => return Err(unexpected(format!("expected a record, got {other:?}"))),
-        };
-        if self.rest.len() > i + 1 {
-            let hits = self.integer(i + 1, "hit count")?;
-            record.hits = u64::try_from(hits)
-                .map_err(|e| unexpected_with(format!("hit count {hits} is negative"), e))?;
-        }
-        Ok(record)
-    }
-
-    /// An error for a tag the caller did not expect.
-    pub(crate) fn unexpected_tag(&self, op: &str) -> Error {
-        unexpected(format!("{op} script replied {:?}", self.tag))
+    /// An error for a kind the caller did not expect.
+    fn unexpected_kind(&self, op: &str) -> Error {
+        unexpected(format!(
+            "{op} script replied with kind {:?}",
+            char::from(self.kind())
+        ))
     }
 }
 
@@ -101,20 +128,6 @@ fn unexpected(reason: impl Into<String>) -> Error {
 
 fn unexpected_with(reason: String, source: impl std::error::Error) -> Error {
     Error::backend(false, format!("unexpected Redis reply: {reason}: {source}"))
-}
-
-fn text(v: &Value, what: &str) -> Result<String, Error> {
-    let bytes: &[u8] = match v {
-        Value::BulkString(b) => b,
-        Value::SimpleString(s) => s.as_bytes(),
-        other => {
-            return Err(unexpected(format!(
-                "{what}: expected a string, got {other:?}"
-            )))
-        }
-    };
-    String::from_utf8(bytes.to_vec())
-        .map_err(|e| unexpected_with(format!("{what} is not UTF-8"), e))
 }
 
 /// The fixed-width fields of a record's header, read at their offsets.
@@ -265,46 +278,52 @@ pub(crate) fn encode_record(record: &Record) -> Vec<u8> {
 
 pub(crate) fn claim_reply(value: Value, id: &RecordId) -> Result<Claim, Error> {
     let reply = Reply::parse(value)?;
-    match reply.tag.as_str() {
-        "claimed" => Ok(Claim::Claimed {
-            token: reply.token(0)?,
-            lease_until: reply.millis(1, "lease deadline")?,
-        }),
-        "record" => Ok(Claim::Existing {
-            now: reply.millis(0, "server time")?,
-            record: reply.record(1, id)?,
-        }),
-        _ => Err(reply.unexpected_tag("claim")),
+    match reply.kind() {
+        b'c' => {
+            let reply = reply.exactly(2)?;
+            Ok(Claim::Claimed {
+                token: reply.token(0)?,
+                lease_until: reply.millis(1, "lease deadline")?,
+            })
+        }
+        b'r' | b'h' => {
+            let (now, record) = reply.existing(id)?;
+            Ok(Claim::Existing { now, record })
+        }
+        _ => Err(reply.unexpected_kind("claim")),
     }
 }
 
 pub(crate) fn reclaim_reply(value: Value) -> Result<Reclaim, Error> {
     let reply = Reply::parse(value)?;
-    match reply.tag.as_str() {
-        "reclaimed" => Ok(Reclaim::Reclaimed {
-            token: reply.token(0)?,
-            lease_until: reply.millis(1, "lease deadline")?,
-        }),
-        "lost" => Ok(Reclaim::Lost),
-        _ => Err(reply.unexpected_tag("reclaim")),
+    match reply.kind() {
+        b'R' => {
+            let reply = reply.exactly(2)?;
+            Ok(Reclaim::Reclaimed {
+                token: reply.token(0)?,
+                lease_until: reply.millis(1, "lease deadline")?,
+            })
+        }
+        b'l' => reply.exactly(0).map(|_| Reclaim::Lost),
+        _ => Err(reply.unexpected_kind("reclaim")),
     }
 }
 
 pub(crate) fn get_reply(value: Value, id: &RecordId) -> Result<Option<Record>, Error> {
     let reply = Reply::parse(value)?;
-    match reply.tag.as_str() {
-        "record" => reply.record(1, id).map(Some),
-        "none" => Ok(None),
-        _ => Err(reply.unexpected_tag("get")),
+    match reply.kind() {
+        b'r' => reply.existing(id).map(|(_, record)| Some(record)),
+        b'n' => reply.exactly(0).map(|_| None),
+        _ => Err(reply.unexpected_kind("get")),
     }
 }
 
 pub(crate) fn cas_reply(value: Value, op: &str) -> Result<Cas, Error> {
     let reply = Reply::parse(value)?;
-    match reply.tag.as_str() {
-        "applied" => Ok(Cas::Applied),
-        "fenced" => Ok(Cas::Fenced),
-        _ => Err(reply.unexpected_tag(op)),
+    match reply.kind() {
+        b'a' => reply.exactly(0).map(|_| Cas::Applied),
+        b'f' => reply.exactly(0).map(|_| Cas::Fenced),
+        _ => Err(reply.unexpected_kind(op)),
     }
 }
 
@@ -384,11 +403,8 @@ mod tests {
     }
 
     #[test]
-    fn corrupt_tag_becomes_corrupt_record() {
-        let v = Value::Array(vec![
-            Value::BulkString(b"corrupt".to_vec()),
-            Value::BulkString(b"the key holds a hash, not a record".to_vec()),
-        ]);
+    fn corrupt_kind_becomes_corrupt_record() {
+        let v = Value::BulkString(b"xthe key holds a hash, not a record".to_vec());
         match Reply::parse(v) {
             Err(Error::CorruptRecord { reason, .. }) => assert!(reason.contains("hash")),
             Err(other) => panic!("expected CorruptRecord, got {other:?}"),
@@ -396,16 +412,94 @@ mod tests {
         }
     }
 
+    fn reply(kind: u8, numbers: &[u64], record: Option<&Record>) -> Value {
+        let mut bytes = vec![kind];
+        for n in numbers {
+            bytes.extend_from_slice(&n.to_be_bytes());
+        }
+        if let Some(record) = record {
+            bytes.extend_from_slice(&encode_record(record));
+        }
+        Value::BulkString(bytes)
+    }
+
     #[test]
     fn a_counted_hit_replaces_the_stored_count() {
-        let reply = Reply::parse(Value::Array(vec![
-            Value::BulkString(b"record".to_vec()),
-            Value::Int(5),
-            Value::BulkString(encode_record(&good())),
-            Value::Int(8),
-        ]))
-        .unwrap();
-        assert_eq!(reply.record(1, &id()).unwrap().hits, 8);
-        assert_eq!(reply.millis(0, "now").unwrap(), Timestamp::from_millis(5));
+        let Claim::Existing { now, record } =
+            claim_reply(reply(b'h', &[5, 8], Some(&good())), &id()).unwrap()
+        else {
+            panic!("expected the record");
+        };
+        assert_eq!(record.hits, 8);
+        assert_eq!(now, Timestamp::from_millis(5));
+        let Claim::Existing { record, .. } =
+            claim_reply(reply(b'r', &[5], Some(&good())), &id()).unwrap()
+        else {
+            panic!("expected the record");
+        };
+        assert_eq!(record, good());
+    }
+
+    #[test]
+    fn every_kind_decodes_and_every_misshape_is_an_error() {
+        assert!(matches!(
+            claim_reply(reply(b'c', &[7, 9], None), &id()),
+            Ok(Claim::Claimed { token: FencingToken(7), lease_until }) if lease_until == Timestamp::from_millis(9)
+        ));
+        assert!(matches!(
+            reclaim_reply(reply(b'R', &[8, 9], None)),
+            Ok(Reclaim::Reclaimed {
+                token: FencingToken(8),
+                ..
+            })
+        ));
+        assert!(matches!(
+            reclaim_reply(reply(b'l', &[], None)),
+            Ok(Reclaim::Lost)
+        ));
+        assert!(matches!(get_reply(reply(b'n', &[], None), &id()), Ok(None)));
+        assert!(matches!(
+            get_reply(reply(b'r', &[1], Some(&good())), &id()),
+            Ok(Some(_))
+        ));
+        assert!(matches!(
+            cas_reply(reply(b'a', &[], None), "complete"),
+            Ok(Cas::Applied)
+        ));
+        assert!(matches!(
+            cas_reply(reply(b'f', &[], None), "complete"),
+            Ok(Cas::Fenced)
+        ));
+        let misshapen = [
+            claim_reply(reply(b'c', &[7], None), &id()).err(),
+            claim_reply(reply(b'c', &[7, 9, 1], None), &id()).err(),
+            claim_reply(reply(b'c', &[7, u64::MAX], None), &id()).err(),
+            claim_reply(reply(b'r', &[], None), &id()).err(),
+            claim_reply(reply(b'a', &[], None), &id()).err(),
+            claim_reply(Value::Array(vec![]), &id()).err(),
+            claim_reply(Value::BulkString(vec![]), &id()).err(),
+            cas_reply(reply(b'a', &[1], None), "complete").err(),
+            cas_reply(reply(b'r', &[1], Some(&good())), "complete").err(),
+            get_reply(reply(b'n', &[1], None), &id()).err(),
+            reclaim_reply(reply(b'c', &[7, 9], None)).err(),
+        ];
+        for (i, e) in misshapen.into_iter().enumerate() {
+            match e {
+                Some(Error::Backend {
+                    retryable: false, ..
+                }) => {}
+                other => panic!("case {i}: expected a non-retryable backend error, got {other:?}"),
+            }
+        }
+        // A record cut short inside a reply is a corrupt record, not a protocol surprise.
+        let mut cut = encode_record(&good());
+        cut.truncate(HEADER_LEN - 1);
+        let mut bytes = vec![b'r'];
+        bytes.extend_from_slice(&1u64.to_be_bytes());
+        bytes.extend_from_slice(&cut);
+        assert!(matches!(
+            claim_reply(Value::BulkString(bytes), &id()),
+            Err(Error::CorruptRecord { .. })
+        ));
     }
 }

@@ -33,11 +33,32 @@
 //! [`idempotency_core::Record::validate`]. Anything else at the key (another type, another
 //! encoding, a truncated string) is refused before anything is written.
 //!
-//! Replies are arrays whose first element says what happened: `claimed`, `record`, `none`,
-//! `applied`, `fenced`, `reclaimed`, `lost`, or `corrupt` followed by a reason. Numbers in
-//! replies are integers.
+//! # Arguments and replies
+//!
+//! What Redis spends on a script call beyond the commands it runs is mostly per argument and
+//! per reply element (each becomes a Lua string or a reply node), so each script takes its
+//! numbers packed into one string (big-endian unsigned 64-bit integers, after the
+//! fingerprint where there is one) and answers with one string: a kind byte, then its fields.
+//!
+//! | reply | kind | then |
+//! |---|---|---|
+//! | claimed a new or expired key | `c` | token, lease deadline |
+//! | the record | `r` | the server's time, the record |
+//! | the record, hit counted | `h` | the server's time, the new hit count, the record |
+//! | no live record | `n` | |
+//! | written | `a` | |
+//! | fenced | `f` | |
+//! | reclaimed | `R` | token, lease deadline |
+//! | not reclaimed | `l` | |
+//! | the key holds no well-formed record | `x` | the reason, as text |
+//!
+//! The load and its checks are written out at the top of each script rather than called as a
+//! function: no closure is built per call, and a corrupt record returns from the script at
+//! once.
 
-/// Shared helpers, prepended to every script.
+/// Reads the clock and the record, and refuses anything but a well-formed record; prepended
+/// to every script. Leaves `v` false when the key is absent, else the record's bytes in `v`
+/// and its fields in the locals below.
 ///
 /// Every number the scripts store or compare stays below 2^53, so Lua's doubles hold it
 /// exactly: tokens derive from the clock in microseconds, durations are capped by the client.
@@ -46,170 +67,158 @@ local key = KEYS[1]
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local HEADER = '>c4BBI8I4I8I8I8I8I8c32I4'
-local TAG = 'idk1'
 local EXACT = 9007199254740992
--- nil when the key is absent; false and a reason when it holds anything but a well-formed
--- record; otherwise the record's fields, with its bytes in `v`.
-local function load()
-  local v = redis.pcall('GET', key)
-  if not v then
-    return nil
-  end
+local v = redis.pcall('GET', key)
+local tag, st, fl, tok, att, hits, lease, ca, ua, exp, fp, fml
+if v then
   if type(v) == 'table' then
-    return false, 'the key holds a ' .. redis.call('TYPE', key)['ok'] .. ', not a record'
+    return 'xthe key holds a ' .. redis.call('TYPE', key)['ok'] .. ', not a record'
   end
-  if #v < 94 or string.sub(v, 1, 4) ~= TAG then
-    return false, 'the value is not a record of encoding idk1'
+  if #v < 94 then
+    return 'xthe value is not a record of encoding idk1'
   end
-  local _, st, fl, tok, att, hits, lease, ca, ua, exp, fp, fml = struct.unpack(HEADER, v)
+  tag, st, fl, tok, att, hits, lease, ca, ua, exp, fp, fml = struct.unpack(HEADER, v)
+  if tag ~= 'idk1' then
+    return 'xthe value is not a record of encoding idk1'
+  end
   if not ((st == 1 and fl % 2 == 1) or (st == 2 and fl >= 8) or (st == 3 and fl % 4 >= 2))
       or fl > 15 then
-    return false, 'status ' .. st .. ' with flags ' .. fl .. ' is not a record state'
+    return 'xstatus ' .. st .. ' with flags ' .. fl .. ' is not a record state'
   end
   if tok < 1 or att < 1 then
-    return false, 'a token or attempt count of 0'
+    return 'xa token or attempt count of 0'
   end
   if tok >= EXACT or hits >= EXACT or lease >= EXACT or ca >= EXACT or ua >= EXACT
       or exp >= EXACT then
-    return false, 'a token, count or time at or above 2^53'
+    return 'xa token, count or time at or above 2^53'
   end
   if 94 + fml > #v then
-    return false, 'the failure message runs past the end of the record'
+    return 'xthe failure message runs past the end of the record'
   end
   -- Bytes only where the flags say: a message only with a failure (retryable only then
   -- too), outcome bytes only with an outcome.
   if (fl % 4 < 2 and (fml > 0 or fl % 8 >= 4)) or (fl < 8 and #v > 94 + fml) then
-    return false, 'flags ' .. fl .. ' do not match the failure and outcome bytes'
+    return 'xflags ' .. fl .. ' do not match the failure and outcome bytes'
   end
-  return { v = v, st = st, fl = fl, tok = tok, att = att, hits = hits, lease = lease,
-           ca = ca, exp = exp, fp = fp, fml = fml }
-end
--- Writes the whole record, with its physical expiry.
-local function save(st, fl, tok, att, hits, lease, ca, exp, fp, fm, out, retention)
-  local v = struct.pack(HEADER, TAG, st, fl, tok, att, hits, lease, ca, now, exp, fp, #fm)
-  redis.call('SET', key, v .. fm .. out, 'PXAT', string.format('%d', exp + retention))
 end
 "#;
 
-/// ARGV: fingerprint (32 bytes), lease ms, ttl ms, retention ms, count the hit (`1`/`0`).
-const CLAIM: &str = r#"
-local lease, ttl = tonumber(ARGV[2]), tonumber(ARGV[3])
-local r, err = load()
-if r == false then
-  return { 'corrupt', err }
+/// Writes the whole record, with its physical expiry; for the scripts that write.
+const SAVE: &str = r#"
+local function save(st, fl, tok, att, hits, lease, ca, exp, fp, fm, out, retention)
+  local rec = struct.pack(HEADER, 'idk1', st, fl, tok, att, hits, lease, ca, now, exp, fp, #fm)
+  redis.call('SET', key, rec .. fm .. out, 'PXAT', string.format('%d', exp + retention))
 end
-if r == nil or r.exp <= now then
+"#;
+
+/// ARGV[1]: fingerprint (32 bytes), lease ms, ttl ms, retention ms, then one byte: count the
+/// hit (1) or not (0).
+const CLAIM: &str = r#"
+local a = ARGV[1]
+if not v or exp <= now then
   -- Absent or expired: a new Pending record, with a token from the server clock in
   -- microseconds, above the token of an expired record Redis has not evicted yet.
-  local tok = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
-  if r then
-    tok = math.max(tok, r.tok + 1)
+  local afp, lease_ms, ttl, retention = struct.unpack('>c32I8I8I8', a)
+  local ntok = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
+  if v then
+    ntok = math.max(ntok, tok + 1)
   end
-  local lease_until = now + lease
-  save(1, 1, tok, 1, 0, lease_until, now, now + math.max(lease, ttl), ARGV[1], '', '',
-    tonumber(ARGV[4]))
-  return { 'claimed', tok, lease_until }
+  local lease_until = now + lease_ms
+  save(1, 1, ntok, 1, 0, lease_until, now, now + math.max(lease_ms, ttl), afp, '', '',
+    retention)
+  return struct.pack('>c1I8I8', 'c', ntok, lease_until)
 end
-if ARGV[5] == '0' then
-  return { 'record', now, r.v }
+if string.byte(a, 57) == 0 then
+  return 'r' .. struct.pack('>I8', now) .. v
 end
-redis.call('SETRANGE', key, 18, struct.pack('>I8', r.hits + 1))
-return { 'record', now, r.v, r.hits + 1 }
+redis.call('SETRANGE', key, 18, struct.pack('>I8', hits + 1))
+return 'h' .. struct.pack('>I8I8', now, hits + 1) .. v
 "#;
 
-/// The CAS shared by complete, fail and extend: live, Pending, holding ARGV[1].
+/// The CAS shared by complete, fail and extend: live, Pending, holding the token that starts
+/// ARGV[1].
 const CAS_PENDING: &str = r#"
-local r, err = load()
-if r == false then
-  return { 'corrupt', err }
-end
-if r == nil or r.exp <= now or r.st ~= 1 or r.tok ~= tonumber(ARGV[1]) then
-  return { 'fenced' }
+if not v or exp <= now or st ~= 1 or tok ~= struct.unpack('>I8', ARGV[1]) then
+  return 'f'
 end
 "#;
 
-/// ARGV: token, outcome bytes, ttl ms, retention ms.
+/// ARGV[1]: token, ttl ms, retention ms; ARGV[2]: the outcome.
 const COMPLETE: &str = r#"
-save(2, 8, r.tok, r.att, r.hits, 0, r.ca, now + tonumber(ARGV[3]), r.fp, '', ARGV[2],
-  tonumber(ARGV[4]))
-return { 'applied' }
+local _, ttl, retention = struct.unpack('>I8I8I8', ARGV[1])
+save(2, 8, tok, att, hits, 0, ca, now + ttl, fp, '', ARGV[2], retention)
+return 'a'
 "#;
 
-/// ARGV: token, retryable (`0`/`1`), message, ttl ms, retention ms.
+/// ARGV[1]: token, ttl ms, retention ms, then one byte: retryable (1) or not (0); ARGV[2]:
+/// the message.
 const FAIL: &str = r#"
-local fl = 2
-if ARGV[2] == '1' then
-  fl = 6
+local _, ttl, retention, retryable = struct.unpack('>I8I8I8B', ARGV[1])
+local nfl = 2
+if retryable == 1 then
+  nfl = 6
 end
-save(3, fl, r.tok, r.att, r.hits, 0, r.ca, now + tonumber(ARGV[4]), r.fp, ARGV[3], '',
-  tonumber(ARGV[5]))
-return { 'applied' }
+save(3, nfl, tok, att, hits, 0, ca, now + ttl, fp, ARGV[2], '', retention)
+return 'a'
 "#;
 
-/// ARGV: token, lease ms, retention ms.
+/// ARGV[1]: token, lease ms, retention ms.
 const EXTEND: &str = r#"
-local lease_until = now + tonumber(ARGV[2])
-local fl = r.fl
-if fl % 2 == 0 then
-  fl = fl + 1
+local _, lease_ms, retention = struct.unpack('>I8I8I8', ARGV[1])
+local lease_until = now + lease_ms
+local nfl = fl
+if nfl % 2 == 0 then
+  nfl = nfl + 1
 end
-save(1, fl, r.tok, r.att, r.hits, lease_until, r.ca, math.max(r.exp, lease_until), r.fp,
-  string.sub(r.v, 95, 94 + r.fml), string.sub(r.v, 95 + r.fml), tonumber(ARGV[3]))
-return { 'applied' }
+save(1, nfl, tok, att, hits, lease_until, ca, math.max(exp, lease_until), fp,
+  string.sub(v, 95, 94 + fml), string.sub(v, 95 + fml), retention)
+return 'a'
 "#;
 
-/// ARGV: expected token, fingerprint (32 bytes), lease ms, ttl ms, retention ms.
+/// ARGV[1]: fingerprint (32 bytes), expected token, lease ms, ttl ms, retention ms.
 const RECLAIM: &str = r#"
-local lease, ttl = tonumber(ARGV[3]), tonumber(ARGV[4])
-local r, err = load()
-if r == false then
-  return { 'corrupt', err }
+local afp, expected, lease_ms, ttl, retention = struct.unpack('>c32I8I8I8I8', ARGV[1])
+if not v or exp <= now or tok ~= expected then
+  return 'l'
 end
-if r == nil or r.exp <= now or r.tok ~= tonumber(ARGV[1]) then
-  return { 'lost' }
+local leased = fl % 2 == 1
+if not (st == 3 or (st == 1 and (not leased or lease <= now))) then
+  return 'l'
 end
-local leased = r.fl % 2 == 1
-if not (r.st == 3 or (r.st == 1 and (not leased or r.lease <= now))) then
-  return { 'lost' }
-end
-local tok = r.tok + 1
-local lease_until = now + lease
-save(1, 1, tok, math.min(r.att + 1, 4294967295), r.hits, lease_until, r.ca,
-  now + math.max(lease, ttl), ARGV[2], '', '', tonumber(ARGV[5]))
-return { 'reclaimed', tok, lease_until }
+local ntok = tok + 1
+local lease_until = now + lease_ms
+save(1, 1, ntok, math.min(att + 1, 4294967295), hits, lease_until, ca,
+  now + math.max(lease_ms, ttl), afp, '', '', retention)
+return struct.pack('>c1I8I8', 'R', ntok, lease_until)
 "#;
 
 /// No ARGV. Reads without counting a hit.
 const GET: &str = r#"
-local r, err = load()
-if r == false then
-  return { 'corrupt', err }
+if not v or exp <= now then
+  return 'n'
 end
-if r == nil or r.exp <= now then
-  return { 'none' }
-end
-return { 'record', now, r.v }
+return 'r' .. struct.pack('>I8', now) .. v
 "#;
 
 /// The full source of each script.
 pub(crate) fn claim() -> String {
-    [PRELUDE, CLAIM].concat()
+    [PRELUDE, SAVE, CLAIM].concat()
 }
 
 pub(crate) fn complete() -> String {
-    [PRELUDE, CAS_PENDING, COMPLETE].concat()
+    [PRELUDE, CAS_PENDING, SAVE, COMPLETE].concat()
 }
 
 pub(crate) fn fail() -> String {
-    [PRELUDE, CAS_PENDING, FAIL].concat()
+    [PRELUDE, CAS_PENDING, SAVE, FAIL].concat()
 }
 
 pub(crate) fn extend() -> String {
-    [PRELUDE, CAS_PENDING, EXTEND].concat()
+    [PRELUDE, CAS_PENDING, SAVE, EXTEND].concat()
 }
 
 pub(crate) fn reclaim() -> String {
-    [PRELUDE, RECLAIM].concat()
+    [PRELUDE, SAVE, RECLAIM].concat()
 }
 
 pub(crate) fn get() -> String {

@@ -142,6 +142,11 @@ impl RedisStore {
         &self.prefix
     }
 
+    /// The expired retention in milliseconds, for the scripts.
+    fn retention(&self) -> u64 {
+        self.retention_ms.unsigned_abs()
+    }
+
     /// The Redis key that holds the record of `id`: `<prefix>{<scope>:<key>}`, with scope and
     /// key percent-escaped so that neither can break the hash tag.
     pub fn record_key(&self, id: &RecordId) -> String {
@@ -228,28 +233,34 @@ fn untrusted(missing: NotAcknowledged, unknown: bool) -> Error {
     }
 }
 
-fn ms_arg(d: Duration) -> Vec<u8> {
-    duration_millis(d).to_string().into_bytes()
+/// A script's packed argument: `head` (a fingerprint, or nothing), then each number as a
+/// big-endian unsigned 64-bit integer, then `tail` (a flag byte, or nothing). One argument
+/// instead of one per number: Redis builds a Lua string per argument on every call.
+fn packed(head: &[u8], numbers: &[u64], tail: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(head.len() + 8 * numbers.len() + tail.len());
+    out.extend_from_slice(head);
+    for n in numbers {
+        out.extend_from_slice(&n.to_be_bytes());
+    }
+    out.extend_from_slice(tail);
+    out
+}
+
+/// A duration in whole milliseconds, capped (see `duration_millis`).
+fn ms(d: Duration) -> u64 {
+    duration_millis(d).unsigned_abs()
 }
 
 #[async_trait]
 impl IdempotencyStore for RedisStore {
     async fn claim(&self, request: &ClaimRequest) -> Result<Claim, Error> {
-        let s = &self.scripts;
-        let retention = self.retention_ms.to_string();
+        let args = packed(
+            request.fingerprint.as_bytes(),
+            &[ms(request.lease), ms(request.ttl), self.retention()],
+            &[u8::from(request.count_hit)],
+        );
         let (value, missing) = self
-            .eval_write(
-                "claim",
-                &s.claim,
-                &request.id,
-                &[
-                    request.fingerprint.as_bytes(),
-                    &ms_arg(request.lease),
-                    &ms_arg(request.ttl),
-                    retention.as_bytes(),
-                    if request.count_hit { b"1" } else { b"0" },
-                ],
-            )
+            .eval_write("claim", &self.scripts.claim, &request.id, &[&args])
             .await?;
         // A claim that took the key, and also one that found it: `WAIT` after a read waits
         // for every write the server had made when the read ran, so a short count says what
@@ -274,10 +285,8 @@ impl IdempotencyStore for RedisStore {
                 &self.scripts.complete,
                 id,
                 &[
-                    token.0.to_string().as_bytes(),
+                    &packed(&[], &[token.0, ms(ttl), self.retention()], &[]),
                     outcome,
-                    &ms_arg(ttl),
-                    self.retention_ms.to_string().as_bytes(),
                 ],
             )
             .await?;
@@ -300,11 +309,12 @@ impl IdempotencyStore for RedisStore {
                 &self.scripts.fail,
                 id,
                 &[
-                    token.0.to_string().as_bytes(),
-                    if failure.retryable { b"1" } else { b"0" },
+                    &packed(
+                        &[],
+                        &[token.0, ms(ttl), self.retention()],
+                        &[u8::from(failure.retryable)],
+                    ),
                     failure.message.as_bytes(),
-                    &ms_arg(ttl),
-                    self.retention_ms.to_string().as_bytes(),
                 ],
             )
             .await?;
@@ -325,11 +335,7 @@ impl IdempotencyStore for RedisStore {
                 "extend",
                 &self.scripts.extend,
                 id,
-                &[
-                    token.0.to_string().as_bytes(),
-                    &ms_arg(lease),
-                    self.retention_ms.to_string().as_bytes(),
-                ],
+                &[&packed(&[], &[token.0, ms(lease), self.retention()], &[])],
             )
             .await?;
         match (cas_reply(value, "extend")?, missing) {
@@ -351,13 +357,11 @@ impl IdempotencyStore for RedisStore {
                 "reclaim",
                 &self.scripts.reclaim,
                 id,
-                &[
-                    expected.0.to_string().as_bytes(),
+                &[&packed(
                     fingerprint.as_bytes(),
-                    &ms_arg(lease),
-                    &ms_arg(ttl),
-                    self.retention_ms.to_string().as_bytes(),
-                ],
+                    &[expected.0, ms(lease), ms(ttl), self.retention()],
+                    &[],
+                )],
             )
             .await?;
         match (reclaim_reply(value)?, missing) {
