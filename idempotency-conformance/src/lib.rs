@@ -105,6 +105,9 @@ macro_rules! __with_case_list {
             purge_races_fresh_claims,
             extreme_durations_and_tokens,
             long_keys_and_scopes_are_not_truncated,
+            batch_claims_answer_as_single_claims,
+            overlapping_batches_one_winner_per_key,
+            batch_settlements_answer_as_single_settlements,
         }
     };
 }

@@ -32,7 +32,7 @@ pub use record::{
     RecordStatus,
 };
 pub use scope::{Scope, ScopeError};
-pub use store::IdempotencyStore;
+pub use store::{IdempotencyStore, Settle, Settlement};
 pub use time::{duration_millis, Clock, ManualClock, SystemClock, Timestamp, MAX_DURATION};
 pub use transaction::{
     encode_outcome, Begun, CommitError, TransactionEnd, TransactionalStore,

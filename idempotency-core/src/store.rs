@@ -127,6 +127,95 @@ pub trait IdempotencyStore: Send + Sync + Debug + 'static {
     /// Never deletes a live record. Stores whose records expire on their own (Redis TTLs) may
     /// return 0.
     async fn purge_expired(&self, batch: usize) -> Result<u64, Error>;
+
+    /// Claim-or-observe for a batch of requests (a queue consumer's batch of messages): one
+    /// answer per request, in order.
+    ///
+    /// # Behavior
+    /// Each answer is what [`IdempotencyStore::claim`] of that request would have answered had
+    /// the requests been made one after another in the batch's order: a key named twice is
+    /// claimed by its first request at most, and the later ones find that record (and count
+    /// their hits). Concurrent batches that share keys still give each key one winner. Each
+    /// answer stands alone: an error for one request says nothing about the others, and an
+    /// error the whole call met (a lost connection) is given to every request it may have
+    /// touched, as [`Error::OutcomeUnknown`] where the request may have been applied.
+    ///
+    /// The default claims one request after another. A store that can sends the batch in one
+    /// round trip.
+    async fn claim_many(&self, requests: &[ClaimRequest]) -> Vec<Result<Claim, Error>> {
+        let mut out = Vec::with_capacity(requests.len());
+        for request in requests {
+            out.push(self.claim(request).await);
+        }
+        out
+    }
+
+    /// Settles a batch of claimed keys, each with its outcome or its failure: one answer per
+    /// settlement, in order.
+    ///
+    /// # Behavior
+    /// Each answer is what [`IdempotencyStore::complete`] (for [`Settle::Complete`]) or
+    /// [`IdempotencyStore::fail`] (for [`Settle::Fail`]) of that settlement would have
+    /// answered, made one after another in the batch's order, so a second settlement of one
+    /// key is [`Cas::Fenced`]. Errors as for [`IdempotencyStore::claim_many`].
+    ///
+    /// The default settles one after another. A store that can sends the batch in one round
+    /// trip.
+    async fn settle_many(&self, settlements: &[Settlement]) -> Vec<Result<Cas, Error>> {
+        let mut out = Vec::with_capacity(settlements.len());
+        for s in settlements {
+            out.push(match &s.settle {
+                Settle::Complete(outcome) => self.complete(&s.id, s.token, outcome, s.ttl).await,
+                Settle::Fail(failure) => self.fail(&s.id, s.token, failure, s.ttl).await,
+            });
+        }
+        out
+    }
+}
+
+/// How a claimed key ends, in [`IdempotencyStore::settle_many`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Settle {
+    /// Completed with this outcome, stored byte for byte (as [`IdempotencyStore::complete`]).
+    Complete(Vec<u8>),
+    /// Failed (as [`IdempotencyStore::fail`]).
+    Fail(Failure),
+}
+
+/// One claimed key to settle in [`IdempotencyStore::settle_many`]: the key, the token its
+/// holder got, how it ends, and how long its record is kept from now.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Settlement {
+    /// The record's address.
+    pub id: RecordId,
+    /// The token the holder got from its claim or reclaim.
+    pub token: FencingToken,
+    /// The outcome or the failure.
+    pub settle: Settle,
+    /// `expires_at` becomes now plus this.
+    pub ttl: Duration,
+}
+
+impl Settlement {
+    /// Completes `id` with `outcome`.
+    pub fn complete(id: RecordId, token: FencingToken, outcome: Vec<u8>, ttl: Duration) -> Self {
+        Self {
+            id,
+            token,
+            settle: Settle::Complete(outcome),
+            ttl,
+        }
+    }
+
+    /// Fails `id` with `failure`.
+    pub fn fail(id: RecordId, token: FencingToken, failure: Failure, ttl: Duration) -> Self {
+        Self {
+            id,
+            token,
+            settle: Settle::Fail(failure),
+            ttl,
+        }
+    }
 }
 
 macro_rules! forward_store {
@@ -153,6 +242,12 @@ macro_rules! forward_store {
             }
             async fn purge_expired(&self, batch: usize) -> Result<u64, Error> {
                 (**self).purge_expired(batch).await
+            }
+            async fn claim_many(&self, requests: &[ClaimRequest]) -> Vec<Result<Claim, Error>> {
+                (**self).claim_many(requests).await
+            }
+            async fn settle_many(&self, settlements: &[Settlement]) -> Vec<Result<Cas, Error>> {
+                (**self).settle_many(settlements).await
             }
         }
     )*};

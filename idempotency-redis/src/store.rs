@@ -1,13 +1,13 @@
 //! The store: one Lua script per operation over one key, called with `EVALSHA`.
 
 use crate::decode::{cas_reply, claim_reply, get_reply, reclaim_reply};
-use crate::error::{call_error, read_error, NotAcknowledged};
+use crate::error::{call_error, call_errors, read_error, NotAcknowledged};
 use crate::sentinel::SentinelConnection;
 use crate::{keys, scripts};
 use async_trait::async_trait;
 use idempotency_core::{
     duration_millis, Cas, Claim, ClaimRequest, Error, Failure, FencingToken, Fingerprint,
-    IdempotencyStore, Reclaim, Record, RecordId,
+    IdempotencyStore, Reclaim, Record, RecordId, Settle, Settlement,
 };
 use redis::aio::ConnectionManager;
 use redis::cluster_async::ClusterConnection;
@@ -52,6 +52,26 @@ impl Connection {
             Self::Standalone(c) => pipe.query_async(&mut ConnectionManager::clone(c)).await,
             Self::Sentinel(c) => pipe.query_async(&mut &**c).await,
             Self::Cluster(c) => pipe.query_async(&mut c.clone()).await,
+        }
+    }
+
+    /// Sends a pipeline and returns every reply, error replies included as values (one
+    /// failed call does not hide the others' replies); `Err` only when the pipeline as a
+    /// whole failed. On a cluster every command must be in one slot.
+    async fn query_pipeline(
+        &self,
+        pipe: &redis::Pipeline,
+        n: usize,
+    ) -> Result<Vec<Value>, RedisError> {
+        use redis::aio::ConnectionLike;
+        match self {
+            Self::Standalone(c) => {
+                ConnectionManager::clone(c)
+                    .req_packed_commands(pipe, 0, n)
+                    .await
+            }
+            Self::Sentinel(c) => (&**c).req_packed_commands(pipe, 0, n).await,
+            Self::Cluster(c) => c.clone().req_packed_commands(pipe, 0, n).await,
         }
     }
 
@@ -222,6 +242,122 @@ impl RedisStore {
     }
 }
 
+/// One script call of a batch: the script, the record, its arguments.
+type Call<'a> = (&'a Script, &'a RecordId, Vec<Vec<u8>>);
+
+/// A call's reply or error, with what the replicas missed of its pipeline.
+type CallReply = (Result<Value, Error>, Option<NotAcknowledged>);
+
+impl RedisStore {
+    /// Runs each call in one pipeline per cluster slot (one pipeline in all on a single
+    /// server), sent concurrently, each followed by `WAIT` when the store waits for replicas:
+    /// calls on one key keep their order. Each call's reply, or its error, in order, with what
+    /// the replicas missed of its pipeline.
+    async fn eval_many(&self, operation: &'static str, calls: &[Call<'_>]) -> Vec<CallReply> {
+        let keys: Vec<String> = calls.iter().map(|(_, id, _)| self.record_key(id)).collect();
+        let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
+        for (i, key) in keys.iter().enumerate() {
+            let slot = match self.connection {
+                Connection::Cluster(_) => redis::cluster_routing::get_slot(key.as_bytes()),
+                _ => 0,
+            };
+            match groups.iter_mut().find(|(s, _)| *s == slot) {
+                Some((_, members)) => members.push(i),
+                None => groups.push((slot, vec![i])),
+            }
+        }
+        let sent = futures_util::future::join_all(
+            groups
+                .iter()
+                .map(|(_, members)| self.eval_pipeline(operation, calls, &keys, members)),
+        )
+        .await;
+        let mut out: Vec<Option<CallReply>> = (0..calls.len()).map(|_| None).collect();
+        for ((_, members), replies) in groups.iter().zip(sent) {
+            for (&i, reply) in members.iter().zip(replies) {
+                out[i] = Some(reply);
+            }
+        }
+        out.into_iter()
+            .map(|r| r.unwrap_or_else(|| (Err(Error::backend(false, "no reply")), None)))
+            .collect()
+    }
+
+    /// One pipeline of the calls at `members` (all in one slot): their replies, in order.
+    async fn eval_pipeline(
+        &self,
+        operation: &'static str,
+        calls: &[Call<'_>],
+        keys: &[String],
+        members: &[usize],
+    ) -> Vec<CallReply> {
+        // The first call of each script in the pipeline is an `EVAL` (which caches the
+        // script on this node if it was not), the others `EVALSHA`: the pipeline runs in
+        // order on one node, so none of them can be refused with `NOSCRIPT`, and no call is
+        // ever sent twice.
+        let mut pipe = redis::pipe();
+        let mut loaded: Vec<&str> = Vec::new();
+        for &i in members {
+            let (script, _, args) = &calls[i];
+            let call = if loaded.contains(&script.sha.as_str()) {
+                pipe.cmd("EVALSHA").arg(&script.sha)
+            } else {
+                loaded.push(&script.sha);
+                pipe.cmd("EVAL").arg(&script.source)
+            };
+            call.arg(1).arg(&keys[i]);
+            for a in args {
+                call.arg(a.as_slice());
+            }
+        }
+        if let Some(wait) = self.wait {
+            pipe.cmd("WAIT")
+                .arg(wait.replicas)
+                .arg(duration_millis(wait.timeout));
+        }
+        let commands = members.len() + usize::from(self.wait.is_some());
+        let mut values = match self.connection.query_pipeline(&pipe, commands).await {
+            Ok(values) => values,
+            Err(e) => {
+                return call_errors(e, members.len())
+                    .into_iter()
+                    .map(|e| (Err(e), None))
+                    .collect()
+            }
+        };
+        let missing = match self.wait {
+            None => None,
+            Some(wait) => {
+                let acknowledged = match values.pop() {
+                    Some(Value::Int(n)) => u32::try_from(n).unwrap_or(0),
+                    _ => 0,
+                };
+                (acknowledged < wait.replicas).then_some(NotAcknowledged {
+                    operation,
+                    wanted: wait.replicas,
+                    acknowledged,
+                    timeout: wait.timeout,
+                })
+            }
+        };
+        let mut values = values.into_iter();
+        members
+            .iter()
+            .map(|_| match values.next() {
+                Some(Value::ServerError(e)) => (Err(call_error(RedisError::from(e))), None),
+                Some(value) => (Ok(value), missing.clone()),
+                None => (
+                    Err(Error::backend(
+                        false,
+                        "the pipeline had no reply for this call",
+                    )),
+                    None,
+                ),
+            })
+            .collect()
+    }
+}
+
 /// What a write not acknowledged by enough replicas becomes: `unknown` for a completion or a
 /// failure (the engine retries it and reads it back), else a retryable error.
 fn untrusted(missing: NotAcknowledged, unknown: bool) -> Error {
@@ -381,6 +517,74 @@ impl IdempotencyStore for RedisStore {
             return Err(untrusted(missing, false));
         }
         get_reply(value, id)
+    }
+
+    /// One pipeline for the whole batch (on a cluster, one per slot, sent concurrently):
+    /// one round trip, each claim its own script, run in the batch's order.
+    async fn claim_many(&self, requests: &[ClaimRequest]) -> Vec<Result<Claim, Error>> {
+        let args: Vec<Vec<u8>> = requests
+            .iter()
+            .map(|r| {
+                packed(
+                    r.fingerprint.as_bytes(),
+                    &[ms(r.lease), ms(r.ttl), self.retention()],
+                    &[u8::from(r.count_hit)],
+                )
+            })
+            .collect();
+        let calls: Vec<Call<'_>> = requests
+            .iter()
+            .zip(args)
+            .map(|(r, a)| (&self.scripts.claim, &r.id, vec![a]))
+            .collect();
+        self.eval_many("claim", &calls)
+            .await
+            .into_iter()
+            .zip(requests)
+            .map(|((value, missing), r)| match missing {
+                Some(missing) => Err(untrusted(missing, false)),
+                None => value.and_then(|v| claim_reply(v, &r.id)),
+            })
+            .collect()
+    }
+
+    /// One pipeline for the whole batch, as [`RedisStore::claim_many`].
+    async fn settle_many(&self, settlements: &[Settlement]) -> Vec<Result<Cas, Error>> {
+        let calls: Vec<Call<'_>> = settlements
+            .iter()
+            .map(|s| match &s.settle {
+                Settle::Complete(outcome) => (
+                    &self.scripts.complete,
+                    &s.id,
+                    vec![
+                        packed(&[], &[s.token.0, ms(s.ttl), self.retention()], &[]),
+                        outcome.clone(),
+                    ],
+                ),
+                Settle::Fail(failure) => (
+                    &self.scripts.fail,
+                    &s.id,
+                    vec![
+                        packed(
+                            &[],
+                            &[s.token.0, ms(s.ttl), self.retention()],
+                            &[u8::from(failure.retryable)],
+                        ),
+                        failure.message.as_bytes().to_vec(),
+                    ],
+                ),
+            })
+            .collect();
+        self.eval_many("settle", &calls)
+            .await
+            .into_iter()
+            .map(
+                |(value, missing)| match (value.and_then(|v| cas_reply(v, "settle")), missing) {
+                    (Ok(Cas::Applied), Some(missing)) => Err(untrusted(missing, true)),
+                    (cas, _) => cas,
+                },
+            )
+            .collect()
     }
 
     /// Redis evicts records by itself (each key's TTL is its `expires_at` plus the expired

@@ -5,6 +5,7 @@
 //! hand-written tests of a store.
 
 mod basic;
+mod batch;
 mod engine;
 mod engine_faults;
 mod history;
@@ -13,6 +14,7 @@ mod races;
 mod time;
 
 pub use basic::*;
+pub use batch::*;
 pub use engine::*;
 pub use engine_faults::*;
 pub use history::*;

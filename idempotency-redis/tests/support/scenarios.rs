@@ -4,7 +4,7 @@ use super::{Harness, Raw};
 use idempotency_conformance::cases::unique_id;
 use idempotency_core::{
     Cas, Claim, ClaimRequest, Error, Failure, FencingToken, Fingerprint, IdempotencyKey,
-    IdempotencyStore, Reclaim, RecordId, RecordStatus, Scope,
+    IdempotencyStore, Reclaim, RecordId, RecordStatus, Scope, Settlement,
 };
 use idempotency_redis::RedisStore;
 use std::sync::Arc;
@@ -212,6 +212,40 @@ pub(crate) async fn script_flush_mid_run(h: Harness) {
     ));
     flush_scripts(&h);
     assert_eq!(s.purge_expired(100).await.expect("purge"), 0);
+
+    // Batches: a pipeline whose scripts were flushed still runs every call exactly once (the
+    // first call of each script loads it), across slots on a cluster.
+    let ids: Vec<RecordId> = (0..12)
+        .map(|i| unique_id(&format!("flush-batch-{i}")))
+        .collect();
+    let requests: Vec<ClaimRequest> = ids.iter().map(|id| req(id, HOUR, HOUR)).collect();
+    flush_scripts(&h);
+    let tokens: Vec<FencingToken> = s
+        .claim_many(&requests)
+        .await
+        .into_iter()
+        .map(|a| match a.expect("claim in a batch") {
+            Claim::Claimed { token, .. } => token,
+            other => panic!("expected a claim, got {other:?}"),
+        })
+        .collect();
+    flush_scripts(&h);
+    let settlements: Vec<Settlement> = ids
+        .iter()
+        .zip(&tokens)
+        .enumerate()
+        .map(|(i, (id, token))| match i % 2 {
+            0 => Settlement::complete(id.clone(), *token, b"ok".to_vec(), HOUR),
+            _ => Settlement::fail(id.clone(), *token, Failure::retryable("later"), HOUR),
+        })
+        .collect();
+    for (i, answer) in s.settle_many(&settlements).await.into_iter().enumerate() {
+        assert_eq!(
+            answer.expect("settle in a batch"),
+            Cas::Applied,
+            "settlement {i}"
+        );
+    }
 }
 
 /// Foreign or damaged data at a record's key: every operation answers
