@@ -388,6 +388,8 @@ async fn bench_backend(b: &Backend, args: &Args, targets: &mut Targets) -> Resul
         race.executions == 1 && race.other_errors == 0,
     );
 
+    batches(b, &run, targets).await?;
+
     let h = http::measure(b.store.clone(), &format!("{run}-http")).await?;
     println!(
         "\nHTTP through axum, the way peers publish it: one client sending one request at a \
@@ -696,6 +698,114 @@ async fn script_floor(
         format!("{cycle:.2}× ({:.2} vs 2 × {write:.2} µs)", claim + complete),
         cycle <= 1.5,
     );
+    Ok(())
+}
+
+/// A queue consumer's batch of 100 message keys: claimed and settled with `claim_many` and
+/// `settle_many`, against the same keys claimed and completed one call at a time, by one
+/// consumer, in turns; the target is 5× on Postgres and Redis.
+async fn batches(b: &Backend, run: &str, targets: &mut Targets) -> Result<(), BoxError> {
+    const BATCH: usize = 100;
+    const TURNS: usize = 10;
+    let store = b.store.as_ref();
+    let ttl = Duration::from_secs(3600);
+    let (mut batched, mut single) = (Duration::ZERO, Duration::ZERO);
+    for turn in 0..TURNS + 1 {
+        let ids = |tag: &str| -> Vec<RecordId> {
+            (0..BATCH)
+                .map(|i| {
+                    RecordId::new(
+                        harness::scope(),
+                        harness::key(&format!("{run}-{tag}{turn}"), 0, i),
+                    )
+                })
+                .collect()
+        };
+        let requests = |ids: &[RecordId]| -> Vec<idempotency_core::ClaimRequest> {
+            ids.iter()
+                .map(|id| {
+                    idempotency_core::ClaimRequest::new(
+                        id.clone(),
+                        harness::fingerprint(),
+                        Duration::from_secs(30),
+                        ttl,
+                    )
+                })
+                .collect()
+        };
+        let (many, one) = (ids("batch"), ids("single"));
+        let started = std::time::Instant::now();
+        let mut settlements = Vec::with_capacity(BATCH);
+        for (id, answer) in many.iter().zip(store.claim_many(&requests(&many)).await) {
+            match answer? {
+                idempotency_core::Claim::Claimed { token, .. } => {
+                    settlements.push(idempotency_core::Settlement::complete(
+                        id.clone(),
+                        token,
+                        harness::engine_outcome().to_vec(),
+                        ttl,
+                    ))
+                }
+                _ => return Err("a new key of a batch was not claimed".into()),
+            }
+        }
+        for answer in store.settle_many(&settlements).await {
+            if answer? != idempotency_core::Cas::Applied {
+                return Err("a settlement of a batch was fenced".into());
+            }
+        }
+        let took_batched = started.elapsed();
+        let started = std::time::Instant::now();
+        for req in requests(&one) {
+            match store.claim(&req).await? {
+                idempotency_core::Claim::Claimed { token, .. } => {
+                    let cas = store
+                        .complete(&req.id, token, harness::engine_outcome(), ttl)
+                        .await?;
+                    if cas != idempotency_core::Cas::Applied {
+                        return Err("a single completion was fenced".into());
+                    }
+                }
+                _ => return Err("a new key was not claimed".into()),
+            }
+        }
+        let took_single = started.elapsed();
+        // The first turn warms up (statements prepared, scripts cached).
+        if turn > 0 {
+            batched += took_batched;
+            single += took_single;
+        }
+    }
+    let rate = |d: Duration| (TURNS * BATCH) as f64 / d.as_secs_f64().max(1e-9);
+    let ratio = rate(batched) / rate(single);
+    println!(
+        "\na batch of {BATCH} new message keys, claimed and completed by one consumer \
+         ({TURNS} turns each, in turn):\n"
+    );
+    println!("| how | keys/s | batch/single |");
+    println!("|---|---|---|");
+    println!(
+        "| claim_many + settle_many | {:.0} | {ratio:.2}× |",
+        rate(batched)
+    );
+    println!(
+        "| claim + complete, one key at a time | {:.0} | |",
+        rate(single)
+    );
+    if ["postgres", "redis"].contains(&b.name) {
+        targets.check(
+            format!(
+                "{}: a batch of {BATCH} keys ≥ 5× {BATCH} single claims",
+                b.name
+            ),
+            format!(
+                "{ratio:.2}× ({:.0} vs {:.0} keys/s)",
+                rate(batched),
+                rate(single)
+            ),
+            ratio >= 5.0,
+        );
+    }
     Ok(())
 }
 
