@@ -192,6 +192,37 @@ impl Error {
         }
     }
 
+    /// This error, given to each of the `n` calls of a batch that one failure of the whole
+    /// batch (a lost connection, a refused statement) touched, for a store's
+    /// [`crate::IdempotencyStore::claim_many`] or [`crate::IdempotencyStore::settle_many`]: the
+    /// first is this error itself, the others say the same of the same kind (a
+    /// [`Error::Backend`] keeps whether it is retryable, an [`Error::OutcomeUnknown`] stays
+    /// unknown; any other kind becomes a non-retryable [`Error::Backend`] with its message).
+    ///
+    /// ```
+    /// use idempotency_core::Error;
+    /// let errors = Error::backend(true, "connection reset").for_each_of(3);
+    /// assert_eq!(errors.len(), 3);
+    /// assert!(errors.iter().all(|e| matches!(e, Error::Backend { retryable: true, .. })));
+    /// assert!(Error::backend(true, "gone").for_each_of(0).is_empty());
+    /// ```
+    pub fn for_each_of(self, n: usize) -> Vec<Error> {
+        if n == 0 {
+            return Vec::new();
+        }
+        let message = format!("a batch of {n} calls failed: {self}");
+        let like = || match &self {
+            Self::OutcomeUnknown { .. } => Self::OutcomeUnknown {
+                source: message.clone().into(),
+            },
+            Self::Backend { retryable, .. } => Self::backend(*retryable, message.clone()),
+            _ => Self::backend(false, message.clone()),
+        };
+        let mut out: Vec<Error> = (1..n).map(|_| like()).collect();
+        out.insert(0, self);
+        out
+    }
+
     /// Where a store error happened, when the engine recorded it.
     pub fn store_call(&self) -> Option<&StoreCall> {
         self.find_source::<StoreCall>()

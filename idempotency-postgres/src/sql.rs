@@ -53,6 +53,16 @@ pub(crate) struct Statements {
     pub get: String,
     pub purge: String,
     pub hold: String,
+    /// `claim` over arrays, for a batch of distinct keys: parameters are arrays of scope,
+    /// key, fingerprint, lease (ms) and retention (ms); each row also names its key
+    /// (`b_scope`, `b_key`).
+    pub claim_batch: String,
+    /// `observe` over arrays, likewise.
+    pub observe_batch: String,
+    /// `complete` and `fail` over arrays, for a batch of distinct keys: scope, key, token,
+    /// whether it completes, outcome, retryable, message, retention (ms); returns the keys it
+    /// settled.
+    pub settle_batch: String,
 }
 
 impl Statements {
@@ -83,15 +93,18 @@ impl Statements {
         // transaction, so the setting never reaches a caller's transaction.
         let expired = "r.expires_at <= excluded.created_at";
         // The upsert itself, `guard` limiting when it inserts at all.
-        let upsert = |guard: &str| {
+        // `v` names the values (scope, key, fingerprint, lease ms, retention ms) and `from`
+        // where they come from; `returning`, extra columns to return.
+        let upsert = |v: [&str; 5], from: &str, guard: &str, returning: &str| {
+            let [scope, key, fingerprint, lease, hold] = v;
             format!(
                 "INSERT INTO {t} AS r (scope, key, fingerprint, status, token, lease_until, outcome,
                           attempts, failure_retryable, failure_message, hits,
                           created_at, updated_at, expires_at)
-    SELECT $1, $2, $3, 'pending', greatest(1, c.now_us), c.now + $4 * interval '1 millisecond', NULL,
-           1, NULL, NULL, 0,
-           c.now, c.now, c.now + $5 * interval '1 millisecond'
-    FROM c {guard}
+    SELECT {scope}, {key}, {fingerprint}, 'pending', greatest(1, c.now_us),
+           c.now + {lease} * interval '1 millisecond', NULL, 1, NULL, NULL, 0,
+           c.now, c.now, c.now + {hold} * interval '1 millisecond'
+    FROM {from} {guard}
     ON CONFLICT (scope, key) DO UPDATE SET
         fingerprint = CASE WHEN {expired} THEN excluded.fingerprint ELSE r.fingerprint END,
         status = CASE WHEN {expired} THEN excluded.status ELSE r.status END,
@@ -105,9 +118,10 @@ impl Statements {
         created_at = CASE WHEN {expired} THEN excluded.created_at ELSE r.created_at END,
         updated_at = CASE WHEN {expired} THEN excluded.updated_at ELSE r.updated_at END,
         expires_at = CASE WHEN {expired} THEN excluded.expires_at ELSE r.expires_at END
-    RETURNING {cols}"
+    RETURNING {cols}{returning}"
             )
         };
+        let single = ["$1", "$2", "$3", "$4", "$5"];
         let now_ms = ms("c.now");
         let written = format!(
             "SELECT up.*, {now_ms} AS now_ms, true AS written,
@@ -117,7 +131,10 @@ impl Statements {
                   true) AS commit_mode
 FROM up, c"
         );
-        let claim = format!("{NOW_CTE},\nup AS (\n    {}\n)\n{written}", upsert(""));
+        let claim = format!(
+            "{NOW_CTE},\nup AS (\n    {}\n)\n{written}",
+            upsert(single, "c", "", "")
+        );
         // The claim that counts no hit: a live record is only read (`written` false), and
         // the upsert inserts nothing, so the statement writes nothing and its commit costs
         // no WAL. When the read finds no live record the upsert runs as in `claim`; if a
@@ -135,7 +152,59 @@ up AS (
 SELECT live.*, {now_ms} AS now_ms, false AS written, NULL::text AS commit_mode FROM live, c
 UNION ALL
 {written}",
-            upsert("WHERE NOT EXISTS (SELECT 1 FROM live)")
+            upsert(single, "c", "WHERE NOT EXISTS (SELECT 1 FROM live)", "")
+        );
+        // The batch forms: the same statements over arrays of distinct keys (a key twice in
+        // one statement would make ON CONFLICT DO UPDATE touch its row twice, an error; the
+        // store sends a key named again in a later statement). Rows are inserted in key order,
+        // so two batches that share keys lock them in the same order. The commit is
+        // asynchronous only when every row only counted a hit.
+        let input = "i AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::int8[], $5::int8[])
+        AS i(scope, key, fingerprint, lease_ms, hold_ms)
+)";
+        let batch = [
+            "i.scope",
+            "i.key",
+            "i.fingerprint",
+            "i.lease_ms",
+            "i.hold_ms",
+        ];
+        let named = ", r.scope AS b_scope, r.key AS b_key";
+        let written_batch = format!(
+            "SELECT up.*, {now_ms} AS now_ms, true AS written,
+       (SELECT set_config('synchronous_commit',
+                          CASE WHEN bool_and(u.hits > 0) THEN 'off'
+                               ELSE current_setting('synchronous_commit') END,
+                          true)
+        FROM up AS u) AS commit_mode
+FROM up, c"
+        );
+        let claim_batch = format!(
+            "{NOW_CTE},\n{input},\nup AS (\n    {}\n)\n{written_batch}",
+            upsert(batch, "c, i", "ORDER BY i.scope, i.key", named)
+        );
+        let observe_batch = format!(
+            "{NOW_CTE},
+{input},
+live AS (
+    SELECT {cols}{named} FROM {t} AS r JOIN i ON r.scope = i.scope AND r.key = i.key, c
+    WHERE r.expires_at > c.now
+),
+up AS (
+    {}
+)
+SELECT live.*, {now_ms} AS now_ms, false AS written, NULL::text AS commit_mode FROM live, c
+UNION ALL
+{written_batch}",
+            upsert(
+                batch,
+                "c, i",
+                "WHERE NOT EXISTS (
+        SELECT 1 FROM live WHERE live.b_scope = i.scope AND live.b_key = i.key)
+    ORDER BY i.scope, i.key",
+                named
+            )
         );
         // The CAS on a live Pending record holding the token; shared by complete, fail, extend.
         let held = "r.scope = $1 AND r.key = $2 AND r.token = $3 AND r.status = 'pending' \
@@ -172,6 +241,25 @@ UPDATE {t} AS r SET status = 'failed', failure_retryable = $4, failure_message =
     expires_at = c.now + $6 * interval '1 millisecond'
 FROM c WHERE {held}
 RETURNING r.token"
+        );
+        let settle_batch = format!(
+            "{NOW_CTE},
+i AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::int8[], $4::bool[], $5::bytea[],
+                         $6::bool[], $7::text[], $8::int8[])
+        AS i(scope, key, token, completes, outcome, retryable, message, ttl_ms)
+)
+UPDATE {t} AS r SET
+    status = CASE WHEN i.completes THEN 'completed' ELSE 'failed' END,
+    outcome = CASE WHEN i.completes THEN i.outcome ELSE r.outcome END,
+    failure_retryable = CASE WHEN i.completes THEN NULL ELSE i.retryable END,
+    failure_message = CASE WHEN i.completes THEN NULL ELSE i.message END,
+    lease_until = NULL, updated_at = c.now,
+    expires_at = c.now + i.ttl_ms * interval '1 millisecond'
+FROM c, i
+WHERE r.scope = i.scope AND r.key = i.key AND r.token = i.token AND r.status = 'pending'
+  AND r.expires_at > c.now
+RETURNING r.scope AS b_scope, r.key AS b_key"
         );
         let extend = format!(
             "{NOW_CTE}
@@ -248,6 +336,9 @@ FROM c",
             get,
             purge,
             hold,
+            claim_batch,
+            observe_batch,
+            settle_batch,
         }
     }
 }

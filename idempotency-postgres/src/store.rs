@@ -10,7 +10,7 @@ use async_trait::async_trait;
 use futures::future::BoxFuture;
 use idempotency_core::{
     claim_retention, duration_millis, Cas, Claim, ClaimRequest, Error, Failure, FencingToken,
-    Fingerprint, IdempotencyStore, Reclaim, Record, RecordId, Timestamp,
+    Fingerprint, IdempotencyStore, Reclaim, Record, RecordId, Settlement, Timestamp,
 };
 use rand::Rng;
 use sqlx::postgres::{PgArguments, PgQueryResult, PgRow};
@@ -26,7 +26,7 @@ const SWEEP_PING: Duration = Duration::from_secs(1);
 
 /// What [`PostgresStore::run`] does when a statement's connection is lost after it was sent.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum OnLoss {
+pub(crate) enum OnLoss {
     /// Send it again on another connection: a read, a claim (a repeat observes what an
     /// applied claim wrote, never claims twice) or a purge.
     Resend,
@@ -57,7 +57,7 @@ pub struct PostgresStore {
     kept: Option<Arc<Kept>>,
     name: TableName,
     pub(crate) qualified: Arc<str>,
-    sql: Arc<Statements>,
+    pub(crate) sql: Arc<Statements>,
     serialization_retries: u32,
     /// The sessions' isolation level, as the exactly-once path learned it.
     pub(crate) level: Arc<LevelCache>,
@@ -283,7 +283,7 @@ impl PostgresStore {
     /// connection the pool can hold, plus one); with [`OnLoss::Report`] (the compare-and-swaps
     /// of a holder, whose caller, the engine, retries them on a pool now clean and reads a
     /// refused retry back) a write's outcome is reported unknown.
-    async fn run<'q, X: Fetch>(
+    pub(crate) async fn run<'q, X: Fetch>(
         &self,
         effect: Effect,
         on_loss: OnLoss,
@@ -444,7 +444,7 @@ impl PostgresStore {
 }
 
 /// How [`PostgresStore::run`] runs a statement on a connection, and what it returns.
-trait Fetch: Copy + Send {
+pub(crate) trait Fetch: Copy + Send {
     type Out: Send;
     fn run<'q: 'e, 'e>(
         self,
@@ -460,6 +460,21 @@ struct One;
 /// At most one row.
 #[derive(Clone, Copy)]
 struct Optional;
+
+/// Every row.
+#[derive(Clone, Copy)]
+pub(crate) struct All;
+
+impl Fetch for All {
+    type Out = Vec<PgRow>;
+    fn run<'q: 'e, 'e>(
+        self,
+        query: Query<'q, Postgres, PgArguments>,
+        conn: &'e mut PgConnection,
+    ) -> BoxFuture<'e, Result<Vec<PgRow>, sqlx::Error>> {
+        Box::pin(query.fetch_all(conn))
+    }
+}
 
 /// No rows: the rows affected.
 #[derive(Clone, Copy)]
@@ -600,35 +615,15 @@ impl IdempotencyStore for PostgresStore {
                     .bind(hold_ms)
             })
             .await?;
-        let table = &*self.qualified;
-        let hits: i64 = get(&row, "hits", table)?;
-        let created_ms: i64 = get(&row, "created_ms", table)?;
-        let now_ms: i64 = get(&row, "now_ms", table)?;
-        let written: bool = get(&row, "written", table)?;
-        // A claim leaves hits = 0 and created_at = this statement's now; an observation adds
-        // one to the stored hits, so even a corrupt negative count is not taken for a claim
-        // unless the record was also created in this very millisecond.
-        // A row the statement only read (`written` false) is always an observation.
-        if written && hits == 0 && created_ms == now_ms {
-            // Claimed: a fresh record, or an expired one replaced.
-            let token: i64 = get(&row, "token", table)?;
-            let lease_until: Option<i64> = get(&row, "lease_until_ms", table)?;
-            let (Ok(token), Some(lease_until)) = (u64::try_from(token), lease_until) else {
-                return Err(Error::corrupt(format!(
-                    "claimed record {} came back without a valid token or lease",
-                    request.id
-                )));
-            };
-            return Ok(Claim::Claimed {
-                token: FencingToken(token),
-                lease_until: Timestamp::from_millis(lease_until),
-            });
-        }
-        let record = decode_record(&row, &request.id, table)?;
-        Ok(Claim::Existing {
-            record,
-            now: Timestamp::from_millis(now_ms),
-        })
+        crate::batch::claim_answer(&row, request, &self.qualified)
+    }
+
+    async fn claim_many(&self, requests: &[ClaimRequest]) -> Vec<Result<Claim, Error>> {
+        self.claim_batch(requests).await
+    }
+
+    async fn settle_many(&self, settlements: &[Settlement]) -> Vec<Result<Cas, Error>> {
+        self.settle_batch(settlements).await
     }
 
     async fn complete(

@@ -19,7 +19,7 @@ use common::{Isolation, SchemaGuard};
 use futures::future::BoxFuture;
 use idempotency_core::{
     Begin, Claim, ClaimRequest, Failure, Fingerprint, Idempotency, IdempotencyKey,
-    IdempotencyStore, Policy, RecordId, Scope, WorkContext,
+    IdempotencyStore, Policy, RecordId, Scope, Settlement, WorkContext,
 };
 use idempotency_postgres::sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
 use idempotency_postgres::sqlx::{self, Executor};
@@ -112,6 +112,23 @@ fn request(key: &IdempotencyKey) -> ClaimRequest {
 }
 
 /// Every store operation once, so each statement is prepared on the connection.
+/// A settlement completing each claimed key of `batch`.
+fn completing(
+    batch: &[ClaimRequest],
+    answers: Vec<Result<Claim, idempotency_core::Error>>,
+) -> Vec<Settlement> {
+    batch
+        .iter()
+        .zip(answers)
+        .map(|(req, answer)| match answer.unwrap() {
+            Claim::Claimed { token, .. } => {
+                Settlement::complete(req.id.clone(), token, b"outcome".to_vec(), req.ttl)
+            }
+            other => panic!("a new key of the batch was not claimed: {other:?}"),
+        })
+        .collect()
+}
+
 async fn warm_up(store: &PostgresStore) {
     let req = request(&IdempotencyKey::random());
     let Claim::Claimed { token, .. } = store.claim(&req).await.unwrap() else {
@@ -135,6 +152,14 @@ async fn warm_up(store: &PostgresStore) {
     let uncounted = req.clone().with_count_hit(false);
     store.claim(&uncounted).await.unwrap();
     store.purge_expired(10).await.unwrap();
+    let batch: Vec<ClaimRequest> = (0..2).map(|_| request(&IdempotencyKey::random())).collect();
+    let settlements = completing(&batch, store.claim_many(&batch).await);
+    store.settle_many(&settlements).await;
+    let uncounted_batch: Vec<ClaimRequest> = batch
+        .iter()
+        .map(|r| r.clone().with_count_hit(false))
+        .collect();
+    store.claim_many(&uncounted_batch).await;
     let mut tx = store.pool().begin().await.unwrap();
     let _ = store
         .complete_in(&mut tx, &req.id, token, b"1", req.ttl)
@@ -203,6 +228,29 @@ async fn round_trips(kind: PoolKind) {
     let (_, purge) = rig.count(store.purge_expired(100)).await;
     table.push(("purge_expired (one batch)", purge));
 
+    // A queue consumer's batch of 100 new keys: one statement to claim them all, one to
+    // settle them all, one to replay them all.
+    let batch: Vec<ClaimRequest> = (0..100)
+        .map(|_| request(&IdempotencyKey::random()))
+        .collect();
+    let (answers, claim_many) = rig.count(store.claim_many(&batch)).await;
+    let settlements = completing(&batch, answers);
+    table.push(("claim_many, 100 new keys", claim_many));
+    let (settled, settle_many) = rig.count(store.settle_many(&settlements)).await;
+    assert!(settled
+        .into_iter()
+        .all(|cas| cas.unwrap() == idempotency_core::Cas::Applied));
+    table.push(("settle_many, 100 completions", settle_many));
+    let uncounted_batch: Vec<ClaimRequest> = batch
+        .iter()
+        .map(|r| r.clone().with_count_hit(false))
+        .collect();
+    let (replays, replay_many) = rig.count(store.claim_many(&uncounted_batch)).await;
+    assert!(replays
+        .into_iter()
+        .all(|a| matches!(a.unwrap(), Claim::Existing { .. })));
+    table.push(("claim_many, 100 replays (hits not counted)", replay_many));
+
     for (op, counts) in &table[1..] {
         assert_eq!(
             counts.round_trips(),
@@ -222,6 +270,22 @@ async fn round_trips(kind: PoolKind) {
             );
         }
     }
+
+    // A key named twice in one batch is claimed by its first request, found by its second:
+    // one more statement.
+    let mut twice: Vec<ClaimRequest> = (0..10)
+        .map(|_| request(&IdempotencyKey::random()))
+        .collect();
+    twice.push(twice[3].clone());
+    let (answers, dup) = rig.count(store.claim_many(&twice)).await;
+    let answers: Vec<Claim> = answers.into_iter().map(Result::unwrap).collect();
+    assert!(answers[..10]
+        .iter()
+        .all(|a| matches!(a, Claim::Claimed { .. })));
+    assert!(matches!(answers[10], Claim::Existing { .. }), "{answers:?}");
+    table.push(("claim_many, 10 new keys and one of them again", dup));
+    assert_eq!(dup.round_trips(), 2, "{dup:?}");
+    assert_eq!(dup.parses, 0, "{dup:?}");
 
     // Through the engine: a new key costs claim + complete, a replay one claim.
     let engine =

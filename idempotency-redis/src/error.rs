@@ -35,25 +35,6 @@ pub(crate) fn call_error(e: RedisError) -> Error {
     }
 }
 
-/// [`call_error`] for each of the `n` calls of a pipeline the error ended: each gets an
-/// error of the same class (a driver error cannot be copied) carrying its message.
-pub(crate) fn call_errors(e: RedisError, n: usize) -> Vec<Error> {
-    let message = format!("a pipeline of {n} calls failed: {e}");
-    let first = call_error(e);
-    let like = |first: &Error| match first {
-        Error::OutcomeUnknown { .. } => Error::OutcomeUnknown {
-            source: message.clone().into(),
-        },
-        Error::Backend { retryable, .. } => Error::backend(*retryable, message.clone()),
-        _ => Error::backend(false, message.clone()),
-    };
-    let mut out: Vec<Error> = (1..n.max(1)).map(|_| like(&first)).collect();
-    if n > 0 {
-        out.insert(0, first);
-    }
-    out
-}
-
 /// Read-only calls can be repeated whatever happened, so an unknown outcome is just a
 /// retryable failure.
 pub(crate) fn read_error(e: Error) -> Error {

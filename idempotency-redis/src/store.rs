@@ -1,7 +1,7 @@
 //! The store: one Lua script per operation over one key, called with `EVALSHA`.
 
 use crate::decode::{cas_reply, claim_reply, get_reply, reclaim_reply};
-use crate::error::{call_error, call_errors, read_error, NotAcknowledged};
+use crate::error::{call_error, read_error, NotAcknowledged};
 use crate::sentinel::SentinelConnection;
 use crate::{keys, scripts};
 use async_trait::async_trait;
@@ -319,7 +319,8 @@ impl RedisStore {
         let mut values = match self.connection.query_pipeline(&pipe, commands).await {
             Ok(values) => values,
             Err(e) => {
-                return call_errors(e, members.len())
+                return call_error(e)
+                    .for_each_of(members.len())
                     .into_iter()
                     .map(|e| (Err(e), None))
                     .collect()
