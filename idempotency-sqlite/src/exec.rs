@@ -119,7 +119,8 @@ fn rolled_back() -> rusqlite::Error {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct WriteStats {
     /// Store writes (claims, completions, failures, extensions, reclaims, purges) committed;
-    /// a write that failed (its savepoint rolled back) is not counted.
+    /// a write that failed (its savepoint rolled back) is not counted, and a `claim_many` or
+    /// `settle_many` counts as one.
     pub writes: u64,
     /// Transactions that committed them. On the dedicated connection thread, writes queued
     /// together share one (group commit), so this is at most `writes`.

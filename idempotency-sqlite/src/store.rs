@@ -8,7 +8,7 @@ use crate::sql::Sql;
 use async_trait::async_trait;
 use idempotency_core::{
     claim_retention, Cas, Claim, ClaimRequest, Clock, Error, Failure, FencingToken, Fingerprint,
-    IdempotencyStore, Reclaim, Record, RecordId, RecordStatus, Timestamp,
+    IdempotencyStore, Reclaim, Record, RecordId, RecordStatus, Settle, Settlement, Timestamp,
 };
 use rusqlite::{params, Connection, ToSql, Transaction};
 use std::path::{Path, PathBuf};
@@ -216,6 +216,58 @@ impl IdempotencyStore for SqliteStore {
         .await
     }
 
+    /// The whole batch in one write transaction (on the dedicated thread, shared with the
+    /// writes queued behind it): each claim in its own savepoint, in the batch's order, so a
+    /// key named twice is claimed by its first request and found by the next, and one
+    /// claim's error undoes only its own writes. One sync commits them all. A claim that
+    /// does not count hits only reads a live record, as alone.
+    async fn claim_many(&self, requests: &[ClaimRequest]) -> Vec<Result<Claim, Error>> {
+        if requests.is_empty() {
+            return Vec::new();
+        }
+        let (n, requests) = (requests.len(), requests.to_vec());
+        let answers = self
+            .write(move |inner, tx, now| {
+                inner.each_in_savepoint(tx, &requests, |req| {
+                    if !req.count_hit {
+                        if let Some(record) = inner.read_live(tx, &req.id, now)? {
+                            return Ok(Claim::Existing { record, now });
+                        }
+                    }
+                    inner.claim(tx, req, now)
+                })
+            })
+            .await;
+        answers.unwrap_or_else(|e| e.for_each_of(n).into_iter().map(Err).collect())
+    }
+
+    /// The whole batch in one write transaction, each settlement in its own savepoint, in
+    /// the batch's order; one sync commits them all.
+    async fn settle_many(&self, settlements: &[Settlement]) -> Vec<Result<Cas, Error>> {
+        if settlements.is_empty() {
+            return Vec::new();
+        }
+        let (n, settlements) = (settlements.len(), settlements.to_vec());
+        let answers = self
+            .write(move |inner, tx, now| {
+                inner.each_in_savepoint(tx, &settlements, |s| {
+                    let expires_at = now.saturating_add(s.ttl).as_millis();
+                    match &s.settle {
+                        Settle::Complete(outcome) => {
+                            inner.complete_cas(tx, &s.id, s.token, outcome, s.ttl, now)
+                        }
+                        Settle::Fail(failure) => {
+                            let extra: [&dyn ToSql; 3] =
+                                [&failure.retryable, &failure.message, &expires_at];
+                            inner.cas(tx, &inner.sql.fail, &s.id, s.token, now, &extra)
+                        }
+                    }
+                })
+            })
+            .await;
+        answers.unwrap_or_else(|e| e.for_each_of(n).into_iter().map(Err).collect())
+    }
+
     async fn extend(
         &self,
         id: &RecordId,
@@ -376,6 +428,41 @@ impl Inner {
             });
         }
         Ok(Claim::Existing { record, now })
+    }
+
+    /// Runs `f` on each item in turn, each in its own savepoint inside the transaction `tx`:
+    /// an item whose `f` fails has its writes rolled back, the others keep theirs. `Err` only
+    /// when a savepoint cannot be opened or closed (the transaction is then in doubt, and the
+    /// whole batch is answered with the error).
+    fn each_in_savepoint<T, R>(
+        &self,
+        tx: &Connection,
+        items: &[T],
+        mut f: impl FnMut(&T) -> Result<R, Error>,
+    ) -> Result<Vec<Result<R, Error>>, Error> {
+        let exec = |sql: &str| {
+            tx.prepare_cached(sql)
+                .and_then(|mut s| s.execute([]))
+                .map_err(|e| self.sql_error(e))
+        };
+        let mut out = Vec::with_capacity(items.len());
+        for item in items {
+            exec("SAVEPOINT batch_item")?;
+            let answer = f(item);
+            if tx.is_autocommit() {
+                // SQLite rolled the whole transaction back (an I/O error, a full disk): stop
+                // here, before a savepoint would open a transaction of its own.
+                return Err(answer.err().unwrap_or_else(|| {
+                    Error::backend(true, "the batch's transaction was rolled back")
+                }));
+            }
+            if answer.is_err() {
+                exec("ROLLBACK TO batch_item")?;
+            }
+            exec("RELEASE batch_item")?;
+            out.push(answer);
+        }
+        Ok(out)
     }
 
     /// The live record, read without a lock, or `None`.

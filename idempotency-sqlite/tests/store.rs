@@ -6,6 +6,7 @@ mod common;
 use common::{id, manual_store, req};
 use idempotency_core::{
     Cas, Claim, Failure, FencingToken, Fingerprint, IdempotencyStore, Reclaim, RecordStatus,
+    Settlement,
 };
 use idempotency_sqlite::ConnectionMode;
 use std::time::Duration;
@@ -410,4 +411,85 @@ async fn group_commit_shares_transactions_and_isolates_a_failing_write() {
         .unwrap()
         .unwrap();
     assert_eq!((attempts, status.as_str()), (-3, "failed"));
+}
+
+/// A batch of claims is one write transaction (one sync), and so is a batch of settlements;
+/// a settlement inside it that fails (a trigger refuses its update) undoes only its own
+/// change: every other settlement is committed and
+/// answered, and the corrupt record is left as it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_is_one_transaction_and_a_failing_item_undoes_only_its_own() {
+    for mode in [
+        ConnectionMode::DedicatedThread,
+        ConnectionMode::BlockingPool { connections: 2 },
+    ] {
+        let (store, _clock, _dir) = manual_store(mode).await;
+        let ids: Vec<_> = (0..50).map(|i| id(&format!("batch-{i}"))).collect();
+        let requests: Vec<_> = ids
+            .iter()
+            .map(|id| req(id, b"x", 60 * S, 600 * S))
+            .collect();
+        let before = store.write_stats();
+        let answers = store.claim_many(&requests).await;
+        let after = store.write_stats();
+        assert_eq!(
+            after.transactions - before.transactions,
+            1,
+            "{mode:?}: 50 claims in one transaction"
+        );
+        let tokens: Vec<FencingToken> = answers
+            .into_iter()
+            .map(|a| match a.unwrap() {
+                Claim::Claimed { token, .. } => token,
+                other => panic!("{mode:?}: a new key answered {other:?}"),
+            })
+            .collect();
+
+        let bad_key = ids[7].key.as_str().to_owned();
+        store
+            .call(move |c| {
+                c.execute_batch(&format!(
+                    "CREATE TRIGGER refuse_one BEFORE UPDATE ON idempotency_records
+                     WHEN OLD.key = '{bad_key}'
+                     BEGIN SELECT RAISE(ABORT, 'refused by a trigger'); END"
+                ))
+            })
+            .await
+            .unwrap()
+            .unwrap();
+        let settlements: Vec<_> = ids
+            .iter()
+            .zip(&tokens)
+            .enumerate()
+            .map(|(i, (id, token))| match i % 2 {
+                0 => Settlement::complete(id.clone(), *token, b"done".to_vec(), 600 * S),
+                _ => Settlement::fail(id.clone(), *token, Failure::retryable("no"), 600 * S),
+            })
+            .collect();
+        let before = store.write_stats();
+        let answers = store.settle_many(&settlements).await;
+        let after = store.write_stats();
+        assert_eq!(
+            after.transactions - before.transactions,
+            1,
+            "{mode:?}: 50 settlements in one transaction"
+        );
+        for (i, answer) in answers.into_iter().enumerate() {
+            match (i, answer) {
+                (7, Err(e)) => assert!(e.to_string().contains("refused"), "{mode:?}: {e}"),
+                (7, other) => panic!("{mode:?}: the refused settlement: {other:?}"),
+                (_, Ok(Cas::Applied)) => {}
+                (i, other) => panic!("{mode:?}: settlement {i}: {other:?}"),
+            }
+        }
+        for (i, id) in ids.iter().enumerate() {
+            let record = store.get(id).await.unwrap().expect("kept");
+            let expected = match i {
+                7 => RecordStatus::Pending,
+                i if i % 2 == 0 => RecordStatus::Completed,
+                _ => RecordStatus::Failed,
+            };
+            assert_eq!(record.status, expected, "{mode:?}: record {i}");
+        }
+    }
 }
