@@ -3,7 +3,7 @@
 
 use idempotency_core::{
     async_trait, Cas, Claim, ClaimRequest, Error, Failure, FencingToken, Fingerprint,
-    IdempotencyStore, Reclaim, Record, RecordId,
+    IdempotencyStore, Reclaim, Record, RecordId, Settlement,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -19,6 +19,9 @@ pub enum FlakyOp {
     Fail,
     /// [`IdempotencyStore::extend`].
     Extend,
+    /// [`IdempotencyStore::settle_many`], the whole batch at once: every settlement of it
+    /// gets the fault (a lost answer applies the whole batch first).
+    SettleMany,
 }
 
 /// How an injected fault looks to the caller.
@@ -36,6 +39,7 @@ struct Budget {
     complete: AtomicU64,
     fail: AtomicU64,
     extend: AtomicU64,
+    settle_many: AtomicU64,
 }
 
 impl Budget {
@@ -44,6 +48,7 @@ impl Budget {
             FlakyOp::Complete => &self.complete,
             FlakyOp::Fail => &self.fail,
             FlakyOp::Extend => &self.extend,
+            FlakyOp::SettleMany => &self.settle_many,
         }
     }
 
@@ -181,6 +186,25 @@ impl IdempotencyStore for FlakyStore {
 
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
         self.inner.get(id).await
+    }
+
+    /// The inner store's own batch (one round trip where it has one).
+    async fn claim_many(&self, requests: &[ClaimRequest]) -> Vec<Result<Claim, Error>> {
+        self.inner.claim_many(requests).await
+    }
+
+    /// The inner store's own batch, unless a [`FlakyOp::SettleMany`] fault is due.
+    async fn settle_many(&self, settlements: &[Settlement]) -> Vec<Result<Cas, Error>> {
+        let n = settlements.len();
+        match self
+            .faulty(FlakyOp::SettleMany, async {
+                Ok(self.inner.settle_many(settlements).await)
+            })
+            .await
+        {
+            Ok(answers) => answers,
+            Err(e) => e.for_each_of(n).into_iter().map(Err).collect(),
+        }
     }
 
     async fn purge_expired(&self, batch: usize) -> Result<u64, Error> {

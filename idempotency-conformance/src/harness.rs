@@ -29,12 +29,18 @@ pub struct Capabilities {
     /// the ones that race purges with claims and that check tokens keep growing after a
     /// record is gone, runs on every store.
     pub purge_reports_deletions: bool,
+    /// The largest outcome a record can hold, for stores with an item size limit
+    /// (DynamoDB: 400 KB per item). `None` (the default): outcomes of at least 1 MiB. The
+    /// cases store outcomes up to this size; a store with a limit tests its own refusal of
+    /// larger ones.
+    pub max_outcome_bytes: Option<usize>,
 }
 
 impl Default for Capabilities {
     fn default() -> Self {
         Self {
             purge_reports_deletions: true,
+            max_outcome_bytes: None,
         }
     }
 }
@@ -43,6 +49,12 @@ impl Capabilities {
     /// Sets [`Capabilities::purge_reports_deletions`].
     pub fn purge_reports_deletions(mut self, yes: bool) -> Self {
         self.purge_reports_deletions = yes;
+        self
+    }
+
+    /// Sets [`Capabilities::max_outcome_bytes`].
+    pub fn max_outcome_bytes(mut self, bytes: usize) -> Self {
+        self.max_outcome_bytes = Some(bytes);
         self
     }
 }

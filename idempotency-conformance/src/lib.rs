@@ -108,6 +108,9 @@ macro_rules! __with_case_list {
             batch_claims_answer_as_single_claims,
             overlapping_batches_one_winner_per_key,
             batch_settlements_answer_as_single_settlements,
+            engine_batch_runs_each_message_once,
+            engine_concurrent_batches_run_each_message_once,
+            engine_batch_settlement_failure_is_retried_alone,
         }
     };
 }

@@ -18,7 +18,8 @@ pub mod transaction;
 
 pub use decision::{decide, Decision, DecisionOptions};
 pub use engine::{
-    decode_replay, Begin, Disposition, Idempotency, Lease, Outcome, Proceed, WorkContext,
+    decode_replay, BatchMessage, BatchReport, Begin, Disposition, Idempotency, Lease,
+    MessageOutcome, MessageReport, Outcome, Proceed, WorkContext,
 };
 pub use error::{BoxError, Error, Operation, StoreCall};
 pub use fingerprint::{

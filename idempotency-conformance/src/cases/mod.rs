@@ -7,6 +7,7 @@
 mod basic;
 mod batch;
 mod engine;
+mod engine_batch;
 mod engine_faults;
 mod history;
 mod model;
@@ -16,6 +17,7 @@ mod time;
 pub use basic::*;
 pub use batch::*;
 pub use engine::*;
+pub use engine_batch::*;
 pub use engine_faults::*;
 pub use history::*;
 pub use model::*;
@@ -146,9 +148,15 @@ pub fn with_hits(record: &Record, hits: u64) -> Record {
 }
 
 /// Claim, complete, then replay byte-identical outcomes: a JSON one, an empty one and a
-/// 1 MiB binary one holding every byte value.
+/// 1 MiB binary one holding every byte value (on a store with an item size limit, the
+/// largest it declares in [`crate::Capabilities::max_outcome_bytes`]).
 pub async fn claim_complete_replay(t: TestStore) {
-    let big: Vec<u8> = (0..1024 * 1024)
+    // 1 MiB, or the most a store with an item size limit holds.
+    let big_len = t
+        .capabilities
+        .max_outcome_bytes
+        .map_or(1024 * 1024, |max| max.min(1024 * 1024));
+    let big: Vec<u8> = (0..u32::try_from(big_len).expect("an outcome size fits u32"))
         .map(|i: u32| (i.wrapping_mul(2_654_435_761) >> 24) as u8)
         .collect();
     for outcome in [br#"{"ok":true}"#.to_vec(), Vec::new(), big] {

@@ -195,10 +195,20 @@ impl Lease {
     /// record is gone (purged, evicted, or lost by a store that restarted without its data),
     /// or replaced although an earlier try may have applied and its record since expired (a
     /// retention shorter than the retries).
-    pub async fn complete(mut self, outcome: &[u8]) -> Result<(), Error> {
+    pub async fn complete(self, outcome: &[u8]) -> Result<(), Error> {
+        self.complete_after(None, outcome).await
+    }
+
+    /// [`Lease::complete`], whose first try was already made (by a batch's `settle_many`,
+    /// sent at the `Instant`) and answered so.
+    pub(crate) async fn complete_after(
+        mut self,
+        first: Option<(Result<Cas, Error>, Instant)>,
+        outcome: &[u8],
+    ) -> Result<(), Error> {
         let this = &self;
         let cas = this
-            .settle_with_retries(RecordStatus::Completed, || {
+            .settle_with_retries(RecordStatus::Completed, first, || {
                 this.store
                     .as_ref()
                     .complete(&this.id, this.token, outcome, this.policy.ttl)
@@ -229,10 +239,19 @@ impl Lease {
     ///
     /// A store error is retried per [`Policy::settle_retry`]; if every try fails, the error
     /// is returned and the key stays Pending until its lease passes.
-    pub async fn fail(mut self, failure: Failure) -> Result<(), Error> {
+    pub async fn fail(self, failure: Failure) -> Result<(), Error> {
+        self.fail_after(None, failure).await
+    }
+
+    /// [`Lease::fail`], whose first try was already made (see [`Lease::complete_after`]).
+    pub(crate) async fn fail_after(
+        mut self,
+        first: Option<(Result<Cas, Error>, Instant)>,
+        failure: Failure,
+    ) -> Result<(), Error> {
         let this = &self;
         let cas = this
-            .settle_with_retries(RecordStatus::Failed, || {
+            .settle_with_retries(RecordStatus::Failed, first, || {
                 this.store
                     .as_ref()
                     .fail(&this.id, this.token, &failure, this.policy.ttl)
@@ -261,6 +280,7 @@ impl Lease {
     async fn settle_with_retries<'a, W, Fut>(
         &self,
         status: RecordStatus,
+        first: Option<(Result<Cas, Error>, Instant)>,
         write: W,
     ) -> Result<Cas, Error>
     where
@@ -271,12 +291,17 @@ impl Lease {
             RecordStatus::Failed => Operation::Fail,
             _ => Operation::Complete,
         };
-        self.settle_tries(status, write)
+        self.settle_tries(status, first, write)
             .await
             .map_err(|e| e.during(operation, loggable_record(&self.id, &self.policy)))
     }
 
-    async fn settle_tries<'a, W, Fut>(&self, status: RecordStatus, write: W) -> Result<Cas, Error>
+    async fn settle_tries<'a, W, Fut>(
+        &self,
+        status: RecordStatus,
+        mut first: Option<(Result<Cas, Error>, Instant)>,
+        write: W,
+    ) -> Result<Cas, Error>
     where
         W: Fn() -> Fut,
         Fut: Future<Output = Result<Cas, Error>> + 'a,
@@ -287,9 +312,13 @@ impl Lease {
         let mut attempt = 1;
         // No try applied before this, so an applied try's record lives until at least this
         // plus the retention.
-        let first_try = Instant::now();
+        let first_try = first.as_ref().map_or_else(Instant::now, |(_, sent)| *sent);
         loop {
-            match write().await {
+            let answer = match first.take() {
+                Some((answer, _)) => answer,
+                None => write().await,
+            };
+            match answer {
                 Ok(Cas::Applied) => return Ok(Cas::Applied),
                 Ok(Cas::Fenced) => {
                     let window = failed_before.then(|| first_try.elapsed());

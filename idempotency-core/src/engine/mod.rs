@@ -1,9 +1,11 @@
 //! The engine: claim, run the work once, store and replay its outcome.
 
+mod batch;
 mod lease;
 #[cfg(test)]
 mod tests;
 
+pub use batch::{BatchMessage, BatchReport, MessageOutcome, MessageReport};
 pub use lease::Lease;
 
 use crate::observe::{emit, loggable_key, Event};
@@ -295,13 +297,36 @@ impl Idempotency {
     /// still decided by the store's clock, and a record the estimate thinks expired is
     /// claimed again, which the store decides.
     async fn begin_request(&self, request: ClaimRequest) -> Result<Begin, Error> {
+        self.begin_with(request, self.policy.in_flight, None).await
+    }
+
+    /// [`Idempotency::begin_request`] for a claim already made (one answer of a batch's
+    /// `claim_many`), never waiting for a holder in flight: the same decision as if this
+    /// call had made the claim itself.
+    pub(crate) async fn begin_after_claim(
+        &self,
+        request: ClaimRequest,
+        claim: Claim,
+    ) -> Result<Begin, Error> {
+        self.begin_with(request, InFlight::Reject, Some(claim))
+            .await
+    }
+
+    /// [`Idempotency::begin_request`], waiting for a holder in flight as `in_flight` says;
+    /// `first`: the answer to the first claim, when the caller already made it.
+    async fn begin_with(
+        &self,
+        request: ClaimRequest,
+        in_flight: InFlight,
+        mut first: Option<Claim>,
+    ) -> Result<Begin, Error> {
         let started = Instant::now();
         // Store calls go to the `dyn` store itself (here and in `Lease`): method lookup on the
         // `Arc` would pick the forwarding `impl IdempotencyStore for Arc<T>`, one more boxed
         // future and virtual call per operation.
         let store = self.store.as_ref();
         let (id, fingerprint) = (&request.id, &request.fingerprint);
-        let mut backoff = match self.policy.in_flight {
+        let mut backoff = match in_flight {
             InFlight::Wait {
                 initial_backoff, ..
             } => initial_backoff,
@@ -324,11 +349,13 @@ impl Idempotency {
             };
             let (record, now) = match observed {
                 Some(seen) => seen,
-                None => match store
-                    .claim(&request)
-                    .await
-                    .map_err(|e| e.during(Operation::Claim, self.loggable(id)))?
-                {
+                None => match match first.take() {
+                    Some(claim) => claim,
+                    None => store
+                        .claim(&request)
+                        .await
+                        .map_err(|e| e.during(Operation::Claim, self.loggable(id)))?,
+                } {
                     Claim::Claimed { token, .. } => {
                         emit(Event::Claim);
                         return Ok(Begin::Execute(self.lease(request.id, token)));
@@ -387,7 +414,7 @@ impl Idempotency {
                         max_wait,
                         max_backoff,
                         ..
-                    } = self.policy.in_flight
+                    } = in_flight
                     else {
                         break;
                     };

@@ -1,0 +1,410 @@
+//! The engine's batch entry point (`Idempotency::run_batch`), a queue consumer's poll, on
+//! top of the store.
+
+use super::fp;
+use crate::{Fault, FlakyOp, FlakyStore, TestStore};
+use idempotency_core::{
+    BatchMessage, BatchReport, Begin, Error, Failure, Idempotency, IdempotencyKey, MessageOutcome,
+    Policy, RecordId, Scope,
+};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::Barrier;
+
+/// What a message's work does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Act {
+    Succeed,
+    /// Returns an error, which the default policy records as a retryable failure.
+    Err,
+    Panic,
+}
+
+/// Counts executions per message id and the most works in flight at once.
+#[derive(Default)]
+struct Ledger {
+    runs: Mutex<HashMap<String, usize>>,
+    in_flight: AtomicUsize,
+    most_in_flight: AtomicUsize,
+}
+
+impl Ledger {
+    fn runs(&self, id: &str) -> usize {
+        self.runs
+            .lock()
+            .expect("lock")
+            .get(id)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    fn total(&self) -> usize {
+        self.runs.lock().expect("lock").values().sum()
+    }
+}
+
+type Report = BatchReport<Result<String, String>>;
+
+/// Runs `batch` (message id, payload, act) as one consumer's poll.
+async fn consume(
+    e: &Idempotency,
+    scope: &Scope,
+    batch: &[(String, &str, Act)],
+    concurrency: usize,
+    ledger: &Arc<Ledger>,
+) -> Report {
+    let messages = batch
+        .iter()
+        .map(|(id, payload, act)| {
+            BatchMessage::new(
+                IdempotencyKey::new(id.clone()).expect("valid key"),
+                fp(payload),
+                (id.clone(), *act),
+            )
+        })
+        .collect();
+    e.run_batch(scope, messages, concurrency, |(id, act), _ctx| {
+        let ledger = ledger.clone();
+        async move {
+            *ledger
+                .runs
+                .lock()
+                .expect("lock")
+                .entry(id.clone())
+                .or_insert(0) += 1;
+            let now = ledger.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+            ledger.most_in_flight.fetch_max(now, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            ledger.in_flight.fetch_sub(1, Ordering::SeqCst);
+            match act {
+                Act::Succeed => Ok(format!("done {id}")),
+                Act::Err => Err(format!("failed {id}")),
+                Act::Panic => panic!("the work of {id} panicked"),
+            }
+        }
+    })
+    .await
+}
+
+fn ran(outcome: &MessageOutcome<Result<String, String>>) -> Option<&Result<String, String>> {
+    match outcome {
+        MessageOutcome::Ran(r) => Some(r),
+        _ => None,
+    }
+}
+
+fn replayed(outcome: &MessageOutcome<Result<String, String>>) -> Option<&Result<String, String>> {
+    match outcome {
+        MessageOutcome::Replayed(r) => Some(r),
+        _ => None,
+    }
+}
+
+/// A batch with every kind of message: new ones (one named twice), one already processed, one
+/// reused for another payload, one another consumer holds, one whose last run failed, one
+/// whose work fails and one whose work panics. Each is decided as a single run would be, the
+/// new works run once each and at most `concurrency` at a time, and the report says which to
+/// have delivered again. The redelivery of the whole batch then runs only what was released.
+pub async fn engine_batch_runs_each_message_once(t: TestStore) {
+    let e = Idempotency::new(
+        t.store.clone(),
+        Policy::default().lease(t.long()).ttl(t.long()),
+    )
+    .expect("valid policy");
+    let scope = Scope::from_parts(["conformance-engine", "batch"]).expect("scope");
+    let ledger = Arc::new(Ledger::default());
+    let id = |label: &str| format!("{label}-{}", IdempotencyKey::random());
+    let (done, reused, held, failed_before) =
+        (id("done"), id("reused"), id("held"), id("failed-before"));
+
+    // Set up: a message processed earlier, one whose last run failed, one held elsewhere.
+    let setup = vec![
+        (done.clone(), "done", Act::Succeed),
+        (reused.clone(), "first payload", Act::Succeed),
+        (failed_before.clone(), "failed before", Act::Err),
+    ];
+    let report = consume(&e, &scope, &setup, 4, &ledger).await;
+    assert_eq!(report.redeliver(), vec![2], "{report:?}");
+    let Begin::Execute(holder) = e
+        .begin(
+            &RecordId::new(
+                scope.clone(),
+                IdempotencyKey::new(held.clone()).expect("key"),
+            ),
+            &fp("held"),
+        )
+        .await
+        .expect("begin")
+    else {
+        panic!("a new key was not claimed");
+    };
+
+    let news: Vec<String> = (0..6).map(|i| id(&format!("new{i}"))).collect();
+    let (fails, panics) = (id("fails"), id("panics"));
+    let batch = vec![
+        (news[0].clone(), "n0", Act::Succeed),
+        (done.clone(), "done", Act::Succeed),
+        (news[1].clone(), "n1", Act::Succeed),
+        (reused.clone(), "another payload", Act::Succeed),
+        (news[2].clone(), "n2", Act::Succeed),
+        (held.clone(), "held", Act::Succeed),
+        (news[1].clone(), "n1", Act::Succeed),
+        (failed_before.clone(), "failed before", Act::Succeed),
+        (fails.clone(), "fails", Act::Err),
+        (news[3].clone(), "n3", Act::Succeed),
+        (panics.clone(), "panics", Act::Panic),
+        (news[4].clone(), "n4", Act::Succeed),
+        (news[5].clone(), "n5", Act::Succeed),
+    ];
+    let before = ledger.total();
+    ledger.most_in_flight.store(0, Ordering::SeqCst);
+    let report = consume(&e, &scope, &batch, 2, &ledger).await;
+    let m = &report.messages;
+    assert_eq!(m.len(), batch.len());
+    for i in [0, 2, 4, 9, 11, 12] {
+        let (id, ..) = &batch[i];
+        assert_eq!(
+            ran(&m[i].outcome),
+            Some(&Ok(format!("done {id}"))),
+            "message {i}: {m:?}"
+        );
+        assert!(!m[i].redeliver, "message {i} ran and was stored");
+    }
+    assert_eq!(
+        replayed(&m[1].outcome),
+        Some(&Ok(format!("done {done}"))),
+        "a processed message replays: {:?}",
+        m[1]
+    );
+    assert!(!m[1].redeliver);
+    assert!(
+        matches!(m[3].outcome, MessageOutcome::Refused(Error::Mismatch)),
+        "{:?}",
+        m[3]
+    );
+    assert!(
+        !m[3].redeliver,
+        "a mismatch does not get better by redelivery"
+    );
+    assert!(
+        matches!(
+            m[5].outcome,
+            MessageOutcome::Refused(Error::InProgress { .. })
+        ),
+        "a held message is not waited for: {:?}",
+        m[5]
+    );
+    assert!(m[5].redeliver);
+    assert!(
+        matches!(
+            m[6].outcome,
+            MessageOutcome::Refused(Error::InProgress { .. })
+        ),
+        "a message named again in the batch finds the first one's claim: {:?}",
+        m[6]
+    );
+    assert!(m[6].redeliver);
+    assert_eq!(
+        ran(&m[7].outcome),
+        Some(&Ok(format!("done {failed_before}"))),
+        "a released message is taken over: {:?}",
+        m[7]
+    );
+    assert_eq!(ran(&m[8].outcome), Some(&Err(format!("failed {fails}"))));
+    assert!(m[8].redeliver, "a released failure is delivered again");
+    assert!(
+        matches!(m[10].outcome, MessageOutcome::Panicked),
+        "{:?}",
+        m[10]
+    );
+    assert!(m[10].redeliver);
+    assert_eq!(report.redeliver(), vec![5, 6, 8, 10]);
+    assert_eq!(report.ran(), 8, "the panicking one is not counted as run");
+    assert_eq!(report.replayed(), 1);
+    // The work ran for the six new messages, the taken-over one, the failing one and the
+    // panicking one: once each.
+    assert_eq!(ledger.total() - before, 9);
+    for id in news.iter().chain([&failed_before, &fails, &panics]) {
+        let expected = if id == &failed_before { 2 } else { 1 };
+        assert_eq!(ledger.runs(id), expected, "{id}");
+    }
+    assert!(
+        ledger.most_in_flight.load(Ordering::SeqCst) <= 2,
+        "at most two works at a time, saw {}",
+        ledger.most_in_flight.load(Ordering::SeqCst)
+    );
+
+    // The whole batch delivered again: the stored ones replay, the released ones run again,
+    // the held one is still held.
+    let before = ledger.total();
+    let again = consume(&e, &scope, &batch, 4, &ledger).await;
+    let m = &again.messages;
+    for i in [0, 1, 2, 4, 6, 7, 9, 11, 12] {
+        assert!(replayed(&m[i].outcome).is_some(), "message {i}: {:?}", m[i]);
+    }
+    assert_eq!(ran(&m[8].outcome), Some(&Err(format!("failed {fails}"))));
+    assert!(matches!(m[10].outcome, MessageOutcome::Panicked));
+    assert_eq!(
+        ledger.total() - before,
+        2,
+        "only the released ones ran again"
+    );
+    assert_eq!(again.redeliver(), vec![5, 8, 10]);
+    holder
+        .fail(Failure::retryable("released by the test"))
+        .await
+        .expect("release the held key");
+}
+
+/// Four consumers poll overlapping batches of the same 40 messages at once (each in its own
+/// order), three rounds: every message's work runs exactly once, every other delivery is a
+/// replay or in progress (to redeliver), and a final poll replays every message.
+pub async fn engine_concurrent_batches_run_each_message_once(t: TestStore) {
+    for round in 0..3 {
+        let e = Idempotency::new(
+            t.store.clone(),
+            Policy::default().lease(t.long()).ttl(t.long()),
+        )
+        .expect("valid policy");
+        let scope = Scope::from_parts(["conformance-engine", "batch-race"]).expect("scope");
+        let ledger = Arc::new(Ledger::default());
+        let ids: Vec<String> = (0..40)
+            .map(|i| format!("m{i}-{}", IdempotencyKey::random()))
+            .collect();
+        let barrier = Arc::new(Barrier::new(4));
+        let consumers: Vec<_> = (0..4)
+            .map(|c| {
+                let (e, scope, ledger, barrier) =
+                    (e.clone(), scope.clone(), ledger.clone(), barrier.clone());
+                // Each consumer in its own order: rotated, odd ones reversed.
+                let mut order: Vec<(String, &'static str, Act)> = ids
+                    .iter()
+                    .map(|id| (id.clone(), "payload", Act::Succeed))
+                    .collect();
+                order.rotate_left(c * 10);
+                if c % 2 == 1 {
+                    order.reverse();
+                }
+                tokio::spawn(async move {
+                    barrier.wait().await;
+                    let report = consume(&e, &scope, &order, 8, &ledger).await;
+                    (order, report)
+                })
+            })
+            .collect();
+        let mut fresh: HashMap<String, usize> = HashMap::new();
+        for consumer in consumers {
+            let (order, report) = consumer.await.expect("consumer task");
+            for ((id, ..), m) in order.iter().zip(&report.messages) {
+                match &m.outcome {
+                    MessageOutcome::Ran(Ok(v)) => {
+                        assert_eq!(v, &format!("done {id}"));
+                        *fresh.entry(id.clone()).or_insert(0) += 1;
+                    }
+                    MessageOutcome::Replayed(Ok(v)) => assert_eq!(v, &format!("done {id}")),
+                    MessageOutcome::Refused(Error::InProgress { .. }) => assert!(m.redeliver),
+                    other => panic!("round {round}: {id}: {other:?}"),
+                }
+            }
+        }
+        for id in &ids {
+            assert_eq!(
+                ledger.runs(id),
+                1,
+                "round {round}: {id} ran {} times",
+                ledger.runs(id)
+            );
+            assert_eq!(fresh.get(id), Some(&1), "round {round}: {id}");
+        }
+        let batch: Vec<(String, &str, Act)> = ids
+            .iter()
+            .map(|id| (id.clone(), "payload", Act::Succeed))
+            .collect();
+        let last = consume(&e, &scope, &batch, 8, &ledger).await;
+        assert_eq!(last.replayed(), ids.len(), "round {round}: {last:?}");
+        assert_eq!(ledger.total(), ids.len());
+    }
+}
+
+/// The batch's settlement fails as a whole (refused, or applied with its answer lost): each
+/// message's completion is then tried alone and read back, so every outcome is stored and no
+/// work runs twice. When the single tries fail too, every message is reported unsettled and
+/// to redeliver, its key held (a redelivery is told in progress), and the work not run again.
+pub async fn engine_batch_settlement_failure_is_retried_alone(t: TestStore) {
+    let scope = Scope::from_parts(["conformance-engine", "batch-settle"]).expect("scope");
+    let policy = Policy::default().lease(t.long()).ttl(t.long());
+    for fault in [Fault::Refused, Fault::AckLost] {
+        let flaky = FlakyStore::new(t.store.clone(), fault);
+        let e = Idempotency::new(Arc::new(flaky.clone()), policy.clone()).expect("policy");
+        let ledger = Arc::new(Ledger::default());
+        let batch: Vec<(String, &str, Act)> = (0..5)
+            .map(|i| {
+                (
+                    format!("s{i}-{}", IdempotencyKey::random()),
+                    "p",
+                    Act::Succeed,
+                )
+            })
+            .collect();
+        flaky.inject(FlakyOp::SettleMany, 1);
+        let report = consume(&e, &scope, &batch, 4, &ledger).await;
+        assert_eq!(flaky.injected(), 1, "{fault:?}");
+        for ((id, ..), m) in batch.iter().zip(&report.messages) {
+            assert_eq!(
+                ran(&m.outcome),
+                Some(&Ok(format!("done {id}"))),
+                "{fault:?}: {m:?}"
+            );
+            assert!(
+                !m.redeliver,
+                "{fault:?}: stored alone after the batch failed"
+            );
+        }
+        let again = consume(&e, &scope, &batch, 4, &ledger).await;
+        assert_eq!(again.replayed(), batch.len(), "{fault:?}: {again:?}");
+        assert_eq!(ledger.total(), batch.len(), "{fault:?}: each work ran once");
+
+        // The batch and every single try fail: unsettled, held, not run again.
+        let batch: Vec<(String, &str, Act)> = (0..3)
+            .map(|i| {
+                (
+                    format!("u{i}-{}", IdempotencyKey::random()),
+                    "p",
+                    Act::Succeed,
+                )
+            })
+            .collect();
+        let ledger = Arc::new(Ledger::default());
+        flaky.inject(FlakyOp::SettleMany, 1);
+        flaky.inject(FlakyOp::Complete, 1_000);
+        let report = consume(&e, &scope, &batch, 4, &ledger).await;
+        flaky.heal(FlakyOp::Complete);
+        for m in &report.messages {
+            match &m.outcome {
+                // Refused: nothing was stored. A lost answer: the batch applied, but no try
+                // could say so; either way the caller cannot know.
+                MessageOutcome::Unsettled {
+                    result: Ok(_),
+                    error,
+                } => assert!(
+                    matches!(error, Error::OutcomeUnknown { .. }),
+                    "{fault:?}: {error}"
+                ),
+                other => panic!("{fault:?}: {other:?}"),
+            }
+            assert!(m.redeliver, "{fault:?}: {m:?}");
+        }
+        // A redelivery finds the key held (nothing stored) or the stored outcome.
+        let again = consume(&e, &scope, &batch, 4, &ledger).await;
+        for m in &again.messages {
+            match (&m.outcome, fault) {
+                (MessageOutcome::Refused(Error::InProgress { .. }), Fault::Refused) => {}
+                (MessageOutcome::Replayed(Ok(_)), Fault::AckLost) => {}
+                (other, _) => panic!("{fault:?}: a redelivery got {other:?}"),
+            }
+        }
+        assert_eq!(ledger.total(), batch.len(), "{fault:?}: never run twice");
+    }
+}
