@@ -5,7 +5,8 @@ use foldhash::fast::RandomState;
 use hashbrown::hash_table::{Entry, HashTable};
 use idempotency_core::{
     claim_retention, Cas, Claim, ClaimRequest, Clock, Error, Failure, FencingToken, Fingerprint,
-    IdempotencyStore, Reclaim, Record, RecordId, RecordStatus, SystemClock, Timestamp,
+    IdempotencyStore, Reclaim, Record, RecordId, RecordStatus, Settle, Settlement, SystemClock,
+    Timestamp,
 };
 use parking_lot::Mutex;
 use std::hash::BuildHasher;
@@ -171,11 +172,10 @@ impl MemoryStore {
             _ => Cas::Fenced,
         }
     }
-}
 
-#[async_trait]
-impl IdempotencyStore for MemoryStore {
-    async fn claim(&self, request: &ClaimRequest) -> Result<Claim, Error> {
+    /// A claim, answered under its shard's lock (no `await`: a batch makes them one after
+    /// another without a future per key).
+    fn claim_now(&self, request: &ClaimRequest) -> Claim {
         let now = self.clock.now();
         let lease_until = now.saturating_add(request.lease);
         let fresh = |token: FencingToken| Slot {
@@ -204,10 +204,10 @@ impl IdempotencyStore for MemoryStore {
                 if request.count_hit {
                     slot.hits = slot.hits.saturating_add(1);
                 }
-                return Ok(Claim::Existing {
+                return Claim::Existing {
                     record: slot.to_record(&request.id),
                     now,
-                });
+                };
             }
             Entry::Occupied(mut e) => {
                 let expired = &mut e.get_mut().1;
@@ -223,7 +223,47 @@ impl IdempotencyStore for MemoryStore {
                 token
             }
         };
-        Ok(Claim::Claimed { token, lease_until })
+        Claim::Claimed { token, lease_until }
+    }
+
+    /// A completion compare-and-swap, as [`IdempotencyStore::complete`].
+    fn complete_now(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        outcome: &[u8],
+        ttl: Duration,
+    ) -> Cas {
+        self.cas_pending(id, token, |r, now| {
+            r.status = RecordStatus::Completed;
+            r.outcome = Some(outcome.to_vec());
+            r.lease_until = None;
+            r.failure = None;
+            r.expires_at = now.saturating_add(ttl);
+        })
+    }
+
+    /// A failure compare-and-swap, as [`IdempotencyStore::fail`].
+    fn fail_now(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        failure: &Failure,
+        ttl: Duration,
+    ) -> Cas {
+        self.cas_pending(id, token, |r, now| {
+            r.status = RecordStatus::Failed;
+            r.failure = Some(failure.clone());
+            r.lease_until = None;
+            r.expires_at = now.saturating_add(ttl);
+        })
+    }
+}
+
+#[async_trait]
+impl IdempotencyStore for MemoryStore {
+    async fn claim(&self, request: &ClaimRequest) -> Result<Claim, Error> {
+        Ok(self.claim_now(request))
     }
 
     async fn complete(
@@ -233,13 +273,7 @@ impl IdempotencyStore for MemoryStore {
         outcome: &[u8],
         ttl: Duration,
     ) -> Result<Cas, Error> {
-        Ok(self.cas_pending(id, token, |r, now| {
-            r.status = RecordStatus::Completed;
-            r.outcome = Some(outcome.to_vec());
-            r.lease_until = None;
-            r.failure = None;
-            r.expires_at = now.saturating_add(ttl);
-        }))
+        Ok(self.complete_now(id, token, outcome, ttl))
     }
 
     async fn fail(
@@ -249,12 +283,7 @@ impl IdempotencyStore for MemoryStore {
         failure: &Failure,
         ttl: Duration,
     ) -> Result<Cas, Error> {
-        Ok(self.cas_pending(id, token, |r, now| {
-            r.status = RecordStatus::Failed;
-            r.failure = Some(failure.clone());
-            r.lease_until = None;
-            r.expires_at = now.saturating_add(ttl);
-        }))
+        Ok(self.fail_now(id, token, failure, ttl))
     }
 
     async fn extend(
@@ -334,6 +363,25 @@ impl IdempotencyStore for MemoryStore {
             removed += taken;
         }
         Ok(removed as u64)
+    }
+
+    /// One claim after another under each key's shard lock, with no future per key: each
+    /// answer is what the same claim made alone would have answered.
+    async fn claim_many(&self, requests: &[ClaimRequest]) -> Vec<Result<Claim, Error>> {
+        requests.iter().map(|r| Ok(self.claim_now(r))).collect()
+    }
+
+    /// One settlement after another, as `claim_many`.
+    async fn settle_many(&self, settlements: &[Settlement]) -> Vec<Result<Cas, Error>> {
+        settlements
+            .iter()
+            .map(|s| {
+                Ok(match &s.settle {
+                    Settle::Complete(outcome) => self.complete_now(&s.id, s.token, outcome, s.ttl),
+                    Settle::Fail(failure) => self.fail_now(&s.id, s.token, failure, s.ttl),
+                })
+            })
+            .collect()
     }
 }
 
