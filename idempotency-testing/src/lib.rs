@@ -1,5 +1,7 @@
 #![doc = include_str!("../README.md")]
 
+#[cfg(feature = "dynamodb")]
+pub mod dynamodb;
 #[cfg(feature = "mysql")]
 pub mod mariadb_server;
 #[cfg(feature = "mysql")]
