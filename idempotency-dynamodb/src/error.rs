@@ -1,6 +1,7 @@
 //! The store's own errors, and how the SDK's errors become core errors: whether a request
 //! may have been applied decides between a retryable error and an unknown outcome.
 
+use crate::exactly_once::CancelledWrite;
 use aws_sdk_dynamodb::config::http::HttpResponse;
 use aws_sdk_dynamodb::error::{ProvideErrorMetadata, SdkError};
 use idempotency_core::Error;
@@ -47,6 +48,24 @@ pub enum DynamoError {
         /// What is wrong with it.
         problem: String,
     },
+    /// The work of an exactly-once call added more writes than one `TransactWriteItems`
+    /// holds beside the record's completion.
+    #[error("a DynamoDB transaction holds at most {limit} writes beside the record's completion")]
+    TooManyWrites {
+        /// [`crate::MAX_TRANSACTION_WRITES`].
+        limit: usize,
+    },
+    /// DynamoDB cancelled an exactly-once call's transaction: nothing of it applied. Each
+    /// action it gave a reason for, by index (a write's condition that failed is
+    /// `ConditionalCheckFailed`).
+    #[error(
+        "DynamoDB cancelled the transaction, nothing of it applied: {}",
+        list(writes)
+    )]
+    TransactionCanceled {
+        /// The actions DynamoDB gave a reason for.
+        writes: Vec<CancelledWrite>,
+    },
     /// No answer within the store's response timeout; the request may still be applied.
     #[error("no answer from DynamoDB within {0:?}")]
     NoAnswer(Duration),
@@ -66,6 +85,17 @@ pub enum DynamoError {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+}
+
+fn list(writes: &[CancelledWrite]) -> String {
+    if writes.is_empty() {
+        return "no reason given".to_owned();
+    }
+    writes
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 impl DynamoError {

@@ -42,6 +42,25 @@ pub struct DynamoStore {
     pub(crate) retention: Duration,
 }
 
+/// The condition of a settlement (complete or fail): the record live, Pending, held by
+/// the settling token.
+pub(crate) const SETTLE_CONDITION: &str = "#st = :pending AND #tok = :tok AND #exp > :now";
+
+/// A settlement's update, as [`DynamoStore::settle_write`] builds it.
+pub(crate) struct SettleWrite {
+    pub(crate) update: String,
+    pub(crate) names: Vec<(&'static str, String)>,
+    pub(crate) values: Vec<(&'static str, AttributeValue)>,
+    /// This write's nonce: how a send that applied is known again.
+    pub(crate) nonce: String,
+}
+
+impl SettleWrite {
+    fn names(&self) -> Vec<(&str, &str)> {
+        self.names.iter().map(|(p, n)| (*p, n.as_str())).collect()
+    }
+}
+
 /// What a conditional write answered.
 enum Written {
     /// The condition held: the write applied (with the item after it, when asked for).
@@ -68,7 +87,7 @@ impl DynamoStore {
     }
 
     /// Runs `request` within the response timeout.
-    async fn timed<T>(
+    pub(crate) async fn timed<T>(
         &self,
         effect: Effect,
         request: impl Future<Output = Result<T, Error>>,
@@ -79,7 +98,7 @@ impl DynamoStore {
         }
     }
 
-    fn key(&self, id: &RecordId) -> (String, AttributeValue) {
+    pub(crate) fn key(&self, id: &RecordId) -> (String, AttributeValue) {
         (self.names.key.clone(), s(partition_key(id)))
     }
 
@@ -213,7 +232,7 @@ impl DynamoStore {
     }
 
     /// The record in `item`, or `None` for an absent record (an empty item).
-    fn decode(&self, id: &RecordId, item: &Item) -> Result<Option<Record>, Error> {
+    pub(crate) fn decode(&self, id: &RecordId, item: &Item) -> Result<Option<Record>, Error> {
         if item.is_empty() {
             return Ok(None);
         }
@@ -222,7 +241,7 @@ impl DynamoStore {
 
     /// Whether `item` is `id`'s record as a write of this call left it: same token and
     /// nonce (claims and reclaims), so an SDK retry of a write that applied is recognised.
-    fn written_by(&self, item: &Item, token: FencingToken, nonce: &str) -> bool {
+    pub(crate) fn written_by(&self, item: &Item, token: FencingToken, nonce: &str) -> bool {
         decode::number::<u64>(item, TOKEN).ok() == Some(token.0)
             && decode::nonce(item) == Some(nonce)
     }
@@ -237,16 +256,48 @@ impl DynamoStore {
         ttl: Duration,
         status: RecordStatus,
     ) -> Result<Cas, Error> {
+        let write = self.settle_write(set, remove, ttl, status, token)?;
+        let written = self
+            .update(
+                id,
+                &write.update,
+                SETTLE_CONDITION,
+                &write.names(),
+                write.values.clone(),
+                Effect::Cas,
+                false,
+            )
+            .await?;
+        Ok(match written {
+            Written::Applied(_) => Cas::Applied,
+            // Sent again by the SDK after the first send applied: the record carries this
+            // call's nonce.
+            Written::Refused(item) if self.written_by(&item, token, &write.nonce) => Cas::Applied,
+            Written::Refused(_) => Cas::Fenced,
+        })
+    }
+
+    /// The update expression, names and values of a settlement (complete or fail) by
+    /// `token`, whose condition is [`SETTLE_CONDITION`]; refused before anything is sent
+    /// when the record would pass the item limit.
+    pub(crate) fn settle_write(
+        &self,
+        set: Vec<(&'static str, AttributeValue)>,
+        remove: &[&'static str],
+        ttl: Duration,
+        status: RecordStatus,
+        token: FencingToken,
+    ) -> Result<SettleWrite, Error> {
         let now = self.clock.now();
         let expires_at = now.saturating_add(ttl);
         let nonce = self.nonce();
-        let mut names: Vec<(&str, &str)> = vec![
-            ("#st", STATUS),
-            ("#tok", TOKEN),
-            ("#exp", EXPIRES),
-            ("#ttl", &self.names.ttl),
-            ("#ua", UPDATED),
-            ("#nonce", NONCE),
+        let mut names: Vec<(&'static str, String)> = vec![
+            ("#st", STATUS.to_owned()),
+            ("#tok", TOKEN.to_owned()),
+            ("#exp", EXPIRES.to_owned()),
+            ("#ttl", self.names.ttl.clone()),
+            ("#ua", UPDATED.to_owned()),
+            ("#nonce", NONCE.to_owned()),
         ];
         let mut values = vec![
             (":nonce", s(nonce.clone())),
@@ -262,15 +313,15 @@ impl DynamoStore {
         let set_placeholders = ["#s0", "#s1", "#s2"];
         let set_values = [":s0", ":s1", ":s2"];
         let mut size = 0;
-        for (i, (name, value)) in set.iter().enumerate() {
+        for (i, (name, value)) in set.into_iter().enumerate() {
             update.push_str(&format!(", {} = {}", set_placeholders[i], set_values[i]));
-            names.push((set_placeholders[i], name));
-            size += match value {
+            names.push((set_placeholders[i], name.to_owned()));
+            size += match &value {
                 AttributeValue::B(b) => b.as_ref().len(),
                 AttributeValue::S(s) => s.len(),
                 _ => 0,
             };
-            values.push((set_values[i], value.clone()));
+            values.push((set_values[i], value));
         }
         let remove_placeholders = ["#r0", "#r1", "#r2"];
         if !remove.is_empty() {
@@ -280,27 +331,15 @@ impl DynamoStore {
                     update.push_str(", ");
                 }
                 update.push_str(remove_placeholders[i]);
-                names.push((remove_placeholders[i], name));
+                names.push((remove_placeholders[i], (*name).to_owned()));
             }
         }
         self.check_size(size)?;
-        let written = self
-            .update(
-                id,
-                &update,
-                "#st = :pending AND #tok = :tok AND #exp > :now",
-                &names,
-                values,
-                Effect::Cas,
-                false,
-            )
-            .await?;
-        Ok(match written {
-            Written::Applied(_) => Cas::Applied,
-            // Sent again by the SDK after the first send applied: the record carries this
-            // call's nonce.
-            Written::Refused(item) if self.written_by(&item, token, &nonce) => Cas::Applied,
-            Written::Refused(_) => Cas::Fenced,
+        Ok(SettleWrite {
+            update,
+            names,
+            values,
+            nonce,
         })
     }
 
@@ -587,22 +626,7 @@ impl IdempotencyStore for DynamoStore {
 
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
         let now = self.clock.now();
-        let (k, v) = self.key(id);
-        let request = self
-            .client
-            .get_item()
-            .table_name(&self.names.table)
-            .key(k, v)
-            .consistent_read(true);
-        let out = self
-            .timed(Effect::Repeatable, async {
-                request
-                    .send()
-                    .await
-                    .map_err(|e| sdk_error("GetItem", e, Effect::Repeatable))
-            })
-            .await?;
-        match out.item {
+        match self.read_item(id).await? {
             None => Ok(None),
             Some(item) => Ok(self.decode(id, &item)?.filter(|r| !r.is_expired(now))),
         }
@@ -677,6 +701,26 @@ impl IdempotencyStore for DynamoStore {
 }
 
 impl DynamoStore {
+    /// `id`'s item as it is (a consistent read), expired or not.
+    pub(crate) async fn read_item(&self, id: &RecordId) -> Result<Option<Item>, Error> {
+        let (k, v) = self.key(id);
+        let request = self
+            .client
+            .get_item()
+            .table_name(&self.names.table)
+            .key(k, v)
+            .consistent_read(true);
+        let out = self
+            .timed(Effect::Repeatable, async {
+                request
+                    .send()
+                    .await
+                    .map_err(|e| sdk_error("GetItem", e, Effect::Repeatable))
+            })
+            .await?;
+        Ok(out.item)
+    }
+
     /// Counts a hit on the live record, whichever holder it has now: an `ADD` conditioned
     /// on the record being live, answering the record after it (`None`: it is absent or
     /// expired now, so the claim starts again).

@@ -3,7 +3,10 @@
 //! between two instances does.
 #![allow(clippy::unwrap_used)]
 
+mod support;
+
 use idempotency_testing::dynamodb as common;
+use support::{intercepted_store, operation, Requests};
 
 use aws_sdk_dynamodb::config::interceptors::{
     BeforeDeserializationInterceptorContextMut, BeforeTransmitInterceptorContextRef,
@@ -18,67 +21,6 @@ use idempotency_dynamodb::{DynamoError, DynamoStore, MAX_OUTCOME_BYTES};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-
-/// Counts the requests the SDK sends, by operation (`PutItem`, `UpdateItem`, …).
-#[derive(Debug, Clone, Default)]
-struct Requests(Arc<Mutex<BTreeMap<String, usize>>>);
-
-impl Intercept for Requests {
-    fn name(&self) -> &'static str {
-        "Requests"
-    }
-
-    fn read_before_transmit(
-        &self,
-        context: &BeforeTransmitInterceptorContextRef<'_>,
-        _: &RuntimeComponents,
-        _: &mut ConfigBag,
-    ) -> Result<(), aws_sdk_dynamodb::error::BoxError> {
-        *self
-            .0
-            .lock()
-            .unwrap()
-            .entry(operation(context))
-            .or_default() += 1;
-        Ok(())
-    }
-}
-
-impl Requests {
-    /// The requests since the last call, and starts counting again.
-    fn take(&self) -> BTreeMap<String, usize> {
-        std::mem::take(&mut *self.0.lock().unwrap())
-    }
-}
-
-/// The operation a request calls (`PutItem`, …), from its `X-Amz-Target` header.
-fn operation(context: &BeforeTransmitInterceptorContextRef<'_>) -> String {
-    let target = context
-        .request()
-        .headers()
-        .get("x-amz-target")
-        .unwrap_or("?");
-    target.rsplit('.').next().unwrap_or("?").to_owned()
-}
-
-/// A store on a manual clock, on a table of its own, whose client runs `interceptor`.
-async fn intercepted_store(
-    interceptor: impl Intercept + 'static,
-) -> (DynamoStore, ManualClock, common::TableGuard) {
-    let clock = ManualClock::new();
-    let (created, guard) = common::store(Arc::new(clock.clone())).await.unwrap();
-    let config = common::client()
-        .config()
-        .to_builder()
-        .interceptor(interceptor)
-        .build();
-    let store = DynamoStore::builder()
-        .table(created.table())
-        .clock(Arc::new(clock.clone()))
-        .build(aws_sdk_dynamodb::Client::from_conf(config))
-        .unwrap();
-    (store, clock, guard)
-}
 
 fn id(key: &str) -> RecordId {
     RecordId::new(
