@@ -158,6 +158,72 @@ pub(crate) fn cancelled_writes(
 }
 
 impl DynamoStore {
+    /// Commits `writes` with the completion of `id`'s record by `token` (the record
+    /// Completed with `outcome` for `ttl`) as one `TransactWriteItems`: both apply or
+    /// neither does. For code that holds a claim outside
+    /// [`Idempotency::run_in_transaction`](idempotency_core::Idempotency::run_in_transaction),
+    /// such as an HTTP handler under the idempotency layer (its claimed key's id, token and
+    /// TTL).
+    ///
+    /// [`Error::LeaseLost`] when the record is no longer this holder's (nothing applied);
+    /// [`Error::OutcomeUnknown`] when whether it applied is not known (hold the key until
+    /// its lease passes); any other error means nothing applied.
+    pub async fn complete_with(
+        &self,
+        mut writes: DynamoTransaction,
+        id: &RecordId,
+        token: FencingToken,
+        outcome: &[u8],
+        ttl: std::time::Duration,
+    ) -> Result<(), Error> {
+        writes.completion = Some(self.completion(id, token, outcome, ttl)?);
+        match self.commit(writes).await {
+            Ok(()) => Ok(()),
+            Err(CommitError::NotCommitted(e) | CommitError::Unknown(e)) => Err(e),
+            Err(e) => Err(Error::backend(false, format!("{e:?}"))),
+        }
+    }
+
+    /// The completion action: the `UpdateItem` of
+    /// [`IdempotencyStore::complete`](idempotency_core::IdempotencyStore::complete), as a
+    /// transaction action; refused before anything is sent when the record would pass the
+    /// item limit.
+    fn completion(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        outcome: &[u8],
+        ttl: std::time::Duration,
+    ) -> Result<Completion, Error> {
+        let write = self.settle_write(
+            vec![(OUTCOME, b(outcome.to_vec()))],
+            &[LEASE, FAILURE, RETRYABLE],
+            ttl,
+            RecordStatus::Completed,
+            token,
+        )?;
+        let (k, v) = self.key(id);
+        let mut update = Update::builder()
+            .table_name(self.table())
+            .key(k, v)
+            .update_expression(write.update)
+            .condition_expression(SETTLE_CONDITION)
+            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld);
+        for (placeholder, name) in write.names {
+            update = update.expression_attribute_names(placeholder, name);
+        }
+        for (placeholder, value) in write.values {
+            update = update.expression_attribute_values(placeholder, value);
+        }
+        let update = update.build().map_err(|e| Error::backend(false, e))?;
+        Ok(Completion {
+            write: TransactWriteItem::builder().update(update).build(),
+            id: id.clone(),
+            token,
+            nonce: write.nonce,
+        })
+    }
+
     /// Whether `id`'s record, read now, is the completion `nonce` wrote: the transaction
     /// applied. `None` when the record cannot be read.
     async fn applied(&self, completion: &Completion) -> Option<bool> {
@@ -241,33 +307,7 @@ impl TransactionalStore for DynamoStore {
         lease: &Lease,
         outcome: &[u8],
     ) -> Result<(), Error> {
-        let write = self.settle_write(
-            vec![(OUTCOME, b(outcome.to_vec()))],
-            &[LEASE, FAILURE, RETRYABLE],
-            lease.ttl(),
-            RecordStatus::Completed,
-            lease.token(),
-        )?;
-        let (k, v) = self.key(lease.id());
-        let mut update = Update::builder()
-            .table_name(self.table())
-            .key(k, v)
-            .update_expression(write.update)
-            .condition_expression(SETTLE_CONDITION)
-            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld);
-        for (placeholder, name) in write.names {
-            update = update.expression_attribute_names(placeholder, name);
-        }
-        for (placeholder, value) in write.values {
-            update = update.expression_attribute_values(placeholder, value);
-        }
-        let update = update.build().map_err(|e| Error::backend(false, e))?;
-        tx.completion = Some(Completion {
-            write: TransactWriteItem::builder().update(update).build(),
-            id: lease.id().clone(),
-            token: lease.token(),
-            nonce: write.nonce,
-        });
+        tx.completion = Some(self.completion(lease.id(), lease.token(), outcome, lease.ttl())?);
         Ok(())
     }
 

@@ -34,6 +34,16 @@ pub struct TableGuard {
     table: String,
 }
 
+impl TableGuard {
+    /// A guard for `table` on the stand-in, which something else creates (or has created).
+    pub fn for_table(table: impl Into<String>) -> Self {
+        Self {
+            client: client(),
+            table: table.into(),
+        }
+    }
+}
+
 impl Drop for TableGuard {
     fn drop(&mut self) {
         let client = self.client.clone();

@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 
 pub mod book;
+mod dynamo;
 pub mod repo;
 
 use axum::body::Bytes;
@@ -50,6 +51,12 @@ pub enum StoreChoice {
     /// in `<prefix>books` beside the records in `<prefix>idempotency_records`
     /// ([`Config::mysql_table_prefix`]), both created at start.
     Mysql(String),
+    /// DynamoDB at this endpoint URL (a local stand-in, such as moto's server, in the tests):
+    /// the books move there too, in the table `<prefix>books` beside the records in
+    /// `<prefix>idempotency` ([`Config::dynamodb_table_prefix`]), both created when missing.
+    /// Credentials and region come from `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY` and
+    /// `AWS_REGION` (for a stand-in, any values; `local` and `us-east-1` when unset).
+    Dynamodb(String),
 }
 
 /// How the service is set up.
@@ -69,6 +76,9 @@ pub struct Config {
     /// no schemas inside a database: the prefix keeps services that share one database apart,
     /// as the Postgres schema does. Empty by default; ASCII letters, digits and `_`.
     pub mysql_table_prefix: String,
+    /// With [`StoreChoice::Dynamodb`]: the prefix of the two tables' names, `<prefix>books`
+    /// and `<prefix>idempotency`. `books-api-` by default.
+    pub dynamodb_table_prefix: String,
     /// The engine policy (lease, retention, in-flight behaviour).
     pub policy: Policy,
     /// How often expired idempotency records are purged.
@@ -103,17 +113,21 @@ impl Config {
             store,
             postgres_schema: "public".to_owned(),
             mysql_table_prefix: String::new(),
+            dynamodb_table_prefix: "books-api-".to_owned(),
             policy: Policy::default(),
             purge_every: Duration::from_secs(60),
         }
     }
 
     /// Reads `BOOKS_DATABASE` (default: `books-api.sqlite3` in the temp directory),
-    /// `BOOKS_STORE` (`sqlite`, the default, `postgres`, `mysql`, `redis` or `memory`) and, for
+    /// `BOOKS_STORE` (`sqlite`, the default, `postgres`, `mysql`, `redis`, `dynamodb` or
+    /// `memory`) and, for
     /// Postgres, `BOOKS_POSTGRES_URL` (default `postgres://postgres@127.0.0.1:5432/test`) and
     /// `BOOKS_POSTGRES_SCHEMA` (default `public`), for MariaDB, `BOOKS_MYSQL_URL` (default
     /// `mysql://root@127.0.0.1:3306/test`) and `BOOKS_MYSQL_TABLE_PREFIX` (default empty), for
-    /// Redis, `BOOKS_REDIS_URL` (default `redis://127.0.0.1:6379`);
+    /// Redis, `BOOKS_REDIS_URL` (default `redis://127.0.0.1:6379`); for DynamoDB,
+    /// `BOOKS_DYNAMODB_URL` (default `http://127.0.0.1:8000`) and
+    /// `BOOKS_DYNAMODB_TABLE_PREFIX` (default `books-api-`);
     /// `BOOKS_KEY_RETENTION_SECS` (default 86400), `BOOKS_LEASE_SECS` (default 30) and
     /// `BOOKS_PURGE_EVERY_SECS` (default 60).
     pub fn from_env() -> Result<Self, ConfigError> {
@@ -135,10 +149,14 @@ impl Config {
                 std::env::var("BOOKS_REDIS_URL")
                     .unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned()),
             ),
+            Ok("dynamodb") => StoreChoice::Dynamodb(
+                std::env::var("BOOKS_DYNAMODB_URL")
+                    .unwrap_or_else(|_| "http://127.0.0.1:8000".to_owned()),
+            ),
             Ok(other) => {
                 return Err(ConfigError(format!(
                     "BOOKS_STORE={other} is not supported \
-                     (use: sqlite, postgres, mysql, redis, memory)"
+                     (use: sqlite, postgres, mysql, redis, dynamodb, memory)"
                 )))
             }
         };
@@ -158,9 +176,18 @@ impl Config {
             postgres_schema: std::env::var("BOOKS_POSTGRES_SCHEMA")
                 .unwrap_or_else(|_| "public".to_owned()),
             mysql_table_prefix: std::env::var("BOOKS_MYSQL_TABLE_PREFIX").unwrap_or_default(),
+            dynamodb_table_prefix: std::env::var("BOOKS_DYNAMODB_TABLE_PREFIX")
+                .unwrap_or_else(|_| "books-api-".to_owned()),
             policy,
             purge_every: env_secs("BOOKS_PURGE_EVERY_SECS")?.unwrap_or(Duration::from_secs(60)),
         })
+    }
+
+    /// With [`StoreChoice::Dynamodb`]: the names of the books table and of the idempotency
+    /// records' table, `(<prefix>books, <prefix>idempotency)`.
+    pub fn dynamodb_tables(&self) -> (String, String) {
+        let prefix = &self.dynamodb_table_prefix;
+        (format!("{prefix}books"), format!("{prefix}idempotency"))
     }
 
     /// With [`StoreChoice::Mysql`]: the names of the books table and of the idempotency
@@ -210,6 +237,31 @@ pub enum BuildError {
     /// with [`Config::mysql_table_prefix`] is not valid.
     #[error(transparent)]
     Mysql(#[from] idempotency_mysql::MysqlError),
+    /// The DynamoDB store's table names are not valid.
+    #[error(transparent)]
+    Dynamodb(#[from] idempotency_dynamodb::DynamoError),
+}
+
+/// An SDK client for DynamoDB at `endpoint`, over plain HTTP or HTTPS as the URL says, with
+/// the credentials and region of the environment (`local` and `us-east-1` when unset). A
+/// service on AWS would build its client with `aws-config` instead.
+fn dynamodb_client(endpoint: &str) -> idempotency_dynamodb::aws_sdk_dynamodb::Client {
+    use idempotency_dynamodb::aws_sdk_dynamodb::config::{BehaviorVersion, Credentials, Region};
+    let env = |name: &str, default: &str| std::env::var(name).unwrap_or_else(|_| default.into());
+    let config = idempotency_dynamodb::aws_sdk_dynamodb::Config::builder()
+        .behavior_version(BehaviorVersion::latest())
+        .region(Region::new(env("AWS_REGION", "us-east-1")))
+        .endpoint_url(endpoint)
+        .credentials_provider(Credentials::new(
+            env("AWS_ACCESS_KEY_ID", "local"),
+            env("AWS_SECRET_ACCESS_KEY", "local"),
+            None,
+            None,
+            "environment",
+        ))
+        .http_client(aws_smithy_http_client::Builder::new().build_http())
+        .build();
+    idempotency_dynamodb::aws_sdk_dynamodb::Client::from_conf(config)
 }
 
 /// The caller identity, from `Authorization: Bearer <token>`. The example accepts any token:
@@ -266,6 +318,20 @@ pub async fn stores(config: &Config) -> Result<(Arc<dyn IdempotencyStore>, BookR
                 .await?;
             store.migrate().await?;
             let books = BookRepo::open_mysql(store.clone(), &books_table).await?;
+            Ok((Arc::new(store), books))
+        }
+        StoreChoice::Dynamodb(ref url) => {
+            let (books_table, records_table) = config.dynamodb_tables();
+            let store = idempotency_dynamodb::DynamoStore::builder()
+                .table(records_table)
+                .build(dynamodb_client(url))?;
+            // Created when missing (a table of another shape is refused by `verify`).
+            if let Err(e) = store.verify().await {
+                if store.create_table().await.is_err() {
+                    return Err(e.into());
+                }
+            }
+            let books = BookRepo::open_dynamodb(store.clone(), books_table).await?;
             Ok((Arc::new(store), books))
         }
         StoreChoice::Redis(ref url) => {

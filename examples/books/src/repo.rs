@@ -7,6 +7,7 @@
 //! representation's format, or a row written by another program, never makes every PATCH fail.
 
 use crate::book::{Book, BookInput};
+use crate::dynamo::DynamoBooks;
 use idempotency_mysql::sqlx::mysql::MySqlRow;
 use idempotency_mysql::sqlx::{MySqlConnection, MySqlPool};
 use idempotency_mysql::{MysqlStore, TableName as MysqlTableName};
@@ -32,6 +33,9 @@ pub enum RepoError {
     /// the MariaDB paths map their errors here explicitly.)
     #[error("books database error: {0}")]
     Mysql(sqlx::Error),
+    /// DynamoDB failed, or a book item is not what the service writes.
+    #[error("books database error: {0}")]
+    Dynamo(String),
     /// The blocking task running the statement failed.
     #[error("books database task failed: {0}")]
     Task(String),
@@ -92,6 +96,7 @@ enum Backend {
         table: String,
         records: MysqlStore,
     },
+    Dynamo(DynamoBooks),
 }
 
 /// The books table.
@@ -214,12 +219,24 @@ impl BookRepo {
         })
     }
 
+    /// Creates the table `table` (key `id`) on the DynamoDB of `records` when it is missing,
+    /// and keeps the books there: creates complete their key in the book's own
+    /// `TransactWriteItems`.
+    pub async fn open_dynamodb(
+        records: idempotency_dynamodb::DynamoStore,
+        table: String,
+    ) -> Result<Self, RepoError> {
+        Ok(Self {
+            backend: Backend::Dynamo(DynamoBooks::open(records, table).await?),
+        })
+    }
+
     /// Whether the idempotency records live in the books' database, so that a create and its
     /// completion can commit together.
     pub fn completes_in_transaction(&self) -> bool {
         match &self.backend {
             Backend::Sqlite { records, .. } => records.is_some(),
-            Backend::Postgres { .. } | Backend::Mysql { .. } => true,
+            Backend::Postgres { .. } | Backend::Mysql { .. } | Backend::Dynamo(_) => true,
         }
     }
 
@@ -260,6 +277,7 @@ impl BookRepo {
                     .await
                     .map_err(RepoError::Mysql)
             }
+            Backend::Dynamo(books) => books.create(book).await,
         }
     }
 
@@ -321,6 +339,7 @@ impl BookRepo {
                 tx.commit().await.map_err(RepoError::Mysql)?;
                 Ok(())
             }
+            Backend::Dynamo(books) => books.create_completing(book, claim, outcome).await,
         }
     }
 
@@ -360,6 +379,7 @@ impl BookRepo {
                     .transpose()
                     .map_err(RepoError::Mysql)
             }
+            Backend::Dynamo(books) => books.get(id).await,
         }
     }
 
@@ -400,6 +420,7 @@ impl BookRepo {
                     .map(|r| mysql_row(r).map(|v| v.book).map_err(RepoError::Mysql))
                     .collect()
             }
+            Backend::Dynamo(books) => books.list().await,
         }
     }
 
@@ -469,6 +490,7 @@ impl BookRepo {
                 .map_err(RepoError::Mysql)?;
                 done.rows_affected() == 1
             }
+            Backend::Dynamo(books) => books.update_if(&book, version).await?,
         };
         if changed {
             return Ok(Update::Updated(book));

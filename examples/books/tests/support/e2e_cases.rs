@@ -76,6 +76,8 @@ struct Svc {
     /// With MariaDB: the service's two tables, dropped with the service (also when the test
     /// fails).
     _tables: Vec<idempotency_testing::mysql::TableGuard>,
+    /// With DynamoDB: the service's two tables, deleted with the service.
+    _dynamodb_tables: Vec<idempotency_testing::dynamodb::TableGuard>,
 }
 
 /// The store the tests run on: `BOOKS_TEST_STORE` (default `sqlite`, as the service;
@@ -94,12 +96,14 @@ fn store_choice() -> StoreChoice {
                 .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned()),
         ),
         Ok("mysql") => StoreChoice::Mysql(idempotency_testing::mysql::url()),
+        Ok("dynamodb") => StoreChoice::Dynamodb(idempotency_testing::dynamodb::url()),
         Ok("redis") => StoreChoice::Redis(
             std::env::var("IDEMPOTENCY_TEST_REDIS_URL")
                 .unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned()),
         ),
         Ok(other) => panic!(
-            "BOOKS_TEST_STORE={other} is not a store (sqlite, postgres, mysql, redis, memory)"
+            "BOOKS_TEST_STORE={other} is not a store (sqlite, postgres, mysql, redis, dynamodb, \
+             memory)"
         ),
     }
 }
@@ -133,6 +137,18 @@ async fn svc_with(configure: impl FnOnce(&mut Config)) -> Svc {
         }
         _ => Vec::new(),
     };
+    // On DynamoDB, likewise: `books-t-<random>-books` and `books-t-<random>-idempotency`.
+    let dynamodb_tables = match config.store {
+        StoreChoice::Dynamodb(_) => {
+            config.dynamodb_table_prefix = format!("books-t-{}-", uuid::Uuid::new_v4().simple());
+            let (books, records) = config.dynamodb_tables();
+            vec![
+                idempotency_testing::dynamodb::TableGuard::for_table(books),
+                idempotency_testing::dynamodb::TableGuard::for_table(records),
+            ]
+        }
+        _ => Vec::new(),
+    };
     configure(&mut config);
     let faults = Arc::new(Faults::default());
     let layer = from_fn_with_state(faults.clone(), inject);
@@ -156,6 +172,7 @@ async fn svc_with(configure: impl FnOnce(&mut Config)) -> Svc {
         client: Client::builder().no_proxy().build().unwrap(),
         _dir: dir,
         _tables: tables,
+        _dynamodb_tables: dynamodb_tables,
     }
 }
 
@@ -786,6 +803,22 @@ impl Svc {
                 .await
                 .unwrap();
                 conn.close().await.unwrap();
+            }
+            StoreChoice::Dynamodb(_) => {
+                use idempotency_dynamodb::aws_sdk_dynamodb::types::AttributeValue;
+                let (books, _) = self.config.dynamodb_tables();
+                idempotency_testing::dynamodb::client()
+                    .put_item()
+                    .table_name(books)
+                    .item("id", AttributeValue::S(id.to_owned()))
+                    .item("title", AttributeValue::S("Dawn".to_owned()))
+                    .item("author", AttributeValue::S("Octavia E. Butler".to_owned()))
+                    .item("year", AttributeValue::N("1987".to_owned()))
+                    .item("version", AttributeValue::N(version.to_string()))
+                    .item("created_at", AttributeValue::N("0".to_owned()))
+                    .send()
+                    .await
+                    .unwrap();
             }
             _ => {
                 let conn = rusqlite::Connection::open(&self.config.database).unwrap();
