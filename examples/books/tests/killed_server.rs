@@ -1,6 +1,7 @@
 //! The exactly-once create, with the real `books-api` binary killed (SIGKILL) between the
-//! insert and the answer, many times, on SQLite (the default), on the real Postgres server and
-//! on the real MariaDB server.
+//! insert and the answer, many times, on SQLite (the default), on the real Postgres server, on
+//! the real MariaDB server and on the local DynamoDB stand-in (through a proxy of the test's,
+//! which tells when a killed server's requests have settled and can hold its writes).
 //!
 //! Each run sends a create with a fresh key, kills the server at one of three points, starts
 //! it again on the same database, and retries the same request until it is no longer in
@@ -25,6 +26,9 @@ use std::time::{Duration, Instant};
 #[path = "support/server_process.rs"]
 mod server_process;
 use server_process::Server;
+#[path = "support/dynamodb_proxy.rs"]
+mod dynamodb_proxy;
+use dynamodb_proxy::Proxy;
 
 const RUNS: usize = 100;
 /// Short, so that a retry after a kill before the commit does not wait long for the lease.
@@ -56,6 +60,13 @@ enum Books {
         /// name them too, but the test does not know the ports of a process it has killed.)
         database: String,
     },
+    Dynamodb {
+        /// The test's own client, straight to the stand-in.
+        client: idempotency_dynamodb::aws_sdk_dynamodb::Client,
+        table: String,
+        /// The server's way to the stand-in.
+        proxy: Proxy,
+    },
 }
 
 /// The books' writes held by the test, so that a kill lands before the commit.
@@ -74,6 +85,10 @@ enum WritesBlocked {
     /// gives up the wait, and any session that got past it only once the lock was released
     /// still finds its client gone before a COMMIT could arrive: nothing it did commits.
     Mysql(MySqlConnection),
+    /// The proxy holds the server's `TransactWriteItems` (the book with the key's
+    /// completion): the claim went through; the create's one write waits, and is dropped
+    /// when released, as a request lost on the way (the server is dead by then).
+    Dynamodb,
 }
 
 impl Books {
@@ -106,6 +121,27 @@ impl Books {
                     .await
                     .expect("count the books in MariaDB")
             }
+            Books::Dynamodb { client, table, .. } => {
+                let mut count = 0;
+                let mut start = None;
+                loop {
+                    let page = client
+                        .scan()
+                        .table_name(table)
+                        .consistent_read(true)
+                        .select(idempotency_dynamodb::aws_sdk_dynamodb::types::Select::Count)
+                        .set_exclusive_start_key(start.take())
+                        .send()
+                        .await;
+                    // The server creates the table at its first start.
+                    let Ok(page) = page else { return 0 };
+                    count += i64::from(page.count);
+                    match page.last_evaluated_key {
+                        Some(k) if !k.is_empty() => start = Some(k),
+                        _ => break count,
+                    }
+                }
+            }
         }
     }
 
@@ -126,6 +162,9 @@ impl Books {
                     ..
                 } => backends(pool, application_name, "").await,
                 Books::Mysql { pool, database } => sessions(pool, database, "").await,
+                // Every connection of the killed server read to its end, and every request
+                // it forwarded answered by the stand-in.
+                Books::Dynamodb { proxy, .. } => i64::try_from(proxy.connections()).unwrap(),
             };
             if live == 0 {
                 break;
@@ -162,6 +201,10 @@ impl Books {
                     .await
                     .unwrap();
                 WritesBlocked::Mysql(conn)
+            }
+            Books::Dynamodb { proxy, .. } => {
+                proxy.hold(true);
+                WritesBlocked::Dynamodb
             }
         }
     }
@@ -205,18 +248,34 @@ impl Books {
                     tokio::time::sleep(Duration::from_millis(1)).await;
                 }
             }
+            Books::Dynamodb { proxy, .. } => {
+                let deadline = Instant::now() + SETTLE_TIMEOUT;
+                while proxy.held() == 0 {
+                    assert!(
+                        Instant::now() < deadline,
+                        "the server's create did not reach the held proxy within \
+                         {SETTLE_TIMEOUT:?}"
+                    );
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            }
         }
     }
 }
 
 impl WritesBlocked {
-    async fn release(self) {
+    async fn release(self, books: &Books) {
         match self {
             WritesBlocked::Sqlite(conn) => conn.execute_batch("ROLLBACK").unwrap(),
             WritesBlocked::Postgres(tx) => tx.rollback().await.unwrap(),
             WritesBlocked::Mysql(mut conn) => {
                 conn.execute("UNLOCK TABLES").await.unwrap();
                 conn.close().await.unwrap();
+            }
+            WritesBlocked::Dynamodb => {
+                if let Books::Dynamodb { proxy, .. } = books {
+                    proxy.hold(false);
+                }
             }
         }
     }
@@ -326,7 +385,7 @@ async fn campaign(books: Books, mut env: Vec<(&str, String)>, label: &str) {
         }
         server.kill();
         if let Some(blocked) = blocked {
-            blocked.release().await;
+            blocked.release(&books).await;
         }
         // Read at once too, to count the commits that land after the kill.
         let at_kill = books.count().await;
@@ -510,6 +569,45 @@ async fn mysql_create_killed_between_insert_and_answer_makes_one_book() {
     )
     .await;
     pool.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dynamodb_create_killed_between_insert_and_answer_makes_one_book() {
+    let prefix = format!("books-killed-{}-", uuid::Uuid::new_v4().simple());
+    let (books_table, records_table) = (format!("{prefix}books"), format!("{prefix}idempotency"));
+    let _tables = [
+        idempotency_testing::dynamodb::TableGuard::for_table(&books_table),
+        idempotency_testing::dynamodb::TableGuard::for_table(&records_table),
+    ];
+    let stand_in = idempotency_testing::dynamodb::url();
+    let upstream = reqwest::Url::parse(&stand_in).unwrap();
+    let proxy = Proxy::start(format!(
+        "{}:{}",
+        upstream.host_str().unwrap(),
+        upstream.port_or_known_default().unwrap()
+    ))
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let env = vec![
+        ("BOOKS_STORE", "dynamodb".to_owned()),
+        ("BOOKS_DYNAMODB_URL", proxy.url.clone()),
+        ("BOOKS_DYNAMODB_TABLE_PREFIX", prefix),
+        (
+            "BOOKS_DATABASE",
+            path_string(&dir.path().join("unused.sqlite3")),
+        ),
+    ];
+    // The first start creates both tables.
+    campaign(
+        Books::Dynamodb {
+            client: idempotency_testing::dynamodb::client(),
+            table: books_table,
+            proxy,
+        },
+        env,
+        "dynamodb",
+    )
+    .await;
 }
 
 /// A database of the test's own on the MariaDB server (`books_killed_<random>`), dropped with
