@@ -6,7 +6,7 @@
 
 mod runners;
 
-use idempotency_core::IdempotencyStore;
+use idempotency_core::{IdempotencyStore, SystemClock};
 use idempotency_mysql::MysqlStore;
 use idempotency_postgres::PostgresStore;
 use idempotency_redis::RedisStore;
@@ -389,4 +389,38 @@ async fn soak_catches_a_heartbeat_that_lies() {
             .any(|d| d.contains("held the key until")),
         "the lying heartbeat went unnoticed: {report}"
     );
+}
+
+/// DynamoDB (the local stand-in), on the system clock: moto answers one request at a time,
+/// so the purger scans less often than on the other stores (a scan holds the stand-in).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn soak_dynamodb() {
+    let mut config = SoakConfig::from_env("dynamodb");
+    config.purge_every = std::time::Duration::from_millis(100);
+    let (store, _guard) = idempotency_testing::dynamodb::store(Arc::new(SystemClock))
+        .await
+        .expect("a table on the DynamoDB stand-in (bash .ci/services starts it)");
+    run(engine(Arc::new(store), &config), config, Purge::Deletes).await;
+}
+
+/// DynamoDB behind an unreliable network: 5% of sends throttled (never applied), 2% of
+/// writes applied with their answer lost, each sent again by the SDK (up to 4 sends): the
+/// store's nonces tell its own applied writes from others' in the resends' answers, and a
+/// holder's write that may have applied is an unknown outcome, never a plain failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn soak_dynamodb_flaky_network() {
+    let mut config = SoakConfig::from_env("dynamodb-flaky-network");
+    config.purge_every = std::time::Duration::from_millis(100);
+    let network = idempotency_testing::dynamodb::FlakyNetwork::new(0.05, 0.02, config.seed);
+    let (store, _guard) =
+        idempotency_testing::dynamodb::flaky_store(Arc::new(SystemClock), network.clone(), 4)
+            .await
+            .expect("a table on the DynamoDB stand-in (bash .ci/services starts it)");
+    run(engine(Arc::new(store), &config), config, Purge::Deletes).await;
+    eprintln!(
+        "network faults: {} sends throttled, {} answers of applied writes lost",
+        network.throttled(),
+        network.answers_lost()
+    );
+    assert!(network.throttled() > 0 && network.answers_lost() > 0);
 }

@@ -77,3 +77,193 @@ pub async fn store(clock: Arc<dyn Clock>) -> Result<(DynamoStore, TableGuard), E
     })?;
     Ok((store, TableGuard { client, table }))
 }
+
+/// An SDK interceptor that makes the network between the store and DynamoDB unreliable, at
+/// random per send (each attempt of a request, the SDK's resends included):
+///
+/// - **throttled**: the request never reaches the table (it is sent as a harmless
+///   `DescribeLimits` instead) and is answered `400 ThrottlingException`, as DynamoDB
+///   answers a request over its throughput; the SDK backs off and sends it again;
+/// - **answer lost**: a write applies and its answer is replaced by a `500`, as when a
+///   connection drops after DynamoDB applied it; the SDK sends it again, and the resend meets
+///   the changed item.
+///
+/// Scans, and the table's own management (create, describe, TTL), are left alone. Counts
+/// what it did in [`FlakyNetwork::throttled`] and [`FlakyNetwork::answers_lost`].
+#[derive(Clone, Debug)]
+pub struct FlakyNetwork {
+    /// Per million sends.
+    throttle_ppm: u32,
+    lose_answer_ppm: u32,
+    state: Arc<FlakyState>,
+}
+
+#[derive(Debug, Default)]
+struct FlakyState {
+    seed: std::sync::atomic::AtomicU64,
+    throttled: std::sync::atomic::AtomicU64,
+    answers_lost: std::sync::atomic::AtomicU64,
+}
+
+/// What one send meets, kept in the send's own config bag (sends of many requests run at
+/// once through one client).
+#[derive(Clone, Copy, Debug)]
+enum SendFate {
+    Throttled,
+    AnswerLost,
+}
+
+impl aws_smithy_types::config_bag::Storable for SendFate {
+    type Storer = aws_smithy_types::config_bag::StoreReplace<Self>;
+}
+
+impl FlakyNetwork {
+    /// Throttles `throttled` and loses the answer of `answer_lost` of all sends (fractions,
+    /// 0 to 1), on a schedule from `seed`.
+    pub fn new(throttled: f64, answer_lost: f64, seed: u64) -> Self {
+        let ppm = |f: f64| (f.clamp(0.0, 1.0) * 1e6) as u32;
+        let state = FlakyState::default();
+        state
+            .seed
+            .store(seed | 1, std::sync::atomic::Ordering::Relaxed);
+        Self {
+            throttle_ppm: ppm(throttled),
+            lose_answer_ppm: ppm(answer_lost),
+            state: Arc::new(state),
+        }
+    }
+
+    /// Sends throttled so far.
+    pub fn throttled(&self) -> u64 {
+        self.state
+            .throttled
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Writes applied whose answer was lost so far.
+    pub fn answers_lost(&self) -> u64 {
+        self.state
+            .answers_lost
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// A number in 0..1,000,000 (a splitmix64 step).
+    fn roll(&self) -> u32 {
+        let mut z = self
+            .state
+            .seed
+            .fetch_add(0x9E37_79B9_7F4A_7C15, std::sync::atomic::Ordering::Relaxed);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        ((z ^ (z >> 31)) % 1_000_000) as u32
+    }
+}
+
+impl aws_sdk_dynamodb::config::Intercept for FlakyNetwork {
+    fn name(&self) -> &'static str {
+        "FlakyNetwork"
+    }
+
+    fn modify_before_transmit(
+        &self,
+        context: &mut aws_sdk_dynamodb::config::interceptors::BeforeTransmitInterceptorContextMut<
+            '_,
+        >,
+        _: &aws_sdk_dynamodb::config::RuntimeComponents,
+        cfg: &mut aws_sdk_dynamodb::config::ConfigBag,
+    ) -> Result<(), aws_sdk_dynamodb::error::BoxError> {
+        let request = context.request_mut();
+        let operation = request
+            .headers()
+            .get("x-amz-target")
+            .and_then(|t| t.rsplit('.').next())
+            .unwrap_or("")
+            .to_owned();
+        let write = matches!(
+            operation.as_str(),
+            "PutItem" | "UpdateItem" | "DeleteItem" | "TransactWriteItems"
+        );
+        let read = operation == "GetItem";
+        let roll = self.roll();
+        let fate = if (write || read) && roll < self.throttle_ppm {
+            request
+                .headers_mut()
+                .insert("x-amz-target", "DynamoDB_20120810.DescribeLimits");
+            Some(SendFate::Throttled)
+        } else if write && roll < self.throttle_ppm + self.lose_answer_ppm {
+            Some(SendFate::AnswerLost)
+        } else {
+            None
+        };
+        match fate {
+            Some(fate) => {
+                cfg.interceptor_state().store_put(fate);
+            }
+            None => {
+                cfg.interceptor_state().unset::<SendFate>();
+            }
+        }
+        Ok(())
+    }
+
+    fn modify_before_deserialization(
+        &self,
+        context: &mut aws_sdk_dynamodb::config::interceptors::BeforeDeserializationInterceptorContextMut<'_>,
+        _: &aws_sdk_dynamodb::config::RuntimeComponents,
+        cfg: &mut aws_sdk_dynamodb::config::ConfigBag,
+    ) -> Result<(), aws_sdk_dynamodb::error::BoxError> {
+        let Some(fate) = cfg.load::<SendFate>().copied() else {
+            return Ok(());
+        };
+        let response = context.response_mut();
+        let ordering = std::sync::atomic::Ordering::Relaxed;
+        match fate {
+            SendFate::Throttled => {
+                self.state.throttled.fetch_add(1, ordering);
+                *response.status_mut() =
+                    aws_smithy_runtime_api::http::StatusCode::try_from(400u16)?;
+                response
+                    .headers_mut()
+                    .insert("x-amzn-errortype", "ThrottlingException");
+                *response.body_mut() = aws_smithy_types::body::SdkBody::from(
+                    r#"{"__type":"com.amazonaws.dynamodb.v20120810#ThrottlingException","message":"Rate of requests exceeds the allowed throughput."}"#,
+                );
+            }
+            // Only a write that applied loses its answer (a refused one keeps its refusal).
+            SendFate::AnswerLost if response.status().as_u16() == 200 => {
+                self.state.answers_lost.fetch_add(1, ordering);
+                *response.status_mut() =
+                    aws_smithy_runtime_api::http::StatusCode::try_from(500u16)?;
+                *response.body_mut() = aws_smithy_types::body::SdkBody::from("");
+            }
+            SendFate::AnswerLost => {}
+        }
+        Ok(())
+    }
+}
+
+/// A store on a new table of its own (created, TTL on), on `clock`, whose client sends
+/// through `network` and retries as a latency-bound service would configure it: up to
+/// `attempts` sends, backing off from 10 ms.
+pub async fn flaky_store(
+    clock: Arc<dyn Clock>,
+    network: FlakyNetwork,
+    attempts: u32,
+) -> Result<(DynamoStore, TableGuard), Error> {
+    let (created, guard) = store(clock.clone()).await?;
+    let config = client()
+        .config()
+        .to_builder()
+        .interceptor(network)
+        .retry_config(
+            aws_sdk_dynamodb::config::retry::RetryConfig::standard()
+                .with_max_attempts(attempts)
+                .with_initial_backoff(std::time::Duration::from_millis(10)),
+        )
+        .build();
+    let store = DynamoStore::builder()
+        .table(created.table())
+        .clock(clock)
+        .build(aws_sdk_dynamodb::Client::from_conf(config))?;
+    Ok((store, guard))
+}
