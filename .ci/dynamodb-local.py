@@ -5,28 +5,100 @@ condition and applies the write as separate Python steps, so two racing conditio
 can both pass. DynamoDB applies each conditional write atomically; serving one request at a
 time keeps that true here (connections stay open and concurrent; their requests queue).
 
+moto keeps its tables in memory. With IDEMPOTENCY_DYNAMODB_JOURNAL set to a file, every
+write it applied (a 2xx answer) is appended to that file and synced before it is answered,
+and a server started on an existing journal replays it first: a stand-in killed and started
+again keeps what it acknowledged, as DynamoDB does. (Replaying gives the same tables: the
+store's conditions compare numbers its client sent, never moto's clock.)
+
 Usage: python dynamodb-local.py HOST PORT
 """
 
+import base64
+import io
+import json
+import os
 import sys
 import threading
 
 from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
 from werkzeug.serving import run_simple
+from werkzeug.test import EnvironBuilder
 
 host, port = sys.argv[1], int(sys.argv[2])
 app = DomainDispatcherApplication(create_backend_app)
 one_at_a_time = threading.Lock()
 
+WRITES = {
+    "PutItem", "UpdateItem", "DeleteItem", "TransactWriteItems", "BatchWriteItem",
+    "CreateTable", "DeleteTable", "UpdateTable", "UpdateTimeToLive",
+}
+KEPT_HEADERS = ("X-Amz-Target", "Content-Type", "Authorization", "Host")
+journal_path = os.environ.get("IDEMPOTENCY_DYNAMODB_JOURNAL")
+journal = None
+
+
+def call(environ, start_response):
+    body = app(environ, start_response)
+    try:
+        return b"".join(body)
+    finally:
+        if hasattr(body, "close"):
+            body.close()
+
+
+def replay(path):
+    replayed, good = 0, 0
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                if not line.endswith(b"\n"):
+                    raise ValueError("cut short")
+                entry = json.loads(line)
+            except ValueError:
+                break  # a line a crash cut short: its write was never acknowledged
+            good += len(line)
+            environ = EnvironBuilder(
+                method="POST", path="/", headers=entry["headers"],
+                data=base64.b64decode(entry["body"]),
+            ).get_environ()
+            call(environ, lambda status, headers, exc_info=None: None)
+            replayed += 1
+    os.truncate(path, good)
+    print(f"replayed {replayed} writes from {path}", file=sys.stderr, flush=True)
+
 
 def serialised(environ, start_response):
-    with one_at_a_time:
-        body = app(environ, start_response)
-        try:
-            return [b"".join(body)]
-        finally:
-            if hasattr(body, "close"):
-                body.close()
+    length = int(environ.get("CONTENT_LENGTH") or 0)
+    request = environ["wsgi.input"].read(length) if length else b""
+    environ["wsgi.input"] = io.BytesIO(request)
+    target = environ.get("HTTP_X_AMZ_TARGET", "").rsplit(".", 1)[-1]
+    answered = []
 
+    def record_status(status, headers, exc_info=None):
+        answered.append(status)
+        return start_response(status, headers, exc_info)
+
+    with one_at_a_time:
+        response = call(environ, record_status)
+        if journal is not None and target in WRITES and answered and answered[0].startswith("2"):
+            headers = {}
+            for name in KEPT_HEADERS:
+                value = environ.get("HTTP_" + name.upper().replace("-", "_"))
+                if name == "Content-Type":
+                    value = environ.get("CONTENT_TYPE", value)
+                if value is not None:
+                    headers[name] = value
+            entry = {"headers": headers, "body": base64.b64encode(request).decode()}
+            journal.write((json.dumps(entry) + "\n").encode())
+            journal.flush()
+            os.fsync(journal.fileno())
+        return [response]
+
+
+if journal_path:
+    if os.path.exists(journal_path):
+        replay(journal_path)
+    journal = open(journal_path, "ab")
 
 run_simple(host, port, serialised, threaded=True)

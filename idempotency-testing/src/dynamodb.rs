@@ -17,10 +17,15 @@ pub fn url() -> String {
 
 /// An SDK client for the stand-in: plain HTTP, fixed test credentials.
 pub fn client() -> aws_sdk_dynamodb::Client {
+    client_at(&url())
+}
+
+/// An SDK client for a stand-in at `url`: plain HTTP, fixed test credentials.
+pub fn client_at(url: &str) -> aws_sdk_dynamodb::Client {
     let config = aws_sdk_dynamodb::Config::builder()
         .behavior_version(BehaviorVersion::latest())
         .region(Region::new("us-east-1"))
-        .endpoint_url(url())
+        .endpoint_url(url)
         .credentials_provider(Credentials::new("test", "test", None, None, "tests"))
         .http_client(aws_smithy_http_client::Builder::new().build_http())
         .build();
@@ -266,4 +271,137 @@ pub async fn flaky_store(
         .clock(clock)
         .build(aws_sdk_dynamodb::Client::from_conf(config))?;
     Ok((store, guard))
+}
+
+/// A stand-in server of the test's own (moto's, through `.ci/dynamodb-local.py`, as
+/// `bash .ci/services` installs it), on a loopback port, that the test can crash and start
+/// again: with a journal, a server started again replays the writes it acknowledged before.
+/// It stops when dropped, and when the test process dies (a watchdog shell holds it).
+#[derive(Debug)]
+pub struct MotoServer {
+    /// The loopback port it listens on.
+    pub port: u16,
+    pid: u32,
+    watchdog: std::process::Child,
+    stdin: Option<std::process::ChildStdin>,
+}
+
+/// Runs the server in the background, prints its pid, and kills it when its stdin closes.
+const MOTO_WATCHDOG: &str = r#"
+"$0" "$@" >"${IDEM_MOTO_LOG:-/dev/null}" 2>&1 &
+pid=$!
+echo "$pid"
+read -r _
+kill -KILL "$pid" 2>/dev/null
+wait "$pid" 2>/dev/null
+"#;
+
+/// The Python of the stand-in's virtualenv, as `.ci/services` installs it.
+fn moto_python() -> std::path::PathBuf {
+    let tools = std::env::var_os("IDEMPOTENCY_TOOLS")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
+                .join(".cache/idempotency")
+        });
+    tools.join("moto-5.1.22/bin/python")
+}
+
+/// A free loopback port.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("bind an ephemeral port")
+}
+
+impl MotoServer {
+    /// Starts a stand-in on `port` (with `journal`, replaying it first) and waits until it
+    /// answers, for up to `within`.
+    pub async fn start(
+        port: u16,
+        journal: Option<&std::path::Path>,
+        within: std::time::Duration,
+    ) -> Self {
+        use std::io::BufRead as _;
+        let python = moto_python();
+        assert!(
+            python.exists(),
+            "no DynamoDB stand-in at {} (install it with `bash .ci/services`)",
+            python.display()
+        );
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../.ci/dynamodb-local.py");
+        let mut cmd = std::process::Command::new("bash");
+        cmd.arg("-c")
+            .arg(MOTO_WATCHDOG)
+            .arg(&python)
+            .arg(script)
+            .arg("127.0.0.1")
+            .arg(port.to_string())
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null());
+        if let Some(journal) = journal {
+            cmd.env("IDEMPOTENCY_DYNAMODB_JOURNAL", journal);
+        }
+        let mut watchdog = cmd.spawn().expect("run bash to start the stand-in");
+        let mut line = String::new();
+        std::io::BufReader::new(watchdog.stdout.take().expect("stdout"))
+            .read_line(&mut line)
+            .expect("read the stand-in's pid");
+        let pid = line.trim().parse().expect("the stand-in's pid");
+        let stdin = watchdog.stdin.take();
+        let server = Self {
+            port,
+            pid,
+            watchdog,
+            stdin,
+        };
+        let client = client_at(&server.url());
+        let deadline = std::time::Instant::now() + within;
+        while client.list_tables().send().await.is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the stand-in on port {port} did not answer within {within:?}"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        server
+    }
+
+    /// Its URL.
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Kills it with SIGKILL, and waits until it is gone.
+    pub fn crash(mut self) {
+        let _ = std::process::Command::new("kill")
+            .arg("-KILL")
+            .arg(self.pid.to_string())
+            .status();
+        self.stop_watchdog();
+    }
+
+    fn stop_watchdog(&mut self) {
+        drop(self.stdin.take());
+        let _ = self.watchdog.wait();
+    }
+}
+
+impl Drop for MotoServer {
+    fn drop(&mut self) {
+        self.stop_watchdog();
+    }
+}
+
+/// A store on a new table (created, TTL on) on the stand-in at `url`, on `clock`. The table
+/// goes with the server.
+pub async fn store_at(url: &str, clock: Arc<dyn Clock>) -> Result<DynamoStore, Error> {
+    let store = DynamoStore::builder()
+        .table("records")
+        .clock(clock)
+        .build(client_at(url))?;
+    store.create_table().await?;
+    Ok(store)
 }
