@@ -3,7 +3,7 @@
 //! filled store.
 
 use crate::harness::Kind;
-use crate::{memory, mysql, postgres, redis, sqlite};
+use crate::{dynamodb, memory, mysql, postgres, redis, sqlite};
 
 /// Every backend, in the order `all` runs them.
 pub(crate) const KINDS: &[Kind] = &[
@@ -12,6 +12,7 @@ pub(crate) const KINDS: &[Kind] = &[
     postgres::KIND,
     mysql::KIND,
     redis::KIND,
+    dynamodb::KIND,
 ];
 
 /// The backend named `name`.

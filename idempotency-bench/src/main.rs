@@ -1,5 +1,6 @@
 #![doc = include_str!("../README.md")]
 
+mod dynamodb;
 mod harness;
 mod http;
 mod kinds;
@@ -32,7 +33,8 @@ const USAGE: &str = "usage: idempotency-bench [--backend NAME|all|a,b] [--client
 counts of the scaling tables (each backend takes the sizes up to its own bound).
 Servers: IDEMPOTENCY_BENCH_POSTGRES_URL (default postgres://postgres@127.0.0.1:5432/test),
 IDEMPOTENCY_BENCH_MYSQL_URL (default mysql://root@127.0.0.1:3306/test),
-IDEMPOTENCY_BENCH_REDIS_URL (default redis://127.0.0.1:6379).";
+IDEMPOTENCY_BENCH_REDIS_URL (default redis://127.0.0.1:6379),
+IDEMPOTENCY_BENCH_DYNAMODB_URL (default the local stand-in, http://127.0.0.1:8000).";
 
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {

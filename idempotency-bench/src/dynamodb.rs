@@ -1,0 +1,239 @@
+//! The DynamoDB backend (the local stand-in, or `IDEMPOTENCY_BENCH_DYNAMODB_URL`) and its raw
+//! baseline on the same server through the same SDK: a conditional `PutItem`
+//! (`attribute_not_exists`) then an `UpdateItem` marking it completed with the outcome, and a
+//! consistent `GetItem` for replay. Each on a table of its own, deleted at the end.
+//!
+//! Requests are counted by an SDK interceptor on a second client, by operation, so the
+//! report shows which requests each operation makes: DynamoDB bills by request (a write unit
+//! per KB of the item written, a strongly consistent read unit per 4 KB read; a conditional
+//! write whose condition fails still costs its write units).
+
+use crate::harness::{Backend, Cleanup, Counted, Kind, RawBaseline, RoundTripCounter};
+use async_trait::async_trait;
+use idempotency_core::BoxError;
+use idempotency_dynamodb::aws_sdk_dynamodb::config::interceptors::BeforeTransmitInterceptorContextRef;
+use idempotency_dynamodb::aws_sdk_dynamodb::config::{ConfigBag, Intercept, RuntimeComponents};
+use idempotency_dynamodb::aws_sdk_dynamodb::types::{
+    AttributeDefinition, AttributeValue, BillingMode, KeySchemaElement, KeyType,
+    ScalarAttributeType,
+};
+use idempotency_dynamodb::aws_sdk_dynamodb::{self, Client};
+use idempotency_dynamodb::DynamoStore;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+/// The server: `IDEMPOTENCY_BENCH_DYNAMODB_URL`, or the local stand-in.
+pub(crate) fn url() -> String {
+    std::env::var("IDEMPOTENCY_BENCH_DYNAMODB_URL")
+        .unwrap_or_else(|_| idempotency_testing::dynamodb::url())
+}
+
+fn unreachable(e: impl std::fmt::Display) -> BoxError {
+    format!(
+        "cannot reach DynamoDB at {} ({e}). Start the local stand-in with `bash .ci/services`, \
+         or point IDEMPOTENCY_BENCH_DYNAMODB_URL at one.",
+        url()
+    )
+    .into()
+}
+
+/// Requests sent, by operation (`PutItem`, …).
+#[derive(Clone, Debug, Default)]
+struct Requests(Arc<Mutex<BTreeMap<String, u64>>>);
+
+impl Intercept for Requests {
+    fn name(&self) -> &'static str {
+        "Requests"
+    }
+
+    fn read_before_transmit(
+        &self,
+        context: &BeforeTransmitInterceptorContextRef<'_>,
+        _: &RuntimeComponents,
+        _: &mut ConfigBag,
+    ) -> Result<(), aws_sdk_dynamodb::error::BoxError> {
+        let operation = context
+            .request()
+            .headers()
+            .get("x-amz-target")
+            .and_then(|t| t.rsplit('.').next())
+            .unwrap_or("?")
+            .to_owned();
+        *self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .entry(operation)
+            .or_default() += 1;
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl RoundTripCounter for Requests {
+    async fn count(&self) -> Result<u64, BoxError> {
+        Ok(self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .values()
+            .sum())
+    }
+
+    async fn detail(&self) -> Result<Vec<(String, u64)>, BoxError> {
+        Ok(self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .map(|(k, v)| (k.clone(), *v))
+            .collect())
+    }
+}
+
+/// The store's table and the raw one, deleted with the guard.
+struct Tables {
+    records: String,
+    raw: String,
+    _cleanup: Cleanup,
+}
+
+async fn create_raw_table(client: &Client, table: &str) -> Result<(), BoxError> {
+    client
+        .create_table()
+        .table_name(table)
+        .billing_mode(BillingMode::PayPerRequest)
+        .key_schema(
+            KeySchemaElement::builder()
+                .attribute_name("k")
+                .key_type(KeyType::Hash)
+                .build()?,
+        )
+        .attribute_definitions(
+            AttributeDefinition::builder()
+                .attribute_name("k")
+                .attribute_type(ScalarAttributeType::S)
+                .build()?,
+        )
+        .send()
+        .await
+        .map_err(|e| unreachable(aws_sdk_dynamodb::error::DisplayErrorContext(e)))?;
+    Ok(())
+}
+
+struct RawDynamo {
+    client: Client,
+    table: String,
+}
+
+#[async_trait]
+impl RawBaseline for RawDynamo {
+    async fn new_key_cycle(&self, key: &str, outcome: &[u8]) -> Result<(), BoxError> {
+        self.client
+            .put_item()
+            .table_name(&self.table)
+            .item("k", AttributeValue::S(key.to_owned()))
+            .item("status", AttributeValue::S("pending".to_owned()))
+            .condition_expression("attribute_not_exists(k)")
+            .send()
+            .await?;
+        self.client
+            .update_item()
+            .table_name(&self.table)
+            .key("k", AttributeValue::S(key.to_owned()))
+            .update_expression("SET #s = :c, outcome = :o")
+            .expression_attribute_names("#s", "status")
+            .expression_attribute_values(":c", AttributeValue::S("completed".to_owned()))
+            .expression_attribute_values(":o", AttributeValue::B(outcome.to_vec().into()))
+            .send()
+            .await?;
+        Ok(())
+    }
+
+    async fn replay(&self, key: &str) -> Result<Option<Vec<u8>>, BoxError> {
+        let out = self
+            .client
+            .get_item()
+            .table_name(&self.table)
+            .key("k", AttributeValue::S(key.to_owned()))
+            .consistent_read(true)
+            .send()
+            .await?;
+        Ok(out
+            .item
+            .and_then(|i| i.get("outcome").cloned())
+            .and_then(|o| o.as_b().ok().map(|b| b.as_ref().to_vec())))
+    }
+}
+
+fn store(client: Client, table: &str) -> Result<DynamoStore, BoxError> {
+    Ok(DynamoStore::builder().table(table).build(client)?)
+}
+
+async fn backend() -> Result<(Backend, Tables), BoxError> {
+    let id = uuid::Uuid::new_v4().simple().to_string();
+    let (records, raw) = (
+        format!("idk-bench-{}", &id[..16]),
+        format!("idk-bench-raw-{}", &id[..16]),
+    );
+    let client = idempotency_testing::dynamodb::client_at(&url());
+    let measured = store(client.clone(), &records)?;
+    measured.create_table().await.map_err(unreachable)?;
+    create_raw_table(&client, &raw).await?;
+    let cleanup = {
+        let (client, records, raw) = (client.clone(), records.clone(), raw.clone());
+        Cleanup::new(move || async move {
+            for table in [records, raw] {
+                client.delete_table().table_name(table).send().await?;
+            }
+            Ok(())
+        })
+    };
+    let requests = Requests::default();
+    let counted_client = Client::from_conf(
+        client
+            .config()
+            .to_builder()
+            .interceptor(requests.clone())
+            .build(),
+    );
+    let tables = Tables {
+        records: records.clone(),
+        raw: raw.clone(),
+        _cleanup: cleanup,
+    };
+    Ok((
+        Backend {
+            name: "dynamodb",
+            store: Arc::new(measured),
+            raw: Arc::new(RawDynamo {
+                client,
+                table: tables.raw.clone(),
+            }),
+            round_trips: Some(Counted {
+                store: Arc::new(store(counted_client.clone(), &tables.records)?),
+                raw: Arc::new(RawDynamo {
+                    client: counted_client,
+                    table: tables.raw.clone(),
+                }),
+                counter: Arc::new(requests),
+                method: "requests counted by an SDK interceptor, by operation",
+                floor: None,
+            }),
+            limit: None,
+        },
+        tables,
+    ))
+}
+
+/// DynamoDB in the bench (no scaling table).
+pub(crate) const KIND: Kind = Kind {
+    name: "dynamodb",
+    make: |_| {
+        Box::pin(async {
+            let (b, tables) = backend().await?;
+            Ok(vec![(b, Box::new(tables) as Box<dyn std::any::Any>)])
+        })
+    },
+    scaling: None,
+};
