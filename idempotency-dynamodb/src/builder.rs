@@ -88,6 +88,7 @@ impl DynamoStoreBuilder {
             clock: self.clock,
             response_timeout: self.response_timeout,
             retention: self.retention,
+            purge_cursor: Arc::default(),
         })
     }
 }

@@ -25,6 +25,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+/// The fewest items one `purge_expired` call may read, whatever its batch.
+pub(crate) const PURGE_MIN_READ: usize = 100;
+
 /// How many times a claim that met an expired record with a higher token, or an extension
 /// that met a shorter expiry, tries again before it reports the record as it found it.
 const ATTEMPTS_ON_A_MOVING_RECORD: usize = 4;
@@ -40,6 +43,8 @@ pub struct DynamoStore {
     pub(crate) clock: Arc<dyn Clock>,
     pub(crate) response_timeout: Duration,
     pub(crate) retention: Duration,
+    /// Where the next `purge_expired` resumes its scan (`None`: at the table's start).
+    pub(crate) purge_cursor: Arc<std::sync::Mutex<Option<Item>>>,
 }
 
 /// The condition of a settlement (complete or fail): the record live, Pending, held by
@@ -632,17 +637,28 @@ impl IdempotencyStore for DynamoStore {
         }
     }
 
+    /// Deletes up to `batch` expired records, reading at most `max(10 × batch, 100)` items:
+    /// the scan resumes where the last call stopped and starts over at the table's end, so
+    /// each call's cost is bounded however large the table, and successive calls sweep it.
     async fn purge_expired(&self, batch: usize) -> Result<u64, Error> {
         let now = self.clock.now();
         let mut removed = 0u64;
-        let mut start: Option<Item> = None;
         let want = u64::try_from(batch).unwrap_or(u64::MAX);
-        while removed < want {
+        let budget = batch.saturating_mul(10).max(PURGE_MIN_READ);
+        let mut read = 0usize;
+        let mut start = self
+            .purge_cursor
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        while removed < want && read < budget {
+            let page_size = i32::try_from((budget - read).min(1_000)).unwrap_or(1_000);
             let request = self
                 .client
                 .scan()
                 .table_name(&self.names.table)
                 .consistent_read(true)
+                .limit(page_size)
                 .filter_expression("#exp <= :now")
                 .projection_expression("#k, #tok")
                 .expression_attribute_names("#exp", EXPIRES)
@@ -658,6 +674,8 @@ impl IdempotencyStore for DynamoStore {
                         .map_err(|e| sdk_error("Scan", e, Effect::Repeatable))
                 })
                 .await?;
+            read += usize::try_from(page.scanned_count).unwrap_or(0).max(1);
+            start = page.last_evaluated_key.filter(|k| !k.is_empty());
             for item in page.items.unwrap_or_default() {
                 if removed >= want {
                     break;
@@ -691,11 +709,14 @@ impl IdempotencyStore for DynamoStore {
                     .await?;
                 removed += u64::from(deleted);
             }
-            match page.last_evaluated_key {
-                Some(k) if !k.is_empty() => start = Some(k),
-                _ => break,
+            if start.is_none() {
+                break; // the table's end: the next call starts over
             }
         }
+        *self
+            .purge_cursor
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = start;
         Ok(removed)
     }
 }

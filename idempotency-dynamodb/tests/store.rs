@@ -608,3 +608,98 @@ async fn a_write_that_may_have_applied_before_a_throttled_resend_is_an_unknown_o
         "the first send applied"
     );
 }
+
+/// Records the `Limit` of every `Scan` request (`None`: a scan without one).
+#[derive(Debug, Clone, Default)]
+struct ScanLimits(Arc<Mutex<Vec<Option<u64>>>>);
+
+impl Intercept for ScanLimits {
+    fn name(&self) -> &'static str {
+        "ScanLimits"
+    }
+
+    fn read_before_transmit(
+        &self,
+        context: &BeforeTransmitInterceptorContextRef<'_>,
+        _: &RuntimeComponents,
+        _: &mut ConfigBag,
+    ) -> Result<(), aws_sdk_dynamodb::error::BoxError> {
+        if operation(context) == "Scan" {
+            let body = context.request().body().bytes().unwrap_or_default();
+            let text = String::from_utf8_lossy(body);
+            let limit = text.split("\"Limit\":").nth(1).and_then(|rest| {
+                rest.chars()
+                    .take_while(char::is_ascii_digit)
+                    .collect::<String>()
+                    .parse()
+                    .ok()
+            });
+            self.0.lock().unwrap().push(limit);
+        }
+        Ok(())
+    }
+}
+
+/// `purge_expired` reads a bounded number of items per call, whatever the table's size (one
+/// `Scan` page of at most `max(10 × batch, 100)` items), and resumes where the last call
+/// stopped, so successive calls sweep the whole table and find every expired record.
+#[tokio::test]
+async fn purge_reads_a_bounded_number_of_items_per_call_and_resumes() {
+    let limits = ScanLimits::default();
+    let (store, clock, _guard) = intercepted_store(limits.clone()).await;
+    let short = Duration::from_secs(1);
+    for i in 0..250 {
+        let Claim::Claimed { .. } = store
+            .claim(&request(&format!("live-{i}"), b"a", LEASE, TTL))
+            .await
+            .unwrap()
+        else {
+            panic!("a new key was not claimed");
+        };
+    }
+    for i in 0..5 {
+        let Claim::Claimed { .. } = store
+            .claim(&request(&format!("expiring-{i}"), b"a", short, short))
+            .await
+            .unwrap()
+        else {
+            panic!("a new key was not claimed");
+        };
+    }
+    clock.advance(Duration::from_secs(5));
+    let mut removed = 0;
+    let mut calls = 0;
+    while removed < 5 {
+        calls += 1;
+        assert!(
+            calls <= 30,
+            "30 calls purged only {removed} of 5 expired records"
+        );
+        let n = store.purge_expired(1).await.unwrap();
+        assert!(n <= 1, "a batch of 1 deleted {n}");
+        removed += n;
+        let scans = std::mem::take(&mut *limits.0.lock().unwrap());
+        assert_eq!(
+            scans,
+            vec![Some(100)],
+            "one page of at most 100 items per call"
+        );
+    }
+    for i in 0..5 {
+        assert!(store
+            .get(&id(&format!("expiring-{i}")))
+            .await
+            .unwrap()
+            .is_none());
+    }
+    let left = store
+        .client()
+        .scan()
+        .table_name(store.table())
+        .select(aws_sdk_dynamodb::types::Select::Count)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(left.count, 250, "only the expired records were deleted");
+    eprintln!("5 expired records among 255 purged in {calls} calls of one page each");
+}
