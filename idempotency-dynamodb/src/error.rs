@@ -55,8 +55,9 @@ pub enum DynamoError {
         /// [`crate::MAX_TRANSACTION_WRITES`].
         limit: usize,
     },
-    /// DynamoDB cancelled an exactly-once call's transaction: nothing of it applied. Each
-    /// action it gave a reason for, by index (a write's condition that failed is
+    /// DynamoDB cancelled an exactly-once call's transaction: the send it answered applied
+    /// nothing (the store reads the record back before it reports that nothing applied at
+    /// all). Each action it gave a reason for, by index (a write's condition that failed is
     /// `ConditionalCheckFailed`).
     #[error(
         "DynamoDB cancelled the transaction, nothing of it applied: {}",
@@ -129,10 +130,13 @@ pub(crate) enum Effect {
 /// Classifies a failed request.
 ///
 /// The SDK may have sent the request more than once (it retries throttled requests, lost
-/// answers and 5xx answers), and the error is the last send's. So a holder's write that
-/// failed is [`Error::OutcomeUnknown`] unless the failure is one every send would have met
-/// (a request that could not be built, a 4xx other than throttling: validation, a missing
-/// table, access): a throttled last send does not mean an earlier one did not apply.
+/// answers, 5xx answers and a `TransactionInProgressException`), and the error is the last
+/// send's. So a holder's write that failed is [`Error::OutcomeUnknown`] unless the failure is
+/// one every send would have met: a request that could not be built, or one DynamoDB refuses
+/// for its shape or its table (validation, serialization, a missing table, an item
+/// collection over its size). Any other answer (a throttle, a transaction still in progress
+/// with the same client token, credentials that expired between sends, a code this store
+/// does not know) does not say that an earlier send did not apply.
 pub(crate) fn sdk_error<E>(
     operation: &'static str,
     e: SdkError<E, HttpResponse>,
@@ -150,10 +154,24 @@ where
                 | "RequestLimitExceeded"
                 | "TransactionConflictException",
             ) => (true, false),
-            Some("InternalServerError" | "ServiceUnavailable" | "InternalFailure") => (true, false),
+            Some(
+                "InternalServerError"
+                | "ServiceUnavailable"
+                | "InternalFailure"
+                | "TransactionInProgressException",
+            ) => (true, false),
             // A 5xx without a code DynamoDB uses (a proxy's error page): anything happened.
             _ if service.raw().status().is_server_error() => (true, false),
-            _ => (false, true),
+            // Refused for the request's shape or its table: so was every send of it.
+            Some(
+                "ValidationException"
+                | "SerializationException"
+                | "ResourceNotFoundException"
+                | "ItemCollectionSizeLimitExceededException",
+            ) => (false, true),
+            // Anything else (expired credentials, a code this store does not know): an
+            // earlier send may have applied.
+            _ => (false, false),
         },
         // Timeouts, dispatch failures, unreadable answers: the request may have applied.
         _ => (true, false),

@@ -32,8 +32,8 @@ const CONDITION_FAILED: &str = "ConditionalCheckFailed";
 /// work reads, it reads with your own client.
 ///
 /// A write's condition that fails cancels the whole transaction: the caller gets
-/// [`DynamoError::TransactionCanceled`], which says which write failed, and the key is
-/// released (nothing took effect).
+/// [`DynamoError::TransactionCanceled`], which says which write failed, and nothing took
+/// effect (under `run_in_transaction` the key is then released).
 ///
 /// ```
 /// use idempotency_dynamodb::aws_sdk_dynamodb::types::{AttributeValue, Put};
@@ -166,8 +166,10 @@ impl DynamoStore {
     /// TTL).
     ///
     /// [`Error::LeaseLost`] when the record is no longer this holder's (nothing applied);
-    /// [`Error::OutcomeUnknown`] when whether it applied is not known (hold the key until
-    /// its lease passes); any other error means nothing applied.
+    /// [`Error::OutcomeUnknown`] when whether it applied is not known (an earlier send may
+    /// have applied, or may still: hold the key until its lease passes); any other error
+    /// means nothing applied (a cancellation by one of your conditions, a request DynamoDB
+    /// refuses for its shape).
     pub async fn complete_with(
         &self,
         mut writes: DynamoTransaction,
@@ -251,15 +253,18 @@ impl DynamoStore {
                 // it is the completion of this very transaction (an earlier send of it
                 // applied, and the SDK sent it again).
                 let applied = match reason.item() {
-                    Some(item) => self.completed_by(item, completion),
-                    None => self.applied(completion).await.unwrap_or(false),
+                    Some(item) => Some(self.completed_by(item, completion)),
+                    None => self.applied(completion).await,
                 };
-                return if applied {
-                    Ok(())
-                } else {
-                    Err(CommitError::NotCommitted(Error::LeaseLost {
+                return match applied {
+                    Some(true) => Ok(()),
+                    Some(false) => Err(CommitError::NotCommitted(Error::LeaseLost {
                         token: completion.token,
-                    }))
+                    })),
+                    // The record could not be read: an earlier send may have applied.
+                    None => Err(CommitError::Unknown(Error::OutcomeUnknown {
+                        source: Box::new(DynamoError::TransactionCanceled { writes }),
+                    })),
                 };
             }
         }
@@ -346,6 +351,7 @@ impl TransactionalStore for DynamoStore {
         match error {
             // Every send would have met it (validation, a missing table): nothing applied.
             e @ Error::Backend { .. } => Err(CommitError::NotCommitted(e)),
+            // An earlier send may have applied, or may still: the record tells if it has.
             e => match self.applied(&completion).await {
                 Some(true) => Ok(()),
                 _ => Err(CommitError::Unknown(e)),

@@ -638,19 +638,35 @@ impl IdempotencyStore for DynamoStore {
     }
 
     /// Deletes up to `batch` expired records, reading at most `max(10 × batch, 100)` items:
-    /// the scan resumes where the last call stopped and starts over at the table's end, so
-    /// each call's cost is bounded however large the table, and successive calls sweep it.
+    /// the scan resumes where the last call stopped (after the last item it handled) and
+    /// starts over at the table's end, so each call's cost is bounded however large the
+    /// table, and successive calls sweep it. A call that fails keeps the place of its last
+    /// good page.
     async fn purge_expired(&self, batch: usize) -> Result<u64, Error> {
-        let now = self.clock.now();
-        let mut removed = 0u64;
-        let want = u64::try_from(batch).unwrap_or(u64::MAX);
-        let budget = batch.saturating_mul(10).max(PURGE_MIN_READ);
-        let mut read = 0usize;
         let mut start = self
             .purge_cursor
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .take();
+        let result = self.purge_from(&mut start, batch).await;
+        *self
+            .purge_cursor
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = start;
+        result
+    }
+}
+
+impl DynamoStore {
+    /// [`IdempotencyStore::purge_expired`] from `start` (the table's start when `None`),
+    /// which it leaves where the next call should resume: after the last item handled, or
+    /// `None` at the table's end.
+    async fn purge_from(&self, start: &mut Option<Item>, batch: usize) -> Result<u64, Error> {
+        let now = self.clock.now();
+        let mut removed = 0u64;
+        let want = u64::try_from(batch).unwrap_or(u64::MAX);
+        let budget = batch.saturating_mul(10).max(PURGE_MIN_READ);
+        let mut read = 0usize;
         while removed < want && read < budget {
             let page_size = i32::try_from((budget - read).min(1_000)).unwrap_or(1_000);
             let request = self
@@ -665,7 +681,7 @@ impl IdempotencyStore for DynamoStore {
                 .expression_attribute_names("#k", &self.names.key)
                 .expression_attribute_names("#tok", TOKEN)
                 .expression_attribute_values(":now", n(now.as_millis()))
-                .set_exclusive_start_key(start.take());
+                .set_exclusive_start_key(start.clone());
             let page = self
                 .timed(Effect::Repeatable, async {
                     request
@@ -675,53 +691,61 @@ impl IdempotencyStore for DynamoStore {
                 })
                 .await?;
             read += usize::try_from(page.scanned_count).unwrap_or(0).max(1);
-            start = page.last_evaluated_key.filter(|k| !k.is_empty());
-            for item in page.items.unwrap_or_default() {
-                if removed >= want {
-                    break;
-                }
-                let (Some(key), Some(token)) = (item.get(&self.names.key), item.get(TOKEN)) else {
+            let next = page.last_evaluated_key.filter(|k| !k.is_empty());
+            let items = page.items.unwrap_or_default();
+            let last = items.len();
+            for (i, item) in items.into_iter().enumerate() {
+                let Some(key) = item.get(&self.names.key) else {
                     continue;
                 };
-                // Deleted only if it is still that expired record.
-                let request = self
-                    .client
-                    .delete_item()
-                    .table_name(&self.names.table)
-                    .key(&self.names.key, key.clone())
-                    .condition_expression("#tok = :tok AND #exp <= :now")
-                    .expression_attribute_names("#tok", TOKEN)
-                    .expression_attribute_names("#exp", EXPIRES)
-                    .expression_attribute_values(":tok", token.clone())
-                    .expression_attribute_values(":now", n(now.as_millis()));
-                let deleted = self
-                    .timed(Effect::Repeatable, async {
-                        match request.send().await {
-                            Ok(_) => Ok(true),
-                            Err(SdkError::ServiceError(e))
-                                if e.err().is_conditional_check_failed_exception() =>
-                            {
-                                Ok(false)
-                            }
-                            Err(e) => Err(sdk_error("DeleteItem", e, Effect::Repeatable)),
-                        }
-                    })
-                    .await?;
-                removed += u64::from(deleted);
+                if let Some(token) = item.get(TOKEN) {
+                    removed += u64::from(self.delete_expired(key, token, now).await?);
+                }
+                if removed >= want && i + 1 < last {
+                    // Stopped inside the page: the next call resumes after this item.
+                    *start = Some(HashMap::from([(self.names.key.clone(), key.clone())]));
+                    return Ok(removed);
+                }
             }
+            *start = next;
             if start.is_none() {
                 break; // the table's end: the next call starts over
             }
         }
-        *self
-            .purge_cursor
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = start;
         Ok(removed)
     }
-}
 
-impl DynamoStore {
+    /// Deletes `key`'s record if it is still the expired record with `token`; whether it did.
+    async fn delete_expired(
+        &self,
+        key: &AttributeValue,
+        token: &AttributeValue,
+        now: Timestamp,
+    ) -> Result<bool, Error> {
+        let request = self
+            .client
+            .delete_item()
+            .table_name(&self.names.table)
+            .key(&self.names.key, key.clone())
+            .condition_expression("#tok = :tok AND #exp <= :now")
+            .expression_attribute_names("#tok", TOKEN)
+            .expression_attribute_names("#exp", EXPIRES)
+            .expression_attribute_values(":tok", token.clone())
+            .expression_attribute_values(":now", n(now.as_millis()));
+        self.timed(Effect::Repeatable, async {
+            match request.send().await {
+                Ok(_) => Ok(true),
+                Err(SdkError::ServiceError(e))
+                    if e.err().is_conditional_check_failed_exception() =>
+                {
+                    Ok(false)
+                }
+                Err(e) => Err(sdk_error("DeleteItem", e, Effect::Repeatable)),
+            }
+        })
+        .await
+    }
+
     /// `id`'s item as it is (a consistent read), expired or not.
     pub(crate) async fn read_item(&self, id: &RecordId) -> Result<Option<Item>, Error> {
         let (k, v) = self.key(id);

@@ -316,6 +316,8 @@ enum Answer {
     Throttled,
     /// Cancelled for a conflict on the completion (another request was writing the record).
     Conflict,
+    /// DynamoDB still runs an earlier send with the same client token.
+    InProgress,
 }
 
 /// Gives each send of `TransactWriteItems` the next fate in its script (then lets sends
@@ -377,6 +379,11 @@ impl Intercept for Script {
                 400,
                 Some("ThrottlingException"),
                 r#"{"__type":"com.amazonaws.dynamodb.v20120810#ThrottlingException","message":"Rate of requests exceeds the allowed throughput."}"#.to_owned(),
+            ),
+            Fate::Divert(Answer::InProgress) => (
+                400,
+                Some("TransactionInProgressException"),
+                r#"{"__type":"com.amazonaws.dynamodb.v20120810#TransactionInProgressException","message":"The transaction with the given request token is already in progress."}"#.to_owned(),
             ),
             Fate::Divert(Answer::Conflict) => (
                 400,
@@ -465,6 +472,35 @@ async fn a_transaction_of_unknown_outcome_holds_the_key_until_its_lease_passes()
     assert!(matches!(retried, Outcome::Fresh(Ok(7))), "{retried:?}");
     assert_eq!(runs.load(Ordering::SeqCst), 2);
     assert_eq!(count(&store, "unknown").await, 1);
+}
+
+/// Every send answered `TransactionInProgressException` (the SDK sent it again while
+/// DynamoDB still ran an earlier send with the same client token): the earlier send may yet
+/// apply, so the outcome is unknown and the key is held, never released for the work to run
+/// again meanwhile.
+#[tokio::test]
+async fn a_transaction_still_in_progress_at_dynamodb_holds_the_key() {
+    let script = Script::default();
+    let (store, clock, _guard) = intercepted_store(script.clone()).await;
+    let engine = engine(&store);
+    let runs = Arc::new(AtomicUsize::new(0));
+    script.then(Fate::Divert(Answer::InProgress), 10);
+    let e = run_bump(&engine, &store, "in-progress", &runs)
+        .await
+        .unwrap_err();
+    script.fates.lock().unwrap().clear();
+    assert!(matches!(e, Error::OutcomeUnknown { .. }), "{e:?}");
+    let held = run_bump(&engine, &store, "in-progress", &runs)
+        .await
+        .unwrap_err();
+    assert!(matches!(held, Error::InProgress { .. }), "{held:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    clock.advance(LEASE + Duration::from_secs(1));
+    let retried = run_bump(&engine, &store, "in-progress", &runs)
+        .await
+        .unwrap();
+    assert!(matches!(retried, Outcome::Fresh(Ok(7))), "{retried:?}");
+    assert_eq!(count(&store, "in-progress").await, 1);
 }
 
 /// DynamoDB cancels a transaction for a conflict on one of its items when another request

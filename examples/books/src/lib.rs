@@ -325,10 +325,24 @@ pub async fn stores(config: &Config) -> Result<(Arc<dyn IdempotencyStore>, BookR
             let store = idempotency_dynamodb::DynamoStore::builder()
                 .table(records_table)
                 .build(dynamodb_client(url))?;
-            // Created when missing (a table of another shape is refused by `verify`).
-            if let Err(e) = store.verify().await {
+            // Created when missing (a table of another shape is refused by `verify`). Another
+            // instance starting at once may be creating it: then it passes `verify` shortly.
+            if let Err(mut e) = store.verify().await {
                 if store.create_table().await.is_err() {
-                    return Err(e.into());
+                    let mut verified = false;
+                    for _ in 0..50 {
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        match store.verify().await {
+                            Ok(()) => {
+                                verified = true;
+                                break;
+                            }
+                            Err(again) => e = again,
+                        }
+                    }
+                    if !verified {
+                        return Err(e.into());
+                    }
                 }
             }
             let books = BookRepo::open_dynamodb(store.clone(), books_table).await?;
