@@ -444,63 +444,43 @@ async fn an_applied_transaction_then_throttled_resends_is_committed_once() {
     assert_eq!(count(&store, "throttled").await, 1);
 }
 
-/// No send reaches the table, and every answer is a 500: whether it applied is unknown to
-/// the caller, so the key is held until its lease passes (a duplicate meanwhile is told
-/// the key is in progress), then a retry runs the work once.
-#[tokio::test]
-async fn a_transaction_of_unknown_outcome_holds_the_key_until_its_lease_passes() {
+/// Every send of the transaction answered `answer` without reaching the table: the caller
+/// gets `OutcomeUnknown`, the key is held until its lease passes (a duplicate meanwhile is
+/// told the key is in progress), then a retry runs the work once.
+async fn held_until_the_lease_passes(answer: Answer, k: &str) {
     let script = Script::default();
     let (store, clock, _guard) = intercepted_store(script.clone()).await;
     let engine = engine(&store);
     let runs = Arc::new(AtomicUsize::new(0));
-    script.then(Fate::Divert(Answer::ServerError), 10);
-    let e = run_bump(&engine, &store, "unknown", &runs)
-        .await
-        .unwrap_err();
-    assert!(matches!(e, Error::OutcomeUnknown { .. }), "{e:?}");
+    script.then(Fate::Divert(answer), 10);
+    let e = run_bump(&engine, &store, k, &runs).await.unwrap_err();
     script.fates.lock().unwrap().clear();
-    assert_eq!(count(&store, "unknown").await, 0);
+    assert!(matches!(e, Error::OutcomeUnknown { .. }), "{e:?}");
+    assert_eq!(count(&store, k).await, 0);
 
-    let held = run_bump(&engine, &store, "unknown", &runs)
-        .await
-        .unwrap_err();
+    let held = run_bump(&engine, &store, k, &runs).await.unwrap_err();
     assert!(matches!(held, Error::InProgress { .. }), "{held:?}");
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 
     clock.advance(LEASE + Duration::from_secs(1));
-    let retried = run_bump(&engine, &store, "unknown", &runs).await.unwrap();
+    let retried = run_bump(&engine, &store, k, &runs).await.unwrap();
     assert!(matches!(retried, Outcome::Fresh(Ok(7))), "{retried:?}");
     assert_eq!(runs.load(Ordering::SeqCst), 2);
-    assert_eq!(count(&store, "unknown").await, 1);
+    assert_eq!(count(&store, k).await, 1);
 }
 
-/// Every send answered `TransactionInProgressException` (the SDK sent it again while
-/// DynamoDB still ran an earlier send with the same client token): the earlier send may yet
-/// apply, so the outcome is unknown and the key is held, never released for the work to run
-/// again meanwhile.
+/// Every answer a 500: whether the transaction applied is unknown to the caller.
+#[tokio::test]
+async fn a_transaction_of_unknown_outcome_holds_the_key_until_its_lease_passes() {
+    held_until_the_lease_passes(Answer::ServerError, "unknown").await;
+}
+
+/// Every answer `TransactionInProgressException` (the SDK sent it again while DynamoDB still
+/// ran an earlier send with the same client token): the earlier send may yet apply, so the
+/// key is never released for the work to run again meanwhile.
 #[tokio::test]
 async fn a_transaction_still_in_progress_at_dynamodb_holds_the_key() {
-    let script = Script::default();
-    let (store, clock, _guard) = intercepted_store(script.clone()).await;
-    let engine = engine(&store);
-    let runs = Arc::new(AtomicUsize::new(0));
-    script.then(Fate::Divert(Answer::InProgress), 10);
-    let e = run_bump(&engine, &store, "in-progress", &runs)
-        .await
-        .unwrap_err();
-    script.fates.lock().unwrap().clear();
-    assert!(matches!(e, Error::OutcomeUnknown { .. }), "{e:?}");
-    let held = run_bump(&engine, &store, "in-progress", &runs)
-        .await
-        .unwrap_err();
-    assert!(matches!(held, Error::InProgress { .. }), "{held:?}");
-    assert_eq!(runs.load(Ordering::SeqCst), 1);
-    clock.advance(LEASE + Duration::from_secs(1));
-    let retried = run_bump(&engine, &store, "in-progress", &runs)
-        .await
-        .unwrap();
-    assert!(matches!(retried, Outcome::Fresh(Ok(7))), "{retried:?}");
-    assert_eq!(count(&store, "in-progress").await, 1);
+    held_until_the_lease_passes(Answer::InProgress, "in-progress").await;
 }
 
 /// DynamoDB cancels a transaction for a conflict on one of its items when another request
