@@ -391,19 +391,27 @@ async fn abandoned_then_held(
     let claimed = Instant::now();
     match how {
         Abandoned::TimedOut => {
+            // A caller's timeout that fires once the work has acted: the timer starts when
+            // the work does, so a slow claim (a loaded machine, a remote store) cannot make
+            // it fire before the side effect.
             let effects = Arc::new(AtomicUsize::new(0));
-            let timed_out = {
+            let (started_tx, started_rx) = oneshot::channel();
+            let fingerprint = fp("f");
+            let run = {
                 let effects = effects.clone();
-                tokio::time::timeout(
-                    Duration::from_millis(100),
-                    e.run(&key, &scope, &fp("f"), move |_| async move {
-                        effects.fetch_add(1, Ordering::SeqCst);
-                        futures::future::pending::<()>().await;
-                        Ok::<String, String>("never".into())
-                    }),
-                )
-                .await
+                e.run(&key, &scope, &fingerprint, move |_| async move {
+                    effects.fetch_add(1, Ordering::SeqCst);
+                    let _ = started_tx.send(());
+                    futures::future::pending::<()>().await;
+                    Ok::<String, String>("never".into())
+                })
             };
+            tokio::pin!(run);
+            tokio::select! {
+                _ = &mut run => panic!("the never-ending work finished"),
+                started = started_rx => started.expect("the work started"),
+            }
+            let timed_out = tokio::time::timeout(Duration::from_millis(100), &mut run).await;
             assert!(timed_out.is_err(), "the never-ending work finished");
             assert_eq!(effects.load(Ordering::SeqCst), 1);
         }
