@@ -6,9 +6,13 @@
 //! merge payloads that differ.
 
 #[cfg(test)]
+mod tape;
+#[cfg(test)]
 mod tests;
 mod text;
 
+#[cfg(test)]
+use tape::canonicalise_with;
 use text::*;
 
 use sha2::{Digest, Sha256};
@@ -78,10 +82,10 @@ impl Fingerprint {
     }
 
     /// Parses JSON strictly (RFC 8259) and fingerprints its canonical text (see
-    /// [`canonical_json`]): the SHA-256 of [`canonical_json_slice`]'s text, hashed as it is
-    /// written (the text is never held whole). Every digit of every number and every member
-    /// of every object
-    /// counts; key order, whitespace and the way a string is escaped do not.
+    /// [`canonical_json`]): the SHA-256 of [`canonical_json_slice`]'s text. Every digit of
+    /// every number and every member of every object counts; key order, whitespace and the
+    /// way a string is escaped do not. Text already in canonical form is hashed as it is,
+    /// without a copy; other text is written once, in one pass, into a buffer as long as it.
     ///
     /// Fails on text that is not JSON or that nests arrays and objects deeper than 127 levels
     /// (serde_json's limit); a number outside the `f64` range, such as `1e400`, is JSON and
@@ -196,9 +200,11 @@ pub fn canonical_json(value: &serde_json::Value) -> String {
 /// # Ok::<(), serde_json::Error>(())
 /// ```
 pub fn canonical_json_slice(bytes: &[u8]) -> Result<String, serde_json::Error> {
-    let mut out = Vec::with_capacity(bytes.len());
-    if !canonicalise(bytes, &mut out) {
-        return Err(not_canonicalisable(bytes));
+    let mut out = Vec::with_capacity(output_capacity(bytes));
+    match canonicalise(bytes, &mut out) {
+        None => return Err(not_canonicalisable(bytes)),
+        Some(Canonical::Input) => out.extend_from_slice(bytes),
+        Some(Canonical::Written) => {}
     }
     // Only valid UTF-8 is written (the input was checked to be UTF-8).
     String::from_utf8(out).map_err(|_| not_canonicalisable(bytes))
@@ -206,8 +212,21 @@ pub fn canonical_json_slice(bytes: &[u8]) -> Result<String, serde_json::Error> {
 
 /// The SHA-256 of the canonical text of `bytes`, or `None` when they have none.
 fn canonical_digest(bytes: &[u8]) -> Option<[u8; 32]> {
-    let mut hasher = HashSink::default();
-    canonicalise(bytes, &mut hasher).then(|| hasher.finish())
+    let mut out = Vec::with_capacity(output_capacity(bytes));
+    let text = match canonicalise(bytes, &mut out)? {
+        Canonical::Input => bytes,
+        Canonical::Written => &out,
+    };
+    Some(Sha256::digest(text).into())
+}
+
+/// Room for the canonical text of `bytes` (usually shorter, or as long): a little more, for
+/// numbers written longer (`1e5` is `100000`).
+fn output_capacity(bytes: &[u8]) -> usize {
+    bytes
+        .len()
+        .saturating_add(bytes.len() / 16)
+        .saturating_add(16)
 }
 
 /// The error for text without a canonical form: serde_json's own when it refuses the text
@@ -221,8 +240,7 @@ fn not_canonicalisable(bytes: &[u8]) -> serde_json::Error {
     }
 }
 
-/// Where canonical text goes: a hasher (through a small buffer, so the text is never held
-/// whole) or a byte buffer.
+/// Where canonical text goes: a hasher (through a small buffer) or a byte buffer.
 trait Sink {
     fn put(&mut self, bytes: &[u8]);
 }
@@ -713,7 +731,7 @@ impl<'a> FingerprintBuilder<'a> {
     }
 
     /// Computes the digest. A JSON body contributes `J` and the SHA-256 of its canonical
-    /// text (hashed as it is written, never held whole); any other body `R` and its bytes.
+    /// text (see [`Fingerprint::from_json_slice`]); any other body `R` and its bytes.
     ///
     /// The stream starts with its format, `idempotency-fingerprint-v3`, so a fingerprint of
     /// another format never equals this one (see [`canonical_json`] for the format).
@@ -767,7 +785,15 @@ pub fn is_json_media_type(content_type: &str) -> bool {
         .next()
         .unwrap_or("")
         .trim()
-        .to_ascii_lowercase();
-    essence == "application/json"
-        || (essence.starts_with("application/") && essence.ends_with("+json"))
+        .as_bytes();
+    // Compared without regard to case, without a lower-cased copy.
+    let Some(subtype) = essence
+        .get(..12)
+        .filter(|t| t.eq_ignore_ascii_case(b"application/"))
+        .map(|_| &essence[12..])
+    else {
+        return false;
+    };
+    subtype.eq_ignore_ascii_case(b"json")
+        || (subtype.len() >= 5 && subtype[subtype.len() - 5..].eq_ignore_ascii_case(b"+json"))
 }

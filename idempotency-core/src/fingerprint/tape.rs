@@ -1,24 +1,14 @@
-//! Canonical JSON from text: a strict parser onto a flat tape, and the writer that sorts
-//! members and copies what is already canonical.
+//! The canonicaliser before the one-pass one (`text`), kept as the tests' oracle: a strict
+//! parser onto a flat tape, and a writer that sorts members and can copy what is already
+//! canonical. Two independent implementations must give the same text for every input.
 
+use super::text::{decode_escaped, is_canonical_integer, name_head, plain_run, MAX_DEPTH};
 use super::*;
 
-/// The deepest nesting of arrays and objects that has a canonical form: serde_json's limit
-/// (it refuses a 128th level), which this module had while it parsed through serde_json.
-pub(super) const MAX_DEPTH: usize = 127;
-
 /// Writes the canonical text of the JSON text `bytes` into `out`; `false` (with part of the
-/// text possibly written) when `bytes` are not JSON or nest too deep.
-///
-/// One pass parses the text into a flat tape (a node per value, no allocation per value),
-/// noting which values are already written in canonical form; a second writes it with object
-/// members sorted, copying each such value (and each member from its name to the end of such
-/// a value) from the input in one piece.
-pub(super) fn canonicalise<S: Sink>(bytes: &[u8], out: &mut S) -> bool {
-    canonicalise_with::<S, true>(bytes, out)
-}
-
-/// [`canonicalise`], with `VERBATIM` saying whether spans of the input that are already in
+/// text possibly written) when `bytes` are not JSON or nest too deep. One pass parses the
+/// text into a flat tape (a node per value), a second writes it with object members sorted.
+/// `VERBATIM` says whether spans of the input that are already in
 /// canonical form are copied whole. Without it every token is written one by one: the
 /// tests compare both writers, which must give the same text.
 pub(super) fn canonicalise_with<S: Sink, const VERBATIM: bool>(bytes: &[u8], out: &mut S) -> bool {
@@ -298,118 +288,10 @@ impl Parser<'_> {
         // Escapes: decode into the arena.
         let from = self.arena.len();
         self.arena.extend_from_slice(&self.s[start..self.i]);
-        loop {
-            match *self.s.get(self.i)? {
-                b'"' => {
-                    self.i += 1;
-                    self.node(Tag::Decoded, 0, from, self.arena.len());
-                    return Some(());
-                }
-                b'\\' => {
-                    self.i += 1;
-                    let decoded = match *self.s.get(self.i)? {
-                        b'"' => b'"',
-                        b'\\' => b'\\',
-                        b'/' => b'/',
-                        b'b' => 0x08,
-                        b'f' => 0x0c,
-                        b'n' => b'\n',
-                        b'r' => b'\r',
-                        b't' => b'\t',
-                        b'u' => {
-                            self.i += 1;
-                            let c = self.unicode_escape()?;
-                            let mut buf = [0u8; 4];
-                            self.arena
-                                .extend_from_slice(c.encode_utf8(&mut buf).as_bytes());
-                            continue;
-                        }
-                        _ => return None,
-                    };
-                    self.arena.push(decoded);
-                    self.i += 1;
-                }
-                0x00..=0x1f => return None,
-                _ => {
-                    let run = plain_run(&self.s[self.i..]);
-                    self.arena.extend_from_slice(&self.s[self.i..self.i + run]);
-                    self.i += run;
-                }
-            }
-        }
+        self.i = decode_escaped(self.s, self.i, &mut self.arena)?;
+        self.node(Tag::Decoded, 0, from, self.arena.len());
+        Some(())
     }
-
-    /// The character of a `\u` escape whose four hex digits start at `self.i`, joining a
-    /// surrogate pair; `None` for a lone surrogate.
-    fn unicode_escape(&mut self) -> Option<char> {
-        let high = self.hex4()?;
-        let code = match high {
-            0xd800..=0xdbff => {
-                if self.s.get(self.i..self.i + 2) != Some(b"\\u") {
-                    return None;
-                }
-                self.i += 2;
-                let low = self.hex4()?;
-                if !(0xdc00..=0xdfff).contains(&low) {
-                    return None;
-                }
-                0x10000 + ((u32::from(high) - 0xd800) << 10) + (u32::from(low) - 0xdc00)
-            }
-            0xdc00..=0xdfff => return None,
-            _ => u32::from(high),
-        };
-        let c = char::from_u32(code)?;
-        Some(c)
-    }
-
-    fn hex4(&mut self) -> Option<u16> {
-        let digits = self.s.get(self.i..self.i + 4)?;
-        let mut v = 0u16;
-        for &d in digits {
-            v = v * 16 + u16::from((d as char).to_digit(16)? as u8);
-        }
-        self.i += 4;
-        Some(v)
-    }
-}
-
-/// Whether a number's text is its canonical text: an integer without a fraction or an
-/// exponent, without leading zeros, of at most 21 digits (beyond them the canonical text
-/// has an exponent), and not `-0` (which is `0`).
-pub(super) fn is_canonical_integer(n: &Number<'_>) -> bool {
-    n.frac.is_empty()
-        && n.exp.is_empty()
-        && n.int.len() <= 21
-        && match n.int {
-            b"0" => !n.negative,
-            int => int[0] != b'0',
-        }
-}
-
-/// The length of the run of string bytes that need no decoding: up to a quote, a backslash,
-/// a control character (not allowed in a string) or the end. Eight bytes at a time.
-pub(super) fn plain_run(s: &[u8]) -> usize {
-    const ONES: u64 = 0x0101_0101_0101_0101;
-    const HIGH: u64 = 0x8080_8080_8080_8080;
-    // The high bit of each byte of `v` that is zero. A borrow can also flag a byte above a
-    // zero byte, never one below it, so the lowest flag is exact.
-    let zero = |v: u64| v.wrapping_sub(ONES) & !v & HIGH;
-    let mut i = 0;
-    while let Some(chunk) = s.get(i..i + 8) {
-        let w = u64::from_le_bytes(chunk.try_into().unwrap_or_default());
-        // Bytes below 0x20; bytes from 0x80 up are never flagged (`!w` clears their bit).
-        let control = w.wrapping_sub(0x20 * ONES) & !w & HIGH;
-        let found =
-            zero(w ^ (u64::from(b'"') * ONES)) | zero(w ^ (u64::from(b'\\') * ONES)) | control;
-        if found != 0 {
-            return i + (found.trailing_zeros() / 8) as usize;
-        }
-        i += 8;
-    }
-    i + s[i..]
-        .iter()
-        .position(|&b| b == b'"' || b == b'\\' || b < 0x20)
-        .unwrap_or(s.len() - i)
 }
 
 pub(super) struct Writer<'a, const VERBATIM: bool> {
@@ -421,28 +303,19 @@ pub(super) struct Writer<'a, const VERBATIM: bool> {
     members: Vec<(NameKey<'a>, usize)>,
 }
 
-/// A member name, ordered by its bytes; most comparisons are settled by the first eight,
-/// read once as a number, without comparing the slices.
+/// A member name, ordered by its bytes, then by its [`name_head`] first.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub(super) struct NameKey<'a> {
-    /// The first eight bytes, big-endian, zero-padded: a shorter name can only tie with a
-    /// longer one here, never be ordered after it.
     head: u64,
     name: &'a [u8],
 }
 
 impl<'a> NameKey<'a> {
-    #[inline]
     fn of(name: &'a [u8]) -> Self {
-        let head = match name.first_chunk::<8>() {
-            Some(first) => u64::from_be_bytes(*first),
-            None => {
-                let mut head = [0u8; 8];
-                copy_short(&mut head[..name.len()], name);
-                u64::from_be_bytes(head)
-            }
-        };
-        Self { head, name }
+        Self {
+            head: name_head(name, 0, name.len()),
+            name,
+        }
     }
 }
 

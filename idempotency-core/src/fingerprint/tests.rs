@@ -151,13 +151,7 @@ fn numbers_are_written_by_exact_value() {
 #[test]
 fn random_numbers_keep_their_value() {
     use std::collections::HashMap;
-    let mut state = 0x9e37_79b9_7f4a_7c15_u64;
-    let mut next = move |n: u64| {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state % n
-    };
+    let mut next = xorshift(0x9e37_79b9_7f4a_7c15_u64);
     let digits = |len: u64, next: &mut dyn FnMut(u64) -> u64| -> String {
         (0..len)
             .map(|_| b"0000123456789"[next(13) as usize] as char)
@@ -648,6 +642,20 @@ fn json_media_types() {
     assert!(is_json_media_type("application/merge-patch+json"));
     assert!(!is_json_media_type("text/plain"));
     assert!(!is_json_media_type("application/jsonx"));
+    assert!(is_json_media_type("  APPLICATION/VND.API+Json ;q=1"));
+    assert!(is_json_media_type("application/+json"));
+    for not_json in [
+        "",
+        "application/",
+        "applicatio",
+        "application/json+xml",
+        "text/json",
+        "application/jsön",
+        "ápplication/json",
+        "application/x-json5",
+    ] {
+        assert!(!is_json_media_type(not_json), "{not_json:?}");
+    }
 }
 
 /// Random JSON text, written the way clients write it: compact or spaced, members in
@@ -734,13 +742,7 @@ fn random_json(next: &mut dyn FnMut(u64) -> u64, depth: u32, out: &mut String) {
 /// everything is a span).
 #[test]
 fn copied_spans_are_the_text_written_token_by_token() {
-    let mut state = 0x2545_f491_4f6c_dd1d_u64;
-    let mut next = move |n: u64| {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state % n
-    };
+    let mut next = xorshift(0x2545_f491_4f6c_dd1d_u64);
     let by_tokens = |text: &[u8]| {
         let mut out = Vec::new();
         canonicalise_with::<_, false>(text, &mut out).then_some(out)
@@ -772,4 +774,51 @@ fn copied_spans_are_the_text_written_token_by_token() {
     let compact = canonical_json_slice(br#"{"b":[1,{"y":"\u00e9","x":-0}],"a":1.50}"#).unwrap();
     assert_eq!(compact, r#"{"a":1.5,"b":[1,{"x":0,"y":"é"}]}"#);
     assert_eq!(canonical_json_slice(compact.as_bytes()).unwrap(), compact);
+}
+
+/// Objects wider than the insertion sort's (more than 16 members, sorted another way), with
+/// duplicate and escaped names, nested, compact or spaced: the same text as the tape
+/// writer's.
+#[test]
+fn wide_objects_are_written_as_the_tape_writer_writes_them() {
+    let mut next = xorshift(0x9e37_79b9_7f4a_7c15_u64);
+    const NAMES: [&str; 8] = ["a", "b", "ab", r"a\u0062", "zz", "z_note", r"\u00e9", ""];
+    for round in 0..500 {
+        let mut text = String::from("{");
+        let members = 17 + next(40);
+        for i in 0..members {
+            if i > 0 {
+                text.push_str([",", " , ", ",\n"][next(3) as usize]);
+            }
+            let name = NAMES[next(NAMES.len() as u64) as usize];
+            text.push_str(&format!("\"{name}{}\":", next(30)));
+            match next(3) {
+                0 => text.push_str(&format!("{}", next(1000))),
+                1 => text.push_str(&format!("{{\"y\":{i},\"x\":[1.50,\"\\u00e9\"]}}")),
+                _ => random_json(&mut next, 1, &mut text),
+            }
+        }
+        text.push('}');
+        let mut expected = Vec::new();
+        assert!(canonicalise_with::<_, false>(
+            text.as_bytes(),
+            &mut expected
+        ));
+        let written = canonical_json_slice(text.as_bytes()).unwrap();
+        assert_eq!(written.as_bytes(), expected, "round {round}: {text}");
+        assert_eq!(
+            Fingerprint::from_json_slice(text.as_bytes()).unwrap(),
+            Fingerprint::from_bytes(&expected)
+        );
+    }
+}
+
+/// A xorshift generator from `seed`: `next(n)` is a number below `n`.
+fn xorshift(mut state: u64) -> impl FnMut(u64) -> u64 {
+    move |n| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state % n
+    }
 }
