@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 
 mod model;
+pub mod phases;
 mod run;
 mod world;
 
