@@ -9,6 +9,7 @@ mod fingerprint;
 pub mod http;
 mod key;
 mod observe;
+pub mod phases;
 mod policy;
 mod record;
 mod scope;
@@ -27,6 +28,7 @@ pub use fingerprint::{
 };
 pub use key::{IdempotencyKey, KeyError};
 pub use observe::{loggable_key, Event};
+pub use phases::{phase_key, PhaseContext, Phases, RecoveryPoint, RecoveryPoints};
 pub use policy::{ErrorOutcomes, InFlight, Policy, SettleRetry};
 pub use record::{
     claim_retention, Cas, Claim, ClaimRequest, Failure, FencingToken, Reclaim, Record, RecordId,

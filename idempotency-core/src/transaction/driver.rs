@@ -56,21 +56,64 @@ impl Idempotency {
             Proceed::Replay(record) => return decode_replay(&record).map(Outcome::Replayed),
             Proceed::Execute(lease) => lease,
         };
-        let end = AssertUnwindSafe(transaction(store, &lease, &mut work))
+        let end = AssertUnwindSafe(transaction(store, &lease, &mut work, &Complete))
             .catch_unwind()
             .await;
         lease.settle_transaction(end).await
     }
 }
 
+/// What a transaction writes to the record with the work's value, before its commit: the
+/// completion, or (for a phase of a multi-step operation) a recovery point.
+pub(crate) trait Seal<S: TransactionalStore, T>: Sync {
+    /// The bytes written for `value`.
+    fn encode(&self, value: &T) -> Result<Vec<u8>, Error>;
+
+    /// Writes them inside `transaction`, fenced by `lease`'s token ([`Error::LeaseLost`]
+    /// when the record is no longer the holder's).
+    fn seal<'t>(
+        &'t self,
+        store: &'t S,
+        transaction: &'t mut S::Transaction,
+        lease: &'t Lease,
+        bytes: Vec<u8>,
+    ) -> BoxFuture<'t, Result<(), Error>>;
+}
+
+/// The record's completion, with the work's value stored as `Ok(value)` of a `Result<T, E>`,
+/// as the plain engine stores it.
+pub(crate) struct Complete;
+
+impl<S: TransactionalStore, T: Serialize> Seal<S, T> for Complete {
+    fn encode(&self, value: &T) -> Result<Vec<u8>, Error> {
+        encode_outcome(&Ok::<&T, ()>(value))
+    }
+
+    fn seal<'t>(
+        &'t self,
+        store: &'t S,
+        transaction: &'t mut S::Transaction,
+        lease: &'t Lease,
+        bytes: Vec<u8>,
+    ) -> BoxFuture<'t, Result<(), Error>> {
+        Box::pin(async move { store.complete_in(transaction, lease, &bytes).await })
+    }
+}
+
 /// Runs the work's transaction under `lease` until it ends (again after each conflict),
-/// keeping the lease as [`Begun`] says. What then becomes of the key is
-/// [`Lease::settle_transaction`]'s to decide.
-async fn transaction<S, T, E, F>(store: &S, lease: &Lease, work: &mut F) -> TransactionEnd<T, E>
+/// keeping the lease as [`Begun`] says, and seals it with `seal` before the commit. What
+/// then becomes of the key is [`Lease::settle_transaction`]'s to decide.
+pub(crate) async fn transaction<S, T, E, F, Z>(
+    store: &S,
+    lease: &Lease,
+    work: &mut F,
+    seal: &Z,
+) -> TransactionEnd<T, E>
 where
     S: TransactionalStore,
-    T: Serialize + Send,
-    E: Serialize + Send,
+    T: Send,
+    E: Send,
+    Z: Seal<S, T>,
     F: for<'t> FnMut(
             &'t mut S::Transaction,
             WorkContext,
@@ -137,9 +180,8 @@ where
                 return TransactionEnd::LeaseLost;
             }
         };
-        // Stored as `Ok(value)` of a `Result<T, E>`, as the plain engine stores it.
-        let completed = match encode_outcome(&Ok::<&T, &E>(&value)) {
-            Ok(bytes) => store.complete_in(&mut tx, lease, &bytes).await,
+        let completed = match seal.encode(&value) {
+            Ok(bytes) => seal.seal(store, &mut tx, lease, bytes).await,
             Err(e) => Err(e),
         };
         if let Err(e) = completed {

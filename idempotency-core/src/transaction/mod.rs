@@ -26,7 +26,7 @@
 //! | ended with a commit whose outcome is unknown | `Unknown(e)` | held until its lease passes | `e` |
 //! | panicked (its transaction rolled back) | the panic | released at once | the panic, resumed |
 
-mod driver;
+pub(crate) mod driver;
 mod store;
 
 pub use store::{Begun, CommitError, TransactionalStore, MAX_TRANSACTION_ATTEMPTS};

@@ -1,0 +1,511 @@
+//! Multi-step operations that resume instead of restarting: atomic phases and recovery
+//! points.
+//!
+//! Real mutations are rarely one transaction: a ride is booked in the database, charged
+//! through a payment provider, then a receipt is queued. With [`Phases`], each step is a
+//! **phase**; a database phase runs in its own transaction of a store that keeps **recovery
+//! points** ([`RecoveryPoints`]), and its writes commit together with the record's recovery
+//! point (the phase reached, and the state the next phase needs), fenced by the holder's
+//! token. The last phase commits with the record's completion, and its value is the outcome
+//! every retry replays.
+//!
+//! A retry of the same key after the holder died, once its lease has passed, **resumes** at
+//! the last recovery point with its state: phases already committed never run again. A
+//! phase that calls another service ([`Phases::foreign`]) runs outside any transaction, so
+//! it can run twice (its holder may die after the call and before its recovery point
+//! commits): its [`PhaseContext::key`] is the same on every attempt and for every holder, so
+//! the other side deduplicates it when sent as that service's idempotency key. That is why
+//! a foreign call sits **alone in its phase**: anything else in the phase would be redone
+//! with it, and the recovery point right after it is what keeps it from being made again
+//! once it is known to have succeeded.
+//!
+//! What becomes of the key when a phase does not commit follows the exactly-once rules of
+//! [`transaction`](crate::transaction): the work's error is stored or recorded as a failure
+//! per [`Policy::errors`](crate::Policy::errors), a fenced phase is `LeaseLost`, a commit of
+//! unknown outcome holds the key. A store with recovery points keeps them when a record
+//! fails and when it is reclaimed, so a retry after a recorded failure also resumes.
+//!
+//! State between phases is typed: each phase takes the value the phase before returned
+//! (serialized as JSON in the recovery point; the first phase takes `()`).
+
+use crate::transaction::driver::{transaction, Complete, Seal};
+use crate::transaction::{TransactionEnd, TransactionalStore};
+use crate::{
+    decode_replay, Error, Fingerprint, Idempotency, IdempotencyKey, Lease, Outcome, Proceed,
+    RecordId, Scope,
+};
+use async_trait::async_trait;
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use serde::{de::DeserializeOwned, Serialize};
+use sha2::{Digest, Sha256};
+use std::fmt::{self, Display};
+use std::future::Future;
+use std::marker::PhantomData;
+use std::panic::AssertUnwindSafe;
+
+/// How far a multi-step operation has come: written with the writes of the phase that
+/// reached it, in the same transaction.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecoveryPoint {
+    /// The operation's name ([`Phases::new`]): a record of another operation is not resumed.
+    pub operation: String,
+    /// How many phases have committed: the phase to run next.
+    pub phase: u16,
+    /// The token of the holder that wrote the operation's first recovery point: with the
+    /// record's address, the operation's identity, from which foreign keys are derived.
+    pub origin: u64,
+    /// The state the next phase takes: the JSON of the last committed phase's value.
+    pub state: Vec<u8>,
+}
+
+/// A [`TransactionalStore`] that keeps a recovery point on each record, for [`Phases`].
+///
+/// A store keeps a record's recovery point while the record lives: a reclaim (a new token)
+/// and a recorded failure leave it as it is; a fresh claim of an expired or purged record
+/// starts without one.
+#[async_trait]
+pub trait RecoveryPoints: TransactionalStore {
+    /// Inside `transaction`: if `lease`'s token still holds the record (live, Pending) and
+    /// its recovery point is at phase `from` (`None`: the record has none yet), sets it to
+    /// `to`. Nothing of it is visible before the commit. [`Error::LeaseLost`] when either
+    /// condition fails (only the holder moves the recovery point, so a moved one means the
+    /// record is no longer this holder's).
+    async fn advance_in(
+        &self,
+        transaction: &mut Self::Transaction,
+        lease: &Lease,
+        from: Option<u16>,
+        to: &RecoveryPoint,
+    ) -> Result<(), Error>;
+
+    /// The recovery point of the record `lease` holds (`None` when it has none).
+    async fn recovery_point(&self, lease: &Lease) -> Result<Option<RecoveryPoint>, Error>;
+}
+
+/// What a phase knows about itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PhaseContext {
+    operation: String,
+    name: String,
+    phase: u16,
+    key: String,
+}
+
+impl PhaseContext {
+    /// The operation's name.
+    pub fn operation(&self) -> &str {
+        &self.operation
+    }
+
+    /// The phase's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The phase's index (the first is 0).
+    pub fn phase(&self) -> u16 {
+        self.phase
+    }
+
+    /// A key for this phase of this operation: the same on every attempt and for every
+    /// holder, different for every other phase, operation and record (a new record of the
+    /// same key, after the old one expired, is a new operation). Send it as the idempotency
+    /// key of the phase's foreign call. 64 hexadecimal characters.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+}
+
+/// The key of `phase` of the operation `operation` on the record `id` (of `fingerprint`,
+/// first recovery point by the holder of token `origin`): SHA-256 over all of them,
+/// length-prefixed, in hexadecimal.
+pub fn phase_key(
+    id: &RecordId,
+    fingerprint: &Fingerprint,
+    origin: u64,
+    operation: &str,
+    phase: u16,
+) -> String {
+    let mut h = Sha256::new();
+    h.update(b"idempotency-phase-key-v1");
+    for part in [
+        id.scope.as_str().as_bytes(),
+        id.key.as_str().as_bytes(),
+        operation.as_bytes(),
+    ] {
+        h.update((part.len() as u64).to_be_bytes());
+        h.update(part);
+    }
+    h.update(fingerprint.as_bytes());
+    h.update(origin.to_be_bytes());
+    h.update(phase.to_be_bytes());
+    hex::encode(h.finalize())
+}
+
+type DatabaseRun<S, E> = Box<
+    dyn for<'t> FnMut(
+            &'t mut <S as TransactionalStore>::Transaction,
+            Vec<u8>,
+            PhaseContext,
+        ) -> BoxFuture<'t, Result<Result<Vec<u8>, E>, Error>>
+        + Send,
+>;
+
+type ForeignRun<E> = Box<
+    dyn FnMut(Vec<u8>, PhaseContext) -> BoxFuture<'static, Result<Result<Vec<u8>, E>, Error>>
+        + Send,
+>;
+
+enum Step<S: TransactionalStore, E> {
+    Database(DatabaseRun<S, E>),
+    Foreign(ForeignRun<E>),
+}
+
+/// A multi-step operation on the store `S`: its phases, in order, each taking the value the
+/// one before returned (`()` for the first), the last one's value of type `T` being the
+/// operation's outcome; `E` is the error a phase may end the operation with.
+///
+/// Built with [`Phases::new`], then [`Phases::phase`] and [`Phases::foreign`] once per
+/// phase, and run with [`Idempotency::run_phases`].
+pub struct Phases<S: TransactionalStore, T, E> {
+    operation: String,
+    steps: Vec<(String, Step<S, E>)>,
+    _value: PhantomData<fn() -> T>,
+}
+
+impl<S: TransactionalStore, T, E> fmt::Debug for Phases<S, T, E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let names: Vec<_> = self.steps.iter().map(|(name, _)| name.as_str()).collect();
+        f.debug_struct("Phases")
+            .field("operation", &self.operation)
+            .field("phases", &names)
+            .finish()
+    }
+}
+
+impl<S: TransactionalStore, E> Phases<S, (), E> {
+    /// An operation named `operation`, without phases yet. The name is written in its
+    /// recovery points: a record another operation started is not resumed by this one.
+    pub fn new(operation: impl Into<String>) -> Self {
+        Self {
+            operation: operation.into(),
+            steps: Vec::new(),
+            _value: PhantomData,
+        }
+    }
+}
+
+/// Pins a closure to the higher-ranked signature of a database phase.
+fn database<S, E, F>(run: F) -> F
+where
+    S: TransactionalStore,
+    F: for<'t> FnMut(
+        &'t mut S::Transaction,
+        Vec<u8>,
+        PhaseContext,
+    ) -> BoxFuture<'t, Result<Result<Vec<u8>, E>, Error>>,
+{
+    run
+}
+
+/// Pins a closure to the higher-ranked signature of a transaction's work.
+fn work<S, T, E, F>(run: F) -> F
+where
+    S: TransactionalStore,
+    F: for<'t> FnMut(
+        &'t mut S::Transaction,
+        crate::WorkContext,
+    ) -> BoxFuture<'t, Result<Result<T, E>, Error>>,
+{
+    run
+}
+
+fn codec(source: serde_json::Error) -> Error {
+    Error::Codec { source }
+}
+
+impl<S, T, E> Phases<S, T, E>
+where
+    S: TransactionalStore + 'static,
+    T: DeserializeOwned + Send + 'static,
+    E: Send + 'static,
+{
+    /// A phase that writes through the store's transaction: `run` gets the transaction,
+    /// the value of the phase before and the phase's context, and returns its value (or
+    /// `Err(error)` when the transaction broke under it). Its writes commit with the
+    /// recovery point (or, for the last phase, the completion), or not at all. Like the
+    /// work of [`Idempotency::run_in_transaction`], it runs again after a conflict with a
+    /// concurrent transaction, so it acts only through the transaction it is given.
+    pub fn phase<N, F>(mut self, name: impl Into<String>, mut run: F) -> Phases<S, N, E>
+    where
+        N: Serialize + 'static,
+        F: for<'t> FnMut(
+                &'t mut S::Transaction,
+                T,
+                PhaseContext,
+            ) -> BoxFuture<'t, Result<Result<N, E>, Error>>
+            + Send
+            + 'static,
+    {
+        let erased = database::<S, E, _>(move |tx, input, ctx| {
+            let value = match serde_json::from_slice::<T>(&input) {
+                Ok(value) => value,
+                Err(e) => return futures::future::ready(Err(codec(e))).boxed(),
+            };
+            let ran = run(tx, value, ctx);
+            Box::pin(async move {
+                match ran.await? {
+                    Ok(value) => serde_json::to_vec(&value).map(Ok).map_err(codec),
+                    Err(e) => Ok(Err(e)),
+                }
+            })
+        });
+        self.steps
+            .push((name.into(), Step::Database(Box::new(erased))));
+        Phases {
+            operation: self.operation,
+            steps: self.steps,
+            _value: PhantomData,
+        }
+    }
+
+    /// A phase that calls another service, outside any transaction: `run` gets the value of
+    /// the phase before and the phase's context, whose [`PhaseContext::key`] it sends as the
+    /// call's idempotency key, and returns its value. The recovery point commits after it.
+    /// It must do nothing but the call: if its holder dies before the recovery point
+    /// commits, the next holder runs it again, and only the other side's deduplication by
+    /// the key keeps the call from acting twice.
+    pub fn foreign<N, F, Fut>(mut self, name: impl Into<String>, mut run: F) -> Phases<S, N, E>
+    where
+        N: Serialize + 'static,
+        F: FnMut(T, PhaseContext) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<Result<N, E>, Error>> + Send + 'static,
+    {
+        let erased: ForeignRun<E> = Box::new(move |input, ctx| {
+            let value = match serde_json::from_slice::<T>(&input) {
+                Ok(value) => value,
+                Err(e) => return futures::future::ready(Err(codec(e))).boxed(),
+            };
+            let ran = run(value, ctx);
+            Box::pin(async move {
+                match ran.await? {
+                    Ok(value) => serde_json::to_vec(&value).map(Ok).map_err(codec),
+                    Err(e) => Ok(Err(e)),
+                }
+            })
+        });
+        self.steps.push((name.into(), Step::Foreign(erased)));
+        Phases {
+            operation: self.operation,
+            steps: self.steps,
+            _value: PhantomData,
+        }
+    }
+}
+
+/// The recovery point after a phase: written with its writes.
+struct Advance {
+    from: Option<u16>,
+    operation: String,
+    phase: u16,
+    origin: u64,
+}
+
+impl<S: RecoveryPoints> Seal<S, Vec<u8>> for Advance {
+    fn encode(&self, value: &Vec<u8>) -> Result<Vec<u8>, Error> {
+        Ok(value.clone())
+    }
+
+    fn seal<'t>(
+        &'t self,
+        store: &'t S,
+        transaction: &'t mut S::Transaction,
+        lease: &'t Lease,
+        state: Vec<u8>,
+    ) -> BoxFuture<'t, Result<(), Error>> {
+        Box::pin(async move {
+            let to = RecoveryPoint {
+                operation: self.operation.clone(),
+                phase: self.phase,
+                origin: self.origin,
+                state,
+            };
+            store.advance_in(transaction, lease, self.from, &to).await
+        })
+    }
+}
+
+/// The completion of the last phase, whose value arrives as its JSON.
+struct CompleteWithJson;
+
+impl<S: TransactionalStore> Seal<S, Vec<u8>> for CompleteWithJson {
+    fn encode(&self, value: &Vec<u8>) -> Result<Vec<u8>, Error> {
+        // `Ok(value)` of a `Result`, as `encode_outcome` writes it.
+        let mut bytes = Vec::with_capacity(value.len() + 7);
+        bytes.extend_from_slice(br#"{"Ok":"#);
+        bytes.extend_from_slice(value);
+        bytes.push(b'}');
+        Ok(bytes)
+    }
+
+    fn seal<'t>(
+        &'t self,
+        store: &'t S,
+        transaction: &'t mut S::Transaction,
+        lease: &'t Lease,
+        bytes: Vec<u8>,
+    ) -> BoxFuture<'t, Result<(), Error>> {
+        <Complete as Seal<S, ()>>::seal(&Complete, store, transaction, lease, bytes)
+    }
+}
+
+/// A transaction end of the JSON of a value, as one of the value.
+fn typed_end<T: DeserializeOwned, E>(end: TransactionEnd<Vec<u8>, E>) -> TransactionEnd<T, E> {
+    match end {
+        TransactionEnd::Committed(json) => match serde_json::from_slice(&json) {
+            Ok(value) => TransactionEnd::Committed(value),
+            // Written from a `T` a moment ago; should it not read back, the record is
+            // completed all the same: the caller gets the error, a retry the replay.
+            Err(e) => TransactionEnd::Unknown(codec(e)),
+        },
+        TransactionEnd::WorkFailed(e) => TransactionEnd::WorkFailed(e),
+        TransactionEnd::LeaseLost => TransactionEnd::LeaseLost,
+        TransactionEnd::RolledBack(e) => TransactionEnd::RolledBack(e),
+        TransactionEnd::Unknown(e) => TransactionEnd::Unknown(e),
+    }
+}
+
+impl Idempotency {
+    /// Runs the multi-step operation `phases` once for `(scope, key)` on `store`, resuming
+    /// at the record's recovery point when an earlier holder committed phases of it (see the
+    /// [module documentation](crate::phases)).
+    ///
+    /// The key is claimed as by [`Idempotency::begin`] (a replay, a mismatch and a key in
+    /// progress behave as in [`Idempotency::run`]). `store` must reach the same records as
+    /// this engine's store. An operation without phases, or a record whose recovery point
+    /// was written by another operation, is an [`Error::Config`].
+    pub async fn run_phases<S, T, E>(
+        &self,
+        store: &S,
+        key: &IdempotencyKey,
+        scope: &Scope,
+        fingerprint: &Fingerprint,
+        mut phases: Phases<S, T, E>,
+    ) -> Result<Outcome<Result<T, E>>, Error>
+    where
+        S: RecoveryPoints,
+        T: Serialize + DeserializeOwned + Send + 'static,
+        E: Serialize + DeserializeOwned + Display + Send + 'static,
+    {
+        let count = u16::try_from(phases.steps.len())
+            .ok()
+            .filter(|&n| n > 0)
+            .ok_or_else(|| {
+                Error::Config(format!(
+                    "operation {:?}: between 1 and 65,535 phases, not {}",
+                    phases.operation,
+                    phases.steps.len()
+                ))
+            })?;
+        let id = RecordId::new(scope.clone(), key.clone());
+        let lease = match self.begin(&id, fingerprint).await?.proceed()? {
+            Proceed::Replay(record) => return decode_replay(&record).map(Outcome::Replayed),
+            Proceed::Execute(lease) => lease,
+        };
+        let point = match store.recovery_point(&lease).await {
+            Ok(point) => point,
+            Err(e) => return lease.settle_transaction(Ok(rolled_back(e))).await,
+        };
+        let operation = phases.operation.clone();
+        let (mut at, origin, mut state, mut written) = match point {
+            Some(p) if p.operation != operation || p.phase >= count => {
+                let e = Error::Config(format!(
+                    "the record of {id} is at phase {} of operation {:?}, which this \
+                     operation ({operation:?}, {count} phases) cannot resume",
+                    p.phase, p.operation
+                ));
+                return lease.settle_transaction(Ok(rolled_back(e))).await;
+            }
+            Some(p) => (p.phase, p.origin, p.state, true),
+            None => (0, lease.token().0, b"null".to_vec(), false),
+        };
+        let end = AssertUnwindSafe(async {
+            if !written && matches!(phases.steps[0].1, Step::Foreign(_)) {
+                // A foreign call first: its key is derived from the operation's origin,
+                // which must be known to every later holder before the call is made.
+                let start = Advance {
+                    from: None,
+                    operation: operation.clone(),
+                    phase: 0,
+                    origin,
+                };
+                let mut nothing = work::<S, _, E, _>(|_, _| {
+                    futures::future::ready(Ok(Ok(b"null".to_vec()))).boxed()
+                });
+                match transaction(store, &lease, &mut nothing, &start).await {
+                    TransactionEnd::Committed(_) => written = true,
+                    end => return end,
+                }
+            }
+            loop {
+                let last = at + 1 == count;
+                let (name, step) = &mut phases.steps[usize::from(at)];
+                let ctx = PhaseContext {
+                    operation: operation.clone(),
+                    name: name.clone(),
+                    phase: at,
+                    key: phase_key(&id, fingerprint, origin, &operation, at),
+                };
+                let next = Advance {
+                    from: written.then_some(at),
+                    operation: operation.clone(),
+                    phase: at + 1,
+                    origin,
+                };
+                let end = match step {
+                    Step::Database(run) => {
+                        let input = state.clone();
+                        let mut phase =
+                            work::<S, _, E, _>(|tx, _| run(tx, input.clone(), ctx.clone()));
+                        if last {
+                            transaction(store, &lease, &mut phase, &CompleteWithJson).await
+                        } else {
+                            transaction(store, &lease, &mut phase, &next).await
+                        }
+                    }
+                    Step::Foreign(run) => {
+                        let value = match lease.with_heartbeat(run(state.clone(), ctx)).await {
+                            Ok(Ok(value)) => value,
+                            Ok(Err(e)) => return TransactionEnd::WorkFailed(e),
+                            Err(e) => return TransactionEnd::RolledBack(e),
+                        };
+                        let mut record = work::<S, _, E, _>(|_, _| {
+                            futures::future::ready(Ok(Ok(value.clone()))).boxed()
+                        });
+                        if last {
+                            transaction(store, &lease, &mut record, &CompleteWithJson).await
+                        } else {
+                            transaction(store, &lease, &mut record, &next).await
+                        }
+                    }
+                };
+                match end {
+                    TransactionEnd::Committed(value) if !last => {
+                        state = value;
+                        at += 1;
+                        written = true;
+                    }
+                    end => return end,
+                }
+            }
+        })
+        .catch_unwind()
+        .await;
+        lease.settle_transaction(end.map(typed_end)).await
+    }
+}
+
+fn rolled_back<T, E>(e: Error) -> TransactionEnd<T, E> {
+    TransactionEnd::RolledBack(e)
+}
