@@ -75,6 +75,11 @@ pub enum DynamoError {
     /// it.
     #[error("a conditional {0} failed and DynamoDB returned no item (ReturnValuesOnConditionCheckFailure is not honoured)")]
     NoItemReturned(&'static str),
+    /// DynamoDB refused a write because the record is no longer this holder's, but the SDK
+    /// had sent the write more than once: an earlier send may have applied before the
+    /// record changed (its answer lost, then the record expired and was claimed again).
+    #[error("a {0} that was sent more than once was refused by a record that is no longer this holder's: an earlier send may have applied")]
+    RefusedAfterResend(&'static str),
     /// The SDK's error, with what the store was doing.
     #[error("DynamoDB {operation}: {message}")]
     Sdk {

@@ -5,7 +5,7 @@
 
 use crate::decode::{b, Item, FAILURE, LEASE, OUTCOME, RETRYABLE};
 use crate::error::{no_answer, sdk_error, Effect};
-use crate::store::SETTLE_CONDITION;
+use crate::store::{Sends, Sent, SETTLE_CONDITION};
 use crate::{DynamoError, DynamoStore};
 use aws_sdk_dynamodb::error::SdkError;
 use aws_sdk_dynamodb::operation::transact_write_items::TransactWriteItemsError;
@@ -240,11 +240,16 @@ impl DynamoStore {
     }
 
     /// What a cancelled transaction means.
+    ///
+    /// A transaction the SDK sent more than once, cancelled by a record that is not this
+    /// completion's, is of unknown outcome: an earlier send may have committed before the
+    /// record expired and was claimed again.
     async fn cancelled(
         &self,
         reasons: &[aws_sdk_dynamodb::types::CancellationReason],
         index: usize,
         completion: &Completion,
+        sent: Sent,
     ) -> Result<(), CommitError> {
         let writes = cancelled_writes(reasons, index);
         if let Some(reason) = reasons.get(index) {
@@ -258,6 +263,11 @@ impl DynamoStore {
                 };
                 return match applied {
                     Some(true) => Ok(()),
+                    Some(false) if sent == Sent::Again => {
+                        Err(CommitError::Unknown(Error::OutcomeUnknown {
+                            source: Box::new(DynamoError::RefusedAfterResend("TransactWriteItems")),
+                        }))
+                    }
                     Some(false) => Err(CommitError::NotCommitted(Error::LeaseLost {
                         token: completion.token,
                     })),
@@ -277,8 +287,8 @@ impl DynamoStore {
         // cancelled (the work's own conditions then fail): the record tells.
         match self.applied(completion).await {
             Some(true) => return Ok(()),
-            Some(false) => {}
-            None => {
+            Some(false) if sent == Sent::Once => {}
+            _ => {
                 return Err(CommitError::Unknown(Error::OutcomeUnknown {
                     source: Box::new(error),
                 }))
@@ -335,13 +345,20 @@ impl TransactionalStore for DynamoStore {
             .client
             .transact_write_items()
             .set_transact_items(Some(writes));
-        let sent = tokio::time::timeout(self.response_timeout, request.send()).await;
+        let sends = Sends::default();
+        let sent = tokio::time::timeout(
+            self.response_timeout,
+            request.customize().interceptor(sends.clone()).send(),
+        )
+        .await;
         let error = match sent {
             Ok(Ok(_)) => return Ok(()),
             Ok(Err(SdkError::ServiceError(e))) => {
                 if let TransactWriteItemsError::TransactionCanceledException(c) = e.err() {
                     let reasons = c.cancellation_reasons().to_vec();
-                    return self.cancelled(&reasons, index, &completion).await;
+                    return self
+                        .cancelled(&reasons, index, &completion, sends.sent())
+                        .await;
                 }
                 sdk_error("TransactWriteItems", SdkError::ServiceError(e), Effect::Cas)
             }

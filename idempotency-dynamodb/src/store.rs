@@ -70,8 +70,47 @@ impl SettleWrite {
 enum Written {
     /// The condition held: the write applied (with the item after it, when asked for).
     Applied(Option<Item>),
-    /// The condition failed: the item as it is.
-    Refused(Item),
+    /// The condition failed: the item as it is, and whether the SDK sent the write more than
+    /// once (an earlier send may then have applied, its answer lost).
+    Refused(Item, Sent),
+}
+
+/// How many times the SDK sent one request (it sends again after a throttle, a 5xx or a
+/// lost connection), counted by a per-request interceptor.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Sends(Arc<std::sync::atomic::AtomicU32>);
+
+/// Whether a request was sent once, or more than once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Sent {
+    Once,
+    Again,
+}
+
+impl Sends {
+    pub(crate) fn sent(&self) -> Sent {
+        if self.0.load(Ordering::Relaxed) > 1 {
+            Sent::Again
+        } else {
+            Sent::Once
+        }
+    }
+}
+
+impl aws_sdk_dynamodb::config::Intercept for Sends {
+    fn name(&self) -> &'static str {
+        "idempotency-dynamodb: sends of one request"
+    }
+
+    fn read_before_transmit(
+        &self,
+        _: &aws_sdk_dynamodb::config::interceptors::BeforeTransmitInterceptorContextRef<'_>,
+        _: &aws_sdk_dynamodb::config::RuntimeComponents,
+        _: &mut aws_sdk_dynamodb::config::ConfigBag,
+    ) -> Result<(), aws_sdk_dynamodb::error::BoxError> {
+        self.0.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
 }
 
 impl DynamoStore {
@@ -165,8 +204,9 @@ impl DynamoStore {
         for (placeholder, value) in values {
             request = request.expression_attribute_values(placeholder, value);
         }
+        let sends = Sends::default();
         self.timed(Effect::Repeatable, async {
-            match request.send().await {
+            match request.customize().interceptor(sends.clone()).send().await {
                 Ok(_) => Ok(Written::Applied(None)),
                 Err(SdkError::ServiceError(e))
                     if matches!(e.err(), PutItemError::ConditionalCheckFailedException(_)) =>
@@ -174,7 +214,7 @@ impl DynamoStore {
                     match e.into_err() {
                         PutItemError::ConditionalCheckFailedException(c) => c
                             .item
-                            .map(Written::Refused)
+                            .map(|item| Written::Refused(item, sends.sent()))
                             .ok_or_else(|| DynamoError::NoItemReturned("PutItem").into()),
                         _ => unreachable_error(),
                     }
@@ -216,8 +256,9 @@ impl DynamoStore {
         for (placeholder, value) in values {
             request = request.expression_attribute_values(placeholder, value);
         }
+        let sends = Sends::default();
         self.timed(effect, async {
-            match request.send().await {
+            match request.customize().interceptor(sends.clone()).send().await {
                 Ok(out) => Ok(Written::Applied(out.attributes)),
                 Err(SdkError::ServiceError(e))
                     if matches!(e.err(), UpdateItemError::ConditionalCheckFailedException(_)) =>
@@ -225,7 +266,7 @@ impl DynamoStore {
                     match e.into_err() {
                         UpdateItemError::ConditionalCheckFailedException(c) => Ok(
                             // An absent record has no item to return.
-                            Written::Refused(c.item.unwrap_or_default()),
+                            Written::Refused(c.item.unwrap_or_default(), sends.sent()),
                         ),
                         _ => unreachable_error(),
                     }
@@ -277,8 +318,18 @@ impl DynamoStore {
             Written::Applied(_) => Cas::Applied,
             // Sent again by the SDK after the first send applied: the record carries this
             // call's nonce.
-            Written::Refused(item) if self.written_by(&item, token, &write.nonce) => Cas::Applied,
-            Written::Refused(_) => Cas::Fenced,
+            Written::Refused(item, _) if self.written_by(&item, token, &write.nonce) => {
+                Cas::Applied
+            }
+            // Another record now, but an earlier send may have settled this holder's record
+            // before it expired and was claimed again: a completion that may be stored (and
+            // replayed) is never reported as fenced.
+            Written::Refused(_, Sent::Again) => {
+                return Err(Error::OutcomeUnknown {
+                    source: Box::new(DynamoError::RefusedAfterResend("UpdateItem")),
+                })
+            }
+            Written::Refused(_, Sent::Once) => Cas::Fenced,
         })
     }
 
@@ -419,10 +470,10 @@ impl IdempotencyStore for DynamoStore {
                 .await?;
             let item = match written {
                 Written::Applied(_) => return Ok(Claim::Claimed { token, lease_until }),
-                Written::Refused(item) if self.written_by(&item, token, &nonce) => {
+                Written::Refused(item, _) if self.written_by(&item, token, &nonce) => {
                     return Ok(Claim::Claimed { token, lease_until })
                 }
-                Written::Refused(item) => item,
+                Written::Refused(item, _) => item,
             };
             let record = decode::record(&self.names, id, &item)?;
             if record.is_expired(now) {
@@ -533,7 +584,7 @@ impl IdempotencyStore for DynamoStore {
                 .await?;
             let item = match written {
                 Written::Applied(_) => return Ok(Cas::Applied),
-                Written::Refused(item) => item,
+                Written::Refused(item, _) => item,
             };
             let held = decode::number::<u8>(&item, STATUS).ok()
                 == Some(status_number(RecordStatus::Pending))
@@ -622,10 +673,10 @@ impl IdempotencyStore for DynamoStore {
             .await?;
         Ok(match written {
             Written::Applied(_) => Reclaim::Reclaimed { token, lease_until },
-            Written::Refused(item) if self.written_by(&item, token, &nonce) => {
+            Written::Refused(item, _) if self.written_by(&item, token, &nonce) => {
                 Reclaim::Reclaimed { token, lease_until }
             }
-            Written::Refused(_) => Reclaim::Lost,
+            Written::Refused(_, _) => Reclaim::Lost,
         })
     }
 
@@ -787,7 +838,7 @@ impl DynamoStore {
                 false,
                 "UpdateItem with ReturnValues = ALL_NEW returned no item",
             )),
-            Written::Refused(_) => Ok(None),
+            Written::Refused(..) => Ok(None),
         }
     }
 }

@@ -13,8 +13,8 @@ use aws_sdk_dynamodb::config::interceptors::{
 use aws_sdk_dynamodb::config::{ConfigBag, Intercept, RuntimeComponents};
 use aws_sdk_dynamodb::types::{AttributeValue, Put, Update};
 use idempotency_core::{
-    Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, ManualClock, Outcome,
-    Policy, RecordId, RecordStatus, Scope,
+    Claim, ClaimRequest, Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore,
+    ManualClock, Outcome, Policy, RecordId, RecordStatus, Scope,
 };
 use idempotency_dynamodb::{DynamoError, DynamoStore, MAX_TRANSACTION_WRITES};
 use idempotency_testing::dynamodb as common;
@@ -327,6 +327,22 @@ struct Script {
     fates: Arc<Mutex<VecDeque<Fate>>>,
     current: Arc<Mutex<Option<Fate>>>,
     sends: Arc<AtomicUsize>,
+    /// Runs once, right after an answer is lost (before the SDK sends it again).
+    between: Arc<Mutex<Between>>,
+}
+
+/// What runs between a lost answer and the next send.
+#[derive(Default)]
+struct Between(Option<Box<dyn FnOnce() + Send>>);
+
+impl std::fmt::Debug for Between {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "Between(set)"
+        } else {
+            "Between(none)"
+        })
+    }
 }
 
 impl Script {
@@ -393,6 +409,9 @@ impl Intercept for Script {
         };
         if matches!(fate, Fate::LoseAnswer) {
             assert_eq!(context.response().status().as_u16(), 200, "it applied");
+            if let Some(between) = self.between.lock().unwrap().0.take() {
+                between();
+            }
         }
         let response = context.response_mut();
         *response.status_mut() =
@@ -425,6 +444,59 @@ async fn an_applied_transaction_whose_answer_was_lost_is_committed_once() {
     assert_eq!(count(&store, "lost").await, 1, "applied once");
     let replay = run_bump(&engine, &store, "lost", &runs).await.unwrap();
     assert!(matches!(replay, Outcome::Replayed(Ok(7))), "{replay:?}");
+}
+
+/// The first send applies and its answer is lost; before the SDK sends it again, the
+/// completed record expires and another caller claims the key. The resend is cancelled by
+/// a record that is not this holder's, yet the first send committed the writes and the
+/// completion: the caller is told the outcome is unknown, never that its lease was lost
+/// (which says nothing of it committed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_applied_transaction_whose_record_was_replaced_before_the_resend_is_unknown() {
+    let script = Script::default();
+    let (store, clock, _guard) = intercepted_store(script.clone()).await;
+    let retention = Duration::from_secs(1);
+    let engine = Idempotency::new(
+        Arc::new(store.clone()),
+        Policy::default().lease(LEASE).ttl(retention),
+    )
+    .unwrap();
+    let other = DynamoStore::builder()
+        .table(store.table())
+        .clock(Arc::new(clock.clone()))
+        .build(idempotency_testing::dynamodb::client())
+        .unwrap();
+    let taker = Arc::new(Mutex::new(None));
+    script.between.lock().unwrap().0 = Some(Box::new({
+        let (clock, taker) = (clock.clone(), taker.clone());
+        move || {
+            clock.advance(retention * 2);
+            let handle = tokio::runtime::Handle::current();
+            let request = ClaimRequest::new(
+                RecordId::new(scope(), key("replaced")),
+                fingerprint(),
+                LEASE,
+                retention,
+            );
+            let claimed = tokio::task::block_in_place(|| handle.block_on(other.claim(&request)));
+            *taker.lock().unwrap() = Some(claimed);
+        }
+    }));
+    script.then(Fate::LoseAnswer, 1);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let outcome = run_bump(&engine, &store, "replaced", &runs).await;
+    let taken = taker
+        .lock()
+        .unwrap()
+        .take()
+        .expect("the key was claimed again meanwhile");
+    assert!(matches!(taken, Ok(Claim::Claimed { .. })), "{taken:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert_eq!(count(&store, "replaced").await, 1, "the first send applied");
+    assert!(
+        matches!(outcome, Err(Error::OutcomeUnknown { .. })),
+        "applied, then its resend met another record: {outcome:?}"
+    );
 }
 
 /// The first send applies and its answer is lost, and every send again is throttled: the

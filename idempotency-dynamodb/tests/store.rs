@@ -454,6 +454,22 @@ struct LoseAnswer {
     /// request never reached the condition check), until disarmed.
     then_throttle: Arc<Mutex<Option<&'static str>>>,
     throttled: Arc<Mutex<usize>>,
+    /// Runs once, right after the answer is lost (before the SDK sends the write again).
+    between: Arc<Mutex<Between>>,
+}
+
+/// What runs between a lost answer and the write's next send.
+#[derive(Default)]
+struct Between(Option<Box<dyn FnOnce() + Send>>);
+
+impl std::fmt::Debug for Between {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "Between(set)"
+        } else {
+            "Between(none)"
+        })
+    }
 }
 
 impl Intercept for LoseAnswer {
@@ -489,6 +505,9 @@ impl Intercept for LoseAnswer {
                 aws_smithy_runtime_api::http::StatusCode::try_from(500u16).unwrap();
             *armed = None;
             *self.lost.lock().unwrap() += 1;
+            if let Some(between) = self.between.lock().unwrap().0.take() {
+                between();
+            }
         } else if self
             .then_throttle
             .lock()
@@ -606,6 +625,60 @@ async fn a_write_that_may_have_applied_before_a_throttled_resend_is_an_unknown_o
         record.status,
         RecordStatus::Completed,
         "the first send applied"
+    );
+}
+
+/// A completion whose first send applied and whose answer was lost, and whose record then
+/// expired and was claimed by another caller before the SDK sent the completion again: the
+/// resend is refused by a record that is not this holder's, yet the first send stored the
+/// outcome (a replay could have read it). That is an unknown outcome, never "fenced" (which
+/// would tell the caller its outcome was not stored).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_whose_record_was_replaced_before_the_resend_is_an_unknown_outcome() {
+    let lose = LoseAnswer::default();
+    let (store, clock, _guard) = intercepted_store(lose.clone()).await;
+    let other = DynamoStore::builder()
+        .table(store.table())
+        .clock(Arc::new(clock.clone()))
+        .build(common::client())
+        .unwrap();
+    let retention = Duration::from_secs(1);
+    let Claim::Claimed { token, .. } = store
+        .claim(&request("replaced", b"a", LEASE, retention))
+        .await
+        .unwrap()
+    else {
+        panic!("a new key was not claimed");
+    };
+    let taker = Arc::new(Mutex::new(None));
+    lose.between.lock().unwrap().0 = Some(Box::new({
+        let (clock, taker) = (clock.clone(), taker.clone());
+        move || {
+            clock.advance(retention * 2);
+            let handle = tokio::runtime::Handle::current();
+            let claimed = tokio::task::block_in_place(|| {
+                handle.block_on(other.claim(&request("replaced", b"b", LEASE, TTL)))
+            });
+            *taker.lock().unwrap() = Some(claimed);
+        }
+    }));
+    *lose.armed.lock().unwrap() = Some("UpdateItem");
+    let completed = store
+        .complete(&id("replaced"), token, b"done", retention)
+        .await;
+    assert_eq!(*lose.lost.lock().unwrap(), 1);
+    let taken = taker
+        .lock()
+        .unwrap()
+        .take()
+        .expect("the key was claimed again meanwhile");
+    assert!(
+        matches!(taken, Ok(Claim::Claimed { token: t, .. }) if t > token),
+        "{taken:?}"
+    );
+    assert!(
+        matches!(completed, Err(Error::OutcomeUnknown { .. })),
+        "the completion applied, then its resend met another record: {completed:?}"
     );
 }
 
