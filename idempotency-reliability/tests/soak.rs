@@ -424,3 +424,105 @@ async fn soak_dynamodb_flaky_network() {
     );
     assert!(network.throttled() > 0 && network.answers_lost() > 0);
 }
+
+/// A memory store whose every other `purge_expired` fails (before deleting anything) with
+/// `error`.
+#[derive(Debug)]
+struct PurgeFails {
+    inner: idempotency_memory::MemoryStore,
+    error: fn() -> idempotency_core::Error,
+    calls: std::sync::atomic::AtomicU64,
+}
+
+#[idempotency_core::async_trait]
+impl IdempotencyStore for PurgeFails {
+    async fn claim(
+        &self,
+        request: &idempotency_core::ClaimRequest,
+    ) -> Result<idempotency_core::Claim, idempotency_core::Error> {
+        self.inner.claim(request).await
+    }
+    async fn complete(
+        &self,
+        id: &idempotency_core::RecordId,
+        token: idempotency_core::FencingToken,
+        outcome: &[u8],
+        ttl: std::time::Duration,
+    ) -> Result<idempotency_core::Cas, idempotency_core::Error> {
+        self.inner.complete(id, token, outcome, ttl).await
+    }
+    async fn fail(
+        &self,
+        id: &idempotency_core::RecordId,
+        token: idempotency_core::FencingToken,
+        failure: &idempotency_core::Failure,
+        ttl: std::time::Duration,
+    ) -> Result<idempotency_core::Cas, idempotency_core::Error> {
+        self.inner.fail(id, token, failure, ttl).await
+    }
+    async fn extend(
+        &self,
+        id: &idempotency_core::RecordId,
+        token: idempotency_core::FencingToken,
+        lease: std::time::Duration,
+    ) -> Result<idempotency_core::Cas, idempotency_core::Error> {
+        self.inner.extend(id, token, lease).await
+    }
+    async fn reclaim(
+        &self,
+        id: &idempotency_core::RecordId,
+        expected: idempotency_core::FencingToken,
+        fingerprint: &idempotency_core::Fingerprint,
+        lease: std::time::Duration,
+        ttl: std::time::Duration,
+    ) -> Result<idempotency_core::Reclaim, idempotency_core::Error> {
+        self.inner
+            .reclaim(id, expected, fingerprint, lease, ttl)
+            .await
+    }
+    async fn get(
+        &self,
+        id: &idempotency_core::RecordId,
+    ) -> Result<Option<idempotency_core::Record>, idempotency_core::Error> {
+        self.inner.get(id).await
+    }
+    async fn purge_expired(&self, batch: usize) -> Result<u64, idempotency_core::Error> {
+        let n = self
+            .calls
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if n % 2 == 1 {
+            return Err((self.error)());
+        }
+        self.inner.purge_expired(batch).await
+    }
+}
+
+/// A purge that fails retryably (the network, a throttle) is a fault the next purge makes
+/// up for, counted in the report; one that fails for good is an unexpected answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn soak_tells_a_purge_that_failed_retryably_from_one_that_failed_for_good() {
+    let run = |error: fn() -> idempotency_core::Error| async move {
+        let mut config = SoakConfig::from_env("purge-fails");
+        config.ops = config.ops.min(3_000);
+        let store = Arc::new(PurgeFails {
+            inner: idempotency_memory::MemoryStore::new(),
+            error,
+            calls: Default::default(),
+        });
+        let report = soak(engine(store, &config), config).await;
+        eprintln!("{report}");
+        report
+    };
+    let retryable = run(|| idempotency_core::Error::backend(true, "throttled")).await;
+    retryable.assert_clean();
+    let x = retryable.faults.as_ref().expect("the fault rig");
+    assert!(x.purges_failed_retryably > 0 && x.purged > 0, "{retryable}");
+    let for_good = run(|| idempotency_core::Error::backend(false, "no such table")).await;
+    assert!(
+        for_good
+            .unexpected
+            .iter()
+            .any(|u| u.contains("purge_expired calls failed")),
+        "{for_good}"
+    );
+}

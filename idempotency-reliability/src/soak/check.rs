@@ -276,6 +276,7 @@ pub(super) fn check_rig(
             .count(),
         purge_calls,
         purged,
+        purges_failed_retryably: 0,
         claims_after_expiry: findings.claims_after_expiry,
         stale_writes_fenced: findings.stale_writes_fenced,
     });

@@ -558,6 +558,10 @@ pub struct FaultFigures {
     pub purge_calls: u64,
     /// Records purged.
     pub purged: u64,
+    /// `purge_expired` calls that failed with a retryable error (a fault of the network
+    /// or the server; the next call purges what they left). A purge that fails otherwise is
+    /// an unexpected answer.
+    pub purges_failed_retryably: u64,
     /// Leases granted by a claim on a key whose earlier record had expired.
     pub claims_after_expiry: usize,
     /// Writes by a holder whose token a newer lease had replaced, all fenced.
@@ -757,12 +761,13 @@ impl fmt::Display for Report {
             )?;
             writeln!(
                 f,
-                "  short retention: {} calls, {} commits; purges: {} calls deleting {} records; \
-                 claims after expiry: {}; stale writes fenced: {}",
+                "  short retention: {} calls, {} commits; purges: {} calls deleting {} records \
+                 ({} failed retryably); claims after expiry: {}; stale writes fenced: {}",
                 x.short_calls,
                 x.short_commits,
                 x.purge_calls,
                 x.purged,
+                x.purges_failed_retryably,
                 x.claims_after_expiry,
                 x.stale_writes_fenced
             )?;

@@ -383,10 +383,13 @@ pub async fn soak(runner: Arc<dyn Runner>, config: SoakConfig) -> Report {
         Some(rig) if shared.spaces.contains_key(&Space::Short) => {
             let (store, purging, every) = (rig.recorded(), purging.clone(), config.purge_every);
             Some(tokio::spawn(async move {
-                let mut errors = 0u64;
+                // (failed for good, failed retryably)
+                let mut errors = (0u64, 0u64);
                 while purging.load(Ordering::Relaxed) {
-                    if store.purge_expired(100).await.is_err() {
-                        errors += 1;
+                    match store.purge_expired(100).await {
+                        Ok(_) => {}
+                        Err(e) if e.is_retryable() => errors.1 += 1,
+                        Err(_) => errors.0 += 1,
                     }
                     tokio::time::sleep(every).await;
                 }
@@ -406,9 +409,9 @@ pub async fn soak(runner: Arc<dyn Runner>, config: SoakConfig) -> Report {
     let run_time = started.elapsed();
     config.calls_over.store(true, Ordering::Relaxed);
     purging.store(false, Ordering::Relaxed);
-    let purge_errors = match purger {
+    let (purge_errors, purges_failed_retryably) = match purger {
         Some(p) => p.await.expect("the purger panicked"),
-        None => 0,
+        None => (0, 0),
     };
     // Let abandoned leases be released (or pass) and cancelled writes land.
     tokio::time::sleep(config.lease + Duration::from_millis(300)).await;
@@ -449,6 +452,9 @@ pub async fn soak(runner: Arc<dyn Runner>, config: SoakConfig) -> Report {
     let mut report = analyse(&config, &shared.slots, &events, &finals, effects.as_ref());
     if let Some(rig) = &rig {
         check_rig(&mut report, rig, &shared.slots, &events, config.short_ttl);
+        if let Some(x) = report.faults.as_mut() {
+            x.purges_failed_retryably = purges_failed_retryably;
+        }
         if purge_errors > 0 {
             report
                 .unexpected
