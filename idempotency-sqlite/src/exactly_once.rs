@@ -3,7 +3,10 @@
 //! run inside it, the commit.
 
 use crate::{SqliteError, SqliteStore};
-use idempotency_core::{async_trait, Begun, CommitError, Error, Lease, TransactionalStore};
+use idempotency_core::{
+    async_trait, Begun, CommitError, Error, Lease, RecoveryPoint, RecoveryPoints,
+    TransactionalStore,
+};
 use rusqlite::{Transaction, TransactionBehavior};
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::mpsc;
@@ -14,12 +17,13 @@ use tokio::sync::oneshot;
 /// dropped (rolled back).
 pub struct SqliteTransaction {
     steps: mpsc::Sender<Step>,
-    /// The completion `complete_in` asked for, run on the connection with the commit (one
-    /// hop to the connection instead of two while the transaction holds the write lock).
+    /// The completion `complete_in` (or the recovery point `advance_in`) asked for, run on
+    /// the connection with the commit (one hop to the connection instead of two while the
+    /// transaction holds the write lock).
     completion: Option<Completion>,
 }
 
-/// The record's completion, as the commit step runs it.
+/// The record's completion (or recovery point), as the commit step runs it.
 type Completion = Box<dyn FnOnce(&Transaction<'_>) -> Result<(), Error> + Send>;
 
 impl std::fmt::Debug for SqliteTransaction {
@@ -164,5 +168,27 @@ impl TransactionalStore for SqliteStore {
 
     async fn rollback(&self, tx: SqliteTransaction) {
         drop(tx);
+    }
+}
+
+#[async_trait]
+impl RecoveryPoints for SqliteStore {
+    /// Runs with the commit, as the completion does.
+    async fn advance_in(
+        &self,
+        tx: &mut SqliteTransaction,
+        lease: &Lease,
+        from: Option<u16>,
+        to: &RecoveryPoint,
+    ) -> Result<(), Error> {
+        let (store, id, token, to) = (self.clone(), lease.id().clone(), lease.token(), to.clone());
+        tx.completion = Some(Box::new(move |tx: &Transaction<'_>| {
+            store.advance_in(tx, &id, token, from, &to)
+        }));
+        Ok(())
+    }
+
+    async fn recovery_point(&self, lease: &Lease) -> Result<Option<RecoveryPoint>, Error> {
+        self.read_recovery_point(lease.id()).await
     }
 }

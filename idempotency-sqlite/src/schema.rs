@@ -4,7 +4,7 @@ use crate::SqliteError;
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior};
 
 /// The newest schema version this crate knows.
-pub const SCHEMA_VERSION: i64 = 1;
+pub const SCHEMA_VERSION: i64 = 2;
 
 /// The longest table name accepted.
 pub const MAX_TABLE_NAME_LEN: usize = 48;
@@ -40,9 +40,10 @@ pub fn validate_table_name(name: &str) -> Result<(), SqliteError> {
 
 /// The migrations, oldest first: `(version, SQL)` with `{table}` standing for the table name.
 /// Each is applied once, inside the same `BEGIN IMMEDIATE` transaction as its bookkeeping.
-const MIGRATIONS: &[(i64, &str)] = &[(
-    1,
-    r#"
+const MIGRATIONS: &[(i64, &str)] = &[
+    (
+        1,
+        r#"
 CREATE TABLE IF NOT EXISTS "{table}" (
     scope             TEXT    NOT NULL,
     key               TEXT    NOT NULL,
@@ -62,7 +63,18 @@ CREATE TABLE IF NOT EXISTS "{table}" (
 ) STRICT;
 CREATE INDEX IF NOT EXISTS "{table}_expires_at" ON "{table}" (expires_at);
 "#,
-)];
+    ),
+    (
+        // Recovery points of multi-step operations (`idempotency_core::phases`).
+        2,
+        r#"
+ALTER TABLE "{table}" ADD COLUMN op_name   TEXT;
+ALTER TABLE "{table}" ADD COLUMN op_phase  INTEGER CHECK (op_phase BETWEEN 0 AND 65535);
+ALTER TABLE "{table}" ADD COLUMN op_origin INTEGER;
+ALTER TABLE "{table}" ADD COLUMN op_state  BLOB;
+"#,
+    ),
+];
 
 /// `(name, declared type, NOT NULL, position in the primary key)` of every column, in order.
 const COLUMNS: &[(&str, &str, bool, i64)] = &[
@@ -80,6 +92,10 @@ const COLUMNS: &[(&str, &str, bool, i64)] = &[
     ("created_at", "INTEGER", true, 0),
     ("updated_at", "INTEGER", true, 0),
     ("expires_at", "INTEGER", true, 0),
+    ("op_name", "TEXT", false, 0),
+    ("op_phase", "INTEGER", false, 0),
+    ("op_origin", "INTEGER", false, 0),
+    ("op_state", "BLOB", false, 0),
 ];
 
 fn versions_table(table: &str) -> String {

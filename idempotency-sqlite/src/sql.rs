@@ -15,6 +15,8 @@ pub(crate) struct Sql {
     pub(crate) purge: String,
     pub(crate) live: String,
     pub(crate) hit: String,
+    pub(crate) advance: String,
+    pub(crate) point: String,
 }
 
 impl Sql {
@@ -24,6 +26,12 @@ impl Sql {
         // In the upsert, bare column names are the existing row and `excluded` is the new
         // one; every SET expression reads the existing row, and `expires_at` is set last.
         let fresh = "expires_at <= ?5";
+        // The recovery point belongs to this record, not to one before it under the same key:
+        // written by a holder whose token is at least the one the record was created with
+        // (a reclaim adds one to the token and to the attempts, so `token - attempts + 1` is
+        // the creation token). A fresh claim clears it too; this also holds against a
+        // process of an older crate, whose claim does not.
+        let current = "op_origin >= token - attempts + 1";
         Self {
             claim: format!(
                 r#"INSERT INTO "{table}" ({COLUMNS})
@@ -40,7 +48,11 @@ impl Sql {
                      hits              = CASE WHEN {fresh} THEN 0 WHEN hits >= 0 THEN hits + 1 END,
                      created_at        = CASE WHEN {fresh} THEN excluded.created_at ELSE created_at END,
                      updated_at        = CASE WHEN {fresh} THEN excluded.updated_at ELSE updated_at END,
-                     expires_at        = CASE WHEN {fresh} THEN excluded.expires_at ELSE expires_at END
+                     expires_at        = CASE WHEN {fresh} THEN excluded.expires_at ELSE expires_at END,
+                     op_name           = CASE WHEN {fresh} THEN NULL ELSE op_name END,
+                     op_phase          = CASE WHEN {fresh} THEN NULL ELSE op_phase END,
+                     op_origin         = CASE WHEN {fresh} THEN NULL ELSE op_origin END,
+                     op_state          = CASE WHEN {fresh} THEN NULL ELSE op_state END
                    RETURNING {COLUMNS}"#
             ),
             // ?5 outcome, ?6 expires_at
@@ -85,6 +97,20 @@ impl Sql {
             ),
             // The observation half of the claim: only hits change (a corrupt negative count
             // becomes NULL, which the NOT NULL constraint refuses, as in the claim).
+            // ?5 op_name, ?6 op_phase, ?7 op_origin, ?8 op_state, ?9 the phase it moves from
+            // (NULL: none yet). Moved only by its holder, from where it was. A recovery point
+            // older than the record ({current}) counts as none.
+            advance: format!(
+                r#"UPDATE "{table}" SET op_name = ?5, op_phase = ?6, op_origin = ?7,
+                     op_state = ?8, updated_at = ?4
+                   WHERE {held} AND status = 'pending'
+                     AND (CASE WHEN {current} THEN op_phase END) IS ?9"#
+            ),
+            // ?3 now
+            point: format!(
+                r#"SELECT op_name, op_phase, op_origin, op_state FROM "{table}"
+                   WHERE scope = ?1 AND key = ?2 AND expires_at > ?3 AND {current}"#
+            ),
             hit: format!(
                 r#"UPDATE "{table}" SET hits = CASE WHEN hits >= 0 THEN hits + 1 END
                    WHERE scope = ?1 AND key = ?2 AND expires_at > ?3

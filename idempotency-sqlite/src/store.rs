@@ -145,6 +145,53 @@ impl SqliteStore {
         }
     }
 
+    /// Moves the recovery point of `id`'s record held by `token` from phase `from` (`None`:
+    /// it has none) to `to`, inside the caller's open transaction `tx`, for
+    /// [`RecoveryPoints::advance_in`](idempotency_core::RecoveryPoints::advance_in).
+    /// [`Error::LeaseLost`] when the record is not that holder's live Pending record at that
+    /// phase.
+    pub fn advance_in(
+        &self,
+        tx: &Transaction<'_>,
+        id: &RecordId,
+        token: FencingToken,
+        from: Option<u16>,
+        to: &idempotency_core::RecoveryPoint,
+    ) -> Result<(), Error> {
+        let now = self.inner.clock.now();
+        let Ok(origin) = i64::try_from(to.origin) else {
+            return Err(Error::Config(format!(
+                "a recovery point's origin token {} does not fit SQLite's INTEGER",
+                to.origin
+            )));
+        };
+        let cas = self.inner.cas(
+            tx,
+            &self.inner.sql.advance,
+            id,
+            token,
+            now,
+            &[&to.operation, &to.phase, &origin, &to.state, &from],
+        )?;
+        match cas {
+            Cas::Applied => Ok(()),
+            Cas::Fenced => Err(Error::LeaseLost { token }),
+        }
+    }
+
+    /// The recovery point of `id`'s live record, if it has one.
+    pub(crate) async fn read_recovery_point(
+        &self,
+        id: &RecordId,
+    ) -> Result<Option<idempotency_core::RecoveryPoint>, Error> {
+        let id = id.clone();
+        let inner = self.inner.clone();
+        self.inner
+            .exec
+            .run(move |conn| inner.read_point(conn, &id, inner.clock.now()))
+            .await?
+    }
+
     async fn write<R, F>(&self, f: F) -> Result<R, Error>
     where
         R: Send + 'static,
@@ -466,6 +513,50 @@ impl Inner {
     }
 
     /// The live record, read without a lock, or `None`.
+    fn read_point(
+        &self,
+        conn: &Connection,
+        id: &RecordId,
+        now: Timestamp,
+    ) -> Result<Option<idempotency_core::RecoveryPoint>, Error> {
+        use rusqlite::OptionalExtension;
+        type Row = (Option<String>, Option<i64>, Option<i64>, Option<Vec<u8>>);
+        let mut stmt = conn
+            .prepare_cached(&self.sql.point)
+            .map_err(|e| self.sql_error(e))?;
+        let row: Option<Row> = stmt
+            .query_row(
+                params![id.scope.as_str(), id.key.as_str(), now.as_millis()],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
+            )
+            .optional()
+            .map_err(|e| self.sql_error(e))?;
+        match row {
+            None | Some((None, None, None, None)) => Ok(None),
+            Some((Some(operation), Some(phase), Some(origin), Some(state))) => {
+                match (u16::try_from(phase), u64::try_from(origin)) {
+                    (Ok(phase), Ok(origin)) => Ok(Some(idempotency_core::RecoveryPoint {
+                        operation,
+                        phase,
+                        origin,
+                        state,
+                    })),
+                    _ => Err(Error::CorruptRecord {
+                        reason: format!(
+                            "the record of {id} has a recovery point at phase {phase}, \
+                             origin {origin}"
+                        ),
+                        source: None,
+                    }),
+                }
+            }
+            Some(_) => Err(Error::CorruptRecord {
+                reason: format!("the record of {id} has a recovery point with NULL parts"),
+                source: None,
+            }),
+        }
+    }
+
     fn read_live(
         &self,
         conn: &Connection,

@@ -1,0 +1,335 @@
+//! Multi-step operations on SQLite (`Idempotency::run_phases`): a ride written in one
+//! transaction, a charge through a payment service that deduplicates by key, a receipt
+//! written with the completion. The recovery point commits with each phase's rows; a holder
+//! that dies mid-way is resumed, never restarted.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use idempotency_core::{
+    Clock, Error, Fingerprint, Idempotency, IdempotencyKey, ManualClock, Outcome, PhaseContext,
+    Phases, Policy, Scope,
+};
+use idempotency_sqlite::rusqlite::{self, params};
+use idempotency_sqlite::{ConnectionMode, SqliteStore, SqliteTransaction};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::Notify;
+
+const LEASE: Duration = Duration::from_secs(10);
+
+/// A payment service that deduplicates charges by key, and can hang once after a charge
+/// (its caller then dies before hearing back).
+#[derive(Debug, Default)]
+struct Payments {
+    charges: Mutex<HashMap<String, i64>>,
+    keys: Mutex<Vec<String>>,
+    hang_after_charge: AtomicUsize,
+    charged: Notify,
+}
+
+impl Payments {
+    async fn charge(&self, key: &str) -> i64 {
+        self.keys.lock().unwrap().push(key.to_owned());
+        let id = {
+            let mut charges = self.charges.lock().unwrap();
+            let next = charges.len() as i64 + 1;
+            *charges.entry(key.to_owned()).or_insert(next)
+        };
+        if self.hang_after_charge.load(Ordering::SeqCst) > 0 {
+            self.hang_after_charge.fetch_sub(1, Ordering::SeqCst);
+            self.charged.notify_one();
+            futures::future::pending::<()>().await;
+        }
+        id
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+struct Receipt {
+    ride: i64,
+    charge: i64,
+}
+
+fn flow(payments: Arc<Payments>) -> Phases<SqliteStore, Receipt, String> {
+    Phases::new("book-ride")
+        .phase(
+            "create-ride",
+            |tx: &mut SqliteTransaction, (): (), _: PhaseContext| {
+                Box::pin(async move {
+                    let ride = tx
+                        .run(|t| {
+                            t.execute("INSERT INTO rides (route) VALUES ('A to B')", [])?;
+                            Ok::<_, rusqlite::Error>(t.last_insert_rowid())
+                        })
+                        .await?;
+                    Ok(ride.map_err(|e| e.to_string()))
+                })
+            },
+        )
+        .foreign("charge", move |ride: i64, ctx: PhaseContext| {
+            let payments = payments.clone();
+            async move { Ok(Ok((ride, payments.charge(ctx.key()).await))) }
+        })
+        .phase(
+            "receipt",
+            |tx: &mut SqliteTransaction, (ride, charge): (i64, i64), _: PhaseContext| {
+                Box::pin(async move {
+                    let written = tx
+                        .run(move |t| {
+                            t.execute(
+                                "INSERT INTO receipts (ride, charge) VALUES (?1, ?2)",
+                                params![ride, charge],
+                            )
+                        })
+                        .await?;
+                    Ok(written
+                        .map(|_| Receipt { ride, charge })
+                        .map_err(|e| e.to_string()))
+                })
+            },
+        )
+}
+
+struct World {
+    store: SqliteStore,
+    clock: ManualClock,
+    engine: Idempotency,
+    payments: Arc<Payments>,
+    _dir: tempfile::TempDir,
+}
+
+impl World {
+    async fn new(mode: ConnectionMode) -> Self {
+        let (store, clock, dir) = common::manual_store(mode).await;
+        store
+            .call(|c| {
+                c.execute_batch(
+                    "CREATE TABLE rides (id INTEGER PRIMARY KEY, route TEXT NOT NULL);
+                     CREATE TABLE receipts (ride INTEGER NOT NULL, charge INTEGER NOT NULL);",
+                )
+            })
+            .await
+            .unwrap()
+            .unwrap();
+        let engine = Idempotency::new(
+            Arc::new(store.clone()),
+            Policy::default()
+                .lease(LEASE)
+                .ttl(Duration::from_secs(3600)),
+        )
+        .unwrap();
+        Self {
+            store,
+            clock,
+            engine,
+            payments: Arc::default(),
+            _dir: dir,
+        }
+    }
+
+    fn key() -> (IdempotencyKey, Scope, Fingerprint) {
+        (
+            IdempotencyKey::new("ride-1").unwrap(),
+            Scope::new("rides").unwrap(),
+            Fingerprint::from_bytes(b"A to B"),
+        )
+    }
+
+    async fn run(&self) -> Result<Outcome<Result<Receipt, String>>, Error> {
+        let (key, scope, fp) = Self::key();
+        self.engine
+            .run_phases(&self.store, &key, &scope, &fp, flow(self.payments.clone()))
+            .await
+    }
+
+    /// Runs the flow in a task that dies (is aborted) once its charge was made.
+    async fn run_and_die_after_charge(&self) {
+        self.payments.hang_after_charge.store(1, Ordering::SeqCst);
+        let charged = self.payments.charged.notified();
+        let (engine, store, payments) = (
+            self.engine.clone(),
+            self.store.clone(),
+            self.payments.clone(),
+        );
+        let task = tokio::spawn(async move {
+            let (key, scope, fp) = Self::key();
+            engine
+                .run_phases(&store, &key, &scope, &fp, flow(payments))
+                .await
+        });
+        charged.await;
+        task.abort();
+        let _ = task.await;
+    }
+
+    /// (rides, charges, receipts)
+    async fn counts(&self) -> (i64, usize, i64) {
+        let (rides, receipts) = self
+            .store
+            .call(|c| {
+                c.query_row(
+                    "SELECT (SELECT count(*) FROM rides), (SELECT count(*) FROM receipts)",
+                    [],
+                    |r| Ok((r.get(0)?, r.get(1)?)),
+                )
+            })
+            .await
+            .unwrap()
+            .unwrap();
+        let charges = self.payments.charges.lock().unwrap().len();
+        (rides, charges, receipts)
+    }
+
+    fn keys(&self) -> Vec<String> {
+        self.payments.keys.lock().unwrap().clone()
+    }
+}
+
+const MODES: [ConnectionMode; 2] = [
+    ConnectionMode::DedicatedThread,
+    ConnectionMode::BlockingPool { connections: 3 },
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_phases_commit_once_each_and_a_retry_replays() {
+    for mode in MODES {
+        let w = World::new(mode).await;
+        let Outcome::Fresh(Ok(receipt)) = w.run().await.unwrap() else {
+            panic!("{mode:?}: not a fresh success");
+        };
+        assert_eq!(w.run().await.unwrap(), Outcome::Replayed(Ok(receipt)));
+        assert_eq!(w.counts().await, (1, 1, 1), "{mode:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_that_died_after_the_charge_is_resumed_there() {
+    for mode in MODES {
+        let w = World::new(mode).await;
+        w.run_and_die_after_charge().await;
+        assert_eq!(w.counts().await, (1, 1, 0), "{mode:?}: the ride committed");
+        // Within the dead holder's lease, a retry is told to come back.
+        assert!(matches!(w.run().await, Err(Error::InProgress { .. })));
+        w.clock.advance(LEASE + Duration::from_secs(1));
+        let Outcome::Fresh(Ok(receipt)) = w.run().await.unwrap() else {
+            panic!("{mode:?}: not resumed");
+        };
+        assert_eq!(
+            w.counts().await,
+            (1, 1, 1),
+            "{mode:?}: the ride was not written again"
+        );
+        let keys = w.keys();
+        assert!(
+            keys.len() == 2 && keys[0] == keys[1],
+            "{mode:?}: the charge was sent again with its key: {keys:?}"
+        );
+        assert_eq!(receipt.charge, 1);
+        assert_eq!(w.run().await.unwrap(), Outcome::Replayed(Ok(receipt)));
+    }
+}
+
+/// Once a record has expired, the key is a new operation: a fresh claim starts without the
+/// old recovery point, at the first phase, with a new key for its foreign call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fresh_claim_after_expiry_starts_the_operation_over() {
+    let w = World::new(ConnectionMode::DedicatedThread).await;
+    w.run_and_die_after_charge().await;
+    w.clock.advance(Duration::from_secs(7200));
+    let outcome = w.run().await.unwrap();
+    assert!(matches!(outcome, Outcome::Fresh(Ok(_))), "{outcome:?}");
+    assert_eq!(w.counts().await, (2, 2, 1));
+    let keys = w.keys();
+    assert!(keys.len() == 2 && keys[0] != keys[1], "{keys:?}");
+}
+
+/// A table made by this crate's first schema, with a record in it, is upgraded by
+/// `migrate` and keeps its record.
+#[tokio::test]
+async fn a_table_of_the_first_schema_is_migrated_with_its_records() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("old.db");
+    {
+        let c = rusqlite::Connection::open(&path).unwrap();
+        c.execute_batch(
+            r#"CREATE TABLE "idempotency_records_migrations" (
+                   version INTEGER PRIMARY KEY, applied_at INTEGER NOT NULL) STRICT;
+               INSERT INTO "idempotency_records_migrations" VALUES (1, 0);
+               CREATE TABLE "idempotency_records" (
+                   scope TEXT NOT NULL, key TEXT NOT NULL,
+                   fingerprint BLOB NOT NULL CHECK (length(fingerprint) = 32),
+                   status TEXT NOT NULL CHECK (status IN ('pending', 'completed', 'failed')),
+                   token INTEGER NOT NULL CHECK (token >= 1), lease_until INTEGER, outcome BLOB,
+                   attempts INTEGER NOT NULL CHECK (attempts >= 1), failure_retryable INTEGER,
+                   failure_message TEXT, hits INTEGER NOT NULL CHECK (hits >= 0),
+                   created_at INTEGER NOT NULL, updated_at INTEGER NOT NULL,
+                   expires_at INTEGER NOT NULL, PRIMARY KEY (scope, key)) STRICT;
+               CREATE INDEX "idempotency_records_expires_at"
+                   ON "idempotency_records" (expires_at);
+               INSERT INTO "idempotency_records" VALUES ('rides', 'old', zeroblob(32),
+                   'completed', 5, NULL, CAST('{"Ok":1}' AS BLOB), 1, NULL, NULL, 0, 0, 0,
+                   9999999999999);"#,
+        )
+        .unwrap();
+    }
+    let store = SqliteStore::builder(&path).open().await.unwrap();
+    store.migrate().await.unwrap();
+    let id = idempotency_core::RecordId::new(
+        Scope::new("rides").unwrap(),
+        IdempotencyKey::new("old").unwrap(),
+    );
+    let record = idempotency_core::IdempotencyStore::get(&store, &id)
+        .await
+        .unwrap()
+        .expect("the record survived the migration");
+    assert_eq!(record.outcome.as_deref(), Some(&br#"{"Ok":1}"#[..]));
+    let version: i64 = store
+        .call(|c| {
+            c.query_row(
+                r#"SELECT max(version) FROM "idempotency_records_migrations""#,
+                [],
+                |r| r.get(0),
+            )
+        })
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(version, idempotency_sqlite::SCHEMA_VERSION);
+}
+
+/// A recovery point left by an older record of the key (a fresh claim by a process of an
+/// older crate does not clear it) is not resumed: it is older than the record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recovery_point_older_than_the_record_is_not_resumed() {
+    let w = World::new(ConnectionMode::DedicatedThread).await;
+    w.run_and_die_after_charge().await;
+    w.clock.advance(Duration::from_secs(7200));
+    // What an older process's fresh claim does: replace the expired record and leave the
+    // recovery point columns as they were.
+    let (key, scope, _) = World::key();
+    let now = w.clock.now().as_millis();
+    w.store
+        .call(move |c| {
+            c.execute(
+                "UPDATE idempotency_records SET token = token + 1000, attempts = 1,
+                     status = 'pending', lease_until = ?3, created_at = ?3, updated_at = ?3,
+                     expires_at = ?3 + 3600000
+                 WHERE scope = ?1 AND key = ?2",
+                params![scope.as_str(), key.as_str(), now],
+            )
+        })
+        .await
+        .unwrap()
+        .unwrap();
+    w.clock.advance(LEASE + Duration::from_secs(1));
+    let outcome = w.run().await.unwrap();
+    assert!(matches!(outcome, Outcome::Fresh(Ok(_))), "{outcome:?}");
+    assert_eq!(
+        w.counts().await,
+        (2, 2, 1),
+        "started over at the first phase"
+    );
+}
