@@ -3,6 +3,7 @@
 pub mod cases;
 mod flaky;
 mod harness;
+pub mod recovery;
 pub mod reference;
 
 pub use flaky::{Fault, FlakyOp, FlakyStore};

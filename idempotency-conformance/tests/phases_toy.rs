@@ -6,6 +6,7 @@
 
 include!("../../idempotency-core/src/toy_store.rs");
 
+use idempotency_conformance::recovery::{recovery_case, RecoveryCase, RecoveryKit};
 use idempotency_core::{
     Begun, CommitError, ErrorOutcomes, Idempotency, IdempotencyKey, Lease, Outcome, PhaseContext,
     Phases, Policy, RecoveryPoint, RecoveryPoints, Scope, TransactionalStore,
@@ -21,6 +22,23 @@ use tokio::sync::Notify;
 struct Bank {
     records: Arc<ToyStore>,
     tables: Mutex<Tables>,
+    /// A deliberate flaw, for the kit's cases to catch.
+    flaw: Option<Flaw>,
+}
+
+/// What a broken bank gets wrong.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Flaw {
+    /// Advances from whatever phase the record is at.
+    IgnoresFrom,
+    /// Advances whoever holds the record now.
+    NoTokenFence,
+    /// Writes the recovery point at `advance_in`, before (and whether or not) the commit.
+    AppliesBeforeCommit,
+    /// Reads a recovery point an older record of the key left.
+    KeepsStalePoints,
+    /// Reads only a recovery point its holder's own token wrote (forgotten at a reclaim).
+    ForgetsOnReclaim,
 }
 
 #[derive(Debug, Default)]
@@ -41,6 +59,31 @@ struct Tx {
 impl Bank {
     fn tables(&self) -> std::sync::MutexGuard<'_, Tables> {
         self.tables.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn with_flaw(flaw: Flaw) -> Self {
+        Self {
+            flaw: Some(flaw),
+            ..Self::default()
+        }
+    }
+
+    /// `id`'s recovery point, if it belongs to the live record: written by a holder whose
+    /// token is at least the one the record was created with (`token - attempts + 1`).
+    fn current_point(&self, tables: &Tables, id: &RecordId) -> Option<RecoveryPoint> {
+        let point = tables.points.get(id)?;
+        let (token, attempts) = self.records.atomically(|records, now| {
+            records
+                .get(id)
+                .filter(|r| !r.is_expired(now))
+                .map(|r| (r.token.0, u64::from(r.attempts)))
+        })?;
+        let current = match self.flaw {
+            Some(Flaw::KeepsStalePoints) => true,
+            Some(Flaw::ForgetsOnReclaim) => point.origin == token,
+            _ => point.origin + attempts > token,
+        };
+        current.then(|| point.clone())
     }
 }
 
@@ -66,13 +109,15 @@ impl TransactionalStore for Bank {
         let mut tables = self.tables();
         let lost = |token| CommitError::NotCommitted(Error::LeaseLost { token });
         if let Some((id, token, from, to)) = &tx.advance {
-            let at = tables.points.get(id).map(|p| p.phase);
-            if at != *from {
+            let at = self.current_point(&tables, id).map(|p| p.phase);
+            if at != *from && self.flaw != Some(Flaw::IgnoresFrom) {
                 return Err(lost(*token));
             }
             // The token's compare-and-swap (it changes nothing but the record's update
             // time): the point where the commit takes effect.
-            if self.records.settle(id, *token, |_, _| {}) == Cas::Fenced {
+            if self.records.settle(id, *token, |_, _| {}) == Cas::Fenced
+                && self.flaw != Some(Flaw::NoTokenFence)
+            {
                 return Err(lost(*token));
             }
             tables.points.insert(id.clone(), to.clone());
@@ -105,12 +150,17 @@ impl RecoveryPoints for Bank {
         from: Option<u16>,
         to: &RecoveryPoint,
     ) -> Result<(), Error> {
+        if self.flaw == Some(Flaw::AppliesBeforeCommit) {
+            self.tables().points.insert(lease.id().clone(), to.clone());
+            return Ok(());
+        }
         tx.advance = Some((lease.id().clone(), lease.token(), from, to.clone()));
         Ok(())
     }
 
     async fn recovery_point(&self, lease: &Lease) -> Result<Option<RecoveryPoint>, Error> {
-        Ok(self.tables().points.get(lease.id()).cloned())
+        let tables = self.tables();
+        Ok(self.current_point(&tables, lease.id()))
     }
 }
 
@@ -502,4 +552,58 @@ async fn a_stale_holder_at_the_same_recovery_point_is_fenced_by_its_token() {
     assert_eq!(w.counts(), (1, 1, 1));
     let keys = w.keys();
     assert!(keys.len() == 2 && keys[0] == keys[1], "{keys:?}");
+}
+
+/// The kit's recovery point cases on `bank`: a lease of 1 s and a retention of 2 s (long
+/// enough that a stalled machine does not expire a record mid-case), on the process clock
+/// (time passes by sleeping).
+fn kit(bank: Bank) -> RecoveryKit<Bank> {
+    let (lease, ttl) = (Duration::from_secs(1), Duration::from_secs(2));
+    let engine = Idempotency::new(
+        bank.records.clone(),
+        Policy::default().lease(lease).ttl(ttl).heartbeat(None),
+    )
+    .expect("policy");
+    RecoveryKit {
+        store: bank,
+        engine,
+        lease,
+        ttl,
+        pass: Box::new(|d| Box::pin(tokio::time::sleep(d))),
+    }
+}
+
+#[tokio::test]
+async fn the_toy_bank_passes_every_recovery_point_case() {
+    let kit = kit(Bank::default());
+    for case in RecoveryCase::ALL {
+        if let Err(e) = recovery_case(&kit, case).await {
+            panic!("{case:?}: {e}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn each_flawed_bank_fails_the_case_meant_for_it() {
+    for (flaw, case) in [
+        (Flaw::IgnoresFrom, RecoveryCase::AdvancesOnlyFromWhereItIs),
+        (Flaw::NoTokenFence, RecoveryCase::FencedByToken),
+        (
+            Flaw::AppliesBeforeCommit,
+            RecoveryCase::RollbackLeavesThePoint,
+        ),
+        (
+            Flaw::KeepsStalePoints,
+            RecoveryCase::FreshRecordStartsWithout,
+        ),
+        (
+            Flaw::ForgetsOnReclaim,
+            RecoveryCase::KeptAcrossFailureAndReclaim,
+        ),
+    ] {
+        let kit = kit(Bank::with_flaw(flaw));
+        let found = recovery_case(&kit, case).await;
+        assert!(found.is_err(), "{flaw:?} passed {case:?}");
+        eprintln!("{flaw:?} fails {case:?}: {}", found.unwrap_err());
+    }
 }

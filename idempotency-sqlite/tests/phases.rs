@@ -333,3 +333,33 @@ async fn a_recovery_point_older_than_the_record_is_not_resumed() {
         "started over at the first phase"
     );
 }
+
+/// The kit's recovery point cases, on both connection modes, on the manual clock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_passes_every_recovery_point_case() {
+    use idempotency_conformance::recovery::{recovery_case, RecoveryCase, RecoveryKit};
+    for mode in MODES {
+        let (store, clock, _dir) = common::manual_store(mode).await;
+        let (lease, ttl) = (Duration::from_secs(10), Duration::from_secs(60));
+        let engine = Idempotency::new(
+            Arc::new(store.clone()),
+            Policy::default().lease(lease).ttl(ttl).heartbeat(None),
+        )
+        .unwrap();
+        let kit = RecoveryKit {
+            store,
+            engine,
+            lease,
+            ttl,
+            pass: Box::new(move |d| {
+                clock.advance(d);
+                Box::pin(async {})
+            }),
+        };
+        for case in RecoveryCase::ALL {
+            if let Err(e) = recovery_case(&kit, case).await {
+                panic!("{mode:?} {case:?}: {e}");
+            }
+        }
+    }
+}

@@ -1,0 +1,293 @@
+//! Cases for stores with recovery points ([`RecoveryPoints`], the capability behind
+//! `Idempotency::run_phases`): a store that implements it runs every [`RecoveryCase`] with
+//! [`recovery_case`]. Stores without it skip these cases and keep passing the rest of the
+//! kit.
+//!
+//! Each case drives the store directly (claims through an engine over the same records, then
+//! `begin`, `advance_in`, `commit` or `rollback`, `recovery_point`) and returns what was
+//! wrong, so a test can also check that a broken store fails the case meant for it.
+
+use idempotency_core::{
+    Begin, CommitError, Error, Failure, Fingerprint, Idempotency, IdempotencyKey, Lease, RecordId,
+    RecoveryPoint, RecoveryPoints, Scope,
+};
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
+/// How a case lets time pass on the store's clock (advancing a manual clock, or sleeping on
+/// a real one).
+pub type PassTime = Box<dyn Fn(Duration) -> Pin<Box<dyn Future<Output = ()> + Send>> + Send + Sync>;
+
+/// What the cases need: the store, an engine over the same records whose policy has
+/// [`RecoveryKit::lease`] and [`RecoveryKit::ttl`], and a way to let time pass.
+pub struct RecoveryKit<S> {
+    /// The store under test.
+    pub store: S,
+    /// An engine over the same records, with a lease of `lease` and a retention of `ttl`
+    /// (and no heartbeat, so a dropped lease passes when its time has).
+    pub engine: Idempotency,
+    /// The engine's lease.
+    pub lease: Duration,
+    /// The engine's retention.
+    pub ttl: Duration,
+    /// Lets time pass on the store's clock.
+    pub pass: PassTime,
+}
+
+impl<S> std::fmt::Debug for RecoveryKit<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RecoveryKit")
+            .field("lease", &self.lease)
+            .field("ttl", &self.ttl)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The cases, each a rule of [`RecoveryPoints`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecoveryCase {
+    /// A new record has no recovery point; one advanced and committed reads back whole.
+    AdvanceCommitsAndReadsBack,
+    /// An advance whose transaction rolls back leaves the recovery point where it was.
+    RollbackLeavesThePoint,
+    /// An advance applies only from the phase the record is at.
+    AdvancesOnlyFromWhereItIs,
+    /// A holder whose lease another one took over cannot advance, even from the right phase.
+    FencedByToken,
+    /// A recorded failure and the reclaim after it keep the recovery point.
+    KeptAcrossFailureAndReclaim,
+    /// A fresh record of the key, after the old one expired, starts without one.
+    FreshRecordStartsWithout,
+}
+
+impl RecoveryCase {
+    /// Every case.
+    pub const ALL: [RecoveryCase; 6] = [
+        RecoveryCase::AdvanceCommitsAndReadsBack,
+        RecoveryCase::RollbackLeavesThePoint,
+        RecoveryCase::AdvancesOnlyFromWhereItIs,
+        RecoveryCase::FencedByToken,
+        RecoveryCase::KeptAcrossFailureAndReclaim,
+        RecoveryCase::FreshRecordStartsWithout,
+    ];
+}
+
+fn point(phase: u16, origin: u64, state: &str) -> RecoveryPoint {
+    RecoveryPoint {
+        operation: "kit-operation".to_owned(),
+        phase,
+        origin,
+        state: state.as_bytes().to_vec(),
+    }
+}
+
+fn address(case: RecoveryCase) -> RecordId {
+    RecordId::new(
+        Scope::from_parts(["conformance", "recovery", &format!("{case:?}")]).expect("scope"),
+        IdempotencyKey::random(),
+    )
+}
+
+async fn lease_of(engine: &Idempotency, id: &RecordId) -> Result<Lease, String> {
+    match engine.begin(id, &Fingerprint::from_bytes(b"op")).await {
+        Ok(Begin::Execute(lease)) => Ok(lease),
+        Ok(other) => Err(format!("the claim of {id} did not give a lease: {other:?}")),
+        Err(e) => Err(format!("the claim of {id} failed: {e}")),
+    }
+}
+
+/// Advances `lease`'s record from `from` to `to` in a transaction of its own and commits:
+/// `Ok(Err(e))` when the store refused (at `advance_in` or at the commit).
+async fn advance<S: RecoveryPoints>(
+    store: &S,
+    lease: &Lease,
+    from: Option<u16>,
+    to: &RecoveryPoint,
+    commit: bool,
+) -> Result<Result<(), Error>, String> {
+    let mut tx = match store.begin(lease).await {
+        Ok(idempotency_core::Begun::Open(tx)) => tx,
+        Ok(idempotency_core::Begun::Locked { transaction, .. }) => transaction,
+        Ok(_) => return Err("begin answered something unknown".to_owned()),
+        Err(e) => return Err(format!("begin failed: {e}")),
+    };
+    if let Err(e) = store.advance_in(&mut tx, lease, from, to).await {
+        store.rollback(tx).await;
+        return Ok(Err(e));
+    }
+    if !commit {
+        store.rollback(tx).await;
+        return Ok(Ok(()));
+    }
+    match store.commit(tx).await {
+        Ok(()) => Ok(Ok(())),
+        Err(CommitError::NotCommitted(e)) => Ok(Err(e)),
+        Err(CommitError::Unknown(e)) => Err(format!("a commit of unknown outcome: {e}")),
+        Err(e) => Err(format!("the commit failed: {e:?}")),
+    }
+}
+
+async fn read<S: RecoveryPoints>(
+    store: &S,
+    lease: &Lease,
+) -> Result<Option<RecoveryPoint>, String> {
+    store
+        .recovery_point(lease)
+        .await
+        .map_err(|e| format!("recovery_point failed: {e}"))
+}
+
+fn expect_point(
+    found: Option<RecoveryPoint>,
+    want: Option<&RecoveryPoint>,
+    when: &str,
+) -> Result<(), String> {
+    if found.as_ref() == want {
+        Ok(())
+    } else {
+        Err(format!(
+            "{when}: the recovery point is {found:?}, expected {want:?}"
+        ))
+    }
+}
+
+fn expect_lost(r: Result<(), Error>, when: &str) -> Result<(), String> {
+    match r {
+        Err(Error::LeaseLost { .. }) => Ok(()),
+        other => Err(format!("{when}: expected LeaseLost, got {other:?}")),
+    }
+}
+
+/// Runs `case` against `kit`'s store: `Err` says what was wrong.
+pub async fn recovery_case<S: RecoveryPoints>(
+    kit: &RecoveryKit<S>,
+    case: RecoveryCase,
+) -> Result<(), String> {
+    let (store, engine) = (&kit.store, &kit.engine);
+    let id = address(case);
+    let lease = lease_of(engine, &id).await?;
+    let origin = lease.token().0;
+    let first = point(1, origin, r#"{"ride":7}"#);
+    match case {
+        RecoveryCase::AdvanceCommitsAndReadsBack => {
+            expect_point(read(store, &lease).await?, None, "a new record")?;
+            advance(store, &lease, None, &first, true)
+                .await?
+                .map_err(|e| format!("the first advance was refused: {e}"))?;
+            expect_point(
+                read(store, &lease).await?,
+                Some(&first),
+                "after the advance",
+            )?;
+            let second = point(2, origin, r#"{"ride":7,"charge":"ch_1"}"#);
+            advance(store, &lease, Some(1), &second, true)
+                .await?
+                .map_err(|e| format!("the second advance was refused: {e}"))?;
+            expect_point(
+                read(store, &lease).await?,
+                Some(&second),
+                "after the second advance",
+            )
+        }
+        RecoveryCase::RollbackLeavesThePoint => {
+            advance(store, &lease, None, &first, false)
+                .await?
+                .map_err(|e| format!("the advance was refused: {e}"))?;
+            expect_point(
+                read(store, &lease).await?,
+                None,
+                "after a rolled back advance",
+            )?;
+            advance(store, &lease, None, &first, true)
+                .await?
+                .map_err(|e| format!("the advance was refused: {e}"))?;
+            advance(store, &lease, Some(1), &point(2, origin, "2"), false)
+                .await?
+                .map_err(|e| format!("the second advance was refused: {e}"))?;
+            expect_point(
+                read(store, &lease).await?,
+                Some(&first),
+                "after a rolled back advance",
+            )
+        }
+        RecoveryCase::AdvancesOnlyFromWhereItIs => {
+            expect_lost(
+                advance(store, &lease, Some(1), &point(2, origin, "2"), true).await?,
+                "an advance from phase 1 of a record without a recovery point",
+            )?;
+            advance(store, &lease, None, &first, true)
+                .await?
+                .map_err(|e| format!("the advance was refused: {e}"))?;
+            expect_lost(
+                advance(store, &lease, None, &point(1, origin, "again"), true).await?,
+                "an advance from no recovery point of a record at phase 1",
+            )?;
+            expect_lost(
+                advance(store, &lease, Some(2), &point(3, origin, "3"), true).await?,
+                "an advance from phase 2 of a record at phase 1",
+            )?;
+            expect_point(
+                read(store, &lease).await?,
+                Some(&first),
+                "after refused advances",
+            )
+        }
+        RecoveryCase::FencedByToken => {
+            advance(store, &lease, None, &first, true)
+                .await?
+                .map_err(|e| format!("the advance was refused: {e}"))?;
+            (kit.pass)(kit.lease + Duration::from_millis(50)).await;
+            let taker = lease_of(engine, &id).await?;
+            expect_lost(
+                advance(store, &lease, Some(1), &point(2, origin, "stale"), true).await?,
+                "an advance by the holder whose lease was taken over",
+            )?;
+            expect_point(
+                read(store, &taker).await?,
+                Some(&first),
+                "after the stale advance",
+            )?;
+            let next = point(2, origin, "taker");
+            advance(store, &taker, Some(1), &next, true)
+                .await?
+                .map_err(|e| format!("the new holder's advance was refused: {e}"))?;
+            expect_point(
+                read(store, &taker).await?,
+                Some(&next),
+                "after the new holder's advance",
+            )
+        }
+        RecoveryCase::KeptAcrossFailureAndReclaim => {
+            advance(store, &lease, None, &first, true)
+                .await?
+                .map_err(|e| format!("the advance was refused: {e}"))?;
+            lease
+                .fail(Failure::retryable("the next phase failed"))
+                .await
+                .map_err(|e| format!("recording the failure failed: {e}"))?;
+            let again = lease_of(engine, &id).await?;
+            expect_point(
+                read(store, &again).await?,
+                Some(&first),
+                "after a failure and a reclaim",
+            )
+        }
+        RecoveryCase::FreshRecordStartsWithout => {
+            advance(store, &lease, None, &first, true)
+                .await?
+                .map_err(|e| format!("the advance was refused: {e}"))?;
+            lease
+                .fail(Failure::retryable("given up"))
+                .await
+                .map_err(|e| format!("recording the failure failed: {e}"))?;
+            (kit.pass)(kit.ttl + kit.lease + Duration::from_millis(50)).await;
+            let fresh = lease_of(engine, &id).await?;
+            expect_point(
+                read(store, &fresh).await?,
+                None,
+                "a fresh record after expiry",
+            )
+        }
+    }
+}
