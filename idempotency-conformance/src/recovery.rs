@@ -110,6 +110,9 @@ async fn advance<S: RecoveryPoints>(
         Ok(idempotency_core::Begun::Open(tx)) => tx,
         Ok(idempotency_core::Begun::Locked { transaction, .. }) => transaction,
         Ok(_) => return Err("begin answered something unknown".to_owned()),
+        // A store whose transaction locks the record first may find it another holder's
+        // at once.
+        Err(e @ Error::LeaseLost { .. }) => return Ok(Err(e)),
         Err(e) => return Err(format!("begin failed: {e}")),
     };
     if let Err(e) = store.advance_in(&mut tx, lease, from, to).await {

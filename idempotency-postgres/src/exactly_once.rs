@@ -5,7 +5,10 @@
 use crate::error::{is_connection_loss, is_serialization_failure, map_sqlx, Effect};
 use crate::store::Level;
 use crate::PostgresStore;
-use idempotency_core::{async_trait, Begun, CommitError, Error, Lease, TransactionalStore};
+use idempotency_core::{
+    async_trait, Begun, CommitError, Error, Lease, RecoveryPoint, RecoveryPoints,
+    TransactionalStore,
+};
 use sqlx::{PgConnection, Postgres};
 
 /// A transaction on one of the store's pooled connections, as
@@ -194,4 +197,26 @@ impl PostgresStore {
 fn lost_connection(e: &Error) -> bool {
     e.find_source::<sqlx::Error>()
         .is_some_and(is_connection_loss)
+}
+
+#[async_trait]
+impl RecoveryPoints for PostgresStore {
+    /// One `UPDATE` in the transaction, fenced as the completion is (and by the phase).
+    async fn advance_in(
+        &self,
+        tx: &mut PostgresTransaction,
+        lease: &Lease,
+        from: Option<u16>,
+        to: &RecoveryPoint,
+    ) -> Result<(), Error> {
+        let (id, token, locked) = (lease.id(), lease.token(), tx.locked);
+        self.answered(PostgresStore::advance_in(
+            self, &mut tx.tx, id, token, from, to, locked,
+        ))
+        .await
+    }
+
+    async fn recovery_point(&self, lease: &Lease) -> Result<Option<RecoveryPoint>, Error> {
+        self.read_recovery_point(lease.id()).await
+    }
 }

@@ -28,10 +28,15 @@ const MIGRATIONS: &[Migration] = &[
         description: "check constraints on fingerprint, attempts and hits",
         sql: include_str!("../migrations/0002_check_constraints.sql"),
     },
+    Migration {
+        version: 3,
+        description: "recovery points of multi-step operations",
+        sql: include_str!("../migrations/0003_recovery_points.sql"),
+    },
 ];
 
 /// The newest migration this crate knows.
-pub(crate) const LATEST_VERSION: i32 = 2;
+pub(crate) const LATEST_VERSION: i32 = 3;
 
 fn render(sql: &str, name: &TableName) -> String {
     sql.replace("{records}", &name.qualified()).replace(
@@ -190,6 +195,10 @@ const COLUMNS: &[(&str, &str)] = &[
     ("created_at", "timestamp with time zone"),
     ("updated_at", "timestamp with time zone"),
     ("expires_at", "timestamp with time zone"),
+    ("op_name", "text"),
+    ("op_phase", "integer"),
+    ("op_origin", "bigint"),
+    ("op_state", "bytea"),
 ];
 
 /// Checks that the table exists and has the shape the statements need.

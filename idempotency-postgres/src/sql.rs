@@ -63,6 +63,13 @@ pub(crate) struct Statements {
     /// whether it completes, outcome, retryable, message, retention (ms); returns the keys it
     /// settled.
     pub settle_batch: String,
+    /// The recovery point's advance inside the caller's transaction: $4 name, $5 phase,
+    /// $6 origin, $7 state, $8 the phase it moves from (NULL: none); returns the token.
+    pub advance: String,
+    /// `advance` in a transaction that holds the record row locked (see `complete_locked`).
+    pub advance_locked: String,
+    /// The recovery point of the live record, if it belongs to it.
+    pub point: String,
 }
 
 impl Statements {
@@ -325,7 +332,36 @@ FROM c",
             lease = ms("held.lease_until"),
             now = ms("c.now"),
         );
+        // The recovery point belongs to this record, not to one before it under the same key:
+        // written by a holder whose token is at least the record's creation token (a reclaim
+        // adds one to the token and to the attempts). A fresh claim over an expired row leaves
+        // the old point in its columns; this is what makes it count as none.
+        let current = "r.op_origin >= r.token - r.attempts + 1";
+        let advance_set = "SET op_name = $4, op_phase = $5, op_origin = $6, op_state = $7, \
+                           updated_at = c.now";
+        let from =
+            format!("(CASE WHEN {current} THEN r.op_phase END) IS NOT DISTINCT FROM $8::int4");
+        let advance = format!(
+            "{NOW_CTE}
+UPDATE {t} AS r {advance_set}
+FROM c WHERE {held} AND {from}
+RETURNING r.token"
+        );
+        let advance_locked = format!(
+            "{NOW_CTE}
+UPDATE {t} AS r {advance_set}
+FROM c WHERE r.scope = $1 AND r.key = $2 AND r.token = $3 AND r.status = 'pending' AND {from}
+RETURNING r.token"
+        );
+        let point = format!(
+            "{NOW_CTE}
+SELECT r.op_name, r.op_phase, r.op_origin, r.op_state FROM {t} AS r, c
+WHERE r.scope = $1 AND r.key = $2 AND r.expires_at > c.now AND {current}"
+        );
         Self {
+            advance,
+            advance_locked,
+            point,
             claim,
             observe,
             complete,

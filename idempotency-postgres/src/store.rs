@@ -217,6 +217,86 @@ impl PostgresStore {
         }
     }
 
+    /// Moves the recovery point of `id`'s record held by `token` from phase `from` (`None`:
+    /// it has none) to `to`, inside the caller's transaction on `tx`, for
+    /// [`RecoveryPoints::advance_in`](idempotency_core::RecoveryPoints::advance_in).
+    /// `locked`: the transaction holds the record's row lock (see
+    /// [`PostgresStore::complete_in_reporting`]). [`Error::LeaseLost`] when the record is not
+    /// that holder's live Pending record at that phase.
+    pub(crate) async fn advance_in(
+        &self,
+        tx: &mut PgConnection,
+        id: &RecordId,
+        token: FencingToken,
+        from: Option<u16>,
+        to: &idempotency_core::RecoveryPoint,
+        locked: bool,
+    ) -> Result<(), Error> {
+        let (Ok(t), Ok(origin)) = (i64::try_from(token.0), i64::try_from(to.origin)) else {
+            return Err(Error::LeaseLost { token });
+        };
+        let sql = match locked {
+            true => &self.sql.advance_locked,
+            false => &self.sql.advance,
+        };
+        let row = sqlx::query(sql)
+            .bind(id.scope.as_str())
+            .bind(id.key.as_str())
+            .bind(t)
+            .bind(&to.operation)
+            .bind(i32::from(to.phase))
+            .bind(origin)
+            .bind(&to.state)
+            .bind(from.map(i32::from))
+            .fetch_optional(&mut *tx)
+            .await
+            // Nothing commits until the caller commits: a lost connection applied nothing.
+            .map_err(|e| map_sqlx(e, &self.qualified, Effect::None))?;
+        match row {
+            Some(_) => Ok(()),
+            None => Err(Error::LeaseLost { token }),
+        }
+    }
+
+    /// The recovery point of `id`'s live record, if it has one of its own.
+    pub(crate) async fn read_recovery_point(
+        &self,
+        id: &RecordId,
+    ) -> Result<Option<idempotency_core::RecoveryPoint>, Error> {
+        let row = self
+            .run(Effect::None, OnLoss::Resend, Optional, || {
+                sqlx::query(&self.sql.point)
+                    .bind(id.scope.as_str())
+                    .bind(id.key.as_str())
+            })
+            .await?;
+        let Some(row) = row else { return Ok(None) };
+        let name: Option<String> = get(&row, "op_name", &self.qualified)?;
+        let phase: Option<i32> = get(&row, "op_phase", &self.qualified)?;
+        let origin: Option<i64> = get(&row, "op_origin", &self.qualified)?;
+        let state: Option<Vec<u8>> = get(&row, "op_state", &self.qualified)?;
+        let corrupt = |what: String| Error::CorruptRecord {
+            reason: format!("the record of {id} in {}: {what}", self.qualified),
+            source: None,
+        };
+        match (name, phase, origin, state) {
+            (Some(operation), Some(phase), Some(origin), Some(state)) => {
+                match (u16::try_from(phase), u64::try_from(origin)) {
+                    (Ok(phase), Ok(origin)) => Ok(Some(idempotency_core::RecoveryPoint {
+                        operation,
+                        phase,
+                        origin,
+                        state,
+                    })),
+                    _ => Err(corrupt(format!(
+                        "a recovery point at phase {phase}, origin {origin}"
+                    ))),
+                }
+            }
+            _ => Err(corrupt("a recovery point with NULL parts".to_owned())),
+        }
+    }
+
     /// The first statement of [`crate::PostgresIdempotency`]'s transaction (see `sql::hold`): the
     /// transaction's isolation level and, at REPEATABLE READ or SERIALIZABLE, the record row
     /// locked until the transaction ends, with the lease left on the database clock
