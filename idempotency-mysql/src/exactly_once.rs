@@ -5,7 +5,10 @@
 use crate::abandon::CloseIfAbandoned;
 use crate::error::{is_conflict, is_connection_loss, map_sqlx, Effect};
 use crate::MysqlStore;
-use idempotency_core::{async_trait, Begun, CommitError, Error, Lease, TransactionalStore};
+use idempotency_core::{
+    async_trait, Begun, CommitError, Error, Lease, RecoveryPoint, RecoveryPoints,
+    TransactionalStore,
+};
 use sqlx::pool::PoolConnection;
 use sqlx::{Database, MySql, MySqlConnection, TransactionManager};
 use std::time::Duration;
@@ -172,5 +175,23 @@ impl MysqlStore {
                 Err(e) => return Err(map_sqlx(e, &self.quoted, Effect::None)),
             }
         }
+    }
+}
+
+#[async_trait]
+impl RecoveryPoints for MysqlStore {
+    /// One `UPDATE` in the transaction, fenced as the completion is (and by the phase).
+    async fn advance_in(
+        &self,
+        tx: &mut MysqlTransaction,
+        lease: &Lease,
+        from: Option<u16>,
+        to: &RecoveryPoint,
+    ) -> Result<(), Error> {
+        MysqlStore::advance_in(self, &mut tx.conn, lease.id(), lease.token(), from, to).await
+    }
+
+    async fn recovery_point(&self, lease: &Lease) -> Result<Option<RecoveryPoint>, Error> {
+        self.read_recovery_point(lease.id()).await
     }
 }

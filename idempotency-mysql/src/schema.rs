@@ -22,6 +22,21 @@ const COLUMNS: &[(&str, &str)] = &[
     ("created_ms", "bigint"),
     ("updated_ms", "bigint"),
     ("expires_ms", "bigint"),
+    ("op_name", "text"),
+    ("op_phase", "int"),
+    ("op_origin", "bigint"),
+    ("op_state", "longblob"),
+];
+
+/// The recovery point columns (multi-step operations), added to a table created before them.
+const RECOVERY_POINT_COLUMNS: &[(&str, &str)] = &[
+    (
+        "op_name",
+        "TEXT CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NULL",
+    ),
+    ("op_phase", "INT NULL"),
+    ("op_origin", "BIGINT NULL"),
+    ("op_state", "LONGBLOB NULL"),
 ];
 
 /// The table. Keys and scopes are byte strings (compared byte for byte, never by a
@@ -48,6 +63,10 @@ fn create_table(name: &TableName) -> String {
     created_ms BIGINT NOT NULL,
     updated_ms BIGINT NOT NULL,
     expires_ms BIGINT NOT NULL,
+    op_name TEXT CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NULL,
+    op_phase INT NULL,
+    op_origin BIGINT NULL,
+    op_state LONGBLOB NULL,
     PRIMARY KEY (scope, idem_key),
     KEY expires_ms_idx (expires_ms),
     CONSTRAINT status_valid CHECK (status IN ('pending', 'completed', 'failed')),
@@ -76,7 +95,48 @@ pub(crate) async fn migrate(
                 _ => MysqlError::Database { source },
             },
         )?;
+    add_recovery_point_columns(conn, name).await?;
     verify(conn, name).await
+}
+
+/// Adds the recovery point columns a table created before them lacks (nullable, no default:
+/// statements of an older crate, which never name them, keep working). Another process
+/// adding them at the same moment is fine.
+async fn add_recovery_point_columns(
+    conn: &mut MySqlConnection,
+    name: &TableName,
+) -> Result<(), MysqlError> {
+    let present: Vec<String> = sqlx::query_scalar(
+        "SELECT LOWER(CAST(COLUMN_NAME AS CHAR)) FROM information_schema.COLUMNS
+         WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ?
+           AND COLUMN_NAME IN ('op_name', 'op_phase', 'op_origin', 'op_state')",
+    )
+    .bind(name.table())
+    .fetch_all(&mut *conn)
+    .await
+    .map_err(|source| MysqlError::Database { source })?;
+    for (column, definition) in RECOVERY_POINT_COLUMNS {
+        if present.iter().any(|p| p == column) {
+            continue;
+        }
+        let added = sqlx::query(&format!(
+            "ALTER TABLE {} ADD COLUMN {column} {definition}",
+            name.quoted()
+        ))
+        .execute(&mut *conn)
+        .await;
+        match added {
+            Ok(_) => {}
+            // 1060: duplicate column name, added meanwhile by another process.
+            Err(source)
+                if source
+                    .as_database_error()
+                    .and_then(|d| d.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>())
+                    .is_some_and(|d| d.number() == 1060) => {}
+            Err(source) => return Err(MysqlError::Database { source }),
+        }
+    }
+    Ok(())
 }
 
 pub(crate) async fn verify(conn: &mut MySqlConnection, name: &TableName) -> Result<(), MysqlError> {

@@ -35,6 +35,11 @@ pub(crate) struct Statements {
     pub reclaim: String,
     pub get: String,
     pub purge: String,
+    /// The recovery point's advance inside the caller's transaction: name, phase, origin,
+    /// state, then scope, key, token, then the phase it moves from (NULL: none).
+    pub advance: String,
+    /// The recovery point of the live record, if it belongs to it: scope, key.
+    pub point: String,
 }
 
 impl Statements {
@@ -128,7 +133,23 @@ WHERE scope = ? AND idem_key = ? AND token = ? AND expires_ms > {now}
         // Bounded: at most ? expired rows, oldest first, found on the expiry index.
         let purge =
             format!("DELETE FROM {t} WHERE expires_ms <= {now} ORDER BY expires_ms LIMIT ?");
+        // A recovery point belongs to the record, not to one before it under the same key:
+        // written by a holder whose token is at least the record's creation token (a reclaim
+        // adds one to the token and to the attempts). A fresh claim over an expired row leaves
+        // the old point in its columns; this makes it count as none.
+        let current = "op_origin >= token - attempts + 1";
+        let advance = format!(
+            "UPDATE {t} SET op_name = ?, op_phase = ?, op_origin = ?, op_state = ?,
+    updated_ms = {now}, revision = revision + 1
+WHERE {held} AND (CASE WHEN {current} THEN op_phase END) <=> ?"
+        );
+        let point = format!(
+            "SELECT op_name, op_phase, op_origin, op_state FROM {t}
+WHERE scope = ? AND idem_key = ? AND expires_ms > {now} AND {current}"
+        );
         Self {
+            advance,
+            point,
             claim,
             complete,
             fail,

@@ -184,6 +184,92 @@ impl MysqlStore {
         }
     }
 
+    /// Moves the recovery point of `id`'s record held by `token` from phase `from` (`None`:
+    /// it has none) to `to`, inside the caller's transaction on `tx`, for
+    /// [`RecoveryPoints::advance_in`](idempotency_core::RecoveryPoints::advance_in).
+    /// [`Error::LeaseLost`] when the record is not that holder's live Pending record at that
+    /// phase.
+    pub(crate) async fn advance_in(
+        &self,
+        tx: &mut MySqlConnection,
+        id: &RecordId,
+        token: FencingToken,
+        from: Option<u16>,
+        to: &idempotency_core::RecoveryPoint,
+    ) -> Result<(), Error> {
+        let (Ok(t), Ok(origin)) = (i64::try_from(token.0), i64::try_from(to.origin)) else {
+            return Err(Error::LeaseLost { token });
+        };
+        let statement = sqlx::query(&self.sql.advance)
+            .bind(to.operation.as_str())
+            .bind(i32::from(to.phase))
+            .bind(origin)
+            .bind(to.state.as_slice())
+            .bind(id.scope.as_str().as_bytes())
+            .bind(id.key.as_str().as_bytes())
+            .bind(t)
+            .bind(from.map(i32::from))
+            .execute(&mut *tx);
+        let done = tokio::time::timeout(self.response_timeout, statement)
+            .await
+            // Nothing commits until the caller commits: a statement without an answer, or a
+            // lost connection, applied nothing.
+            .map_err(|_| self.no_answer(Effect::None))?
+            .map_err(|e| map_sqlx(e, &self.quoted, Effect::None))?;
+        match done.rows_affected() {
+            0 => Err(Error::LeaseLost { token }),
+            _ => Ok(()),
+        }
+    }
+
+    /// The recovery point of `id`'s live record, if it has one of its own.
+    pub(crate) async fn read_recovery_point(
+        &self,
+        id: &RecordId,
+    ) -> Result<Option<idempotency_core::RecoveryPoint>, Error> {
+        let row = self
+            .run(Effect::None, OnLoss::Resend, Optional, || {
+                sqlx::query(&self.sql.point)
+                    .bind(id.scope.as_str().as_bytes())
+                    .bind(id.key.as_str().as_bytes())
+            })
+            .await?;
+        let Some(row) = row else { return Ok(None) };
+        // Read as bytes, as every text column of the store is (a binary collation).
+        let name: Option<Vec<u8>> = get(&row, 0, &self.quoted)?;
+        let name = match name.map(String::from_utf8).transpose() {
+            Ok(name) => name,
+            Err(_) => {
+                return Err(Error::corrupt(format!(
+                    "the record of {id} has an operation name that is not UTF-8"
+                )))
+            }
+        };
+        let phase: Option<i32> = get(&row, 1, &self.quoted)?;
+        let origin: Option<i64> = get(&row, 2, &self.quoted)?;
+        let state: Option<Vec<u8>> = get(&row, 3, &self.quoted)?;
+        let corrupt = |what: String| Error::CorruptRecord {
+            reason: format!("the record of {id} in {}: {what}", self.quoted),
+            source: None,
+        };
+        match (name, phase, origin, state) {
+            (Some(operation), Some(phase), Some(origin), Some(state)) => {
+                match (u16::try_from(phase), u64::try_from(origin)) {
+                    (Ok(phase), Ok(origin)) => Ok(Some(idempotency_core::RecoveryPoint {
+                        operation,
+                        phase,
+                        origin,
+                        state,
+                    })),
+                    _ => Err(corrupt(format!(
+                        "a recovery point at phase {phase}, origin {origin}"
+                    ))),
+                }
+            }
+            _ => Err(corrupt("a recovery point with NULL parts".to_owned())),
+        }
+    }
+
     /// Runs the statement `query` builds on one connection, re-running it after deadlocks
     /// and lock wait timeouts (the autocommit statement was rolled back, so nothing was
     /// applied), with a jittered backoff. Each attempt takes a connection from the pool.

@@ -1,0 +1,262 @@
+//! Multi-step operations on MySQL/MariaDB (`Idempotency::run_phases`), at every isolation level:
+//! the kit's recovery point cases, and the rides flow (a ride row, a charge through a
+//! payment service that deduplicates by key, a receipt row with the completion) resumed
+//! after its holder dies between the charge and its recovery point.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use common::{Isolation, TableGuard};
+use idempotency_conformance::recovery::{recovery_case, RecoveryCase, RecoveryKit};
+use idempotency_core::{
+    Error, Fingerprint, Idempotency, IdempotencyKey, Outcome, PhaseContext, Phases, Policy, Scope,
+};
+use idempotency_mysql::sqlx;
+use idempotency_mysql::{MysqlStore, MysqlTransaction};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::Notify;
+
+const LEVELS: [Isolation; 3] = Isolation::ALL;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_passes_every_recovery_point_case_at_every_level() {
+    for level in LEVELS {
+        let (store, _guard) = common::store_with(level, 4).await;
+        // The database's clock decides: time passes by sleeping, with room for a stalled
+        // machine (a record expires only after its retention).
+        let (lease, ttl) = (Duration::from_secs(1), Duration::from_secs(2));
+        let engine = Idempotency::new(
+            Arc::new(store.clone()),
+            Policy::default().lease(lease).ttl(ttl).heartbeat(None),
+        )
+        .unwrap();
+        let kit = RecoveryKit {
+            store,
+            engine,
+            lease,
+            ttl,
+            pass: Box::new(|d| Box::pin(tokio::time::sleep(d))),
+        };
+        for case in RecoveryCase::ALL {
+            if let Err(e) = recovery_case(&kit, case).await {
+                panic!("{level:?} {case:?}: {e}");
+            }
+        }
+    }
+}
+
+/// A payment service that deduplicates charges by key, and can hang once after a charge.
+#[derive(Debug, Default)]
+struct Payments {
+    charges: Mutex<HashMap<String, i64>>,
+    keys: Mutex<Vec<String>>,
+    hang_after_charge: AtomicUsize,
+    charged: Notify,
+}
+
+impl Payments {
+    async fn charge(&self, key: &str) -> i64 {
+        self.keys.lock().unwrap().push(key.to_owned());
+        let id = {
+            let mut charges = self.charges.lock().unwrap();
+            let next = charges.len() as i64 + 1;
+            *charges.entry(key.to_owned()).or_insert(next)
+        };
+        if self.hang_after_charge.load(Ordering::SeqCst) > 0 {
+            self.hang_after_charge.fetch_sub(1, Ordering::SeqCst);
+            self.charged.notify_one();
+            futures::future::pending::<()>().await;
+        }
+        id
+    }
+}
+
+fn flow(
+    payments: Arc<Payments>,
+    tables: Arc<(String, String)>,
+) -> Phases<MysqlStore, (i64, i64), String> {
+    let (rides, receipts) = (tables.0.clone(), tables.1.clone());
+    Phases::new("book-ride")
+        .phase(
+            "create-ride",
+            move |tx: &mut MysqlTransaction, (): (), _: PhaseContext| {
+                let sql = format!("INSERT INTO {rides} (route) VALUES ('A to B') RETURNING id");
+                Box::pin(async move {
+                    let id: Result<i64, _> =
+                        sqlx::query_scalar(&sql).fetch_one(tx.connection()).await;
+                    Ok(id.map_err(|e| e.to_string()))
+                })
+            },
+        )
+        .foreign("charge", move |ride: i64, ctx: PhaseContext| {
+            let payments = payments.clone();
+            async move { Ok(Ok((ride, payments.charge(ctx.key()).await))) }
+        })
+        .phase(
+            "receipt",
+            move |tx: &mut MysqlTransaction, (ride, charge): (i64, i64), _: PhaseContext| {
+                let sql = format!("INSERT INTO {receipts} (ride, charge) VALUES (?, ?)");
+                Box::pin(async move {
+                    let written = sqlx::query(&sql)
+                        .bind(ride)
+                        .bind(charge)
+                        .execute(tx.connection())
+                        .await;
+                    Ok(written.map(|_| (ride, charge)).map_err(|e| e.to_string()))
+                })
+            },
+        )
+}
+
+struct World {
+    store: MysqlStore,
+    tables: Arc<(String, String)>,
+    _guards: (TableGuard, TableGuard, TableGuard),
+    engine: Idempotency,
+    payments: Arc<Payments>,
+}
+
+const LEASE: Duration = Duration::from_secs(1);
+
+impl World {
+    async fn new(level: Isolation) -> Self {
+        let (store, records) = common::store_with(level, 4).await;
+        let (rides, receipts) = (TableGuard::new(), TableGuard::new());
+        let tables = Arc::new((
+            format!("`{}`", rides.table),
+            format!("`{}`", receipts.table),
+        ));
+        common::exec(&format!(
+            "CREATE TABLE {} (id BIGINT AUTO_INCREMENT PRIMARY KEY, route TEXT NOT NULL) ENGINE = InnoDB",
+            tables.0
+        ))
+        .await;
+        common::exec(&format!(
+            "CREATE TABLE {} (ride BIGINT NOT NULL, charge BIGINT NOT NULL) ENGINE = InnoDB",
+            tables.1
+        ))
+        .await;
+        let engine = Idempotency::new(
+            Arc::new(store.clone()),
+            Policy::default()
+                .lease(LEASE)
+                .ttl(Duration::from_secs(3600)),
+        )
+        .unwrap();
+        Self {
+            store,
+            tables,
+            _guards: (records, rides, receipts),
+            engine,
+            payments: Arc::default(),
+        }
+    }
+
+    fn key() -> (IdempotencyKey, Scope, Fingerprint) {
+        (
+            IdempotencyKey::new("ride-1").unwrap(),
+            Scope::new("rides").unwrap(),
+            Fingerprint::from_bytes(b"A to B"),
+        )
+    }
+
+    fn flow(&self) -> Phases<MysqlStore, (i64, i64), String> {
+        flow(self.payments.clone(), self.tables.clone())
+    }
+
+    async fn run(&self) -> Result<Outcome<Result<(i64, i64), String>>, Error> {
+        let (key, scope, fp) = Self::key();
+        self.engine
+            .run_phases(&self.store, &key, &scope, &fp, self.flow())
+            .await
+    }
+
+    async fn counts(&self) -> (i64, usize, i64) {
+        let mut conn = common::admin().await;
+        let (rides, receipts): (i64, i64) = sqlx::query_as(&format!(
+            "SELECT (SELECT count(*) FROM {}), (SELECT count(*) FROM {})",
+            self.tables.0, self.tables.1
+        ))
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+        (rides, self.payments.charges.lock().unwrap().len(), receipts)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_that_died_after_the_charge_is_resumed_there_at_every_level() {
+    for level in LEVELS {
+        let w = World::new(level).await;
+        w.payments.hang_after_charge.store(1, Ordering::SeqCst);
+        let charged = w.payments.charged.notified();
+        let task = {
+            let (engine, store, flow) = (w.engine.clone(), w.store.clone(), w.flow());
+            tokio::spawn(async move {
+                let (key, scope, fp) = World::key();
+                engine.run_phases(&store, &key, &scope, &fp, flow).await
+            })
+        };
+        charged.await;
+        task.abort();
+        let _ = task.await;
+        assert_eq!(w.counts().await, (1, 1, 0), "{level:?}: the ride committed");
+        // The dead holder's heartbeat stopped with it: its lease passes.
+        tokio::time::sleep(LEASE + Duration::from_millis(200)).await;
+        let Outcome::Fresh(Ok((ride, charge))) = w.run().await.unwrap() else {
+            panic!("{level:?}: not resumed");
+        };
+        assert_eq!((ride, charge), (1, 1), "{level:?}");
+        assert_eq!(w.counts().await, (1, 1, 1), "{level:?}: nothing ran twice");
+        let keys = w.payments.keys.lock().unwrap().clone();
+        assert!(keys.len() == 2 && keys[0] == keys[1], "{level:?}: {keys:?}");
+        assert_eq!(w.run().await.unwrap(), Outcome::Replayed(Ok((1, 1))));
+    }
+}
+
+/// A table created before the recovery point columns (by an older crate), with a record in
+/// it: `migrate` adds the columns and the record stays readable.
+#[tokio::test]
+async fn a_table_without_recovery_point_columns_is_given_them_by_migrate() {
+    let guard = TableGuard::new();
+    common::exec(&format!(
+        "CREATE TABLE `{t}` (
+    scope VARBINARY(1024) NOT NULL, idem_key VARBINARY(255) NOT NULL,
+    fingerprint VARBINARY(64) NOT NULL,
+    status VARCHAR(16) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
+    token BIGINT NOT NULL, claim_nonce BIGINT NOT NULL, revision BIGINT NOT NULL DEFAULT 0,
+    lease_until_ms BIGINT NULL, outcome LONGBLOB NULL, attempts INT NOT NULL,
+    failure_retryable TINYINT NULL,
+    failure_message TEXT CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NULL,
+    hits BIGINT NOT NULL, created_ms BIGINT NOT NULL, updated_ms BIGINT NOT NULL,
+    expires_ms BIGINT NOT NULL,
+    PRIMARY KEY (scope, idem_key), KEY expires_ms_idx (expires_ms)) ENGINE = InnoDB",
+        t = guard.table
+    ))
+    .await;
+    common::exec(&format!(
+        "INSERT INTO `{t}` VALUES ('rides', 'old', REPEAT('a', 32), 'completed', 5, 1, 1, NULL,
+             '{{\"Ok\":1}}', 1, NULL, NULL, 0, 0, 0, 9999999999999)",
+        t = guard.table
+    ))
+    .await;
+    let store = idempotency_mysql::MysqlStore::builder()
+        .table(&guard.table)
+        .build(common::pool(Isolation::ReadCommitted, 2).await)
+        .unwrap();
+    store.migrate().await.unwrap();
+    store.migrate().await.unwrap();
+    store.verify().await.unwrap();
+    let id = idempotency_core::RecordId::new(
+        Scope::new("rides").unwrap(),
+        IdempotencyKey::new("old").unwrap(),
+    );
+    let record = idempotency_core::IdempotencyStore::get(&store, &id)
+        .await
+        .unwrap()
+        .expect("the record survived");
+    assert_eq!(record.outcome.as_deref(), Some(&br#"{"Ok":1}"#[..]));
+}
