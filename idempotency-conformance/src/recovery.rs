@@ -162,6 +162,81 @@ fn expect_lost(r: Result<(), Error>, when: &str) -> Result<(), String> {
     }
 }
 
+/// Runs every case against `kit`'s store, in turn: `Err` names the first case that failed and
+/// says what was wrong.
+pub async fn recovery_cases<S: RecoveryPoints>(kit: &RecoveryKit<S>) -> Result<(), String> {
+    for case in RecoveryCase::ALL {
+        recovery_case(kit, case)
+            .await
+            .map_err(|e| format!("{case:?}: {e}"))?;
+    }
+    Ok(())
+}
+
+/// A foreign service for the phases of a test operation: it acts (a charge) once per key,
+/// answering a call made again with the same key as the first, and can be told to hang once
+/// after acting, as a service whose answer never comes back (its caller then dies, or loses
+/// its lease, before its recovery point commits).
+#[derive(Debug, Default)]
+pub struct ForeignService {
+    effects: std::sync::Mutex<std::collections::HashMap<String, i64>>,
+    keys: std::sync::Mutex<Vec<String>>,
+    hang_after_acting: std::sync::atomic::AtomicUsize,
+    acted: tokio::sync::Notify,
+}
+
+impl ForeignService {
+    /// Acts for `key` (once per key) and answers the effect's number (1 for the first).
+    pub async fn call(&self, key: &str) -> i64 {
+        self.keys
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(key.to_owned());
+        let effect = {
+            let mut effects = self.effects.lock().unwrap_or_else(|e| e.into_inner());
+            let next = i64::try_from(effects.len())
+                .unwrap_or(i64::MAX)
+                .saturating_add(1);
+            *effects.entry(key.to_owned()).or_insert(next)
+        };
+        let hang = self
+            .hang_after_acting
+            .fetch_update(
+                std::sync::atomic::Ordering::SeqCst,
+                std::sync::atomic::Ordering::SeqCst,
+                |n| n.checked_sub(1),
+            )
+            .is_ok();
+        if hang {
+            self.acted.notify_one();
+            futures::future::pending::<()>().await;
+        }
+        effect
+    }
+
+    /// Makes the next `n` calls hang after acting.
+    pub fn hang_after_acting(&self, n: usize) {
+        self.hang_after_acting
+            .store(n, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Waits for a call that acted and hangs (register before the call could happen: the
+    /// wake-up is kept if it comes first).
+    pub async fn acted_and_hung(&self) {
+        self.acted.notified().await;
+    }
+
+    /// How many times it acted (distinct keys).
+    pub fn effects(&self) -> usize {
+        self.effects.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// The key of every call, in order, repeats included.
+    pub fn keys(&self) -> Vec<String> {
+        self.keys.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
 /// Runs `case` against `kit`'s store: `Err` says what was wrong.
 pub async fn recovery_case<S: RecoveryPoints>(
     kit: &RecoveryKit<S>,

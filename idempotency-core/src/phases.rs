@@ -59,6 +59,41 @@ pub struct RecoveryPoint {
     pub state: Vec<u8>,
 }
 
+impl RecoveryPoint {
+    /// The recovery point a store read back as nullable columns (name, phase, origin,
+    /// state): `None` when they are all NULL, [`Error::CorruptRecord`] when only some are, or
+    /// when the phase or the origin is out of range. `what` names the record in the error.
+    pub fn from_columns(
+        what: &dyn fmt::Display,
+        operation: Option<String>,
+        phase: Option<i64>,
+        origin: Option<i64>,
+        state: Option<Vec<u8>>,
+    ) -> Result<Option<Self>, Error> {
+        let corrupt = |detail: String| Error::CorruptRecord {
+            reason: format!("{what}: {detail}"),
+            source: None,
+        };
+        match (operation, phase, origin, state) {
+            (None, None, None, None) => Ok(None),
+            (Some(operation), Some(phase), Some(origin), Some(state)) => {
+                match (u16::try_from(phase), u64::try_from(origin)) {
+                    (Ok(phase), Ok(origin)) => Ok(Some(Self {
+                        operation,
+                        phase,
+                        origin,
+                        state,
+                    })),
+                    _ => Err(corrupt(format!(
+                        "a recovery point at phase {phase}, origin {origin}"
+                    ))),
+                }
+            }
+            _ => Err(corrupt("a recovery point with NULL parts".to_owned())),
+        }
+    }
+}
+
 /// A [`TransactionalStore`] that keeps a recovery point on each record, for [`Phases`].
 ///
 /// A store keeps a record's recovery point while the record lives: a reclaim (a new token)

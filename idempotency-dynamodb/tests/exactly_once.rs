@@ -22,7 +22,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use support::{intercepted_store, Requests};
+use support::{intercepted_store, Between, Requests};
 
 const LEASE: Duration = Duration::from_secs(10);
 
@@ -329,20 +329,6 @@ struct Script {
     sends: Arc<AtomicUsize>,
     /// Runs once, right after an answer is lost (before the SDK sends it again).
     between: Arc<Mutex<Between>>,
-}
-
-/// What runs between a lost answer and the next send.
-#[derive(Default)]
-struct Between(Option<Box<dyn FnOnce() + Send>>);
-
-impl std::fmt::Debug for Between {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(if self.0.is_some() {
-            "Between(set)"
-        } else {
-            "Between(none)"
-        })
-    }
 }
 
 impl Script {

@@ -6,7 +6,7 @@
 mod support;
 
 use idempotency_testing::dynamodb as common;
-use support::{intercepted_store, operation, Requests};
+use support::{intercepted_store, operation, Between, Requests};
 
 use aws_sdk_dynamodb::config::interceptors::{
     BeforeDeserializationInterceptorContextMut, BeforeTransmitInterceptorContextRef,
@@ -456,20 +456,6 @@ struct LoseAnswer {
     throttled: Arc<Mutex<usize>>,
     /// Runs once, right after the answer is lost (before the SDK sends the write again).
     between: Arc<Mutex<Between>>,
-}
-
-/// What runs between a lost answer and the write's next send.
-#[derive(Default)]
-struct Between(Option<Box<dyn FnOnce() + Send>>);
-
-impl std::fmt::Debug for Between {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(if self.0.is_some() {
-            "Between(set)"
-        } else {
-            "Between(none)"
-        })
-    }
 }
 
 impl Intercept for LoseAnswer {

@@ -237,37 +237,18 @@ impl MysqlStore {
         let Some(row) = row else { return Ok(None) };
         // Read as bytes, as every text column of the store is (a binary collation).
         let name: Option<Vec<u8>> = get(&row, 0, &self.quoted)?;
-        let name = match name.map(String::from_utf8).transpose() {
-            Ok(name) => name,
-            Err(_) => {
-                return Err(Error::corrupt(format!(
-                    "the record of {id} has an operation name that is not UTF-8"
-                )))
-            }
+        let Ok(name) = name.map(String::from_utf8).transpose() else {
+            return Err(Error::corrupt(format!(
+                "the record of {id} has an operation name that is not UTF-8"
+            )));
         };
-        let phase: Option<i32> = get(&row, 1, &self.quoted)?;
-        let origin: Option<i64> = get(&row, 2, &self.quoted)?;
-        let state: Option<Vec<u8>> = get(&row, 3, &self.quoted)?;
-        let corrupt = |what: String| Error::CorruptRecord {
-            reason: format!("the record of {id} in {}: {what}", self.quoted),
-            source: None,
-        };
-        match (name, phase, origin, state) {
-            (Some(operation), Some(phase), Some(origin), Some(state)) => {
-                match (u16::try_from(phase), u64::try_from(origin)) {
-                    (Ok(phase), Ok(origin)) => Ok(Some(idempotency_core::RecoveryPoint {
-                        operation,
-                        phase,
-                        origin,
-                        state,
-                    })),
-                    _ => Err(corrupt(format!(
-                        "a recovery point at phase {phase}, origin {origin}"
-                    ))),
-                }
-            }
-            _ => Err(corrupt("a recovery point with NULL parts".to_owned())),
-        }
+        idempotency_core::RecoveryPoint::from_columns(
+            &format_args!("the record of {id} in {}", self.quoted),
+            name,
+            get::<Option<i32>>(&row, 1, &self.quoted)?.map(i64::from),
+            get(&row, 2, &self.quoted)?,
+            get(&row, 3, &self.quoted)?,
+        )
     }
 
     /// Runs the statement `query` builds on one connection, re-running it after deadlocks

@@ -7,17 +7,14 @@
 mod common;
 
 use common::{Isolation, TableGuard};
-use idempotency_conformance::recovery::{recovery_case, RecoveryCase, RecoveryKit};
+use idempotency_conformance::recovery::{recovery_cases, ForeignService, RecoveryKit};
 use idempotency_core::{
     Error, Fingerprint, Idempotency, IdempotencyKey, Outcome, PhaseContext, Phases, Policy, Scope,
 };
 use idempotency_mysql::sqlx;
 use idempotency_mysql::{MysqlStore, MysqlTransaction};
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::Notify;
 
 const LEVELS: [Isolation; 3] = Isolation::ALL;
 
@@ -40,42 +37,14 @@ async fn mysql_passes_every_recovery_point_case_at_every_level() {
             ttl,
             pass: Box::new(|d| Box::pin(tokio::time::sleep(d))),
         };
-        for case in RecoveryCase::ALL {
-            if let Err(e) = recovery_case(&kit, case).await {
-                panic!("{level:?} {case:?}: {e}");
-            }
+        if let Err(e) = recovery_cases(&kit).await {
+            panic!("{level:?} {e}");
         }
-    }
-}
-
-/// A payment service that deduplicates charges by key, and can hang once after a charge.
-#[derive(Debug, Default)]
-struct Payments {
-    charges: Mutex<HashMap<String, i64>>,
-    keys: Mutex<Vec<String>>,
-    hang_after_charge: AtomicUsize,
-    charged: Notify,
-}
-
-impl Payments {
-    async fn charge(&self, key: &str) -> i64 {
-        self.keys.lock().unwrap().push(key.to_owned());
-        let id = {
-            let mut charges = self.charges.lock().unwrap();
-            let next = charges.len() as i64 + 1;
-            *charges.entry(key.to_owned()).or_insert(next)
-        };
-        if self.hang_after_charge.load(Ordering::SeqCst) > 0 {
-            self.hang_after_charge.fetch_sub(1, Ordering::SeqCst);
-            self.charged.notify_one();
-            futures::future::pending::<()>().await;
-        }
-        id
     }
 }
 
 fn flow(
-    payments: Arc<Payments>,
+    payments: Arc<ForeignService>,
     tables: Arc<(String, String)>,
 ) -> Phases<MysqlStore, (i64, i64), String> {
     let (rides, receipts) = (tables.0.clone(), tables.1.clone());
@@ -93,7 +62,7 @@ fn flow(
         )
         .foreign("charge", move |ride: i64, ctx: PhaseContext| {
             let payments = payments.clone();
-            async move { Ok(Ok((ride, payments.charge(ctx.key()).await))) }
+            async move { Ok(Ok((ride, payments.call(ctx.key()).await))) }
         })
         .phase(
             "receipt",
@@ -116,7 +85,7 @@ struct World {
     tables: Arc<(String, String)>,
     _guards: (TableGuard, TableGuard, TableGuard),
     engine: Idempotency,
-    payments: Arc<Payments>,
+    payments: Arc<ForeignService>,
 }
 
 const LEASE: Duration = Duration::from_secs(1);
@@ -183,7 +152,7 @@ impl World {
         .fetch_one(&mut conn)
         .await
         .unwrap();
-        (rides, self.payments.charges.lock().unwrap().len(), receipts)
+        (rides, self.payments.effects(), receipts)
     }
 }
 
@@ -191,8 +160,7 @@ impl World {
 async fn a_holder_that_died_after_the_charge_is_resumed_there_at_every_level() {
     for level in LEVELS {
         let w = World::new(level).await;
-        w.payments.hang_after_charge.store(1, Ordering::SeqCst);
-        let charged = w.payments.charged.notified();
+        w.payments.hang_after_acting(1);
         let task = {
             let (engine, store, flow) = (w.engine.clone(), w.store.clone(), w.flow());
             tokio::spawn(async move {
@@ -200,7 +168,7 @@ async fn a_holder_that_died_after_the_charge_is_resumed_there_at_every_level() {
                 engine.run_phases(&store, &key, &scope, &fp, flow).await
             })
         };
-        charged.await;
+        w.payments.acted_and_hung().await;
         task.abort();
         let _ = task.await;
         assert_eq!(w.counts().await, (1, 1, 0), "{level:?}: the ride committed");
@@ -211,7 +179,7 @@ async fn a_holder_that_died_after_the_charge_is_resumed_there_at_every_level() {
         };
         assert_eq!((ride, charge), (1, 1), "{level:?}");
         assert_eq!(w.counts().await, (1, 1, 1), "{level:?}: nothing ran twice");
-        let keys = w.payments.keys.lock().unwrap().clone();
+        let keys = w.payments.keys();
         assert!(keys.len() == 2 && keys[0] == keys[1], "{level:?}: {keys:?}");
         assert_eq!(w.run().await.unwrap(), Outcome::Replayed(Ok((1, 1))));
     }

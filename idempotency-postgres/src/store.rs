@@ -271,30 +271,13 @@ impl PostgresStore {
             })
             .await?;
         let Some(row) = row else { return Ok(None) };
-        let name: Option<String> = get(&row, "op_name", &self.qualified)?;
-        let phase: Option<i32> = get(&row, "op_phase", &self.qualified)?;
-        let origin: Option<i64> = get(&row, "op_origin", &self.qualified)?;
-        let state: Option<Vec<u8>> = get(&row, "op_state", &self.qualified)?;
-        let corrupt = |what: String| Error::CorruptRecord {
-            reason: format!("the record of {id} in {}: {what}", self.qualified),
-            source: None,
-        };
-        match (name, phase, origin, state) {
-            (Some(operation), Some(phase), Some(origin), Some(state)) => {
-                match (u16::try_from(phase), u64::try_from(origin)) {
-                    (Ok(phase), Ok(origin)) => Ok(Some(idempotency_core::RecoveryPoint {
-                        operation,
-                        phase,
-                        origin,
-                        state,
-                    })),
-                    _ => Err(corrupt(format!(
-                        "a recovery point at phase {phase}, origin {origin}"
-                    ))),
-                }
-            }
-            _ => Err(corrupt("a recovery point with NULL parts".to_owned())),
-        }
+        idempotency_core::RecoveryPoint::from_columns(
+            &format_args!("the record of {id} in {}", self.qualified),
+            get(&row, "op_name", &self.qualified)?,
+            get::<Option<i32>>(&row, "op_phase", &self.qualified)?.map(i64::from),
+            get(&row, "op_origin", &self.qualified)?,
+            get(&row, "op_state", &self.qualified)?,
+        )
     }
 
     /// The first statement of [`crate::PostgresIdempotency`]'s transaction (see `sql::hold`): the

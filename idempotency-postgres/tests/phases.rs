@@ -7,17 +7,14 @@
 mod common;
 
 use common::{Isolation, SchemaGuard};
-use idempotency_conformance::recovery::{recovery_case, RecoveryCase, RecoveryKit};
+use idempotency_conformance::recovery::{recovery_cases, ForeignService, RecoveryKit};
 use idempotency_core::{
     Error, Fingerprint, Idempotency, IdempotencyKey, Outcome, PhaseContext, Phases, Policy, Scope,
 };
 use idempotency_postgres::sqlx;
 use idempotency_postgres::{PostgresStore, PostgresTransaction};
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::Notify;
 
 const LEVELS: [Isolation; 3] = [
     Isolation::ReadCommitted,
@@ -44,41 +41,16 @@ async fn postgres_passes_every_recovery_point_case_at_every_level() {
             ttl,
             pass: Box::new(|d| Box::pin(tokio::time::sleep(d))),
         };
-        for case in RecoveryCase::ALL {
-            if let Err(e) = recovery_case(&kit, case).await {
-                panic!("{level:?} {case:?}: {e}");
-            }
+        if let Err(e) = recovery_cases(&kit).await {
+            panic!("{level:?} {e}");
         }
     }
 }
 
-/// A payment service that deduplicates charges by key, and can hang once after a charge.
-#[derive(Debug, Default)]
-struct Payments {
-    charges: Mutex<HashMap<String, i64>>,
-    keys: Mutex<Vec<String>>,
-    hang_after_charge: AtomicUsize,
-    charged: Notify,
-}
-
-impl Payments {
-    async fn charge(&self, key: &str) -> i64 {
-        self.keys.lock().unwrap().push(key.to_owned());
-        let id = {
-            let mut charges = self.charges.lock().unwrap();
-            let next = charges.len() as i64 + 1;
-            *charges.entry(key.to_owned()).or_insert(next)
-        };
-        if self.hang_after_charge.load(Ordering::SeqCst) > 0 {
-            self.hang_after_charge.fetch_sub(1, Ordering::SeqCst);
-            self.charged.notify_one();
-            futures::future::pending::<()>().await;
-        }
-        id
-    }
-}
-
-fn flow(payments: Arc<Payments>, schema: Arc<str>) -> Phases<PostgresStore, (i64, i64), String> {
+fn flow(
+    payments: Arc<ForeignService>,
+    schema: Arc<str>,
+) -> Phases<PostgresStore, (i64, i64), String> {
     let (rides, receipts) = (
         format!(r#""{schema}".rides"#),
         format!(r#""{schema}".receipts"#),
@@ -97,7 +69,7 @@ fn flow(payments: Arc<Payments>, schema: Arc<str>) -> Phases<PostgresStore, (i64
         )
         .foreign("charge", move |ride: i64, ctx: PhaseContext| {
             let payments = payments.clone();
-            async move { Ok(Ok((ride, payments.charge(ctx.key()).await))) }
+            async move { Ok(Ok((ride, payments.call(ctx.key()).await))) }
         })
         .phase(
             "receipt",
@@ -119,7 +91,7 @@ struct World {
     store: PostgresStore,
     guard: SchemaGuard,
     engine: Idempotency,
-    payments: Arc<Payments>,
+    payments: Arc<ForeignService>,
 }
 
 const LEASE: Duration = Duration::from_secs(1);
@@ -176,7 +148,7 @@ impl World {
         .fetch_one(&mut conn)
         .await
         .unwrap();
-        (rides, self.payments.charges.lock().unwrap().len(), receipts)
+        (rides, self.payments.effects(), receipts)
     }
 }
 
@@ -184,8 +156,7 @@ impl World {
 async fn a_holder_that_died_after_the_charge_is_resumed_there_at_every_level() {
     for level in LEVELS {
         let w = World::new(level).await;
-        w.payments.hang_after_charge.store(1, Ordering::SeqCst);
-        let charged = w.payments.charged.notified();
+        w.payments.hang_after_acting(1);
         let task = {
             let (engine, store, flow) = (w.engine.clone(), w.store.clone(), w.flow());
             tokio::spawn(async move {
@@ -193,7 +164,7 @@ async fn a_holder_that_died_after_the_charge_is_resumed_there_at_every_level() {
                 engine.run_phases(&store, &key, &scope, &fp, flow).await
             })
         };
-        charged.await;
+        w.payments.acted_and_hung().await;
         task.abort();
         let _ = task.await;
         assert_eq!(w.counts().await, (1, 1, 0), "{level:?}: the ride committed");
@@ -204,7 +175,7 @@ async fn a_holder_that_died_after_the_charge_is_resumed_there_at_every_level() {
         };
         assert_eq!((ride, charge), (1, 1), "{level:?}");
         assert_eq!(w.counts().await, (1, 1, 1), "{level:?}: nothing ran twice");
-        let keys = w.payments.keys.lock().unwrap().clone();
+        let keys = w.payments.keys();
         assert!(keys.len() == 2 && keys[0] == keys[1], "{level:?}: {keys:?}");
         assert_eq!(w.run().await.unwrap(), Outcome::Replayed(Ok((1, 1))));
     }

@@ -532,28 +532,16 @@ impl Inner {
             .optional()
             .map_err(|e| self.sql_error(e))?;
         match row {
-            None | Some((None, None, None, None)) => Ok(None),
-            Some((Some(operation), Some(phase), Some(origin), Some(state))) => {
-                match (u16::try_from(phase), u64::try_from(origin)) {
-                    (Ok(phase), Ok(origin)) => Ok(Some(idempotency_core::RecoveryPoint {
-                        operation,
-                        phase,
-                        origin,
-                        state,
-                    })),
-                    _ => Err(Error::CorruptRecord {
-                        reason: format!(
-                            "the record of {id} has a recovery point at phase {phase}, \
-                             origin {origin}"
-                        ),
-                        source: None,
-                    }),
-                }
+            None => Ok(None),
+            Some((operation, phase, origin, state)) => {
+                idempotency_core::RecoveryPoint::from_columns(
+                    &format_args!("the record of {id}"),
+                    operation,
+                    phase,
+                    origin,
+                    state,
+                )
             }
-            Some(_) => Err(Error::CorruptRecord {
-                reason: format!("the record of {id} has a recovery point with NULL parts"),
-                source: None,
-            }),
         }
     }
 

@@ -70,3 +70,18 @@ pub(crate) async fn intercepted_store(
         .unwrap();
     (store, clock, guard)
 }
+
+/// What an interceptor runs once between a lost answer and the request's next send (the
+/// record changed meanwhile, say).
+#[derive(Default)]
+pub(crate) struct Between(pub(crate) Option<Box<dyn FnOnce() + Send>>);
+
+impl std::fmt::Debug for Between {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "Between(set)"
+        } else {
+            "Between(none)"
+        })
+    }
+}
