@@ -59,17 +59,21 @@ pub enum RecoveryCase {
     KeptAcrossFailureAndReclaim,
     /// A fresh record of the key, after the old one expired, starts without one.
     FreshRecordStartsWithout,
+    /// `abandoned` lists operations whose lease passed or whose failure was recorded, and
+    /// nothing else: not a live one, not a finished one, not a key without a recovery point.
+    AbandonedAreListed,
 }
 
 impl RecoveryCase {
     /// Every case.
-    pub const ALL: [RecoveryCase; 6] = [
+    pub const ALL: [RecoveryCase; 7] = [
         RecoveryCase::AdvanceCommitsAndReadsBack,
         RecoveryCase::RollbackLeavesThePoint,
         RecoveryCase::AdvancesOnlyFromWhereItIs,
         RecoveryCase::FencedByToken,
         RecoveryCase::KeptAcrossFailureAndReclaim,
         RecoveryCase::FreshRecordStartsWithout,
+        RecoveryCase::AbandonedAreListed,
     ];
 }
 
@@ -350,6 +354,74 @@ pub async fn recovery_case<S: RecoveryPoints>(
                 Some(&first),
                 "after a failure and a reclaim",
             )
+        }
+        RecoveryCase::AbandonedAreListed => {
+            // `lease`'s operation is at phase 1 and held; `failed` is at phase 1 and failed;
+            // `done` finished; `plain` has no recovery point.
+            advance(store, &lease, None, &first, true)
+                .await?
+                .map_err(|e| format!("the advance was refused: {e}"))?;
+            let listed = |all: Vec<idempotency_core::Abandoned>, ids: &[&RecordId]| {
+                all.into_iter()
+                    .filter(|a| ids.contains(&&a.id))
+                    .collect::<Vec<_>>()
+            };
+            let (failed_id, done_id, plain_id) = (address(case), address(case), address(case));
+            let failed = lease_of(engine, &failed_id).await?;
+            advance(store, &failed, None, &point(1, failed.token().0, "f"), true)
+                .await?
+                .map_err(|e| format!("the advance was refused: {e}"))?;
+            failed
+                .fail(Failure::retryable("the next phase failed"))
+                .await
+                .map_err(|e| format!("recording the failure failed: {e}"))?;
+            let done = lease_of(engine, &done_id).await?;
+            advance(store, &done, None, &point(1, done.token().0, "d"), true)
+                .await?
+                .map_err(|e| format!("the advance was refused: {e}"))?;
+            done.complete(br#"{"Ok":1}"#)
+                .await
+                .map_err(|e| format!("the completion failed: {e}"))?;
+            let _plain = lease_of(engine, &plain_id).await?;
+            let ids = [&id, &failed_id, &done_id, &plain_id];
+            let all = |what: &'static str| async move {
+                store
+                    .abandoned(10_000)
+                    .await
+                    .map_err(|e| format!("abandoned failed {what}: {e}"))
+            };
+            let early = listed(all("while a lease is live").await?, &ids);
+            if early.iter().map(|a| &a.id).collect::<Vec<_>>() != vec![&failed_id] {
+                return Err(format!(
+                    "while the holders' leases are live, abandoned lists {early:?}; expected only \
+                     the operation whose failure was recorded"
+                ));
+            }
+            (kit.pass)(kit.lease + Duration::from_millis(50)).await;
+            let mut late = listed(all("after the leases passed").await?, &ids);
+            late.sort_by_key(|a| a.id.key.as_str().to_owned());
+            let mut want = vec![
+                idempotency_core::Abandoned {
+                    id: id.clone(),
+                    fingerprint: Fingerprint::from_bytes(b"op"),
+                    operation: first.operation.clone(),
+                    phase: 1,
+                },
+                idempotency_core::Abandoned {
+                    id: failed_id.clone(),
+                    fingerprint: Fingerprint::from_bytes(b"op"),
+                    operation: first.operation.clone(),
+                    phase: 1,
+                },
+            ];
+            want.sort_by_key(|a| a.id.key.as_str().to_owned());
+            if late != want {
+                return Err(format!(
+                    "after the leases passed, abandoned lists {late:?}; expected {want:?} (not \
+                     the finished operation, not the key without a recovery point)"
+                ));
+            }
+            Ok(())
         }
         RecoveryCase::FreshRecordStartsWithout => {
             advance(store, &lease, None, &first, true)

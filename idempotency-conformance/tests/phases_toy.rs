@@ -39,6 +39,8 @@ enum Flaw {
     KeepsStalePoints,
     /// Reads only a recovery point its holder's own token wrote (forgotten at a reclaim).
     ForgetsOnReclaim,
+    /// Lists operations whose holder's lease is still live as abandoned.
+    ListsLive,
 }
 
 #[derive(Debug, Default)]
@@ -161,6 +163,40 @@ impl RecoveryPoints for Bank {
     async fn recovery_point(&self, lease: &Lease) -> Result<Option<RecoveryPoint>, Error> {
         let tables = self.tables();
         Ok(self.current_point(&tables, lease.id()))
+    }
+
+    async fn abandoned(&self, limit: usize) -> Result<Vec<idempotency_core::Abandoned>, Error> {
+        let tables = self.tables();
+        let ids: Vec<RecordId> = tables.points.keys().cloned().collect();
+        let mut found = Vec::new();
+        for id in ids {
+            let Some(point) = self.current_point(&tables, &id) else {
+                continue;
+            };
+            let live_lease = self.flaw != Some(Flaw::ListsLive);
+            let record = self.records.atomically(|records, now| {
+                records
+                    .get(&id)
+                    .filter(|r| match r.status {
+                        RecordStatus::Pending => {
+                            !live_lease || r.lease_until.is_none_or(|until| until <= now)
+                        }
+                        RecordStatus::Failed => r.failure.as_ref().is_some_and(|f| f.retryable),
+                        RecordStatus::Completed => false,
+                    })
+                    .map(|r| r.fingerprint)
+            });
+            if let Some(fingerprint) = record {
+                found.push(idempotency_core::Abandoned {
+                    id,
+                    fingerprint,
+                    operation: point.operation,
+                    phase: point.phase,
+                });
+            }
+        }
+        found.truncate(limit);
+        Ok(found)
     }
 }
 
@@ -597,6 +633,7 @@ async fn each_flawed_bank_fails_the_case_meant_for_it() {
             Flaw::ForgetsOnReclaim,
             RecoveryCase::KeptAcrossFailureAndReclaim,
         ),
+        (Flaw::ListsLive, RecoveryCase::AbandonedAreListed),
     ] {
         let kit = kit(Bank::with_flaw(flaw));
         let found = recovery_case(&kit, case).await;

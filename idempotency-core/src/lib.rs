@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 #![cfg_attr(docsrs, feature(doc_auto_cfg))]
 
+mod completer;
 mod decision;
 mod engine;
 mod error;
@@ -17,6 +18,7 @@ mod store;
 mod time;
 pub mod transaction;
 
+pub use completer::{Completer, CompleterRound, CompleterStats};
 pub use decision::{decide, Decision, DecisionOptions};
 pub use engine::{
     decode_replay, BatchMessage, BatchReport, Begin, Disposition, Idempotency, Lease,
@@ -28,7 +30,7 @@ pub use fingerprint::{
 };
 pub use key::{IdempotencyKey, KeyError};
 pub use observe::{loggable_key, Event};
-pub use phases::{phase_key, PhaseContext, Phases, RecoveryPoint, RecoveryPoints};
+pub use phases::{phase_key, Abandoned, PhaseContext, Phases, RecoveryPoint, RecoveryPoints};
 pub use policy::{ErrorOutcomes, InFlight, Policy, SettleRetry};
 pub use record::{
     claim_retention, Cas, Claim, ClaimRequest, Failure, FencingToken, Reclaim, Record, RecordId,

@@ -59,6 +59,37 @@ pub struct RecoveryPoint {
     pub state: Vec<u8>,
 }
 
+impl Abandoned {
+    /// An abandoned operation as a store read it back: the record's scope, key and
+    /// fingerprint, the operation's name and phase. [`Error::CorruptRecord`] when any of them
+    /// is not what a store writes.
+    pub fn from_columns(
+        scope: &str,
+        key: &str,
+        fingerprint: &[u8],
+        operation: String,
+        phase: i64,
+    ) -> Result<Self, Error> {
+        let corrupt = |detail: String| Error::CorruptRecord {
+            reason: format!("the abandoned operation {scope:?} {key:?}: {detail}"),
+            source: None,
+        };
+        let id = RecordId::new(
+            Scope::new(scope).map_err(|e| corrupt(e.to_string()))?,
+            IdempotencyKey::new(key).map_err(|e| corrupt(e.to_string()))?,
+        );
+        let fingerprint = Fingerprint::from_slice(fingerprint)
+            .ok_or_else(|| corrupt(format!("a fingerprint of {} bytes", fingerprint.len())))?;
+        let phase = u16::try_from(phase).map_err(|_| corrupt(format!("phase {phase}")))?;
+        Ok(Self {
+            id,
+            fingerprint,
+            operation,
+            phase,
+        })
+    }
+}
+
 impl RecoveryPoint {
     /// The recovery point a store read back as nullable columns (name, phase, origin,
     /// state): `None` when they are all NULL, [`Error::CorruptRecord`] when only some are, or
@@ -116,6 +147,25 @@ pub trait RecoveryPoints: TransactionalStore {
 
     /// The recovery point of the record `lease` holds (`None` when it has none).
     async fn recovery_point(&self, lease: &Lease) -> Result<Option<RecoveryPoint>, Error>;
+
+    /// Operations whose holder is gone, for the [`Completer`](crate::Completer): live records with a recovery
+    /// point of their own that are Pending with their lease passed, or Failed retryably; at
+    /// most `limit`, least recently written first. Records without a recovery point (keys of
+    /// one-step work) are never listed.
+    async fn abandoned(&self, limit: usize) -> Result<Vec<Abandoned>, Error>;
+}
+
+/// An operation whose holder is gone ([`RecoveryPoints::abandoned`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Abandoned {
+    /// The record's address.
+    pub id: RecordId,
+    /// The fingerprint of the request that started it.
+    pub fingerprint: Fingerprint,
+    /// The operation's name.
+    pub operation: String,
+    /// The phase it stopped at (how many phases committed).
+    pub phase: u16,
 }
 
 /// What a phase knows about itself.

@@ -40,6 +40,8 @@ pub(crate) struct Statements {
     pub advance: String,
     /// The recovery point of the live record, if it belongs to it: scope, key.
     pub point: String,
+    /// Up to ? live operations whose holder is gone.
+    pub abandoned: String,
 }
 
 impl Statements {
@@ -147,9 +149,17 @@ WHERE {held} AND (CASE WHEN {current} THEN op_phase END) <=> ?"
             "SELECT op_name, op_phase, op_origin, op_state FROM {t}
 WHERE scope = ? AND idem_key = ? AND expires_ms > {now} AND {current}"
         );
+        let abandoned = format!(
+            "SELECT scope, idem_key, fingerprint, op_name, op_phase FROM {t}
+WHERE expires_ms > {now} AND {current}
+  AND ((status = 'pending' AND (lease_until_ms IS NULL OR lease_until_ms <= {now}))
+       OR (status = 'failed' AND failure_retryable = 1))
+ORDER BY updated_ms LIMIT ?"
+        );
         Self {
             advance,
             point,
+            abandoned,
             claim,
             complete,
             fail,

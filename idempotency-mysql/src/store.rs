@@ -222,6 +222,36 @@ impl MysqlStore {
         }
     }
 
+    /// Up to `limit` live operations whose holder is gone (see
+    /// [`RecoveryPoints::abandoned`](idempotency_core::RecoveryPoints::abandoned)).
+    pub(crate) async fn list_abandoned(
+        &self,
+        limit: usize,
+    ) -> Result<Vec<idempotency_core::Abandoned>, Error> {
+        let limit = u64::try_from(limit).unwrap_or(u64::MAX);
+        let rows = self
+            .run(Effect::None, OnLoss::Resend, All, || {
+                sqlx::query(&self.sql.abandoned).bind(limit)
+            })
+            .await?;
+        let utf8 = |bytes: Vec<u8>, what: &str| {
+            String::from_utf8(bytes).map_err(|_| {
+                Error::corrupt(format!("an abandoned operation's {what} is not UTF-8"))
+            })
+        };
+        rows.into_iter()
+            .map(|row| {
+                idempotency_core::Abandoned::from_columns(
+                    &utf8(get(&row, 0, &self.quoted)?, "scope")?,
+                    &utf8(get(&row, 1, &self.quoted)?, "key")?,
+                    &get::<Vec<u8>>(&row, 2, &self.quoted)?,
+                    utf8(get(&row, 3, &self.quoted)?, "operation name")?,
+                    get::<i32>(&row, 4, &self.quoted)?.into(),
+                )
+            })
+            .collect()
+    }
+
     /// The recovery point of `id`'s live record, if it has one of its own.
     pub(crate) async fn read_recovery_point(
         &self,
@@ -438,6 +468,21 @@ struct Optional;
 /// No rows: the rows affected.
 #[derive(Clone, Copy)]
 struct Execute;
+
+/// Every row.
+#[derive(Clone, Copy)]
+struct All;
+
+impl Fetch for All {
+    type Out = Vec<MySqlRow>;
+    fn run<'q: 'e, 'e>(
+        self,
+        query: Query<'q, MySql, MySqlArguments>,
+        conn: &'e mut MySqlConnection,
+    ) -> BoxFuture<'e, Result<Vec<MySqlRow>, sqlx::Error>> {
+        Box::pin(query.fetch_all(conn))
+    }
+}
 
 impl Fetch for One {
     type Out = MySqlRow;

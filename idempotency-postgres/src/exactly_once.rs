@@ -219,4 +219,8 @@ impl RecoveryPoints for PostgresStore {
     async fn recovery_point(&self, lease: &Lease) -> Result<Option<RecoveryPoint>, Error> {
         self.read_recovery_point(lease.id()).await
     }
+
+    async fn abandoned(&self, limit: usize) -> Result<Vec<idempotency_core::Abandoned>, Error> {
+        self.list_abandoned(limit).await
+    }
 }

@@ -70,6 +70,8 @@ pub(crate) struct Statements {
     pub advance_locked: String,
     /// The recovery point of the live record, if it belongs to it.
     pub point: String,
+    /// Up to $1 live operations whose holder is gone.
+    pub abandoned: String,
 }
 
 impl Statements {
@@ -358,10 +360,19 @@ RETURNING r.token"
 SELECT r.op_name, r.op_phase, r.op_origin, r.op_state FROM {t} AS r, c
 WHERE r.scope = $1 AND r.key = $2 AND r.expires_at > c.now AND {current}"
         );
+        let abandoned = format!(
+            "{NOW_CTE}
+SELECT r.scope, r.key, r.fingerprint, r.op_name, r.op_phase FROM {t} AS r, c
+WHERE r.expires_at > c.now AND {current}
+  AND ((r.status = 'pending' AND (r.lease_until IS NULL OR r.lease_until <= c.now))
+       OR (r.status = 'failed' AND r.failure_retryable))
+ORDER BY r.updated_at LIMIT $1"
+        );
         Self {
             advance,
             advance_locked,
             point,
+            abandoned,
             claim,
             observe,
             complete,

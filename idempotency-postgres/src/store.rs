@@ -258,6 +258,31 @@ impl PostgresStore {
         }
     }
 
+    /// Up to `limit` live operations whose holder is gone (see
+    /// [`RecoveryPoints::abandoned`](idempotency_core::RecoveryPoints::abandoned)).
+    pub(crate) async fn list_abandoned(
+        &self,
+        limit: usize,
+    ) -> Result<Vec<idempotency_core::Abandoned>, Error> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let rows = self
+            .run(Effect::None, OnLoss::Resend, All, || {
+                sqlx::query(&self.sql.abandoned).bind(limit)
+            })
+            .await?;
+        rows.iter()
+            .map(|row| {
+                idempotency_core::Abandoned::from_columns(
+                    &get::<String>(row, "scope", &self.qualified)?,
+                    &get::<String>(row, "key", &self.qualified)?,
+                    &get::<Vec<u8>>(row, "fingerprint", &self.qualified)?,
+                    get(row, "op_name", &self.qualified)?,
+                    get::<i32>(row, "op_phase", &self.qualified)?.into(),
+                )
+            })
+            .collect()
+    }
+
     /// The recovery point of `id`'s live record, if it has one of its own.
     pub(crate) async fn read_recovery_point(
         &self,

@@ -17,6 +17,7 @@ pub(crate) struct Sql {
     pub(crate) hit: String,
     pub(crate) advance: String,
     pub(crate) point: String,
+    pub(crate) abandoned: String,
 }
 
 impl Sql {
@@ -110,6 +111,14 @@ impl Sql {
             point: format!(
                 r#"SELECT op_name, op_phase, op_origin, op_state FROM "{table}"
                    WHERE scope = ?1 AND key = ?2 AND expires_at > ?3 AND {current}"#
+            ),
+            // ?1 now, ?2 limit: live operations whose holder is gone.
+            abandoned: format!(
+                r#"SELECT scope, key, fingerprint, op_name, op_phase FROM "{table}"
+                   WHERE expires_at > ?1 AND {current}
+                     AND ((status = 'pending' AND (lease_until IS NULL OR lease_until <= ?1))
+                          OR (status = 'failed' AND failure_retryable = 1))
+                   ORDER BY updated_at LIMIT ?2"#
             ),
             hit: format!(
                 r#"UPDATE "{table}" SET hits = CASE WHEN hits >= 0 THEN hits + 1 END

@@ -192,6 +192,20 @@ impl SqliteStore {
             .await?
     }
 
+    /// Up to `limit` live operations whose holder is gone (see
+    /// [`RecoveryPoints::abandoned`](idempotency_core::RecoveryPoints::abandoned)).
+    pub(crate) async fn list_abandoned(
+        &self,
+        limit: usize,
+    ) -> Result<Vec<idempotency_core::Abandoned>, Error> {
+        let inner = self.inner.clone();
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        self.inner
+            .exec
+            .run(move |conn| inner.read_abandoned(conn, inner.clock.now(), limit))
+            .await?
+    }
+
     async fn write<R, F>(&self, f: F) -> Result<R, Error>
     where
         R: Send + 'static,
@@ -513,6 +527,36 @@ impl Inner {
     }
 
     /// The live record, read without a lock, or `None`.
+    fn read_abandoned(
+        &self,
+        conn: &Connection,
+        now: Timestamp,
+        limit: i64,
+    ) -> Result<Vec<idempotency_core::Abandoned>, Error> {
+        type Row = (String, String, Vec<u8>, String, i64);
+        let mut stmt = conn
+            .prepare_cached(&self.sql.abandoned)
+            .map_err(|e| self.sql_error(e))?;
+        let rows = stmt
+            .query_map(params![now.as_millis(), limit], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
+            })
+            .map_err(|e| self.sql_error(e))?
+            .collect::<Result<Vec<Row>, _>>()
+            .map_err(|e| self.sql_error(e))?;
+        rows.into_iter()
+            .map(|(scope, key, fingerprint, operation, phase)| {
+                idempotency_core::Abandoned::from_columns(
+                    &scope,
+                    &key,
+                    &fingerprint,
+                    operation,
+                    phase,
+                )
+            })
+            .collect()
+    }
+
     fn read_point(
         &self,
         conn: &Connection,

@@ -331,3 +331,99 @@ async fn sqlite_passes_every_recovery_point_case() {
         }
     }
 }
+
+fn completer(w: &World) -> idempotency_core::Completer<SqliteStore> {
+    let payments = w.payments.clone();
+    idempotency_core::Completer::new(w.engine.clone(), Arc::new(w.store.clone()))
+        .operation("book-ride", move || flow(payments.clone()))
+}
+
+/// The completer finishes an operation whose holder died after its charge, once the lease
+/// has passed (not before), from the charge on; the client's retry then replays it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_completer_finishes_an_operation_whose_holder_died() {
+    let w = World::new(ConnectionMode::DedicatedThread).await;
+    w.run_and_die_after_charge().await;
+    let completer = completer(&w);
+    let early = completer.run_once().await.unwrap();
+    assert_eq!(early.found, 0, "listed while its lease is live: {early}");
+    w.clock.advance(LEASE + Duration::from_secs(1));
+    let round = completer.run_once().await.unwrap();
+    assert_eq!((round.found, round.completed), (1, 1), "{round}");
+    assert_eq!(w.counts().await, (1, 1, 1), "resumed at the charge");
+    let keys = w.keys();
+    assert!(keys.len() == 2 && keys[0] == keys[1], "{keys:?}");
+    let replay = w.run().await.unwrap();
+    assert!(replay.is_replayed(), "{replay:?}");
+    assert_eq!(completer.run_once().await.unwrap().found, 0);
+    let stats = completer.stats();
+    assert_eq!(
+        (stats.rounds(), stats.completed(), stats.errors()),
+        (3, 1, 0)
+    );
+}
+
+/// Operations of a kind it was not given are left alone, and so are keys of one-step work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_completer_leaves_other_operations_and_plain_keys_alone() {
+    let w = World::new(ConnectionMode::DedicatedThread).await;
+    w.run_and_die_after_charge().await;
+    // A key of one-step work whose holder died.
+    let plain = idempotency_core::RecordId::new(
+        Scope::new("plain").unwrap(),
+        IdempotencyKey::new("p-1").unwrap(),
+    );
+    let idempotency_core::Begin::Execute(lease) = w
+        .engine
+        .begin(&plain, &Fingerprint::from_bytes(b"p"))
+        .await
+        .unwrap()
+    else {
+        panic!("the plain key was not claimed");
+    };
+    drop(lease);
+    w.clock.advance(LEASE + Duration::from_secs(1));
+    let nobody = idempotency_core::Completer::new(w.engine.clone(), Arc::new(w.store.clone()));
+    let round = nobody.run_once().await.unwrap();
+    assert_eq!(
+        (round.found, round.unknown, round.completed),
+        (1, 1, 0),
+        "{round}"
+    );
+    assert_eq!(w.counts().await, (1, 1, 0));
+}
+
+/// `run` drives rounds until its shutdown resolves, then returns between rounds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_completer_runs_until_shut_down() {
+    let w = World::new(ConnectionMode::DedicatedThread).await;
+    w.run_and_die_after_charge().await;
+    w.clock.advance(LEASE + Duration::from_secs(1));
+    let completer = Arc::new(completer(&w));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = {
+        let completer = completer.clone();
+        tokio::spawn(async move {
+            completer
+                .run(Duration::from_millis(10), async {
+                    let _ = stopped.await;
+                })
+                .await
+        })
+    };
+    let stats = completer.stats();
+    let started = std::time::Instant::now();
+    while stats.completed() == 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the completer finished nothing"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    stop.send(()).unwrap();
+    tokio::time::timeout(Duration::from_secs(60), running)
+        .await
+        .expect("it stopped")
+        .unwrap();
+    assert_eq!(w.counts().await, (1, 1, 1));
+}

@@ -1,0 +1,262 @@
+//! The completer: finishes multi-step operations whose holder died mid-way.
+
+use crate::phases::{Abandoned, Phases, RecoveryPoints};
+use crate::{Error, Idempotency, Outcome};
+use futures::future::BoxFuture;
+use futures::{FutureExt, StreamExt};
+use serde::{de::DeserializeOwned, Serialize};
+use std::collections::HashMap;
+use std::fmt::{self, Display};
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Runs one abandoned operation of a registered kind to its end.
+type Finish<S> =
+    Arc<dyn Fn(Idempotency, Arc<S>, Abandoned) -> BoxFuture<'static, Finished> + Send + Sync>;
+
+/// How one abandoned operation ended in the completer's hands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Finished {
+    /// Driven to its end: its outcome (a value, or an error the policy stores) is stored.
+    Completed,
+    /// Its last phase failed and the failure was recorded: a later round, or a retry,
+    /// resumes it.
+    Failed,
+    /// Someone else holds it now (a client's retry took it over first), or finished it.
+    TakenElsewhere,
+    /// The store or the operation's definition failed.
+    Error,
+}
+
+/// What one round of the completer did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CompleterRound {
+    /// Abandoned operations the store listed.
+    pub found: usize,
+    /// Driven to their end.
+    pub completed: usize,
+    /// Whose phase failed again (recorded; resumed later).
+    pub failed: usize,
+    /// Taken over or finished by someone else first.
+    pub taken_elsewhere: usize,
+    /// Of an operation no [`Completer::operation`] registered: left alone.
+    pub unknown: usize,
+    /// Ended by an error of the store or of the operation's definition.
+    pub errors: usize,
+}
+
+impl Display for CompleterRound {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} abandoned: {} completed, {} failed again, {} taken elsewhere, {} unknown, {} errors",
+            self.found, self.completed, self.failed, self.taken_elsewhere, self.unknown, self.errors
+        )
+    }
+}
+
+/// Totals over a completer's life, readable while it runs.
+#[derive(Debug, Default)]
+pub struct CompleterStats {
+    rounds: AtomicU64,
+    completed: AtomicU64,
+    failed: AtomicU64,
+    taken_elsewhere: AtomicU64,
+    unknown: AtomicU64,
+    errors: AtomicU64,
+}
+
+impl CompleterStats {
+    /// Rounds run.
+    pub fn rounds(&self) -> u64 {
+        self.rounds.load(Ordering::Relaxed)
+    }
+    /// Operations driven to their end.
+    pub fn completed(&self) -> u64 {
+        self.completed.load(Ordering::Relaxed)
+    }
+    /// Operations whose phase failed again.
+    pub fn failed(&self) -> u64 {
+        self.failed.load(Ordering::Relaxed)
+    }
+    /// Operations someone else took over first.
+    pub fn taken_elsewhere(&self) -> u64 {
+        self.taken_elsewhere.load(Ordering::Relaxed)
+    }
+    /// Operations of no registered kind, seen.
+    pub fn unknown(&self) -> u64 {
+        self.unknown.load(Ordering::Relaxed)
+    }
+    /// Errors.
+    pub fn errors(&self) -> u64 {
+        self.errors.load(Ordering::Relaxed)
+    }
+
+    fn add(&self, round: &CompleterRound) {
+        self.rounds.fetch_add(1, Ordering::Relaxed);
+        for (total, n) in [
+            (&self.completed, round.completed),
+            (&self.failed, round.failed),
+            (&self.taken_elsewhere, round.taken_elsewhere),
+            (&self.unknown, round.unknown),
+            (&self.errors, round.errors),
+        ] {
+            total.fetch_add(n as u64, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Finishes multi-step operations whose holder died: each round lists the store's abandoned
+/// operations ([`RecoveryPoints::abandoned`]), takes each over like any retry would (a CAS on
+/// its token, once its lease has passed) and runs it from its recovery point to its end with
+/// the operation's phases, at most `concurrency` at once. It touches nothing else: keys of
+/// one-step work have no recovery point, and operations of a kind it was not given are left
+/// alone. A client that retries meanwhile is told the key is in progress, then gets the
+/// stored outcome.
+pub struct Completer<S: RecoveryPoints> {
+    engine: Idempotency,
+    store: Arc<S>,
+    operations: HashMap<String, Finish<S>>,
+    batch: usize,
+    concurrency: usize,
+    stats: Arc<CompleterStats>,
+}
+
+impl<S: RecoveryPoints> fmt::Debug for Completer<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut kinds: Vec<_> = self.operations.keys().collect();
+        kinds.sort();
+        f.debug_struct("Completer")
+            .field("operations", &kinds)
+            .field("batch", &self.batch)
+            .field("concurrency", &self.concurrency)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S: RecoveryPoints + 'static> Completer<S> {
+    /// A completer over `store`, taking operations over with `engine` (over the same
+    /// records; its policy's lease and heartbeat apply to the completer's runs). Rounds list
+    /// up to 100 operations and run up to 4 at once.
+    pub fn new(engine: Idempotency, store: Arc<S>) -> Self {
+        Self {
+            engine,
+            store,
+            operations: HashMap::new(),
+            batch: 100,
+            concurrency: 4,
+            stats: Arc::default(),
+        }
+    }
+
+    /// How many abandoned operations one round lists, at most (at least 1).
+    pub fn batch(mut self, batch: usize) -> Self {
+        self.batch = batch.max(1);
+        self
+    }
+
+    /// How many operations run at once, at most (at least 1).
+    pub fn concurrency(mut self, concurrency: usize) -> Self {
+        self.concurrency = concurrency.max(1);
+        self
+    }
+
+    /// Registers the kind of operation named `name`: `phases` builds its phases (named
+    /// `name` too, as [`Phases::new`] was given), the same the request handlers run.
+    pub fn operation<T, E, F>(mut self, name: impl Into<String>, phases: F) -> Self
+    where
+        T: Serialize + DeserializeOwned + Send + 'static,
+        E: Serialize + DeserializeOwned + Display + Send + 'static,
+        F: Fn() -> Phases<S, T, E> + Send + Sync + 'static,
+    {
+        let phases = Arc::new(phases);
+        let finish: Finish<S> = Arc::new(move |engine, store, abandoned| {
+            let phases = phases.clone();
+            async move {
+                let Abandoned {
+                    id, fingerprint, ..
+                } = abandoned;
+                let ran = engine
+                    .run_phases(&*store, &id.key, &id.scope, &fingerprint, phases())
+                    .await;
+                match ran {
+                    Ok(Outcome::Fresh(Ok(_))) => Finished::Completed,
+                    // Stored (the policy stores errors) or recorded as a failure: which one
+                    // is the policy's; a recorded one is listed again.
+                    Ok(Outcome::Fresh(Err(_))) => match engine.policy().errors {
+                        crate::ErrorOutcomes::Store => Finished::Completed,
+                        crate::ErrorOutcomes::RecordFailure => Finished::Failed,
+                    },
+                    Ok(Outcome::Replayed(_))
+                    | Err(Error::InProgress { .. } | Error::LeaseLost { .. }) => {
+                        Finished::TakenElsewhere
+                    }
+                    Err(_) => Finished::Error,
+                }
+            }
+            .boxed()
+        });
+        self.operations.insert(name.into(), finish);
+        self
+    }
+
+    /// Totals over the completer's life.
+    pub fn stats(&self) -> Arc<CompleterStats> {
+        self.stats.clone()
+    }
+
+    /// One round: lists the abandoned operations and runs each of a registered kind to its
+    /// end. `Err` only when the store could not list them.
+    pub async fn run_once(&self) -> Result<CompleterRound, Error> {
+        let listed = self.store.abandoned(self.batch).await?;
+        let mut round = CompleterRound {
+            found: listed.len(),
+            ..CompleterRound::default()
+        };
+        let runs: Vec<_> = listed
+            .into_iter()
+            .filter_map(
+                |abandoned| match self.operations.get(&abandoned.operation) {
+                    Some(finish) => {
+                        Some(finish(self.engine.clone(), self.store.clone(), abandoned))
+                    }
+                    None => {
+                        round.unknown += 1;
+                        None
+                    }
+                },
+            )
+            .collect();
+        let mut ends = futures::stream::iter(runs).buffer_unordered(self.concurrency);
+        while let Some(end) = ends.next().await {
+            match end {
+                Finished::Completed => round.completed += 1,
+                Finished::Failed => round.failed += 1,
+                Finished::TakenElsewhere => round.taken_elsewhere += 1,
+                Finished::Error => round.errors += 1,
+            }
+        }
+        self.stats.add(&round);
+        Ok(round)
+    }
+
+    /// Runs a round every `every` until `shutdown` resolves. Shutdown is clean: it stops
+    /// between rounds, never in the middle of an operation (a round ends when its runs do,
+    /// each bounded by the engine's maximum work time). A round whose listing failed is
+    /// counted in [`CompleterStats::errors`] and the next one runs as usual.
+    pub async fn run(&self, every: Duration, shutdown: impl Future<Output = ()>) {
+        let mut shutdown = std::pin::pin!(shutdown.fuse());
+        loop {
+            if self.run_once().await.is_err() {
+                self.stats.errors.fetch_add(1, Ordering::Relaxed);
+            }
+            futures::select! {
+                () = shutdown => return,
+                () = tokio::time::sleep(every).fuse() => {}
+            }
+        }
+    }
+}
