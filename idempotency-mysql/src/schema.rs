@@ -100,8 +100,8 @@ pub(crate) async fn migrate(
 }
 
 /// Adds the recovery point columns a table created before them lacks (nullable, no default:
-/// statements of an older crate, which never name them, keep working). Another process
-/// adding them at the same moment is fine.
+/// statements of an older crate, which never name them, keep working), once the table is
+/// found to be ours otherwise. Another process adding them at the same moment is fine.
 async fn add_recovery_point_columns(
     conn: &mut MySqlConnection,
     name: &TableName,
@@ -115,6 +115,12 @@ async fn add_recovery_point_columns(
     .fetch_all(&mut *conn)
     .await
     .map_err(|source| MysqlError::Database { source })?;
+    if present.len() == RECOVERY_POINT_COLUMNS.len() {
+        return Ok(());
+    }
+    // Only a table that is otherwise ours is changed: another table by that name is refused
+    // as it is.
+    verify_with(conn, name, false).await?;
     for (column, definition) in RECOVERY_POINT_COLUMNS {
         if present.iter().any(|p| p == column) {
             continue;
@@ -140,6 +146,16 @@ async fn add_recovery_point_columns(
 }
 
 pub(crate) async fn verify(conn: &mut MySqlConnection, name: &TableName) -> Result<(), MysqlError> {
+    verify_with(conn, name, true).await
+}
+
+/// [`verify`], with or without the recovery point columns (a table created before them is
+/// ours if it passes without them).
+async fn verify_with(
+    conn: &mut MySqlConnection,
+    name: &TableName,
+    recovery_points: bool,
+) -> Result<(), MysqlError> {
     let table = name.table().to_owned();
     let shape = |detail: String| MysqlError::TableShape {
         table: table.clone(),
@@ -182,7 +198,10 @@ pub(crate) async fn verify(conn: &mut MySqlConnection, name: &TableName) -> Resu
             text(row, "type")?.to_ascii_lowercase(),
         ));
     }
-    for (col, ty) in COLUMNS {
+    let expected = COLUMNS.iter().filter(|(col, _)| {
+        recovery_points || !RECOVERY_POINT_COLUMNS.iter().any(|(c, _)| c == col)
+    });
+    for (col, ty) in expected {
         match found.iter().find(|(name, _)| name == col) {
             None => return Err(shape(format!("column {col} is missing"))),
             Some((_, found)) if found != ty => {

@@ -167,6 +167,17 @@ async fn table_of_another_shape() {
         store.verify().await.unwrap_err(),
         MysqlError::TableShape { .. }
     ));
+    // Left unchanged: migrate added none of its columns to it.
+    let mut admin = common::admin().await;
+    let columns: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM information_schema.COLUMNS
+         WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ?",
+    )
+    .bind(&guard.table)
+    .fetch_one(&mut admin)
+    .await
+    .unwrap();
+    assert_eq!(columns, 3, "the other table's columns changed");
     let req = request();
     assert_shape(&store.claim(&req).await.unwrap_err());
     assert_shape(&store.get(&req.id).await.unwrap_err());
