@@ -63,10 +63,10 @@ pub(super) fn analyse(
                     output: e.op.output,
                 })
                 .collect();
-            check(&expiring, &ops, 5_000_000)
+            decide(|steps| check(&expiring, &ops, steps))
         } else {
             let ops: Vec<_> = history.iter().map(|e| e.op.clone()).collect();
-            check(&OnceRegister, &ops, 5_000_000)
+            decide(|steps| check(&OnceRegister, &ops, steps))
         };
         match verdict {
             Verdict::Linearizable => {}
@@ -318,4 +318,15 @@ fn dump(history: &[Event]) -> String {
         })
         .collect::<Vec<_>>()
         .join("\n")
+}
+
+/// A key's verdict within a generous bound: most histories are decided in far fewer than 5
+/// million steps; a long one with many overlapping calls (an open-ended unknown answer among
+/// hundreds of "in progress") may need more, so an undecided search runs again with ten times
+/// the budget before the key is reported undecided.
+fn decide(check: impl Fn(u64) -> Verdict) -> Verdict {
+    match check(5_000_000) {
+        Verdict::Undecided { .. } => check(50_000_000),
+        verdict => verdict,
+    }
 }
