@@ -641,3 +641,34 @@ async fn each_flawed_bank_fails_the_case_meant_for_it() {
         eprintln!("{flaw:?} fails {case:?}: {}", found.unwrap_err());
     }
 }
+
+/// A failed operation may have committed phases for the request that started it: a request
+/// with another fingerprint is a mismatch, never a takeover that resumes it (even though the
+/// policy lets one-step work be reclaimed by another request after a failure).
+#[tokio::test]
+async fn a_failed_operation_is_not_taken_over_by_another_request() {
+    let w = World::new(Policy::default().errors(ErrorOutcomes::RecordFailure));
+    assert!(w.engine.policy().reclaim_failed_with_different_fingerprint);
+    w.receipt_fails.store(1, Ordering::SeqCst);
+    let first = w.run().await.expect("ends");
+    assert!(matches!(first, Outcome::Fresh(Err(_))), "{first:?}");
+    assert_eq!(w.counts(), (1, 1, 0));
+    let other = w
+        .engine
+        .run_phases(
+            &*w.bank,
+            &w.key,
+            &w.scope,
+            &Fingerprint::from_bytes(b"from C to D"),
+            w.flow(),
+        )
+        .await;
+    assert!(matches!(other, Err(Error::Mismatch)), "{other:?}");
+    assert_eq!(w.counts(), (1, 1, 0), "nothing of it ran");
+    assert_eq!(w.keys().len(), 1, "the charge was not sent again");
+    // The request that started it still resumes it.
+    let Outcome::Fresh(Ok(_)) = w.run().await.expect("resumes") else {
+        panic!("not resumed");
+    };
+    assert_eq!(w.counts(), (1, 1, 1));
+}

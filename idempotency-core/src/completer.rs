@@ -220,9 +220,16 @@ impl<S: RecoveryPoints + 'static> Completer<S> {
             .into_iter()
             .filter_map(
                 |abandoned| match self.operations.get(&abandoned.operation) {
-                    Some(finish) => {
-                        Some(finish(self.engine.clone(), self.store.clone(), abandoned))
-                    }
+                    // A phase that panics ends this operation's run, not the completer.
+                    Some(finish) => Some(
+                        std::panic::AssertUnwindSafe(finish(
+                            self.engine.clone(),
+                            self.store.clone(),
+                            abandoned,
+                        ))
+                        .catch_unwind()
+                        .map(|ended| ended.unwrap_or(Finished::Error)),
+                    ),
                     None => {
                         round.unknown += 1;
                         None

@@ -467,9 +467,13 @@ impl Idempotency {
     /// [module documentation](crate::phases)).
     ///
     /// The key is claimed as by [`Idempotency::begin`] (a replay, a mismatch and a key in
-    /// progress behave as in [`Idempotency::run`]). `store` must reach the same records as
-    /// this engine's store. An operation without phases, or a record whose recovery point
-    /// was written by another operation, is an [`Error::Config`].
+    /// progress behave as in [`Idempotency::run`]), except that a failed operation is never
+    /// taken over by a request with another fingerprint (it may have committed phases for the
+    /// request that started it): that is a mismatch, whatever
+    /// [`Policy::reclaim_failed_with_different_fingerprint`](crate::Policy) says. `store`
+    /// must reach the same records as this engine's store. An operation without phases, or a
+    /// record whose recovery point was written by another operation, is an
+    /// [`Error::Config`].
     pub async fn run_phases<S, T, E>(
         &self,
         store: &S,
@@ -494,7 +498,23 @@ impl Idempotency {
                 ))
             })?;
         let id = RecordId::new(scope.clone(), key.clone());
-        let lease = match self.begin(&id, fingerprint).await?.proceed()? {
+        // A failed operation may have committed phases (a ride written, a card charged) for
+        // the request that started it: a request with another fingerprint must not take it
+        // over and resume it with that request's state. Such a retry is a mismatch here,
+        // whatever the policy allows for one-step work.
+        let strict;
+        let engine = if self.policy().reclaim_failed_with_different_fingerprint {
+            strict = Idempotency::new(
+                self.store().clone(),
+                self.policy()
+                    .clone()
+                    .reclaim_failed_with_different_fingerprint(false),
+            )?;
+            &strict
+        } else {
+            self
+        };
+        let lease = match engine.begin(&id, fingerprint).await?.proceed()? {
             Proceed::Replay(record) => return decode_replay(&record).map(Outcome::Replayed),
             Proceed::Execute(lease) => lease,
         };
