@@ -66,8 +66,6 @@ pub(crate) struct Statements {
     /// The recovery point's advance inside the caller's transaction: $4 name, $5 phase,
     /// $6 origin, $7 state, $8 the phase it moves from (NULL: none); returns the token.
     pub advance: String,
-    /// `advance` in a transaction that holds the record row locked (see `complete_locked`).
-    pub advance_locked: String,
     /// The recovery point of the live record, if it belongs to it.
     pub point: String,
     /// Up to $1 live operations whose holder is gone.
@@ -349,12 +347,6 @@ UPDATE {t} AS r {advance_set}
 FROM c WHERE {held} AND {from}
 RETURNING r.token"
         );
-        let advance_locked = format!(
-            "{NOW_CTE}
-UPDATE {t} AS r {advance_set}
-FROM c WHERE r.scope = $1 AND r.key = $2 AND r.token = $3 AND r.status = 'pending' AND {from}
-RETURNING r.token"
-        );
         let point = format!(
             "{NOW_CTE}
 SELECT r.op_name, r.op_phase, r.op_origin, r.op_state FROM {t} AS r, c
@@ -370,7 +362,6 @@ ORDER BY r.updated_at LIMIT $1"
         );
         Self {
             advance,
-            advance_locked,
             point,
             abandoned,
             claim,

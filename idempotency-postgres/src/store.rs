@@ -235,11 +235,12 @@ impl PostgresStore {
         let (Ok(t), Ok(origin)) = (i64::try_from(token.0), i64::try_from(to.origin)) else {
             return Err(Error::LeaseLost { token });
         };
-        let sql = match locked {
-            true => &self.sql.advance_locked,
-            false => &self.sql.advance,
-        };
-        let row = sqlx::query(sql)
+        // Unlike the completion (`complete_locked`), a recovery point is written only to a
+        // live record even when the transaction holds its row: a middle phase committed on a
+        // record that expired meanwhile would be lost to a fresh claim, which starts the
+        // operation over and runs that phase again. The phase rolls back instead.
+        let _ = locked;
+        let row = sqlx::query(&self.sql.advance)
             .bind(id.scope.as_str())
             .bind(id.key.as_str())
             .bind(t)
