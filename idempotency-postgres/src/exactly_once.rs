@@ -210,10 +210,19 @@ impl RecoveryPoints for PostgresStore {
         to: &RecoveryPoint,
     ) -> Result<(), Error> {
         let (id, token, locked) = (lease.id(), lease.token(), tx.locked);
-        self.answered(PostgresStore::advance_in(
-            self, &mut tx.tx, id, token, from, to, locked,
-        ))
-        .await
+        let advanced = self
+            .answered(PostgresStore::advance_in(
+                self, &mut tx.tx, id, token, from, to, locked,
+            ))
+            .await;
+        // As for the completion: a serialization failure cannot happen at READ COMMITTED, so
+        // the sessions run at another level; ask again next time.
+        if let Err(ref e) = advanced {
+            if !locked && self.is_conflict(e) {
+                self.level.forget();
+            }
+        }
+        advanced
     }
 
     async fn recovery_point(&self, lease: &Lease) -> Result<Option<RecoveryPoint>, Error> {
