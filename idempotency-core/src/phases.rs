@@ -322,7 +322,7 @@ where
     /// recovery point (or, for the last phase, the completion), or not at all. Like the
     /// work of [`Idempotency::run_in_transaction`], it runs again after a conflict with a
     /// concurrent transaction, so it acts only through the transaction it is given.
-    pub fn phase<N, F>(mut self, name: impl Into<String>, mut run: F) -> Phases<S, N, E>
+    pub fn phase<N, F>(self, name: impl Into<String>, mut run: F) -> Phases<S, N, E>
     where
         N: Serialize + 'static,
         F: for<'t> FnMut(
@@ -339,20 +339,9 @@ where
                 Err(e) => return futures::future::ready(Err(codec(e))).boxed(),
             };
             let ran = run(tx, value, ctx);
-            Box::pin(async move {
-                match ran.await? {
-                    Ok(value) => serde_json::to_vec(&value).map(Ok).map_err(codec),
-                    Err(e) => Ok(Err(e)),
-                }
-            })
+            Box::pin(async move { encoded(ran.await) })
         });
-        self.steps
-            .push((name.into(), Step::Database(Box::new(erased))));
-        Phases {
-            operation: self.operation,
-            steps: self.steps,
-            _value: PhantomData,
-        }
+        self.then(name.into(), Step::Database(Box::new(erased)))
     }
 
     /// A phase that calls another service, outside any transaction: `run` gets the value of
@@ -361,7 +350,7 @@ where
     /// It must do nothing but the call: if its holder dies before the recovery point
     /// commits, the next holder runs it again, and only the other side's deduplication by
     /// the key keeps the call from acting twice.
-    pub fn foreign<N, F, Fut>(mut self, name: impl Into<String>, mut run: F) -> Phases<S, N, E>
+    pub fn foreign<N, F, Fut>(self, name: impl Into<String>, mut run: F) -> Phases<S, N, E>
     where
         N: Serialize + 'static,
         F: FnMut(T, PhaseContext) -> Fut + Send + 'static,
@@ -373,19 +362,29 @@ where
                 Err(e) => return futures::future::ready(Err(codec(e))).boxed(),
             };
             let ran = run(value, ctx);
-            Box::pin(async move {
-                match ran.await? {
-                    Ok(value) => serde_json::to_vec(&value).map(Ok).map_err(codec),
-                    Err(e) => Ok(Err(e)),
-                }
-            })
+            Box::pin(async move { encoded(ran.await) })
         });
-        self.steps.push((name.into(), Step::Foreign(erased)));
+        self.then(name.into(), Step::Foreign(erased))
+    }
+}
+
+impl<S: TransactionalStore, T, E> Phases<S, T, E> {
+    /// This operation with `step` added, whose value is an `N`.
+    fn then<N>(mut self, name: String, step: Step<S, E>) -> Phases<S, N, E> {
+        self.steps.push((name, step));
         Phases {
             operation: self.operation,
             steps: self.steps,
             _value: PhantomData,
         }
+    }
+}
+
+/// A phase's result with its value as JSON, as the next phase and the recovery point take it.
+fn encoded<N: Serialize, E>(ran: Result<Result<N, E>, Error>) -> Result<Result<Vec<u8>, E>, Error> {
+    match ran? {
+        Ok(value) => serde_json::to_vec(&value).map(Ok).map_err(codec),
+        Err(e) => Ok(Err(e)),
     }
 }
 

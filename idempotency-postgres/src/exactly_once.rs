@@ -212,7 +212,7 @@ impl RecoveryPoints for PostgresStore {
         let (id, token, locked) = (lease.id(), lease.token(), tx.locked);
         let advanced = self
             .answered(PostgresStore::advance_in(
-                self, &mut tx.tx, id, token, from, to, locked,
+                self, &mut tx.tx, id, token, from, to,
             ))
             .await;
         // As for the completion: a serialization failure cannot happen at READ COMMITTED, so

@@ -220,9 +220,8 @@ impl PostgresStore {
     /// Moves the recovery point of `id`'s record held by `token` from phase `from` (`None`:
     /// it has none) to `to`, inside the caller's transaction on `tx`, for
     /// [`RecoveryPoints::advance_in`](idempotency_core::RecoveryPoints::advance_in).
-    /// `locked`: the transaction holds the record's row lock (see
-    /// [`PostgresStore::complete_in_reporting`]). [`Error::LeaseLost`] when the record is not
-    /// that holder's live Pending record at that phase.
+    /// [`Error::LeaseLost`] when the record is not that holder's live Pending record at that
+    /// phase.
     pub(crate) async fn advance_in(
         &self,
         tx: &mut PgConnection,
@@ -230,7 +229,6 @@ impl PostgresStore {
         token: FencingToken,
         from: Option<u16>,
         to: &idempotency_core::RecoveryPoint,
-        locked: bool,
     ) -> Result<(), Error> {
         let (Ok(t), Ok(origin)) = (i64::try_from(token.0), i64::try_from(to.origin)) else {
             return Err(Error::LeaseLost { token });
@@ -239,7 +237,6 @@ impl PostgresStore {
         // live record even when the transaction holds its row: a middle phase committed on a
         // record that expired meanwhile would be lost to a fresh claim, which starts the
         // operation over and runs that phase again. The phase rolls back instead.
-        let _ = locked;
         let row = sqlx::query(&self.sql.advance)
             .bind(id.scope.as_str())
             .bind(id.key.as_str())
