@@ -28,7 +28,7 @@
 //! State between phases is typed: each phase takes the value the phase before returned
 //! (serialized as JSON in the recovery point; the first phase takes `()`).
 
-use crate::transaction::driver::{transaction, Complete, Seal};
+use crate::transaction::driver::{renew_kept, transaction, Complete, Seal};
 use crate::transaction::{TransactionEnd, TransactionalStore};
 use crate::{
     decode_replay, Error, Fingerprint, Idempotency, IdempotencyKey, Lease, Outcome, Proceed,
@@ -534,6 +534,9 @@ impl Idempotency {
             Some(p) => (p.phase, p.origin, p.state, true),
             None => (0, lease.token().0, b"null".to_vec(), false),
         };
+        // Whether the last phase's transaction kept the lease in the process (the record
+        // locked): the record's own lease is then renewed before the next phase.
+        let mut kept = false;
         let end = AssertUnwindSafe(async {
             if !written && matches!(phases.steps[0].1, Step::Foreign(_)) {
                 // A foreign call first: its key is derived from the operation's origin,
@@ -547,7 +550,7 @@ impl Idempotency {
                 let mut nothing = work::<S, _, E, _>(|_, _| {
                     futures::future::ready(Ok(Ok(b"null".to_vec()))).boxed()
                 });
-                match transaction(store, &lease, &mut nothing, &start).await {
+                match transaction(store, &lease, &mut nothing, &start, &mut kept).await {
                     TransactionEnd::Committed(_) => written = true,
                     end => return end,
                 }
@@ -573,12 +576,17 @@ impl Idempotency {
                         let mut phase =
                             work::<S, _, E, _>(|tx, _| run(tx, input.clone(), ctx.clone()));
                         if last {
-                            transaction(store, &lease, &mut phase, &CompleteWithJson).await
+                            transaction(store, &lease, &mut phase, &CompleteWithJson, &mut kept)
+                                .await
                         } else {
-                            transaction(store, &lease, &mut phase, &next).await
+                            transaction(store, &lease, &mut phase, &next, &mut kept).await
                         }
                     }
                     Step::Foreign(run) => {
+                        // Not to be taken over while the call runs.
+                        if let Err(end) = renew_kept(&lease, &mut kept).await {
+                            return end;
+                        }
                         let value = match lease.with_heartbeat(run(state.clone(), ctx)).await {
                             Ok(Ok(value)) => value,
                             Ok(Err(e)) => return TransactionEnd::WorkFailed(e),
@@ -588,9 +596,10 @@ impl Idempotency {
                             futures::future::ready(Ok(Ok(value.clone()))).boxed()
                         });
                         if last {
-                            transaction(store, &lease, &mut record, &CompleteWithJson).await
+                            transaction(store, &lease, &mut record, &CompleteWithJson, &mut kept)
+                                .await
                         } else {
-                            transaction(store, &lease, &mut record, &next).await
+                            transaction(store, &lease, &mut record, &next, &mut kept).await
                         }
                     }
                 };

@@ -180,3 +180,56 @@ async fn a_holder_that_died_after_the_charge_is_resumed_there_at_every_level() {
         assert_eq!(w.run().await.unwrap(), Outcome::Replayed(Ok((1, 1))));
     }
 }
+
+/// A phase that outlives the lease, kept alive by the heartbeat: at REPEATABLE READ and
+/// SERIALIZABLE the lease is kept in the process while the phase holds the record locked, so
+/// the record's own lease passes; the next phase must still be this holder's (the lease is
+/// renewed on the record before it runs), and a duplicate meanwhile is told the key is in
+/// progress.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_phase_longer_than_the_lease_is_followed_by_the_next_at_every_level() {
+    for level in LEVELS {
+        let w = World::new(level).await;
+        let rides = format!(r#""{}".rides"#, w.guard.schema);
+        let first = format!("INSERT INTO {rides} (route) VALUES ('slow') RETURNING id");
+        let last = format!("INSERT INTO {rides} (route) VALUES ('fast')");
+        let slow = {
+            Phases::<PostgresStore, (), String>::new("slow-then-fast")
+                .phase(
+                    "slow",
+                    move |tx: &mut PostgresTransaction, (): (), _: PhaseContext| {
+                        let sql = first.clone();
+                        Box::pin(async move {
+                            let id: i64 = sqlx::query_scalar(&sql)
+                                .fetch_one(tx.connection())
+                                .await
+                                .unwrap();
+                            tokio::time::sleep(LEASE * 5 / 2).await;
+                            Ok(Ok(id))
+                        })
+                    },
+                )
+                .foreign(
+                    "call",
+                    |ride: i64, _: PhaseContext| async move { Ok(Ok(ride)) },
+                )
+                .phase(
+                    "fast",
+                    move |tx: &mut PostgresTransaction, ride: i64, _: PhaseContext| {
+                        let sql = last.clone();
+                        Box::pin(async move {
+                            sqlx::query(&sql).execute(tx.connection()).await.unwrap();
+                            Ok(Ok(ride))
+                        })
+                    },
+                )
+        };
+        let (key, scope, fp) = World::key();
+        let ran = w.engine.run_phases(&w.store, &key, &scope, &fp, slow).await;
+        assert!(
+            matches!(ran, Ok(Outcome::Fresh(Ok(1)))),
+            "{level:?}: {ran:?}"
+        );
+        assert_eq!(w.counts().await.0, 2, "{level:?}: both phases committed");
+    }
+}

@@ -56,7 +56,7 @@ impl Idempotency {
             Proceed::Replay(record) => return decode_replay(&record).map(Outcome::Replayed),
             Proceed::Execute(lease) => lease,
         };
-        let end = AssertUnwindSafe(transaction(store, &lease, &mut work, &Complete))
+        let end = AssertUnwindSafe(transaction(store, &lease, &mut work, &Complete, &mut false))
             .catch_unwind()
             .await;
         lease.settle_transaction(end).await
@@ -103,11 +103,16 @@ impl<S: TransactionalStore, T: Serialize> Seal<S, T> for Complete {
 /// Runs the work's transaction under `lease` until it ends (again after each conflict),
 /// keeping the lease as [`Begun`] says, and seals it with `seal` before the commit. What
 /// then becomes of the key is [`Lease::settle_transaction`]'s to decide.
+///
+/// `kept_in_process` says whether the last transaction under `lease` kept the lease in the
+/// process (its record's own lease may have passed meanwhile): the record's lease is then
+/// renewed before this one begins. It is left saying the same of this one, for the next.
 pub(crate) async fn transaction<S, T, E, F, Z>(
     store: &S,
     lease: &Lease,
     work: &mut F,
     seal: &Z,
+    kept_in_process: &mut bool,
 ) -> TransactionEnd<T, E>
 where
     S: TransactionalStore,
@@ -122,21 +127,11 @@ where
 {
     let policy = lease.policy();
     let mut attempt = 0;
-    let mut kept_in_process = false;
     loop {
         attempt += 1;
         let again = attempt < MAX_TRANSACTION_ATTEMPTS;
-        if kept_in_process {
-            // The previous attempt kept the lease in the process while it held the record,
-            // so the record's own lease may have passed: renew it before running again
-            // (fenced if a waiting duplicate took the key meanwhile).
-            match lease.extend_once().await {
-                Ok(Cas::Applied) => {}
-                Ok(Cas::Fenced) => return TransactionEnd::LeaseLost,
-                // Nothing is committed, but whether the renewal applied is not known: the
-                // key is held until its lease passes, as a dropped lease holds it.
-                Err(e) => return TransactionEnd::Unknown(e),
-            }
+        if let Err(end) = renew_kept(lease, kept_in_process).await {
+            return end;
         }
         let (mut tx, until) = match store.begin(lease).await {
             Ok(Begun::Open(tx)) => (tx, None),
@@ -149,7 +144,7 @@ where
             // Nothing of this attempt ran, and no earlier attempt committed.
             Err(e) => return TransactionEnd::RolledBack(e),
         };
-        kept_in_process = until.is_some();
+        *kept_in_process = until.is_some();
         let ran = {
             let running = AssertUnwindSafe(work(&mut tx, lease.context())).catch_unwind();
             match until {
@@ -206,6 +201,27 @@ where
             // takes the key over and runs the work once.
             Err(CommitError::Unknown(e)) => return TransactionEnd::Unknown(e),
         }
+    }
+}
+
+/// When the last transaction under `lease` kept the lease in the process while it held the
+/// record (`kept_in_process`), the record's own lease may have passed: renews it, fenced if
+/// someone took the key over meanwhile. Nothing is committed by a renewal; one whose outcome
+/// is not known holds the key until its lease passes, as a dropped lease holds it.
+pub(crate) async fn renew_kept<T, E>(
+    lease: &Lease,
+    kept_in_process: &mut bool,
+) -> Result<(), TransactionEnd<T, E>> {
+    if !*kept_in_process {
+        return Ok(());
+    }
+    match lease.extend_once().await {
+        Ok(Cas::Applied) => {
+            *kept_in_process = false;
+            Ok(())
+        }
+        Ok(Cas::Fenced) => Err(TransactionEnd::LeaseLost),
+        Err(e) => Err(TransactionEnd::Unknown(e)),
     }
 }
 
