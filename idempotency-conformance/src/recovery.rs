@@ -8,8 +8,8 @@
 //! wrong, so a test can also check that a broken store fails the case meant for it.
 
 use idempotency_core::{
-    Begin, CommitError, Error, Failure, Fingerprint, Idempotency, IdempotencyKey, Lease, RecordId,
-    RecoveryPoint, RecoveryPoints, Scope,
+    AbandonedQuery, Begin, CommitError, Error, Failure, Fingerprint, Idempotency, IdempotencyKey,
+    Lease, RecordId, RecoveryPoint, RecoveryPoints, Scope,
 };
 use std::future::Future;
 use std::pin::Pin;
@@ -62,11 +62,15 @@ pub enum RecoveryCase {
     /// `abandoned` lists operations whose lease passed or whose failure was recorded, and
     /// nothing else: not a live one, not a finished one, not a key without a recovery point.
     AbandonedAreListed,
+    /// `abandoned` lists only what its query asks for: operations of the names given, of
+    /// records claimed fewer than `max_attempts` times, failures at least `failed_for` old,
+    /// at most `limit`.
+    AbandonedQueryFilters,
 }
 
 impl RecoveryCase {
     /// Every case.
-    pub const ALL: [RecoveryCase; 7] = [
+    pub const ALL: [RecoveryCase; 8] = [
         RecoveryCase::AdvanceCommitsAndReadsBack,
         RecoveryCase::RollbackLeavesThePoint,
         RecoveryCase::AdvancesOnlyFromWhereItIs,
@@ -74,6 +78,7 @@ impl RecoveryCase {
         RecoveryCase::KeptAcrossFailureAndReclaim,
         RecoveryCase::FreshRecordStartsWithout,
         RecoveryCase::AbandonedAreListed,
+        RecoveryCase::AbandonedQueryFilters,
     ];
 }
 
@@ -164,6 +169,72 @@ fn expect_lost(r: Result<(), Error>, when: &str) -> Result<(), String> {
         Err(Error::LeaseLost { .. }) => Ok(()),
         other => Err(format!("{when}: expected LeaseLost, got {other:?}")),
     }
+}
+
+/// The records of the `abandoned` cases, all of `first`'s operation: `lease`'s record at
+/// phase 1 and held; another at phase 1 whose failure was recorded; one finished; one of a
+/// key without a recovery point. In that order.
+async fn abandoned_world<S: RecoveryPoints>(
+    kit: &RecoveryKit<S>,
+    case: RecoveryCase,
+    lease: &Lease,
+    first: &RecoveryPoint,
+) -> Result<[RecordId; 4], String> {
+    let (store, engine) = (&kit.store, &kit.engine);
+    advance(store, lease, None, first, true)
+        .await?
+        .map_err(|e| format!("the advance was refused: {e}"))?;
+    let (failed_id, done_id, plain_id) = (address(case), address(case), address(case));
+    let failed = lease_of(engine, &failed_id).await?;
+    advance(store, &failed, None, &point(1, failed.token().0, "f"), true)
+        .await?
+        .map_err(|e| format!("the advance was refused: {e}"))?;
+    failed
+        .fail(Failure::retryable("the next phase failed"))
+        .await
+        .map_err(|e| format!("recording the failure failed: {e}"))?;
+    let done = lease_of(engine, &done_id).await?;
+    advance(store, &done, None, &point(1, done.token().0, "d"), true)
+        .await?
+        .map_err(|e| format!("the advance was refused: {e}"))?;
+    done.complete(br#"{"Ok":1}"#)
+        .await
+        .map_err(|e| format!("the completion failed: {e}"))?;
+    let _plain = lease_of(engine, &plain_id).await?;
+    Ok([lease.id().clone(), failed_id, done_id, plain_id])
+}
+
+/// What `query` lists of the records `ids`, by key: `Err` if the listing failed or a row of
+/// them did not read back.
+async fn listed<S: RecoveryPoints>(
+    store: &S,
+    query: &AbandonedQuery,
+    ids: &[RecordId],
+    when: &str,
+) -> Result<Vec<idempotency_core::Abandoned>, String> {
+    let all = store
+        .abandoned(query)
+        .await
+        .map_err(|e| format!("abandoned failed {when}: {e}"))?;
+    let mut mine = Vec::new();
+    for row in all {
+        // Rows of other cases' records may be listed too; none may be unreadable.
+        let row = row.map_err(|e| format!("abandoned listed an unreadable row {when}: {e}"))?;
+        if ids.contains(&row.id) {
+            mine.push(row);
+        }
+    }
+    Ok(sorted(mine))
+}
+
+fn sorted(mut all: Vec<idempotency_core::Abandoned>) -> Vec<idempotency_core::Abandoned> {
+    all.sort_by(|a, b| a.id.key.as_str().cmp(b.id.key.as_str()));
+    all
+}
+
+fn sorted_ids(mut all: Vec<RecordId>) -> Vec<RecordId> {
+    all.sort_by(|a, b| a.key.as_str().cmp(b.key.as_str()));
+    all
 }
 
 /// Runs every case against `kit`'s store, in turn: `Err` names the first case that failed and
@@ -356,70 +427,102 @@ pub async fn recovery_case<S: RecoveryPoints>(
             )
         }
         RecoveryCase::AbandonedAreListed => {
-            // `lease`'s operation is at phase 1 and held; `failed` is at phase 1 and failed;
-            // `done` finished; `plain` has no recovery point.
-            advance(store, &lease, None, &first, true)
-                .await?
-                .map_err(|e| format!("the advance was refused: {e}"))?;
-            let listed = |all: Vec<idempotency_core::Abandoned>, ids: &[&RecordId]| {
-                all.into_iter()
-                    .filter(|a| ids.contains(&&a.id))
-                    .collect::<Vec<_>>()
-            };
-            let (failed_id, done_id, plain_id) = (address(case), address(case), address(case));
-            let failed = lease_of(engine, &failed_id).await?;
-            advance(store, &failed, None, &point(1, failed.token().0, "f"), true)
-                .await?
-                .map_err(|e| format!("the advance was refused: {e}"))?;
-            failed
-                .fail(Failure::retryable("the next phase failed"))
-                .await
-                .map_err(|e| format!("recording the failure failed: {e}"))?;
-            let done = lease_of(engine, &done_id).await?;
-            advance(store, &done, None, &point(1, done.token().0, "d"), true)
-                .await?
-                .map_err(|e| format!("the advance was refused: {e}"))?;
-            done.complete(br#"{"Ok":1}"#)
-                .await
-                .map_err(|e| format!("the completion failed: {e}"))?;
-            let _plain = lease_of(engine, &plain_id).await?;
-            let ids = [&id, &failed_id, &done_id, &plain_id];
-            let all = |what: &'static str| async move {
-                store
-                    .abandoned(10_000)
-                    .await
-                    .map_err(|e| format!("abandoned failed {what}: {e}"))
-            };
-            let early = listed(all("while a lease is live").await?, &ids);
-            if early.iter().map(|a| &a.id).collect::<Vec<_>>() != vec![&failed_id] {
+            let ids = abandoned_world(kit, case, &lease, &first).await?;
+            let [_, failed_id, ..] = &ids;
+            let query = AbandonedQuery::new([first.operation.as_str()], 10_000);
+            let early = listed(store, &query, &ids, "while a lease is live").await?;
+            if early.iter().map(|a| &a.id).collect::<Vec<_>>() != vec![failed_id] {
                 return Err(format!(
                     "while the holders' leases are live, abandoned lists {early:?}; expected only \
                      the operation whose failure was recorded"
                 ));
             }
             (kit.pass)(kit.lease + Duration::from_millis(50)).await;
-            let mut late = listed(all("after the leases passed").await?, &ids);
-            late.sort_by_key(|a| a.id.key.as_str().to_owned());
-            let mut want = vec![
-                idempotency_core::Abandoned {
+            let late = listed(store, &query, &ids, "after the leases passed").await?;
+            let want = [&id, failed_id]
+                .map(|id| idempotency_core::Abandoned {
                     id: id.clone(),
                     fingerprint: Fingerprint::from_bytes(b"op"),
                     operation: first.operation.clone(),
                     phase: 1,
-                },
-                idempotency_core::Abandoned {
-                    id: failed_id.clone(),
-                    fingerprint: Fingerprint::from_bytes(b"op"),
-                    operation: first.operation.clone(),
-                    phase: 1,
-                },
-            ];
-            want.sort_by_key(|a| a.id.key.as_str().to_owned());
-            if late != want {
+                })
+                .to_vec();
+            if late != sorted(want.clone()) {
                 return Err(format!(
                     "after the leases passed, abandoned lists {late:?}; expected {want:?} (not \
                      the finished operation, not the key without a recovery point)"
                 ));
+            }
+            Ok(())
+        }
+        RecoveryCase::AbandonedQueryFilters => {
+            let ids = abandoned_world(kit, case, &lease, &first).await?;
+            let [held_id, failed_id, ..] = &ids;
+            (kit.pass)(kit.lease + Duration::from_millis(50)).await;
+            let op = first.operation.as_str();
+            let both = AbandonedQuery::new([op], 10_000);
+            let expect =
+                |found: Vec<idempotency_core::Abandoned>, want: &[&RecordId], what: &str| {
+                    let found: Vec<_> = found.into_iter().map(|a| a.id).collect();
+                    let want: Vec<RecordId> = want.iter().map(|&id| id.clone()).collect();
+                    if found == sorted_ids(want.clone()) {
+                        Ok(())
+                    } else {
+                        Err(format!(
+                            "{what}: abandoned lists {found:?}, expected {want:?}"
+                        ))
+                    }
+                };
+            let other = AbandonedQuery::new(["another-operation", "kit"], 10_000);
+            expect(
+                listed(store, &other, &ids, "of other operations").await?,
+                &[],
+                "asked for other operations only",
+            )?;
+            expect(
+                listed(
+                    store,
+                    &AbandonedQuery::new(["x", op], 10_000),
+                    &ids,
+                    "of two",
+                )
+                .await?,
+                &[held_id, failed_id],
+                "asked for this operation and another",
+            )?;
+            expect(
+                listed(
+                    store,
+                    &both.clone().max_attempts(1),
+                    &ids,
+                    "under one attempt",
+                )
+                .await?,
+                &[],
+                "asked for records claimed fewer than once (each was claimed once)",
+            )?;
+            expect(
+                listed(store, &both.clone().max_attempts(2), &ids, "under two").await?,
+                &[held_id, failed_id],
+                "asked for records claimed fewer than twice",
+            )?;
+            expect(
+                listed(
+                    store,
+                    &both.clone().failed_for(Duration::from_secs(3600)),
+                    &ids,
+                    "old",
+                )
+                .await?,
+                &[held_id],
+                "asked for failures an hour old (the failure is younger; the lease passed)",
+            )?;
+            let one = store
+                .abandoned(&AbandonedQuery::new([op], 1))
+                .await
+                .map_err(|e| format!("abandoned with a limit of 1 failed: {e}"))?;
+            if one.len() != 1 {
+                return Err(format!("a limit of 1 listed {} operations", one.len()));
             }
             Ok(())
         }

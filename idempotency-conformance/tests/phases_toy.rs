@@ -41,6 +41,8 @@ enum Flaw {
     ForgetsOnReclaim,
     /// Lists operations whose holder's lease is still live as abandoned.
     ListsLive,
+    /// Lists abandoned operations whatever the query asks for.
+    IgnoresQuery,
 }
 
 #[derive(Debug, Default)]
@@ -165,38 +167,57 @@ impl RecoveryPoints for Bank {
         Ok(self.current_point(&tables, lease.id()))
     }
 
-    async fn abandoned(&self, limit: usize) -> Result<Vec<idempotency_core::Abandoned>, Error> {
+    async fn abandoned(
+        &self,
+        query: &idempotency_core::AbandonedQuery,
+    ) -> Result<Vec<Result<idempotency_core::Abandoned, Error>>, Error> {
         let tables = self.tables();
         let ids: Vec<RecordId> = tables.points.keys().cloned().collect();
+        let filters = self.flaw != Some(Flaw::IgnoresQuery);
         let mut found = Vec::new();
         for id in ids {
             let Some(point) = self.current_point(&tables, &id) else {
                 continue;
             };
+            if filters && !query.operations.contains(&point.operation) {
+                continue;
+            }
             let live_lease = self.flaw != Some(Flaw::ListsLive);
             let record = self.records.atomically(|records, now| {
                 records
                     .get(&id)
+                    .filter(|r| !filters || r.attempts < query.max_attempts)
                     .filter(|r| match r.status {
                         RecordStatus::Pending => {
                             !live_lease || r.lease_until.is_none_or(|until| until <= now)
                         }
-                        RecordStatus::Failed => r.failure.as_ref().is_some_and(|f| f.retryable),
+                        RecordStatus::Failed => {
+                            r.failure.as_ref().is_some_and(|f| f.retryable)
+                                && (!filters
+                                    || r.updated_at.as_millis()
+                                        + query.failed_for.as_millis() as i64
+                                        <= now.as_millis())
+                        }
                         RecordStatus::Completed => false,
                     })
-                    .map(|r| r.fingerprint)
+                    .map(|r| (r.fingerprint, r.updated_at))
             });
-            if let Some(fingerprint) = record {
-                found.push(idempotency_core::Abandoned {
-                    id,
-                    fingerprint,
-                    operation: point.operation,
-                    phase: point.phase,
-                });
+            if let Some((fingerprint, written)) = record {
+                found.push((
+                    written,
+                    idempotency_core::Abandoned {
+                        id,
+                        fingerprint,
+                        operation: point.operation,
+                        phase: point.phase,
+                    },
+                ));
             }
         }
-        found.truncate(limit);
-        Ok(found)
+        // Least recently written first.
+        found.sort_by_key(|(written, _)| *written);
+        found.truncate(if filters { query.limit } else { usize::MAX });
+        Ok(found.into_iter().map(|(_, a)| Ok(a)).collect())
     }
 }
 
@@ -634,6 +655,7 @@ async fn each_flawed_bank_fails_the_case_meant_for_it() {
             RecoveryCase::KeptAcrossFailureAndReclaim,
         ),
         (Flaw::ListsLive, RecoveryCase::AbandonedAreListed),
+        (Flaw::IgnoresQuery, RecoveryCase::AbandonedQueryFilters),
     ] {
         let kit = kit(Bank::with_flaw(flaw));
         let found = recovery_case(&kit, case).await;

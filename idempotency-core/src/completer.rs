@@ -1,6 +1,6 @@
 //! The completer: finishes multi-step operations whose holder died mid-way.
 
-use crate::phases::{Abandoned, Phases, RecoveryPoints};
+use crate::phases::{Abandoned, AbandonedQuery, Phases, RecoveryPoints};
 use crate::{Error, Idempotency, Outcome};
 use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
@@ -42,9 +42,11 @@ pub struct CompleterRound {
     pub failed: usize,
     /// Taken over or finished by someone else first.
     pub taken_elsewhere: usize,
-    /// Of an operation no [`Completer::operation`] registered: left alone.
+    /// Of an operation no [`Completer::operation`] registered: left alone (a store lists
+    /// only registered ones; this counts those a store listed anyway).
     pub unknown: usize,
-    /// Ended by an error of the store or of the operation's definition.
+    /// Ended by an error of the store or of the operation's definition, or listed as a row
+    /// the store could not read.
     pub errors: usize,
 }
 
@@ -116,12 +118,20 @@ impl CompleterStats {
 /// one-step work have no recovery point, and operations of a kind it was not given are left
 /// alone. A client that retries meanwhile is told the key is in progress, then gets the
 /// stored outcome.
+///
+/// An operation whose phase fails with an error recorded as a retryable failure is taken
+/// up again once that failure is [`Completer::retry_failed_after`] old, and given up once
+/// its record has been claimed [`Completer::max_attempts`] times (by clients and completers
+/// together): it then stays Failed, for a client's retry to resume, until it expires. A
+/// completer never retries a failing operation in a tight loop or forever.
 pub struct Completer<S: RecoveryPoints> {
     engine: Idempotency,
     store: Arc<S>,
     operations: HashMap<String, Finish<S>>,
     batch: usize,
     concurrency: usize,
+    max_attempts: u32,
+    retry_failed_after: Duration,
     stats: Arc<CompleterStats>,
 }
 
@@ -140,7 +150,8 @@ impl<S: RecoveryPoints> fmt::Debug for Completer<S> {
 impl<S: RecoveryPoints + 'static> Completer<S> {
     /// A completer over `store`, taking operations over with `engine` (over the same
     /// records; its policy's lease and heartbeat apply to the completer's runs). Rounds list
-    /// up to 100 operations and run up to 4 at once.
+    /// up to 100 operations and run up to 4 at once; a failed operation is taken up again
+    /// after 10 seconds, and given up after 10 attempts.
     pub fn new(engine: Idempotency, store: Arc<S>) -> Self {
         Self {
             engine,
@@ -148,8 +159,23 @@ impl<S: RecoveryPoints + 'static> Completer<S> {
             operations: HashMap::new(),
             batch: 100,
             concurrency: 4,
+            max_attempts: 10,
+            retry_failed_after: Duration::from_secs(10),
             stats: Arc::default(),
         }
+    }
+
+    /// Operations whose record has been claimed this many times (its first claim and every
+    /// takeover, by clients and completers) are no longer taken up (at least 1).
+    pub fn max_attempts(mut self, max_attempts: u32) -> Self {
+        self.max_attempts = max_attempts.max(1);
+        self
+    }
+
+    /// How long after its failure was recorded a failed operation is taken up again.
+    pub fn retry_failed_after(mut self, after: Duration) -> Self {
+        self.retry_failed_after = after;
+        self
     }
 
     /// How many abandoned operations one round lists, at most (at least 1).
@@ -211,15 +237,22 @@ impl<S: RecoveryPoints + 'static> Completer<S> {
     /// One round: lists the abandoned operations and runs each of a registered kind to its
     /// end. `Err` only when the store could not list them.
     pub async fn run_once(&self) -> Result<CompleterRound, Error> {
-        let listed = self.store.abandoned(self.batch).await?;
+        let mut names: Vec<&String> = self.operations.keys().collect();
+        names.sort();
+        let query = AbandonedQuery::new(names.into_iter().cloned(), self.batch)
+            .max_attempts(self.max_attempts)
+            .failed_for(self.retry_failed_after);
+        let listed = self.store.abandoned(&query).await?;
         let mut round = CompleterRound {
             found: listed.len(),
             ..CompleterRound::default()
         };
         let runs: Vec<_> = listed
             .into_iter()
-            .filter_map(
-                |abandoned| match self.operations.get(&abandoned.operation) {
+            .filter_map(|abandoned| {
+                // A row the store could not read: reported, and the others run.
+                let abandoned = abandoned.map_err(|_| round.errors += 1).ok()?;
+                match self.operations.get(&abandoned.operation) {
                     // A phase that panics ends this operation's run, not the completer.
                     Some(finish) => Some(
                         std::panic::AssertUnwindSafe(finish(
@@ -234,8 +267,8 @@ impl<S: RecoveryPoints + 'static> Completer<S> {
                         round.unknown += 1;
                         None
                     }
-                },
-            )
+                }
+            })
             .collect();
         let mut ends = futures::stream::iter(runs).buffer_unordered(self.concurrency);
         while let Some(end) = ends.next().await {

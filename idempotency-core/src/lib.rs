@@ -30,7 +30,9 @@ pub use fingerprint::{
 };
 pub use key::{IdempotencyKey, KeyError};
 pub use observe::{loggable_key, Event};
-pub use phases::{phase_key, Abandoned, PhaseContext, Phases, RecoveryPoint, RecoveryPoints};
+pub use phases::{
+    phase_key, Abandoned, AbandonedQuery, PhaseContext, Phases, RecoveryPoint, RecoveryPoints,
+};
 pub use policy::{ErrorOutcomes, InFlight, Policy, SettleRetry};
 pub use record::{
     claim_retention, Cas, Claim, ClaimRequest, Failure, FencingToken, Reclaim, Record, RecordId,

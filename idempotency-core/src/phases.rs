@@ -43,6 +43,7 @@ use std::fmt::{self, Display};
 use std::future::Future;
 use std::marker::PhantomData;
 use std::panic::AssertUnwindSafe;
+use std::time::Duration;
 
 /// How far a multi-step operation has come: written with the writes of the phase that
 /// reached it, in the same transaction.
@@ -148,11 +149,61 @@ pub trait RecoveryPoints: TransactionalStore {
     /// The recovery point of the record `lease` holds (`None` when it has none).
     async fn recovery_point(&self, lease: &Lease) -> Result<Option<RecoveryPoint>, Error>;
 
-    /// Operations whose holder is gone, for the [`Completer`](crate::Completer): live records with a recovery
-    /// point of their own that are Pending with their lease passed, or Failed retryably; at
-    /// most `limit`, least recently written first. Records without a recovery point (keys of
-    /// one-step work) are never listed.
-    async fn abandoned(&self, limit: usize) -> Result<Vec<Abandoned>, Error>;
+    /// Operations whose holder is gone, for the [`Completer`](crate::Completer): live records
+    /// with a recovery point of their own that are Pending with their lease passed, or Failed
+    /// retryably for at least [`AbandonedQuery::failed_for`]; only of the operations the
+    /// query names, claimed fewer than [`AbandonedQuery::max_attempts`] times; at most
+    /// [`AbandonedQuery::limit`], least recently written first. Records without a recovery
+    /// point (keys of one-step work) are never listed.
+    ///
+    /// A row the store cannot read back as an [`Abandoned`] is listed as its error
+    /// ([`Error::CorruptRecord`]), in its place: one bad row does not hide the others.
+    async fn abandoned(
+        &self,
+        query: &AbandonedQuery,
+    ) -> Result<Vec<Result<Abandoned, Error>>, Error>;
+}
+
+/// Which abandoned operations [`RecoveryPoints::abandoned`] lists: filtered in the store, so
+/// that operations a completer will not take (of another kind, given up on, failing again
+/// right now) never fill its batches and starve the ones it can finish.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct AbandonedQuery {
+    /// Only operations of these names.
+    pub operations: Vec<String>,
+    /// Only records claimed fewer times than this (a record's
+    /// [`attempts`](crate::Record::attempts): its first claim and every takeover).
+    pub max_attempts: u32,
+    /// A Failed operation only once its failure was recorded at least this long ago.
+    pub failed_for: Duration,
+    /// At most this many.
+    pub limit: usize,
+}
+
+impl AbandonedQuery {
+    /// Up to `limit` abandoned operations named in `operations`, whatever their attempts,
+    /// failed ones at once.
+    pub fn new<N: Into<String>>(operations: impl IntoIterator<Item = N>, limit: usize) -> Self {
+        Self {
+            operations: operations.into_iter().map(Into::into).collect(),
+            max_attempts: u32::MAX,
+            failed_for: Duration::ZERO,
+            limit,
+        }
+    }
+
+    /// Only records claimed fewer than `max_attempts` times.
+    pub fn max_attempts(mut self, max_attempts: u32) -> Self {
+        self.max_attempts = max_attempts;
+        self
+    }
+
+    /// Failed operations only once their failure is `failed_for` old.
+    pub fn failed_for(mut self, failed_for: Duration) -> Self {
+        self.failed_for = failed_for;
+        self
+    }
 }
 
 /// An operation whose holder is gone ([`RecoveryPoints::abandoned`]).

@@ -152,8 +152,9 @@ WHERE scope = ? AND idem_key = ? AND expires_ms > {now} AND {current}"
         let abandoned = format!(
             "SELECT scope, idem_key, fingerprint, op_name, op_phase FROM {t}
 WHERE expires_ms > {now} AND {current}
+  AND JSON_CONTAINS(?, JSON_QUOTE(op_name)) AND attempts < ?
   AND ((status = 'pending' AND (lease_until_ms IS NULL OR lease_until_ms <= {now}))
-       OR (status = 'failed' AND failure_retryable = 1))
+       OR (status = 'failed' AND failure_retryable = 1 AND updated_ms <= {now} - ?))
 ORDER BY updated_ms LIMIT ?"
         );
         Self {

@@ -222,16 +222,27 @@ impl MysqlStore {
         }
     }
 
-    /// Up to `limit` live operations whose holder is gone (see
-    /// [`RecoveryPoints::abandoned`](idempotency_core::RecoveryPoints::abandoned)).
+    /// The live operations whose holder is gone that `query` asks for (see
+    /// [`RecoveryPoints::abandoned`](idempotency_core::RecoveryPoints::abandoned)); a row
+    /// that does not read back is listed as its error.
     pub(crate) async fn list_abandoned(
         &self,
-        limit: usize,
-    ) -> Result<Vec<idempotency_core::Abandoned>, Error> {
-        let limit = u64::try_from(limit).unwrap_or(u64::MAX);
+        query: &idempotency_core::AbandonedQuery,
+    ) -> Result<Vec<Result<idempotency_core::Abandoned, Error>>, Error> {
+        let limit = u64::try_from(query.limit).unwrap_or(u64::MAX);
+        let operations =
+            serde_json::to_string(&query.operations).map_err(|source| Error::Codec { source })?;
+        // Signed, so that `now - failed_for` may go below zero; at most a century.
+        let failed_for = i64::try_from(query.failed_for.as_millis())
+            .unwrap_or(i64::MAX)
+            .min(3_200_000_000_000);
         let rows = self
             .run(Effect::None, OnLoss::Resend, All, || {
-                sqlx::query(&self.sql.abandoned).bind(limit)
+                sqlx::query(&self.sql.abandoned)
+                    .bind(&operations)
+                    .bind(query.max_attempts)
+                    .bind(failed_for)
+                    .bind(limit)
             })
             .await?;
         let utf8 = |bytes: Vec<u8>, what: &str| {
@@ -239,7 +250,8 @@ impl MysqlStore {
                 Error::corrupt(format!("an abandoned operation's {what} is not UTF-8"))
             })
         };
-        rows.into_iter()
+        Ok(rows
+            .into_iter()
             .map(|row| {
                 idempotency_core::Abandoned::from_columns(
                     &utf8(get(&row, 0, &self.quoted)?, "scope")?,
@@ -249,7 +261,7 @@ impl MysqlStore {
                     get::<i32>(&row, 4, &self.quoted)?.into(),
                 )
             })
-            .collect()
+            .collect())
     }
 
     /// The recovery point of `id`'s live record, if it has one of its own.

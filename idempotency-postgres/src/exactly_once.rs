@@ -6,8 +6,8 @@ use crate::error::{is_connection_loss, is_serialization_failure, map_sqlx, Effec
 use crate::store::Level;
 use crate::PostgresStore;
 use idempotency_core::{
-    async_trait, Begun, CommitError, Error, Lease, RecoveryPoint, RecoveryPoints,
-    TransactionalStore,
+    async_trait, Abandoned, AbandonedQuery, Begun, CommitError, Error, Lease, RecoveryPoint,
+    RecoveryPoints, TransactionalStore,
 };
 use sqlx::{PgConnection, Postgres};
 
@@ -229,7 +229,10 @@ impl RecoveryPoints for PostgresStore {
         self.read_recovery_point(lease.id()).await
     }
 
-    async fn abandoned(&self, limit: usize) -> Result<Vec<idempotency_core::Abandoned>, Error> {
-        self.list_abandoned(limit).await
+    async fn abandoned(
+        &self,
+        query: &AbandonedQuery,
+    ) -> Result<Vec<Result<Abandoned, Error>>, Error> {
+        self.list_abandoned(query).await
     }
 }

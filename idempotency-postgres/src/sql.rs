@@ -356,8 +356,10 @@ WHERE r.scope = $1 AND r.key = $2 AND r.expires_at > c.now AND {current}"
             "{NOW_CTE}
 SELECT r.scope, r.key, r.fingerprint, r.op_name, r.op_phase FROM {t} AS r, c
 WHERE r.expires_at > c.now AND {current}
+  AND r.op_name = ANY($2) AND r.attempts < $3
   AND ((r.status = 'pending' AND (r.lease_until IS NULL OR r.lease_until <= c.now))
-       OR (r.status = 'failed' AND r.failure_retryable))
+       OR (r.status = 'failed' AND r.failure_retryable
+           AND r.updated_at <= c.now - make_interval(secs => $4)))
 ORDER BY r.updated_at LIMIT $1"
         );
         Self {

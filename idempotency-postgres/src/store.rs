@@ -256,19 +256,27 @@ impl PostgresStore {
         }
     }
 
-    /// Up to `limit` live operations whose holder is gone (see
+    /// The live operations whose holder is gone that `query` asks for (see
     /// [`RecoveryPoints::abandoned`](idempotency_core::RecoveryPoints::abandoned)).
     pub(crate) async fn list_abandoned(
         &self,
-        limit: usize,
-    ) -> Result<Vec<idempotency_core::Abandoned>, Error> {
-        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        query: &idempotency_core::AbandonedQuery,
+    ) -> Result<Vec<Result<idempotency_core::Abandoned, Error>>, Error> {
+        let limit = i64::try_from(query.limit).unwrap_or(i64::MAX);
+        let attempts = i32::try_from(query.max_attempts).unwrap_or(i32::MAX);
+        // Seconds, at most a century (an interval the server can subtract from now).
+        let failed_for = query.failed_for.as_secs_f64().min(3.2e9);
         let rows = self
             .run(Effect::None, OnLoss::Resend, All, || {
-                sqlx::query(&self.sql.abandoned).bind(limit)
+                sqlx::query(&self.sql.abandoned)
+                    .bind(limit)
+                    .bind(&query.operations)
+                    .bind(attempts)
+                    .bind(failed_for)
             })
             .await?;
-        rows.iter()
+        Ok(rows
+            .iter()
             .map(|row| {
                 idempotency_core::Abandoned::from_columns(
                     &get::<String>(row, "scope", &self.qualified)?,
@@ -278,7 +286,7 @@ impl PostgresStore {
                     get::<i32>(row, "op_phase", &self.qualified)?.into(),
                 )
             })
-            .collect()
+            .collect())
     }
 
     /// The recovery point of `id`'s live record, if it has one of its own.

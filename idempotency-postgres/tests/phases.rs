@@ -139,6 +139,21 @@ impl World {
             .await
     }
 
+    /// Runs the flow in a task that dies (is aborted) once its charge was made.
+    async fn run_and_die_after_charge(&self) {
+        self.payments.hang_after_acting(1);
+        let task = {
+            let (engine, store, flow) = (self.engine.clone(), self.store.clone(), self.flow());
+            tokio::spawn(async move {
+                let (key, scope, fp) = World::key();
+                engine.run_phases(&store, &key, &scope, &fp, flow).await
+            })
+        };
+        self.payments.acted_and_hung().await;
+        task.abort();
+        let _ = task.await;
+    }
+
     async fn counts(&self) -> (i64, usize, i64) {
         let mut conn = common::admin().await;
         let (rides, receipts): (i64, i64) = sqlx::query_as(&format!(
@@ -156,17 +171,7 @@ impl World {
 async fn a_holder_that_died_after_the_charge_is_resumed_there_at_every_level() {
     for level in LEVELS {
         let w = World::new(level).await;
-        w.payments.hang_after_acting(1);
-        let task = {
-            let (engine, store, flow) = (w.engine.clone(), w.store.clone(), w.flow());
-            tokio::spawn(async move {
-                let (key, scope, fp) = World::key();
-                engine.run_phases(&store, &key, &scope, &fp, flow).await
-            })
-        };
-        w.payments.acted_and_hung().await;
-        task.abort();
-        let _ = task.await;
+        w.run_and_die_after_charge().await;
         assert_eq!(w.counts().await, (1, 1, 0), "{level:?}: the ride committed");
         // The dead holder's heartbeat stopped with it: its lease passes.
         tokio::time::sleep(LEASE + Duration::from_millis(200)).await;
@@ -231,5 +236,32 @@ async fn a_phase_longer_than_the_lease_is_followed_by_the_next_at_every_level() 
             "{level:?}: {ran:?}"
         );
         assert_eq!(w.counts().await.0, 2, "{level:?}: both phases committed");
+    }
+}
+
+/// The completer finishes an operation whose holder died after its charge, from the charge
+/// on, once the lease has passed; a client's retry then replays it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_completer_finishes_a_dead_holders_operation_at_every_level() {
+    for level in LEVELS {
+        let w = World::new(level).await;
+        w.run_and_die_after_charge().await;
+        let (payments, schema) = (
+            w.payments.clone(),
+            Arc::<str>::from(w.guard.schema.as_str()),
+        );
+        let make = move || flow(payments.clone(), schema.clone());
+        let completer =
+            idempotency_core::Completer::new(w.engine.clone(), Arc::new(w.store.clone()))
+                .operation("book-ride", make);
+        // The dead holder's heartbeat stopped with it: its lease passes.
+        tokio::time::sleep(LEASE + Duration::from_millis(200)).await;
+        let round = completer.run_once().await.unwrap();
+        assert_eq!((round.found, round.completed), (1, 1), "{level:?}: {round}");
+        assert_eq!(w.counts().await, (1, 1, 1), "{level:?}: nothing ran twice");
+        let keys = w.payments.keys();
+        assert!(keys.len() == 2 && keys[0] == keys[1], "{level:?}: {keys:?}");
+        assert_eq!(w.run().await.unwrap(), Outcome::Replayed(Ok((1, 1))));
+        assert_eq!(completer.run_once().await.unwrap().found, 0, "{level:?}");
     }
 }

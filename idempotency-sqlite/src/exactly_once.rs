@@ -192,7 +192,10 @@ impl RecoveryPoints for SqliteStore {
         self.read_recovery_point(lease.id()).await
     }
 
-    async fn abandoned(&self, limit: usize) -> Result<Vec<idempotency_core::Abandoned>, Error> {
-        self.list_abandoned(limit).await
+    async fn abandoned(
+        &self,
+        query: &idempotency_core::AbandonedQuery,
+    ) -> Result<Vec<Result<idempotency_core::Abandoned, Error>>, Error> {
+        self.list_abandoned(query).await
     }
 }

@@ -112,12 +112,16 @@ impl Sql {
                 r#"SELECT op_name, op_phase, op_origin, op_state FROM "{table}"
                    WHERE scope = ?1 AND key = ?2 AND expires_at > ?3 AND {current}"#
             ),
-            // ?1 now, ?2 limit: live operations whose holder is gone.
+            // ?1 now, ?2 limit, ?3 the operations (a JSON array of names), ?4 attempts below
+            // which, ?5 the failures recorded before which: live operations whose holder is
+            // gone.
             abandoned: format!(
                 r#"SELECT scope, key, fingerprint, op_name, op_phase FROM "{table}"
                    WHERE expires_at > ?1 AND {current}
+                     AND op_name IN (SELECT value FROM json_each(?3)) AND attempts < ?4
                      AND ((status = 'pending' AND (lease_until IS NULL OR lease_until <= ?1))
-                          OR (status = 'failed' AND failure_retryable = 1))
+                          OR (status = 'failed' AND failure_retryable = 1
+                              AND updated_at <= ?5))
                    ORDER BY updated_at LIMIT ?2"#
             ),
             hit: format!(

@@ -192,17 +192,17 @@ impl SqliteStore {
             .await?
     }
 
-    /// Up to `limit` live operations whose holder is gone (see
+    /// The live operations whose holder is gone that `query` asks for (see
     /// [`RecoveryPoints::abandoned`](idempotency_core::RecoveryPoints::abandoned)).
     pub(crate) async fn list_abandoned(
         &self,
-        limit: usize,
-    ) -> Result<Vec<idempotency_core::Abandoned>, Error> {
+        query: &idempotency_core::AbandonedQuery,
+    ) -> Result<Vec<Result<idempotency_core::Abandoned, Error>>, Error> {
         let inner = self.inner.clone();
-        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let query = query.clone();
         self.inner
             .exec
-            .run(move |conn| inner.read_abandoned(conn, inner.clock.now(), limit))
+            .run(move |conn| inner.read_abandoned(conn, inner.clock.now(), &query))
             .await?
     }
 
@@ -526,26 +526,50 @@ impl Inner {
         Ok(out)
     }
 
-    /// The live record, read without a lock, or `None`.
+    /// The abandoned operations `query` asks for, each row read on its own: one that does
+    /// not read back is listed as its error.
     fn read_abandoned(
         &self,
         conn: &Connection,
         now: Timestamp,
-        limit: i64,
-    ) -> Result<Vec<idempotency_core::Abandoned>, Error> {
-        type Row = (String, String, Vec<u8>, String, i64);
+        query: &idempotency_core::AbandonedQuery,
+    ) -> Result<Vec<Result<idempotency_core::Abandoned, Error>>, Error> {
+        let limit = i64::try_from(query.limit).unwrap_or(i64::MAX);
+        let operations =
+            serde_json::to_string(&query.operations).map_err(|source| Error::Codec { source })?;
+        let failed_before = now
+            .as_millis()
+            .saturating_sub(i64::try_from(query.failed_for.as_millis()).unwrap_or(i64::MAX));
         let mut stmt = conn
             .prepare_cached(&self.sql.abandoned)
             .map_err(|e| self.sql_error(e))?;
         let rows = stmt
-            .query_map(params![now.as_millis(), limit], |r| {
-                Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
-            })
+            .query_map(
+                params![
+                    now.as_millis(),
+                    limit,
+                    operations,
+                    i64::from(query.max_attempts),
+                    failed_before
+                ],
+                |r| {
+                    let row = (|| -> rusqlite::Result<(String, String, Vec<u8>, String, i64)> {
+                        Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
+                    })();
+                    Ok(row)
+                },
+            )
             .map_err(|e| self.sql_error(e))?
-            .collect::<Result<Vec<Row>, _>>()
+            .collect::<Result<Vec<_>, _>>()
             .map_err(|e| self.sql_error(e))?;
-        rows.into_iter()
-            .map(|(scope, key, fingerprint, operation, phase)| {
+        Ok(rows
+            .into_iter()
+            .map(|row| {
+                let (scope, key, fingerprint, operation, phase) =
+                    row.map_err(|e| Error::CorruptRecord {
+                        reason: format!("an abandoned operation in {:?}", self.table),
+                        source: Some(Box::new(e)),
+                    })?;
                 idempotency_core::Abandoned::from_columns(
                     &scope,
                     &key,
@@ -554,7 +578,7 @@ impl Inner {
                     phase,
                 )
             })
-            .collect()
+            .collect())
     }
 
     fn read_point(
