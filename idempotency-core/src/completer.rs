@@ -280,6 +280,7 @@ impl<S: RecoveryPoints + 'static> Completer<S> {
             }
         }
         self.stats.add(&round);
+        emit_round(&round);
         Ok(round)
     }
 
@@ -292,6 +293,7 @@ impl<S: RecoveryPoints + 'static> Completer<S> {
         loop {
             if self.run_once().await.is_err() {
                 self.stats.errors.fetch_add(1, Ordering::Relaxed);
+                emit_listing_failed();
             }
             futures::select! {
                 () = shutdown => return,
@@ -299,4 +301,35 @@ impl<S: RecoveryPoints + 'static> Completer<S> {
             }
         }
     }
+}
+
+/// Counts a round through the `metrics` facade (with the `metrics` feature):
+/// `idempotency_completer_rounds_total`, and `idempotency_completer_operations_total` by how
+/// each operation ended (`end`: `completed`, `failed`, `taken_elsewhere`, `unknown`,
+/// `error`).
+fn emit_round(round: &CompleterRound) {
+    tracing::debug!(%round, "completer round");
+    #[cfg(feature = "metrics")]
+    {
+        metrics::counter!("idempotency_completer_rounds_total").increment(1);
+        for (end, n) in [
+            ("completed", round.completed),
+            ("failed", round.failed),
+            ("taken_elsewhere", round.taken_elsewhere),
+            ("unknown", round.unknown),
+            ("error", round.errors),
+        ] {
+            if n > 0 {
+                metrics::counter!("idempotency_completer_operations_total", "end" => end)
+                    .increment(n as u64);
+            }
+        }
+    }
+}
+
+/// Counts a round whose listing failed: `idempotency_completer_listing_failures_total`.
+fn emit_listing_failed() {
+    tracing::warn!("the completer could not list abandoned operations");
+    #[cfg(feature = "metrics")]
+    metrics::counter!("idempotency_completer_listing_failures_total").increment(1);
 }

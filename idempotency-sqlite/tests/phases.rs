@@ -554,3 +554,54 @@ async fn an_unreadable_row_does_not_stop_the_completer() {
     );
     assert_eq!(w.counts().await, (1, 1, 1));
 }
+
+/// Each round is counted through the `metrics` facade, and each operation by how it ended.
+#[test]
+fn the_completer_counts_its_rounds_as_metrics() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    let recorder = DebuggingRecorder::new();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    metrics::with_local_recorder(&recorder, || {
+        rt.block_on(async {
+            let w = World::new(ConnectionMode::DedicatedThread).await;
+            w.run_and_die_after_charge().await;
+            w.clock.advance(LEASE + Duration::from_secs(1));
+            let completer = completer(&w);
+            assert_eq!(completer.run_once().await.unwrap().completed, 1);
+            assert_eq!(completer.run_once().await.unwrap().found, 0);
+        })
+    });
+    let mut counters: Vec<(String, Vec<String>, u64)> = recorder
+        .snapshotter()
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .filter(|(key, ..)| key.key().name().starts_with("idempotency_completer_"))
+        .filter_map(|(key, _, _, value)| match value {
+            DebugValue::Counter(n) => Some((
+                key.key().name().to_owned(),
+                key.key()
+                    .labels()
+                    .map(|l| format!("{}={}", l.key(), l.value()))
+                    .collect(),
+                n,
+            )),
+            _ => None,
+        })
+        .collect();
+    counters.sort();
+    assert_eq!(
+        counters,
+        [
+            (
+                "idempotency_completer_operations_total".to_owned(),
+                vec!["end=completed".to_owned()],
+                1
+            ),
+            ("idempotency_completer_rounds_total".to_owned(), vec![], 2),
+        ]
+    );
+}
