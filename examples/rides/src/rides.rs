@@ -1,0 +1,404 @@
+//! The rides service: `POST /rides` books a ride in three phases with
+//! `Idempotency::run_phases`, and a completer finishes bookings whose process died.
+
+use crate::crash::CrashPoints;
+use crate::payments::{Charge, ChargeRequest};
+use crate::{open_store, problem, retry_later, serve, Running};
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::Router;
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, StatusCode};
+use idempotency_core::{
+    Completer, Error, Fingerprint, Idempotency, IdempotencyKey, Outcome, PhaseContext, Phases,
+    Policy, Scope,
+};
+use idempotency_reqwest::{IdempotencyMiddleware, IdempotentRequestExt, RetryPolicy};
+use idempotency_sqlite::rusqlite::params;
+use idempotency_sqlite::{SqliteStore, SqliteTransaction};
+use reqwest_middleware::ClientWithMiddleware;
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The operation's name, written in its recovery points.
+pub const OPERATION: &str = "book-ride";
+
+const TABLES: &str = "CREATE TABLE IF NOT EXISTS rides (
+    id     INTEGER PRIMARY KEY,
+    key    TEXT NOT NULL,
+    route  TEXT NOT NULL,
+    amount INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS outbox (
+    id      INTEGER PRIMARY KEY,
+    key     TEXT NOT NULL,
+    ride    INTEGER NOT NULL,
+    charge  INTEGER NOT NULL,
+    message TEXT NOT NULL
+);";
+
+/// What `POST /rides` takes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BookRide {
+    /// Where from, where to.
+    pub route: String,
+    /// The fare, in cents.
+    pub amount: u32,
+}
+
+/// What it answers (201), and every retry of it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Booking {
+    /// The ride's id.
+    pub ride: i64,
+    /// Its route.
+    pub route: String,
+    /// Its fare.
+    pub amount: u32,
+    /// The payment service's charge.
+    pub charge: i64,
+    /// The receipt message's id in the outbox.
+    pub receipt: i64,
+}
+
+/// The state after the first phase: everything the later phases need travels in it (a
+/// completer resuming the booking has no request).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Ride {
+    id: i64,
+    key: String,
+    route: String,
+    amount: u32,
+}
+
+/// The state after the charge.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Charged {
+    ride: Ride,
+    charge: i64,
+}
+
+/// How the rides service runs.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// The SQLite file of the rides, the outbox and the idempotency records.
+    pub db: PathBuf,
+    /// The payment service's base URL.
+    pub payments: String,
+    /// The lease of a booking's holder (renewed while it runs).
+    pub lease: Duration,
+    /// Run the completer in this process.
+    pub completer: bool,
+    /// Crash points (for the crash campaign and the demo).
+    pub crash: CrashPoints,
+}
+
+impl Config {
+    /// From `RIDES_DB`, `PAYMENTS_URL`, `RIDES_LEASE_MS` (default 5000), `RIDES_COMPLETER`
+    /// (`on` or `off`, default `on`) and the crash points' variables.
+    pub fn from_env() -> Result<Self, String> {
+        let db = std::env::var("RIDES_DB").map_err(|_| "RIDES_DB is not set".to_owned())?;
+        let payments =
+            std::env::var("PAYMENTS_URL").map_err(|_| "PAYMENTS_URL is not set".to_owned())?;
+        let lease = match std::env::var("RIDES_LEASE_MS") {
+            Ok(ms) => Duration::from_millis(
+                ms.parse()
+                    .map_err(|e| format!("RIDES_LEASE_MS={ms} is not milliseconds: {e}"))?,
+            ),
+            Err(_) => Duration::from_secs(5),
+        };
+        let completer = match std::env::var("RIDES_COMPLETER").as_deref() {
+            Ok("on") | Err(_) => true,
+            Ok("off") => false,
+            Ok(other) => return Err(format!("RIDES_COMPLETER={other} is neither on nor off")),
+        };
+        Ok(Self {
+            db: db.into(),
+            payments,
+            lease,
+            completer,
+            crash: CrashPoints::from_env()?,
+        })
+    }
+}
+
+/// The payment service's client: our client half, talking to our server half.
+#[derive(Debug, Clone)]
+struct Payments {
+    client: ClientWithMiddleware,
+    url: String,
+}
+
+impl Payments {
+    fn new(url: String) -> Self {
+        let client = reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
+            .with(
+                IdempotencyMiddleware::new().retry_policy(
+                    RetryPolicy::default()
+                        .backoff(Duration::from_millis(50), Duration::from_secs(1))
+                        .deadline(Duration::from_secs(20)),
+                ),
+            )
+            .build();
+        Self { client, url }
+    }
+
+    /// Charges `amount` for `ride` under `key`: one charge however often it is asked.
+    async fn charge(&self, key: &str, ride: i64, amount: u32) -> Result<i64, String> {
+        let key = IdempotencyKey::new(key).map_err(|e| e.to_string())?;
+        let sent = self
+            .client
+            .post(format!("{}/charges", self.url))
+            .json(&ChargeRequest { ride, amount })
+            .idempotency_key(key)
+            .send()
+            .await
+            .map_err(|e| format!("the payment service did not charge: {e}"))?;
+        if sent.status() != StatusCode::CREATED {
+            return Err(format!("the payment service answered {}", sent.status()));
+        }
+        let charge: Charge = sent
+            .json()
+            .await
+            .map_err(|e| format!("the payment service's answer: {e}"))?;
+        Ok(charge.charge)
+    }
+}
+
+/// The booking's phases. `request` is the key and the request that start it; a completer,
+/// which only ever resumes a booking past its first phase, has none.
+fn booking(
+    request: Option<(IdempotencyKey, BookRide)>,
+    payments: Payments,
+    crash: CrashPoints,
+) -> Phases<SqliteStore, Booking, String> {
+    let (at_charge, at_receipt) = (crash.clone(), crash.clone());
+    Phases::new(OPERATION)
+        .phase(
+            "create-ride",
+            move |tx: &mut SqliteTransaction, (): (), _: PhaseContext| {
+                let (request, crash) = (request.clone(), crash.clone());
+                Box::pin(async move {
+                    let Some((key, ride)) = request else {
+                        return Ok(Err("a booking is started only by its request".to_owned()));
+                    };
+                    let (k, route, amount) = (key.as_str().to_owned(), ride.route, ride.amount);
+                    let row = (k.clone(), route.clone());
+                    let id = tx
+                        .run(move |t| {
+                            t.execute(
+                                "INSERT INTO rides (key, route, amount) VALUES (?1, ?2, ?3)",
+                                params![row.0, row.1, amount],
+                            )?;
+                            Ok::<_, idempotency_sqlite::rusqlite::Error>(t.last_insert_rowid())
+                        })
+                        .await?;
+                    let id = match id {
+                        Ok(id) => id,
+                        Err(e) => return Ok(Err(e.to_string())),
+                    };
+                    crash.reached("create-ride:written", &k).await;
+                    Ok(Ok(Ride {
+                        id,
+                        key: k,
+                        route,
+                        amount,
+                    }))
+                })
+            },
+        )
+        // Alone in its phase: if the process dies after the charge and before its recovery
+        // point commits, the next holder asks again with the same key, and is answered with
+        // the same charge.
+        .foreign("charge", move |ride: Ride, ctx: PhaseContext| {
+            let (payments, crash) = (payments.clone(), at_charge.clone());
+            async move {
+                crash.reached("charge:before-call", &ride.key).await;
+                let charge = match payments.charge(ctx.key(), ride.id, ride.amount).await {
+                    Ok(charge) => charge,
+                    Err(e) => return Ok(Err(e)),
+                };
+                crash.reached("charge:called", &ride.key).await;
+                Ok(Ok(Charged { ride, charge }))
+            }
+        })
+        .phase(
+            "receipt",
+            move |tx: &mut SqliteTransaction, charged: Charged, _: PhaseContext| {
+                let crash = at_receipt.clone();
+                Box::pin(async move {
+                    crash
+                        .reached("receipt:before-write", &charged.ride.key)
+                        .await;
+                    let Charged { ride, charge } = charged;
+                    let message = format!(
+                        "ride {} ({}) charged {} cents, charge {charge}",
+                        ride.id, ride.route, ride.amount
+                    );
+                    let (key, id) = (ride.key.clone(), ride.id);
+                    let receipt = tx
+                        .run(move |t| {
+                            t.execute(
+                                "INSERT INTO outbox (key, ride, charge, message) \
+                                 VALUES (?1, ?2, ?3, ?4)",
+                                params![key, id, charge, message],
+                            )?;
+                            Ok::<_, idempotency_sqlite::rusqlite::Error>(t.last_insert_rowid())
+                        })
+                        .await?;
+                    let receipt = match receipt {
+                        Ok(receipt) => receipt,
+                        Err(e) => return Ok(Err(e.to_string())),
+                    };
+                    crash.reached("receipt:written", &ride.key).await;
+                    Ok(Ok(Booking {
+                        ride: ride.id,
+                        route: ride.route,
+                        amount: ride.amount,
+                        charge,
+                        receipt,
+                    }))
+                })
+            },
+        )
+}
+
+struct App {
+    store: SqliteStore,
+    engine: Idempotency,
+    scope: Scope,
+    payments: Payments,
+    crash: CrashPoints,
+}
+
+/// Starts the rides service on 127.0.0.1:`port`, and its completer (every 200 ms) if the
+/// configuration says so.
+pub async fn start(config: &Config, port: u16) -> Result<Running, Box<dyn std::error::Error>> {
+    let store = open_store(&config.db, TABLES).await?;
+    let engine = Idempotency::new(
+        Arc::new(store.clone()),
+        Policy::default()
+            .lease(config.lease)
+            .ttl(Duration::from_secs(24 * 3600)),
+    )?;
+    let payments = Payments::new(config.payments.clone());
+    if config.completer {
+        let (payments, crash) = (payments.clone(), config.crash.clone());
+        let completer = Completer::new(engine.clone(), Arc::new(store.clone()))
+            .operation(OPERATION, move || {
+                booking(None, payments.clone(), crash.clone())
+            })
+            .retry_failed_after(Duration::from_secs(1));
+        tokio::spawn(async move {
+            completer
+                .run(Duration::from_millis(200), std::future::pending())
+                .await
+        });
+    }
+    let app = Arc::new(App {
+        store,
+        engine,
+        scope: Scope::new("rides")?,
+        payments,
+        crash: config.crash.clone(),
+    });
+    let router = Router::new().route("/rides", post(book)).with_state(app);
+    Ok(serve(router, port).await?)
+}
+
+/// `POST /rides` with an `Idempotency-Key`.
+async fn book(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
+    let key = match headers.get("idempotency-key").map(|v| v.to_str()) {
+        None => {
+            return problem(
+                StatusCode::BAD_REQUEST,
+                "idempotency-key-required",
+                "send an Idempotency-Key header",
+            )
+        }
+        Some(Ok(key)) => match IdempotencyKey::new(key) {
+            Ok(key) => key,
+            Err(e) => {
+                return problem(
+                    StatusCode::BAD_REQUEST,
+                    "idempotency-key-invalid",
+                    e.to_string(),
+                )
+            }
+        },
+        Some(Err(_)) => {
+            return problem(
+                StatusCode::BAD_REQUEST,
+                "idempotency-key-invalid",
+                "the Idempotency-Key is not visible ASCII",
+            )
+        }
+    };
+    let request: BookRide = match serde_json::from_slice(&body) {
+        Ok(request) => request,
+        Err(e) => return problem(StatusCode::BAD_REQUEST, "bad-booking", e.to_string()),
+    };
+    let fingerprint = match Fingerprint::from_json_slice(&body) {
+        Ok(fingerprint) => fingerprint,
+        Err(e) => return problem(StatusCode::BAD_REQUEST, "bad-booking", e.to_string()),
+    };
+    let phases = booking(
+        Some((key.clone(), request)),
+        app.payments.clone(),
+        app.crash.clone(),
+    );
+    let ran = app
+        .engine
+        .run_phases(&app.store, &key, &app.scope, &fingerprint, phases)
+        .await;
+    let (replayed, ended) = match ran {
+        Ok(Outcome::Fresh(ended)) => (false, ended),
+        Ok(Outcome::Replayed(ended)) => (true, ended),
+        Err(Error::InProgress { .. }) => {
+            return retry_later(
+                StatusCode::CONFLICT,
+                "idempotency-key-in-progress",
+                "this booking is being made; send it again later",
+            )
+        }
+        Err(Error::LeaseLost { .. }) => {
+            return retry_later(
+                StatusCode::CONFLICT,
+                "idempotency-key-lease-lost",
+                "another attempt took this booking over; send it again",
+            )
+        }
+        Err(Error::Mismatch) => {
+            return problem(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "idempotency-key-reused",
+                "this key was used for another booking",
+            )
+        }
+        Err(e) => {
+            return retry_later(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "unavailable",
+                e.to_string(),
+            )
+        }
+    };
+    let mut resp = match ended {
+        Ok(booking) => {
+            if !replayed {
+                app.crash.reached("answered", key.as_str()).await;
+            }
+            (StatusCode::CREATED, axum::Json(booking)).into_response()
+        }
+        // Recorded as a retryable failure: the same request later resumes the booking.
+        Err(e) => retry_later(StatusCode::SERVICE_UNAVAILABLE, "booking-failed", e),
+    };
+    if replayed {
+        resp.headers_mut()
+            .insert("idempotent-replayed", HeaderValue::from_static("true"));
+    }
+    resp
+}
