@@ -11,7 +11,7 @@ use idempotency_reqwest::{IdempotencyMiddleware, IdempotentRequestExt, Idempoten
 use idempotency_sqlite::rusqlite;
 use rides_api::rides::{BookRide, Booking};
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -264,6 +264,6 @@ async fn demo() -> Result<(), Failure> {
     Ok(())
 }
 
-fn path(p: &PathBuf) -> String {
+fn path(p: &Path) -> String {
     p.display().to_string()
 }
