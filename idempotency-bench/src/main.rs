@@ -6,6 +6,7 @@ mod http;
 mod kinds;
 mod memory;
 mod mysql;
+mod phases;
 mod postgres;
 mod profile;
 mod redis;
@@ -24,11 +25,14 @@ struct Args {
     duration: Duration,
     sizes: Vec<usize>,
     profile: Option<String>,
+    phases: bool,
 }
 
 const USAGE: &str = "usage: idempotency-bench [--backend NAME|all|a,b] [--clients 1,16] [--ops N] [--duration SECS] [--sizes 1000,10000,100000,1000000]
+       idempotency-bench --phases --backend sqlite,postgres,mysql [--ops N]
        idempotency-bench --profile store-cycle|store-replay|engine-cycle|engine-replay|raw-cycle|raw-replay|fingerprint-1k [--ops N]
 
+--phases measures a multi-step operation's phases against the one-shot exactly-once path.
 --ops and --duration bound every measurement (whichever ends first). --sizes are the live-key
 counts of the scaling tables (each backend takes the sizes up to its own bound).
 Servers: IDEMPOTENCY_BENCH_POSTGRES_URL (default postgres://postgres@127.0.0.1:5432/test),
@@ -44,6 +48,7 @@ fn parse_args() -> Result<Args, String> {
         duration: Duration::from_secs(5),
         sizes: vec![1_000, 10_000, 100_000, 1_000_000],
         profile: None,
+        phases: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -74,6 +79,7 @@ fn parse_args() -> Result<Args, String> {
             }
             "--sizes" => args.sizes = parse_list(&value()?)?,
             "--profile" => args.profile = Some(value()?),
+            "--phases" => args.phases = true,
             "--help" | "-h" => {
                 println!("{USAGE}\nBackends: {}.", kinds::names());
                 std::process::exit(0);
@@ -1080,6 +1086,9 @@ fn main() {
             args.clients,
             machine()
         );
+        if args.phases {
+            return phases::run(&args.backends, args.ops).await;
+        }
         let mut targets = Targets::default();
         let max_clients = args.clients.iter().copied().max().unwrap_or(1);
         for name in &args.backends {

@@ -72,6 +72,34 @@ impl Tables {
     }
 }
 
+/// The store's table and a table of rows for the phases table; dropped with the guard.
+pub(crate) struct PhasesTables {
+    pub rows: String,
+    _cleanup: Cleanup,
+}
+
+/// A store on a fresh table, a pool of two connections and a table of rows, for the phases
+/// table.
+pub(crate) async fn phases_store() -> Result<(MysqlStore, PhasesTables), BoxError> {
+    let id = uuid::Uuid::new_v4().simple().to_string();
+    let (records, rows) = (
+        format!("idem_bench_{}", &id[..16]),
+        format!("idem_bench_rows_{}", &id[..16]),
+    );
+    exec(format!(
+        "CREATE TABLE `{rows}` (n BIGINT NOT NULL) ENGINE = InnoDB"
+    ))
+    .await?;
+    let drop = format!("DROP TABLE IF EXISTS `{records}`, `{rows}`");
+    let tables = PhasesTables {
+        rows,
+        _cleanup: Cleanup::new(move || exec(drop)),
+    };
+    let options = MySqlConnectOptions::from_str(&url())?;
+    let store = store(pool(options, 2).await?, &records).await?;
+    Ok((store, tables))
+}
+
 /// A pool like the one `MysqlStoreBuilder::connect` makes (no ping before use), sized for the
 /// largest client count.
 async fn pool(options: MySqlConnectOptions, size: u32) -> Result<MySqlPool, BoxError> {

@@ -332,6 +332,14 @@ pub(crate) async fn scaling_store() -> Result<(PostgresStore, Schema), BoxError>
     Ok((store(one, &schema.name).await?, schema))
 }
 
+/// A store on a fresh schema and a pool of two connections, for the phases table.
+pub(crate) async fn phases_store() -> Result<(PostgresStore, Schema), BoxError> {
+    let schema = Schema::create().await?;
+    let options = PgConnectOptions::from_str(&url())?;
+    let two = pool(options, 2).await?;
+    Ok((store(two, &schema.name).await?, schema))
+}
+
 /// `pgbench -M prepared` running the statements the store sends (as the counting proxy saw
 /// them) against the same server, on the same schema: the physical limit of the workloads.
 struct Pgbench {
