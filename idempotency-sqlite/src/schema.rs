@@ -4,7 +4,7 @@ use crate::SqliteError;
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior};
 
 /// The newest schema version this crate knows.
-pub const SCHEMA_VERSION: i64 = 2;
+pub const SCHEMA_VERSION: i64 = 3;
 
 /// The longest table name accepted.
 pub const MAX_TABLE_NAME_LEN: usize = 48;
@@ -72,6 +72,15 @@ ALTER TABLE "{table}" ADD COLUMN op_name   TEXT;
 ALTER TABLE "{table}" ADD COLUMN op_phase  INTEGER CHECK (op_phase BETWEEN 0 AND 65535);
 ALTER TABLE "{table}" ADD COLUMN op_origin INTEGER;
 ALTER TABLE "{table}" ADD COLUMN op_state  BLOB;
+"#,
+    ),
+    (
+        // The completer's listing of abandoned operations reads this index, not the table:
+        // only records of multi-step operations that have not completed are in it.
+        3,
+        r#"
+CREATE INDEX IF NOT EXISTS "{table}_abandoned" ON "{table}" (updated_at)
+    WHERE op_name IS NOT NULL AND status <> 'completed';
 "#,
     ),
 ];
@@ -219,6 +228,15 @@ pub(crate) fn verify(conn: &Connection, table: &str) -> Result<(), SqliteError> 
         .optional()?;
     if indexed.as_deref() != Some("expires_at") {
         return mismatch(format!("index {index:?} on expires_at is missing"));
+    }
+    let index = format!("{table}_abandoned");
+    let indexed: Option<String> = conn
+        .query_row("SELECT name FROM pragma_index_info(?1)", [&index], |r| {
+            r.get(0)
+        })
+        .optional()?;
+    if indexed.as_deref() != Some("updated_at") {
+        return mismatch(format!("index {index:?} on updated_at is missing"));
     }
     Ok(())
 }
