@@ -33,16 +33,26 @@ const MIGRATIONS: &[Migration] = &[
         description: "recovery points of multi-step operations",
         sql: include_str!("../migrations/0003_recovery_points.sql"),
     },
+    Migration {
+        version: 4,
+        description: "index of open multi-step operations",
+        sql: include_str!("../migrations/0004_abandoned_index.sql"),
+    },
 ];
 
 /// The newest migration this crate knows.
-pub(crate) const LATEST_VERSION: i32 = 3;
+pub(crate) const LATEST_VERSION: i32 = 4;
 
 fn render(sql: &str, name: &TableName) -> String {
-    sql.replace("{records}", &name.qualified()).replace(
-        "{expires_index}",
-        &format!("\"{}\"", name.derived("expires_at_idx")),
-    )
+    sql.replace("{records}", &name.qualified())
+        .replace(
+            "{expires_index}",
+            &format!("\"{}\"", name.derived("expires_at_idx")),
+        )
+        .replace(
+            "{abandoned_index}",
+            &format!("\"{}\"", name.derived("abandoned_idx")),
+        )
 }
 
 fn db(source: sqlx::Error) -> PostgresError {

@@ -355,7 +355,8 @@ WHERE r.scope = $1 AND r.key = $2 AND r.expires_at > c.now AND {current}"
         let abandoned = format!(
             "{NOW_CTE}
 SELECT r.scope, r.key, r.fingerprint, r.op_name, r.op_phase FROM {t} AS r, c
-WHERE r.expires_at > c.now AND {current}
+WHERE r.op_name IS NOT NULL
+  AND r.expires_at > c.now AND {current}
   AND r.op_name = ANY($2) AND r.attempts < $3
   AND ((r.status = 'pending' AND (r.lease_until IS NULL OR r.lease_until <= c.now))
        OR (r.status = 'failed' AND r.failure_retryable
@@ -380,5 +381,55 @@ ORDER BY r.updated_at LIMIT $1"
             observe_batch,
             settle_batch,
         }
+    }
+}
+
+#[cfg(test)]
+mod plan_tests {
+    use crate::PostgresStore;
+    use idempotency_testing::postgres::{pool, Isolation, SchemaGuard};
+
+    /// The completer's listing of abandoned operations reads the partial index of
+    /// multi-step operations, not the table, which holds every key of one-step work too.
+    #[tokio::test]
+    async fn the_abandoned_listing_reads_its_index() {
+        let guard = SchemaGuard::new();
+        let pool = pool(Isolation::ReadCommitted, 2).await;
+        let store = PostgresStore::builder()
+            .schema(&guard.schema)
+            .table("records")
+            .build(pool.clone())
+            .expect("names");
+        store.migrate().await.expect("migrate");
+        let t = format!(r#""{}".records"#, guard.schema);
+        // 50,000 keys of one-step work and 20 open operations.
+        sqlx::raw_sql(&format!(
+            "INSERT INTO {t} (scope, key, fingerprint, status, token, attempts, hits, \
+                              created_at, updated_at, expires_at, outcome)
+             SELECT 's', 'k' || g, decode(repeat('00', 32), 'hex'), 'completed', g, 1, 0,
+                    now(), now(), now() + interval '1 day', '\\x00'::bytea
+             FROM generate_series(1, 50000) g;
+             INSERT INTO {t} (scope, key, fingerprint, status, token, attempts, hits,
+                              created_at, updated_at, expires_at, lease_until,
+                              op_name, op_phase, op_origin, op_state)
+             SELECT 'o', 'op' || g, decode(repeat('00', 32), 'hex'), 'pending', g, 1, 0,
+                    now(), now(), now() + interval '1 day', now(), 'op', 1, g, '{{}}'::bytea
+             FROM generate_series(1, 20) g;
+             ANALYZE {t}"
+        ))
+        .execute(&pool)
+        .await
+        .expect("fill");
+        let plan: Vec<String> = sqlx::query_scalar(&format!("EXPLAIN {}", store.sql.abandoned))
+            .bind(10_i64)
+            .bind(vec!["op".to_owned()])
+            .bind(10_i32)
+            .bind(0.0_f64)
+            .fetch_all(&pool)
+            .await
+            .expect("explain");
+        let plan = plan.join("\n");
+        assert!(plan.contains("records_abandoned_idx"), "{plan}");
+        assert!(!plan.contains("Seq Scan on records"), "{plan}");
     }
 }
