@@ -69,6 +69,7 @@ fn create_table(name: &TableName) -> String {
     op_state LONGBLOB NULL,
     PRIMARY KEY (scope, idem_key),
     KEY expires_ms_idx (expires_ms),
+    KEY op_name_idx (op_name(64)),
     CONSTRAINT status_valid CHECK (status IN ('pending', 'completed', 'failed')),
     CONSTRAINT token_positive CHECK (token > 0),
     CONSTRAINT fingerprint_length CHECK (LENGTH(fingerprint) = 32),
@@ -96,7 +97,49 @@ pub(crate) async fn migrate(
             },
         )?;
     add_recovery_point_columns(conn, name).await?;
+    add_operations_index(conn, name).await?;
     verify(conn, name).await
+}
+
+/// Adds the index of multi-step operations (`op_name_idx`), which the completer's listing
+/// reads instead of the table, to a table created before it. Writes that leave `op_name` as it
+/// is (every write of a one-step record) do not touch it. Another process adding it at the
+/// same moment is fine.
+async fn add_operations_index(
+    conn: &mut MySqlConnection,
+    name: &TableName,
+) -> Result<(), MysqlError> {
+    let indexed: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM information_schema.STATISTICS
+         WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ? AND COLUMN_NAME = 'op_name'
+           AND SEQ_IN_INDEX = 1",
+    )
+    .bind(name.table())
+    .fetch_one(&mut *conn)
+    .await
+    .map_err(|source| MysqlError::Database { source })?;
+    if indexed > 0 {
+        return Ok(());
+    }
+    let added = sqlx::query(&format!(
+        "ALTER TABLE {} ADD INDEX op_name_idx (op_name(64))",
+        name.quoted()
+    ))
+    .execute(&mut *conn)
+    .await;
+    match added {
+        Ok(_) => Ok(()),
+        // 1061: duplicate key name, added meanwhile by another process.
+        Err(source)
+            if source
+                .as_database_error()
+                .and_then(|d| d.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>())
+                .is_some_and(|d| d.number() == 1061) =>
+        {
+            Ok(())
+        }
+        Err(source) => Err(MysqlError::Database { source }),
+    }
 }
 
 /// Adds the recovery point columns a table created before them lacks (nullable, no default:

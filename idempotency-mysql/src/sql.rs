@@ -152,7 +152,7 @@ WHERE scope = ? AND idem_key = ? AND expires_ms > {now} AND {current}"
         let abandoned = format!(
             "SELECT scope, idem_key, fingerprint, op_name, op_phase FROM {t}
 WHERE expires_ms > {now} AND {current}
-  AND JSON_CONTAINS(?, JSON_QUOTE(op_name)) AND attempts < ?
+  AND op_name IN ({{names}}) AND attempts < ?
   AND ((status = 'pending' AND (lease_until_ms IS NULL OR lease_until_ms <= {now}))
        OR (status = 'failed' AND failure_retryable = 1 AND updated_ms <= {now} - ?))
 ORDER BY updated_ms LIMIT ?"
@@ -169,5 +169,67 @@ ORDER BY updated_ms LIMIT ?"
             get,
             purge,
         }
+    }
+}
+
+#[cfg(test)]
+mod plan_tests {
+    use crate::MysqlStore;
+    use idempotency_testing::mysql::{pool, Isolation, TableGuard};
+    use sqlx::Row;
+
+    /// The completer's listing of abandoned operations reads the index of multi-step
+    /// operations, not the table, which holds every key of one-step work too.
+    #[tokio::test]
+    async fn the_abandoned_listing_reads_its_index() {
+        let guard = TableGuard::new();
+        let pool = pool(Isolation::ReadCommitted, 2).await;
+        let store = MysqlStore::builder()
+            .table(&guard.table)
+            .build(pool.clone())
+            .expect("name");
+        store.migrate().await.expect("migrate");
+        let t = format!("`{}`", guard.table);
+        // 50,000 keys of one-step work and 20 open operations.
+        for sql in [
+            format!(
+                "INSERT INTO {t} (scope, idem_key, fingerprint, status, token, claim_nonce,
+                                  attempts, hits, created_ms, updated_ms, expires_ms, outcome)
+                 SELECT 's', CONCAT('k', seq), REPEAT(x'00', 32), 'completed', seq, 1, 1, 0,
+                        1, 1, 9000000000000, x'00'
+                 FROM seq_1_to_50000"
+            ),
+            format!(
+                "INSERT INTO {t} (scope, idem_key, fingerprint, status, token, claim_nonce,
+                                  attempts, hits, created_ms, updated_ms, expires_ms,
+                                  lease_until_ms, op_name, op_phase, op_origin, op_state)
+                 SELECT 'o', CONCAT('op', seq), REPEAT(x'00', 32), 'pending', seq, 1, 1, 0,
+                        1, 1, 9000000000000, 1, 'op', 1, seq, '{{}}'
+                 FROM seq_1_to_20"
+            ),
+            format!("ANALYZE TABLE {t}"),
+        ] {
+            sqlx::query(&sql).execute(&pool).await.expect("fill");
+        }
+        let statement = store.sql.abandoned.replace("{names}", "?");
+        let rows = sqlx::query(&format!("EXPLAIN {statement}"))
+            .bind("op")
+            .bind(10_u32)
+            .bind(0_i64)
+            .bind(10_u64)
+            .fetch_all(&pool)
+            .await
+            .expect("explain");
+        let keys: Vec<Option<String>> = rows
+            .iter()
+            .map(|r| {
+                r.try_get::<Option<Vec<u8>>, _>("key")
+                    .ok()
+                    .flatten()
+                    .map(|k| String::from_utf8_lossy(&k).into_owned())
+                    .or_else(|| r.try_get::<Option<String>, _>("key").ok().flatten())
+            })
+            .collect();
+        assert_eq!(keys, [Some("op_name_idx".to_owned())], "{keys:?}");
     }
 }

@@ -54,7 +54,7 @@ pub struct MysqlStore {
     pool: MySqlPool,
     name: TableName,
     pub(crate) quoted: Arc<str>,
-    sql: Arc<Statements>,
+    pub(crate) sql: Arc<Statements>,
     conflict_retries: u32,
     pub(crate) response_timeout: Duration,
 }
@@ -229,20 +229,24 @@ impl MysqlStore {
         &self,
         query: &idempotency_core::AbandonedQuery,
     ) -> Result<Vec<Result<idempotency_core::Abandoned, Error>>, Error> {
+        if query.operations.is_empty() {
+            return Ok(Vec::new());
+        }
         let limit = u64::try_from(query.limit).unwrap_or(u64::MAX);
-        let operations =
-            serde_json::to_string(&query.operations).map_err(|source| Error::Codec { source })?;
+        // `op_name IN (?, …)`, which reads the index of operations (`op_name_idx`).
+        let names = vec!["?"; query.operations.len()].join(", ");
+        let statement = self.sql.abandoned.replace("{names}", &names);
         // Signed, so that `now - failed_for` may go below zero; at most a century.
         let failed_for = i64::try_from(query.failed_for.as_millis())
             .unwrap_or(i64::MAX)
             .min(3_200_000_000_000);
         let rows = self
             .run(Effect::None, OnLoss::Resend, All, || {
-                sqlx::query(&self.sql.abandoned)
-                    .bind(&operations)
-                    .bind(query.max_attempts)
-                    .bind(failed_for)
-                    .bind(limit)
+                let mut q = sqlx::query(&statement);
+                for name in &query.operations {
+                    q = q.bind(name);
+                }
+                q.bind(query.max_attempts).bind(failed_for).bind(limit)
             })
             .await?;
         let utf8 = |bytes: Vec<u8>, what: &str| {

@@ -232,6 +232,17 @@ async fn a_table_without_recovery_point_columns_is_given_them_by_migrate() {
         .unwrap()
         .expect("the record survived");
     assert_eq!(record.outcome.as_deref(), Some(&br#"{"Ok":1}"#[..]));
+    // And the index of multi-step operations, once.
+    let mut conn = common::admin().await;
+    let indexes: Vec<String> = idempotency_mysql::sqlx::query_scalar(&format!(
+        "SELECT CAST(INDEX_NAME AS CHAR) FROM information_schema.STATISTICS
+         WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = '{}' AND COLUMN_NAME = 'op_name'",
+        guard.table
+    ))
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(indexes, ["op_name_idx"]);
 }
 
 /// The completer finishes an operation whose holder died after its charge, from the charge
