@@ -27,6 +27,12 @@
 //!
 //! State between phases is typed: each phase takes the value the phase before returned
 //! (serialized as JSON in the recovery point; the first phase takes `()`).
+//!
+//! The request's own data (what to book, the amount) reaches the first phase through its
+//! closure, and the later phases only through that state: a [`Completer`](crate::Completer)
+//! resuming an operation has no request. So let the first phase be a database phase that
+//! writes what the later ones need and returns it (a completer only ever takes over an
+//! operation past it); a foreign call first would leave a completer nothing to call with.
 
 use crate::transaction::driver::{renew_kept, transaction, Complete, Seal};
 use crate::transaction::{TransactionEnd, TransactionalStore};
