@@ -144,6 +144,11 @@ pub trait RecoveryPoints: TransactionalStore {
     /// `to`. Nothing of it is visible before the commit. [`Error::LeaseLost`] when either
     /// condition fails (only the holder moves the recovery point, so a moved one means the
     /// record is no longer this holder's).
+    ///
+    /// A store whose transactions keep the lease in the process ([`Begun::Locked`](crate::Begun))
+    /// must also renew the holder's lease for [`Lease::lease`] with it: the record's own lease
+    /// may have passed while the phase held the row, and whoever waits for the row would
+    /// otherwise take the operation over the moment the phase commits.
     async fn advance_in(
         &self,
         transaction: &mut Self::Transaction,

@@ -201,7 +201,8 @@ fn lost_connection(e: &Error) -> bool {
 
 #[async_trait]
 impl RecoveryPoints for PostgresStore {
-    /// One `UPDATE` in the transaction, fenced as the completion is (and by the phase).
+    /// One `UPDATE` in the transaction, fenced as the completion is (and by the phase); it
+    /// renews the holder's lease too.
     async fn advance_in(
         &self,
         tx: &mut PostgresTransaction,
@@ -212,7 +213,13 @@ impl RecoveryPoints for PostgresStore {
         let (id, token, locked) = (lease.id(), lease.token(), tx.locked);
         let advanced = self
             .answered(PostgresStore::advance_in(
-                self, &mut tx.tx, id, token, from, to,
+                self,
+                &mut tx.tx,
+                id,
+                token,
+                from,
+                to,
+                lease.lease(),
             ))
             .await;
         // As for the completion: a serialization failure cannot happen at READ COMMITTED, so

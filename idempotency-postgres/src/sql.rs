@@ -337,7 +337,14 @@ FROM c",
         // adds one to the token and to the attempts). A fresh claim over an expired row leaves
         // the old point in its columns; this is what makes it count as none.
         let current = "r.op_origin >= r.token - r.attempts + 1";
+        // A recovery point also renews the holder's lease, in the phase's own transaction:
+        // at REPEATABLE READ and SERIALIZABLE the lease was kept in the process while the
+        // phase held the row, so the record's own may have passed, and a reclaimer waiting
+        // for the row would otherwise take the operation over the moment the phase commits.
         let advance_set = "SET op_name = $4, op_phase = $5, op_origin = $6, op_state = $7, \
+                           lease_until = c.now + $9 * interval '1 millisecond', \
+                           expires_at = greatest(r.expires_at, \
+                                                 c.now + $9 * interval '1 millisecond'), \
                            updated_at = c.now";
         let from =
             format!("(CASE WHEN {current} THEN r.op_phase END) IS NOT DISTINCT FROM $8::int4");

@@ -221,7 +221,7 @@ impl PostgresStore {
     /// it has none) to `to`, inside the caller's transaction on `tx`, for
     /// [`RecoveryPoints::advance_in`](idempotency_core::RecoveryPoints::advance_in).
     /// [`Error::LeaseLost`] when the record is not that holder's live Pending record at that
-    /// phase.
+    /// phase. The holder's lease is renewed for `lease` with it.
     pub(crate) async fn advance_in(
         &self,
         tx: &mut PgConnection,
@@ -229,6 +229,7 @@ impl PostgresStore {
         token: FencingToken,
         from: Option<u16>,
         to: &idempotency_core::RecoveryPoint,
+        lease: Duration,
     ) -> Result<(), Error> {
         let (Ok(t), Ok(origin)) = (i64::try_from(token.0), i64::try_from(to.origin)) else {
             return Err(Error::LeaseLost { token });
@@ -246,6 +247,7 @@ impl PostgresStore {
             .bind(origin)
             .bind(&to.state)
             .bind(from.map(i32::from))
+            .bind(duration_millis(lease))
             .fetch_optional(&mut *tx)
             .await
             // Nothing commits until the caller commits: a lost connection applied nothing.

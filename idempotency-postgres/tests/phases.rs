@@ -186,56 +186,93 @@ async fn a_holder_that_died_after_the_charge_is_resumed_there_at_every_level() {
     }
 }
 
+/// A flow whose first phase outlives the lease (2.5 leases, kept alive by the heartbeat),
+/// then a foreign call and a fast phase; rides are counted per phase.
+fn slow_then_fast(schema: &str) -> Phases<PostgresStore, i64, String> {
+    let rides = format!(r#""{schema}".rides"#);
+    let first = format!("INSERT INTO {rides} (route) VALUES ('slow') RETURNING id");
+    let last = format!("INSERT INTO {rides} (route) VALUES ('fast')");
+    Phases::<PostgresStore, (), String>::new("slow-then-fast")
+        .phase(
+            "slow",
+            move |tx: &mut PostgresTransaction, (): (), _: PhaseContext| {
+                let sql = first.clone();
+                Box::pin(async move {
+                    let id: i64 = sqlx::query_scalar(&sql)
+                        .fetch_one(tx.connection())
+                        .await
+                        .unwrap();
+                    tokio::time::sleep(LEASE * 5 / 2).await;
+                    Ok(Ok(id))
+                })
+            },
+        )
+        .foreign(
+            "call",
+            |ride: i64, _: PhaseContext| async move { Ok(Ok(ride)) },
+        )
+        .phase(
+            "fast",
+            move |tx: &mut PostgresTransaction, ride: i64, _: PhaseContext| {
+                let sql = last.clone();
+                Box::pin(async move {
+                    sqlx::query(&sql).execute(tx.connection()).await.unwrap();
+                    Ok(Ok(ride))
+                })
+            },
+        )
+}
+
 /// A phase that outlives the lease, kept alive by the heartbeat: at REPEATABLE READ and
 /// SERIALIZABLE the lease is kept in the process while the phase holds the record locked, so
-/// the record's own lease passes; the next phase must still be this holder's (the lease is
-/// renewed on the record before it runs), and a duplicate meanwhile is told the key is in
-/// progress.
+/// the record's own lease passes meanwhile. The holder keeps the operation: the next phase is
+/// still its own, and a duplicate request and a completer that come once the record's lease
+/// has passed, during the phase, are told the key is in progress (or, if they come after the
+/// end, get the replay), never take it over.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_phase_longer_than_the_lease_is_followed_by_the_next_at_every_level() {
     for level in LEVELS {
         let w = World::new(level).await;
-        let rides = format!(r#""{}".rides"#, w.guard.schema);
-        let first = format!("INSERT INTO {rides} (route) VALUES ('slow') RETURNING id");
-        let last = format!("INSERT INTO {rides} (route) VALUES ('fast')");
-        let slow = {
-            Phases::<PostgresStore, (), String>::new("slow-then-fast")
-                .phase(
-                    "slow",
-                    move |tx: &mut PostgresTransaction, (): (), _: PhaseContext| {
-                        let sql = first.clone();
-                        Box::pin(async move {
-                            let id: i64 = sqlx::query_scalar(&sql)
-                                .fetch_one(tx.connection())
-                                .await
-                                .unwrap();
-                            tokio::time::sleep(LEASE * 5 / 2).await;
-                            Ok(Ok(id))
-                        })
-                    },
-                )
-                .foreign(
-                    "call",
-                    |ride: i64, _: PhaseContext| async move { Ok(Ok(ride)) },
-                )
-                .phase(
-                    "fast",
-                    move |tx: &mut PostgresTransaction, ride: i64, _: PhaseContext| {
-                        let sql = last.clone();
-                        Box::pin(async move {
-                            sqlx::query(&sql).execute(tx.connection()).await.unwrap();
-                            Ok(Ok(ride))
-                        })
-                    },
-                )
+        let schema = w.guard.schema.clone();
+        let holder = {
+            let (engine, store, flow) =
+                (w.engine.clone(), w.store.clone(), slow_then_fast(&schema));
+            tokio::spawn(async move {
+                let (key, scope, fp) = World::key();
+                engine.run_phases(&store, &key, &scope, &fp, flow).await
+            })
+        };
+        // The record's lease has passed (at the two snapshot levels); the phase runs on.
+        tokio::time::sleep(LEASE * 3 / 2).await;
+        let completer = {
+            let schema = schema.clone();
+            idempotency_core::Completer::new(w.engine.clone(), Arc::new(w.store.clone()))
+                .operation("slow-then-fast", move || slow_then_fast(&schema))
         };
         let (key, scope, fp) = World::key();
-        let ran = w.engine.run_phases(&w.store, &key, &scope, &fp, slow).await;
+        let duplicate = w
+            .engine
+            .run_phases(&w.store, &key, &scope, &fp, slow_then_fast(&schema));
+        let (duplicate, round) = tokio::join!(duplicate, completer.run_once());
+        let ran = holder.await.unwrap();
         assert!(
             matches!(ran, Ok(Outcome::Fresh(Ok(1)))),
-            "{level:?}: {ran:?}"
+            "{level:?}: the holder: {ran:?}"
         );
-        assert_eq!(w.counts().await.0, 2, "{level:?}: both phases committed");
+        assert!(
+            matches!(
+                duplicate,
+                Err(Error::InProgress { .. }) | Ok(Outcome::Replayed(Ok(1)))
+            ),
+            "{level:?}: the duplicate: {duplicate:?}"
+        );
+        let round = round.unwrap();
+        assert_eq!(round.completed, 0, "{level:?}: the completer: {round}");
+        assert_eq!(
+            w.counts().await.0,
+            2,
+            "{level:?}: each phase committed once"
+        );
     }
 }
 
@@ -263,5 +300,156 @@ async fn the_completer_finishes_a_dead_holders_operation_at_every_level() {
         assert!(keys.len() == 2 && keys[0] == keys[1], "{level:?}: {keys:?}");
         assert_eq!(w.run().await.unwrap(), Outcome::Replayed(Ok((1, 1))));
         assert_eq!(completer.run_once().await.unwrap().found, 0, "{level:?}");
+    }
+}
+
+/// A store whose lease renewals (`extend`) arrive late, as on a slow network: the holder's
+/// renewal after a phase lands well after the phase's commit.
+#[derive(Debug)]
+struct LateRenewals(PostgresStore);
+
+#[idempotency_core::async_trait]
+impl idempotency_core::IdempotencyStore for LateRenewals {
+    async fn claim(
+        &self,
+        request: &idempotency_core::ClaimRequest,
+    ) -> Result<idempotency_core::Claim, Error> {
+        self.0.claim(request).await
+    }
+    async fn complete(
+        &self,
+        id: &idempotency_core::RecordId,
+        token: idempotency_core::FencingToken,
+        outcome: &[u8],
+        ttl: Duration,
+    ) -> Result<idempotency_core::Cas, Error> {
+        self.0.complete(id, token, outcome, ttl).await
+    }
+    async fn fail(
+        &self,
+        id: &idempotency_core::RecordId,
+        token: idempotency_core::FencingToken,
+        failure: &idempotency_core::Failure,
+        ttl: Duration,
+    ) -> Result<idempotency_core::Cas, Error> {
+        self.0.fail(id, token, failure, ttl).await
+    }
+    async fn extend(
+        &self,
+        id: &idempotency_core::RecordId,
+        token: idempotency_core::FencingToken,
+        lease: Duration,
+    ) -> Result<idempotency_core::Cas, Error> {
+        tokio::time::sleep(LEASE * 2 / 5).await;
+        self.0.extend(id, token, lease).await
+    }
+    async fn reclaim(
+        &self,
+        id: &idempotency_core::RecordId,
+        expected: idempotency_core::FencingToken,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<idempotency_core::Reclaim, Error> {
+        self.0.reclaim(id, expected, fingerprint, lease, ttl).await
+    }
+    async fn get(
+        &self,
+        id: &idempotency_core::RecordId,
+    ) -> Result<Option<idempotency_core::Record>, Error> {
+        self.0.get(id).await
+    }
+    async fn purge_expired(&self, batch: usize) -> Result<u64, Error> {
+        self.0.purge_expired(batch).await
+    }
+}
+
+/// A middle phase that outlives the lease, with the holder's renewals arriving late: at
+/// REPEATABLE READ and SERIALIZABLE the record's own lease passes while the phase holds the
+/// row, and a duplicate request and a completer wait for the row. When the phase commits,
+/// its recovery point renews the lease in the same transaction, so neither takes the
+/// operation over before the holder's own renewal lands: the holder finishes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_middle_phase_is_not_taken_over_when_it_commits_at_every_level() {
+    for level in LEVELS {
+        let w = World::new(level).await;
+        let rides = format!(r#""{}".rides"#, w.guard.schema);
+        let flow = move || {
+            let (first, slow) = (
+                format!("INSERT INTO {rides} (route) VALUES ('first') RETURNING id"),
+                format!("INSERT INTO {rides} (route) VALUES ('slow')"),
+            );
+            Phases::<PostgresStore, (), String>::new("fast-slow")
+                .phase(
+                    "fast",
+                    move |tx: &mut PostgresTransaction, (): (), _: PhaseContext| {
+                        let sql = first.clone();
+                        Box::pin(async move {
+                            let id: i64 = sqlx::query_scalar(&sql)
+                                .fetch_one(tx.connection())
+                                .await
+                                .unwrap();
+                            Ok(Ok(id))
+                        })
+                    },
+                )
+                .phase(
+                    "slow",
+                    move |tx: &mut PostgresTransaction, ride: i64, _: PhaseContext| {
+                        let sql = slow.clone();
+                        Box::pin(async move {
+                            sqlx::query(&sql).execute(tx.connection()).await.unwrap();
+                            tokio::time::sleep(LEASE * 5 / 2).await;
+                            Ok(Ok(ride))
+                        })
+                    },
+                )
+                .phase(
+                    "last",
+                    |_: &mut PostgresTransaction, ride: i64, _: PhaseContext| {
+                        Box::pin(async move { Ok(Ok(ride)) })
+                    },
+                )
+        };
+        let late = Idempotency::new(
+            Arc::new(LateRenewals(w.store.clone())),
+            Policy::default()
+                .lease(LEASE)
+                .ttl(Duration::from_secs(3600)),
+        )
+        .unwrap();
+        let holder = {
+            let (store, flow) = (w.store.clone(), flow.clone()());
+            tokio::spawn(async move {
+                let (key, scope, fp) = World::key();
+                late.run_phases(&store, &key, &scope, &fp, flow).await
+            })
+        };
+        tokio::time::sleep(LEASE * 3 / 2).await;
+        let completer =
+            idempotency_core::Completer::new(w.engine.clone(), Arc::new(w.store.clone()))
+                .operation("fast-slow", flow.clone());
+        let (key, scope, fp) = World::key();
+        let duplicate = w.engine.run_phases(&w.store, &key, &scope, &fp, flow());
+        let (duplicate, round) = tokio::join!(duplicate, completer.run_once());
+        let ran = holder.await.unwrap();
+        assert!(
+            matches!(ran, Ok(Outcome::Fresh(Ok(1)))),
+            "{level:?}: the holder: {ran:?}"
+        );
+        assert!(
+            matches!(
+                duplicate,
+                Err(Error::InProgress { .. }) | Ok(Outcome::Replayed(Ok(1)))
+            ),
+            "{level:?}: the duplicate: {duplicate:?}"
+        );
+        let round = round.unwrap();
+        assert_eq!(round.completed, 0, "{level:?}: the completer: {round}");
+        assert_eq!(
+            w.counts().await.0,
+            2,
+            "{level:?}: each phase committed once"
+        );
     }
 }

@@ -94,6 +94,12 @@ impl Lease {
         self.policy.ttl
     }
 
+    /// How long one renewal of the lease holds the key (the policy's lease): what a store
+    /// that renews the lease with a write of the holder's (a recovery point) renews it for.
+    pub fn lease(&self) -> Duration {
+        self.policy.lease
+    }
+
     /// When the heartbeat stops extending this lease: the claim plus
     /// [`Policy::max_work_time`]. A caller that keeps the lease alive by other means (the SQL
     /// stores' exactly-once paths) stops there too.
