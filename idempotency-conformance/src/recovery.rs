@@ -64,7 +64,7 @@ pub enum RecoveryCase {
     AbandonedAreListed,
     /// `abandoned` lists only what its query asks for: operations of the names given, of
     /// records claimed fewer than `max_attempts` times, failures at least `failed_for` old,
-    /// at most `limit`.
+    /// at most `limit`, least recently written first.
     AbandonedQueryFilters,
 }
 
@@ -171,8 +171,8 @@ fn expect_lost(r: Result<(), Error>, when: &str) -> Result<(), String> {
     }
 }
 
-/// The records of the `abandoned` cases, all of `first`'s operation: `lease`'s record at
-/// phase 1 and held; another at phase 1 whose failure was recorded; one finished; one of a
+/// The records of the `abandoned` cases, all of `first`'s operation (and phase): `lease`'s
+/// record, held; another at phase 1 whose failure was recorded; one finished; one of a
 /// key without a recovery point. In that order.
 async fn abandoned_world<S: RecoveryPoints>(
     kit: &RecoveryKit<S>,
@@ -184,9 +184,16 @@ async fn abandoned_world<S: RecoveryPoints>(
     advance(store, lease, None, first, true)
         .await?
         .map_err(|e| format!("the advance was refused: {e}"))?;
+    // The stores keep milliseconds: the next record is written strictly later.
+    (kit.pass)(Duration::from_millis(20)).await;
     let (failed_id, done_id, plain_id) = (address(case), address(case), address(case));
+    let of = |token: u64, state: &str| RecoveryPoint {
+        origin: token,
+        state: state.as_bytes().to_vec(),
+        ..first.clone()
+    };
     let failed = lease_of(engine, &failed_id).await?;
-    advance(store, &failed, None, &point(1, failed.token().0, "f"), true)
+    advance(store, &failed, None, &of(failed.token().0, "f"), true)
         .await?
         .map_err(|e| format!("the advance was refused: {e}"))?;
     failed
@@ -194,7 +201,7 @@ async fn abandoned_world<S: RecoveryPoints>(
         .await
         .map_err(|e| format!("recording the failure failed: {e}"))?;
     let done = lease_of(engine, &done_id).await?;
-    advance(store, &done, None, &point(1, done.token().0, "d"), true)
+    advance(store, &done, None, &of(done.token().0, "d"), true)
         .await?
         .map_err(|e| format!("the advance was refused: {e}"))?;
     done.complete(br#"{"Ok":1}"#)
@@ -456,11 +463,17 @@ pub async fn recovery_case<S: RecoveryPoints>(
             Ok(())
         }
         RecoveryCase::AbandonedQueryFilters => {
-            let ids = abandoned_world(kit, case, &lease, &first).await?;
+            // An operation name of this run's own, so that no other record is listed.
+            let own = RecoveryPoint {
+                operation: format!("kit-filters-{}", IdempotencyKey::random()),
+                ..first.clone()
+            };
+            let op = own.operation.as_str();
+            // `lease`'s record is written first, then the failed one.
+            let ids = abandoned_world(kit, case, &lease, &own).await?;
             let [held_id, failed_id, ..] = &ids;
             (kit.pass)(kit.lease + Duration::from_millis(50)).await;
-            let op = first.operation.as_str();
-            let both = AbandonedQuery::new([op], 10_000);
+            let query = AbandonedQuery::new([op], 10_000);
             let expect =
                 |found: Vec<idempotency_core::Abandoned>, want: &[&RecordId], what: &str| {
                     let found: Vec<_> = found.into_iter().map(|a| a.id).collect();
@@ -473,6 +486,11 @@ pub async fn recovery_case<S: RecoveryPoints>(
                         ))
                     }
                 };
+            expect(
+                listed(store, &query, &ids, "of this operation").await?,
+                &[held_id, failed_id],
+                "asked for this operation",
+            )?;
             let other = AbandonedQuery::new(["another-operation", "kit"], 10_000);
             expect(
                 listed(store, &other, &ids, "of other operations").await?,
@@ -491,40 +509,48 @@ pub async fn recovery_case<S: RecoveryPoints>(
                 "asked for this operation and another",
             )?;
             expect(
-                listed(
-                    store,
-                    &both.clone().max_attempts(1),
-                    &ids,
-                    "under one attempt",
-                )
-                .await?,
+                listed(store, &query.clone().max_attempts(1), &ids, "under one").await?,
                 &[],
                 "asked for records claimed fewer than once (each was claimed once)",
             )?;
             expect(
-                listed(store, &both.clone().max_attempts(2), &ids, "under two").await?,
+                listed(store, &query.clone().max_attempts(2), &ids, "under two").await?,
                 &[held_id, failed_id],
                 "asked for records claimed fewer than twice",
             )?;
             expect(
                 listed(
                     store,
-                    &both.clone().failed_for(Duration::from_secs(3600)),
+                    &query.clone().failed_for(kit.lease),
                     &ids,
-                    "old",
+                    "a lease old",
+                )
+                .await?,
+                &[held_id, failed_id],
+                "asked for failures a lease old (the failure is older than that)",
+            )?;
+            expect(
+                listed(
+                    store,
+                    &query.clone().failed_for(kit.lease * 10),
+                    &ids,
+                    "ten leases old",
                 )
                 .await?,
                 &[held_id],
-                "asked for failures an hour old (the failure is younger; the lease passed)",
+                "asked for failures ten leases old (the failure is younger; the lease passed)",
             )?;
-            let one = store
+            let oldest = store
                 .abandoned(&AbandonedQuery::new([op], 1))
                 .await
                 .map_err(|e| format!("abandoned with a limit of 1 failed: {e}"))?;
-            if one.len() != 1 {
-                return Err(format!("a limit of 1 listed {} operations", one.len()));
+            match oldest.as_slice() {
+                [Ok(a)] if &a.id == held_id => Ok(()),
+                other => Err(format!(
+                    "a limit of 1 listed {other:?}; expected only the least recently written, \
+                     {held_id:?}"
+                )),
             }
-            Ok(())
         }
         RecoveryCase::FreshRecordStartsWithout => {
             advance(store, &lease, None, &first, true)

@@ -41,8 +41,18 @@ enum Flaw {
     ForgetsOnReclaim,
     /// Lists operations whose holder's lease is still live as abandoned.
     ListsLive,
-    /// Lists abandoned operations whatever the query asks for.
-    IgnoresQuery,
+    /// Lists operations of every name, whatever the query asks for.
+    IgnoresOperations,
+    /// Lists records however often they were claimed.
+    IgnoresAttempts,
+    /// Lists failures however young.
+    IgnoresFailedFor,
+    /// Reads `failed_for` a thousand times too short (milliseconds as microseconds).
+    FailedForTooShort,
+    /// Lists more than the limit.
+    IgnoresLimit,
+    /// Lists the most recently written first.
+    NewestFirst,
 }
 
 #[derive(Debug, Default)]
@@ -173,29 +183,33 @@ impl RecoveryPoints for Bank {
     ) -> Result<Vec<Result<idempotency_core::Abandoned, Error>>, Error> {
         let tables = self.tables();
         let ids: Vec<RecordId> = tables.points.keys().cloned().collect();
-        let filters = self.flaw != Some(Flaw::IgnoresQuery);
+        let flaw = |f: Flaw| self.flaw == Some(f);
+        let failed_for = if flaw(Flaw::FailedForTooShort) {
+            query.failed_for / 1000
+        } else {
+            query.failed_for
+        };
         let mut found = Vec::new();
         for id in ids {
             let Some(point) = self.current_point(&tables, &id) else {
                 continue;
             };
-            if filters && !query.operations.contains(&point.operation) {
+            if !flaw(Flaw::IgnoresOperations) && !query.operations.contains(&point.operation) {
                 continue;
             }
-            let live_lease = self.flaw != Some(Flaw::ListsLive);
+            let live_lease = !flaw(Flaw::ListsLive);
             let record = self.records.atomically(|records, now| {
                 records
                     .get(&id)
-                    .filter(|r| !filters || r.attempts < query.max_attempts)
+                    .filter(|r| flaw(Flaw::IgnoresAttempts) || r.attempts < query.max_attempts)
                     .filter(|r| match r.status {
                         RecordStatus::Pending => {
                             !live_lease || r.lease_until.is_none_or(|until| until <= now)
                         }
                         RecordStatus::Failed => {
                             r.failure.as_ref().is_some_and(|f| f.retryable)
-                                && (!filters
-                                    || r.updated_at.as_millis()
-                                        + query.failed_for.as_millis() as i64
+                                && (flaw(Flaw::IgnoresFailedFor)
+                                    || r.updated_at.as_millis() + failed_for.as_millis() as i64
                                         <= now.as_millis())
                         }
                         RecordStatus::Completed => false,
@@ -216,7 +230,12 @@ impl RecoveryPoints for Bank {
         }
         // Least recently written first.
         found.sort_by_key(|(written, _)| *written);
-        found.truncate(if filters { query.limit } else { usize::MAX });
+        if flaw(Flaw::NewestFirst) {
+            found.reverse();
+        }
+        if !flaw(Flaw::IgnoresLimit) {
+            found.truncate(query.limit);
+        }
         Ok(found.into_iter().map(|(_, a)| Ok(a)).collect())
     }
 }
@@ -655,7 +674,12 @@ async fn each_flawed_bank_fails_the_case_meant_for_it() {
             RecoveryCase::KeptAcrossFailureAndReclaim,
         ),
         (Flaw::ListsLive, RecoveryCase::AbandonedAreListed),
-        (Flaw::IgnoresQuery, RecoveryCase::AbandonedQueryFilters),
+        (Flaw::IgnoresOperations, RecoveryCase::AbandonedQueryFilters),
+        (Flaw::IgnoresAttempts, RecoveryCase::AbandonedQueryFilters),
+        (Flaw::IgnoresFailedFor, RecoveryCase::AbandonedQueryFilters),
+        (Flaw::FailedForTooShort, RecoveryCase::AbandonedQueryFilters),
+        (Flaw::IgnoresLimit, RecoveryCase::AbandonedQueryFilters),
+        (Flaw::NewestFirst, RecoveryCase::AbandonedQueryFilters),
     ] {
         let kit = kit(Bank::with_flaw(flaw));
         let found = recovery_case(&kit, case).await;

@@ -8,7 +8,7 @@ use serde::{de::DeserializeOwned, Serialize};
 use std::collections::HashMap;
 use std::fmt::{self, Display};
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -122,8 +122,11 @@ impl CompleterStats {
 /// An operation whose phase fails with an error recorded as a retryable failure is taken
 /// up again once that failure is [`Completer::retry_failed_after`] old, and given up once
 /// its record has been claimed [`Completer::max_attempts`] times (by clients and completers
-/// together): it then stays Failed, for a client's retry to resume, until it expires. A
-/// completer never retries a failing operation in a tight loop or forever.
+/// together): it then stays as it is (Failed, or Pending with its lease passed), for a
+/// client's retry to resume, until it expires; after that a request with its key is a new
+/// operation. A completer never retries a failing operation in a tight loop or forever.
+/// A row the store cannot read is logged and counted in the round's errors, and does not
+/// take the place of another in the next round's batch.
 pub struct Completer<S: RecoveryPoints> {
     engine: Idempotency,
     store: Arc<S>,
@@ -133,7 +136,12 @@ pub struct Completer<S: RecoveryPoints> {
     max_attempts: u32,
     retry_failed_after: Duration,
     stats: Arc<CompleterStats>,
+    /// Unreadable rows the last round listed.
+    unreadable: AtomicUsize,
 }
+
+/// At most this many unreadable rows are listed beyond a round's batch.
+const MAX_UNREADABLE_SKIPPED: usize = 10_000;
 
 impl<S: RecoveryPoints> fmt::Debug for Completer<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -162,13 +170,15 @@ impl<S: RecoveryPoints + 'static> Completer<S> {
             max_attempts: 10,
             retry_failed_after: Duration::from_secs(10),
             stats: Arc::default(),
+            unreadable: AtomicUsize::new(0),
         }
     }
 
     /// Operations whose record has been claimed this many times (its first claim and every
-    /// takeover, by clients and completers) are no longer taken up (at least 1).
+    /// takeover, by clients and completers) are no longer taken up. At least 2: every record
+    /// was claimed once, so 1 would take nothing up.
     pub fn max_attempts(mut self, max_attempts: u32) -> Self {
-        self.max_attempts = max_attempts.max(1);
+        self.max_attempts = max_attempts.max(2);
         self
     }
 
@@ -239,19 +249,37 @@ impl<S: RecoveryPoints + 'static> Completer<S> {
     pub async fn run_once(&self) -> Result<CompleterRound, Error> {
         let mut names: Vec<&String> = self.operations.keys().collect();
         names.sort();
-        let query = AbandonedQuery::new(names.into_iter().cloned(), self.batch)
+        // Unreadable rows are never rewritten, so they stay first in the listing: ask for as
+        // many more as the last round found, so that they never fill a batch.
+        let unreadable = self.unreadable.load(Ordering::Relaxed);
+        let query = AbandonedQuery::new(names.into_iter().cloned(), self.batch + unreadable)
             .max_attempts(self.max_attempts)
             .failed_for(self.retry_failed_after);
-        let listed = self.store.abandoned(&query).await?;
+        let listed = match self.store.abandoned(&query).await {
+            Ok(listed) => listed,
+            Err(e) => {
+                self.stats.rounds.fetch_add(1, Ordering::Relaxed);
+                self.stats.errors.fetch_add(1, Ordering::Relaxed);
+                emit_listing_failed(&e);
+                return Err(e);
+            }
+        };
         let mut round = CompleterRound {
             found: listed.len(),
             ..CompleterRound::default()
         };
+        let mut unreadable_now = 0;
         let runs: Vec<_> = listed
             .into_iter()
             .filter_map(|abandoned| {
                 // A row the store could not read: reported, and the others run.
-                let abandoned = abandoned.map_err(|_| round.errors += 1).ok()?;
+                let abandoned = abandoned
+                    .map_err(|e| {
+                        tracing::warn!(error = %e, "the completer skips an unreadable record");
+                        round.errors += 1;
+                        unreadable_now += 1;
+                    })
+                    .ok()?;
                 match self.operations.get(&abandoned.operation) {
                     // A phase that panics ends this operation's run, not the completer.
                     Some(finish) => Some(
@@ -270,6 +298,10 @@ impl<S: RecoveryPoints + 'static> Completer<S> {
                 }
             })
             .collect();
+        self.unreadable.store(
+            unreadable_now.min(MAX_UNREADABLE_SKIPPED),
+            Ordering::Relaxed,
+        );
         let mut ends = futures::stream::iter(runs).buffer_unordered(self.concurrency);
         while let Some(end) = ends.next().await {
             match end {
@@ -291,10 +323,8 @@ impl<S: RecoveryPoints + 'static> Completer<S> {
     pub async fn run(&self, every: Duration, shutdown: impl Future<Output = ()>) {
         let mut shutdown = std::pin::pin!(shutdown.fuse());
         loop {
-            if self.run_once().await.is_err() {
-                self.stats.errors.fetch_add(1, Ordering::Relaxed);
-                emit_listing_failed();
-            }
+            // A failed listing is counted by `run_once`; the next round runs as usual.
+            let _ = self.run_once().await;
             futures::select! {
                 () = shutdown => return,
                 () = tokio::time::sleep(every).fuse() => {}
@@ -327,9 +357,13 @@ fn emit_round(round: &CompleterRound) {
     }
 }
 
-/// Counts a round whose listing failed: `idempotency_completer_listing_failures_total`.
-fn emit_listing_failed() {
-    tracing::warn!("the completer could not list abandoned operations");
+/// Counts a round whose listing failed: a round, and
+/// `idempotency_completer_listing_failures_total`.
+fn emit_listing_failed(e: &Error) {
+    tracing::warn!(error = %e, "the completer could not list abandoned operations");
     #[cfg(feature = "metrics")]
-    metrics::counter!("idempotency_completer_listing_failures_total").increment(1);
+    {
+        metrics::counter!("idempotency_completer_rounds_total").increment(1);
+        metrics::counter!("idempotency_completer_listing_failures_total").increment(1);
+    }
 }
