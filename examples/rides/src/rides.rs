@@ -378,12 +378,22 @@ async fn book(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> R
                 "this key was used for another booking",
             )
         }
-        Err(e) => {
+        Err(e) if e.is_retryable() => {
             return retry_later(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "unavailable",
                 e.to_string(),
             )
+        }
+        // A record this service cannot resume (another operation's), a corrupt one: not the
+        // client's to fix by retrying.
+        Err(e) => {
+            tracing::error!(error = %e, "a booking failed");
+            return problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "booking-failed",
+                "the booking cannot be made",
+            );
         }
     };
     let mut resp = match ended {
