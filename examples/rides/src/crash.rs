@@ -28,10 +28,13 @@ pub struct CrashPoints {
     pub pause: Option<Duration>,
     /// Abort the process at this point.
     pub crash_at: Option<String>,
+    /// Print `point NAME KEY` at this point and stop there for good (the crash campaign kills
+    /// the process when it reads the line, so the kill lands exactly there).
+    pub hold_at: Option<String>,
 }
 
 impl CrashPoints {
-    /// From `RIDES_PAUSE_MS` and `RIDES_CRASH_AT`.
+    /// From `RIDES_PAUSE_MS`, `RIDES_CRASH_AT` and `RIDES_HOLD_AT`.
     pub fn from_env() -> Result<Self, String> {
         let pause = match std::env::var("RIDES_PAUSE_MS") {
             Ok(ms) => Some(Duration::from_millis(ms.parse().map_err(|e| {
@@ -39,13 +42,18 @@ impl CrashPoints {
             })?)),
             Err(_) => None,
         };
-        let crash_at = std::env::var("RIDES_CRASH_AT").ok();
-        if let Some(at) = &crash_at {
-            if !POINTS.contains(&at.as_str()) {
-                return Err(format!("RIDES_CRASH_AT={at} is none of {POINTS:?}"));
+        let point = |var: &str| -> Result<Option<String>, String> {
+            match std::env::var(var) {
+                Ok(at) if POINTS.contains(&at.as_str()) => Ok(Some(at)),
+                Ok(at) => Err(format!("{var}={at} is none of {POINTS:?}")),
+                Err(_) => Ok(None),
             }
-        }
-        Ok(Self { pause, crash_at })
+        };
+        Ok(Self {
+            pause,
+            crash_at: point("RIDES_CRASH_AT")?,
+            hold_at: point("RIDES_HOLD_AT")?,
+        })
     }
 
     /// The booking of `key` reached `point`.
@@ -54,12 +62,16 @@ impl CrashPoints {
             eprintln!("rides: crashing at {point} (booking {key})");
             std::process::abort();
         }
+        let hold = self.hold_at.as_deref() == Some(point);
+        if self.pause.is_some() || hold {
+            let mut out = std::io::stdout().lock();
+            let _ = writeln!(out, "point {point} {key}");
+            let _ = out.flush();
+        }
+        if hold {
+            std::future::pending::<()>().await;
+        }
         if let Some(pause) = self.pause {
-            {
-                let mut out = std::io::stdout().lock();
-                let _ = writeln!(out, "point {point} {key}");
-                let _ = out.flush();
-            }
             tokio::time::sleep(pause).await;
         }
     }

@@ -34,8 +34,15 @@ async fn main() -> Result<(), Failure> {
     match std::env::args().nth(1).as_deref() {
         Some("payments") => {
             let db = std::env::var("PAYMENTS_DB").map_err(|_| "PAYMENTS_DB is not set")?;
+            let lease = match std::env::var("PAYMENTS_LEASE_MS") {
+                Ok(ms) => Duration::from_millis(
+                    ms.parse()
+                        .map_err(|e| format!("PAYMENTS_LEASE_MS={ms} is not milliseconds: {e}"))?,
+                ),
+                Err(_) => Duration::from_secs(30),
+            };
             let running =
-                rides_api::payments::start(Path::new(&db), port("PAYMENTS_PORT")?).await?;
+                rides_api::payments::start(Path::new(&db), port("PAYMENTS_PORT")?, lease).await?;
             println!("payments listening on {}", running.url);
             running.task.await??;
             Ok(())
@@ -93,6 +100,9 @@ impl Drop for Service {
 fn counts(rides: &Path, payments: &Path, key: &str) -> Result<(i64, i64, i64), Failure> {
     let r = rusqlite::Connection::open(rides)?;
     let p = rusqlite::Connection::open(payments)?;
+    // The services write meanwhile.
+    r.busy_timeout(Duration::from_secs(10))?;
+    p.busy_timeout(Duration::from_secs(10))?;
     let ride: Option<i64> = r
         .query_row("SELECT id FROM rides WHERE key = ?1", [key], |row| {
             row.get(0)

@@ -16,6 +16,7 @@ use idempotency_tower::{ClaimedKey, IdempotencyLayer};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
 const TABLES: &str = "CREATE TABLE IF NOT EXISTS charges (
     id     INTEGER PRIMARY KEY,
@@ -39,10 +40,20 @@ pub struct Charge {
     pub charge: i64,
 }
 
-/// Starts the payment service over the SQLite file `db` on 127.0.0.1:`port`.
-pub async fn start(db: &Path, port: u16) -> Result<Running, Box<dyn std::error::Error>> {
+/// Starts the payment service over the SQLite file `db` on 127.0.0.1:`port`, holding a
+/// charge's key for `lease` while it is made (renewed while it runs).
+pub async fn start(
+    db: &Path,
+    port: u16,
+    lease: Duration,
+) -> Result<Running, Box<dyn std::error::Error>> {
     let store = open_store(db, TABLES).await?;
-    let engine = Idempotency::new(Arc::new(store.clone()), Policy::default())?;
+    let engine = Idempotency::new(
+        Arc::new(store.clone()),
+        Policy::default()
+            .lease(lease)
+            .ttl(Duration::from_secs(24 * 3600)),
+    )?;
     let layer = IdempotencyLayer::new(engine)
         .required(true)
         .methods([http::Method::POST])

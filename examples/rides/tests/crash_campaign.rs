@@ -15,7 +15,7 @@ use idempotency_core::IdempotencyKey;
 use idempotency_reqwest::{
     IdempotencyMiddleware, IdempotentRequestExt, IdempotentResponseExt, RetryPolicy,
 };
-use idempotency_sqlite::rusqlite;
+use idempotency_sqlite::rusqlite::{self, OptionalExtension};
 use rand::Rng;
 use rides_api::crash::POINTS;
 use rides_api::rides::BookRide;
@@ -105,9 +105,19 @@ impl Process {
         }
     }
 
-    /// The crash points printed so far (the process is dead: all of them).
+    /// The crash points the dead process printed and the test has not read yet: every line
+    /// up to the end of its stdout.
     fn drain(&self) -> Vec<String> {
-        self.lines.try_iter().collect()
+        let mut rest = Vec::new();
+        loop {
+            match self.lines.recv_timeout(PATIENCE) {
+                Ok(line) => rest.push(line),
+                Err(mpsc::RecvTimeoutError::Disconnected) => return rest,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    panic!("the dead process's stdout never ended")
+                }
+            }
+        }
     }
 }
 
@@ -127,13 +137,14 @@ fn counts(rides: &Path, payments: &Path, key: &str) -> (i64, i64, i64) {
     };
     let (r, p) = (open(rides), open(payments));
     let count = |c: &rusqlite::Connection, sql: &str, arg: &dyn rusqlite::ToSql| -> i64 {
-        c.query_row(sql, [arg], |row| row.get(0)).unwrap_or(0)
+        c.query_row(sql, [arg], |row| row.get(0)).unwrap()
     };
     let ride: Option<i64> = r
         .query_row("SELECT id FROM rides WHERE key = ?1", [key], |row| {
             row.get(0)
         })
-        .ok();
+        .optional()
+        .unwrap();
     (
         count(&r, "SELECT count(*) FROM rides WHERE key = ?1", &key),
         ride.map_or(0, |ride| {
@@ -189,9 +200,14 @@ impl World {
     fn new() -> Self {
         let dir = tempfile::tempdir().unwrap();
         let (rides_db, payments_db) = (dir.path().join("rides.db"), dir.path().join("payments.db"));
+        // A short lease: a charge whose connection a kill closed mid-claim holds its key no
+        // longer than that.
         let payments = Process::start(
             "payments",
-            &[("PAYMENTS_DB", payments_db.display().to_string())],
+            &[
+                ("PAYMENTS_DB", payments_db.display().to_string()),
+                ("PAYMENTS_LEASE_MS", "500".to_owned()),
+            ],
         );
         let client = reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
             .with(
@@ -212,7 +228,7 @@ impl World {
         }
     }
 
-    fn rides(&self, pause_ms: Option<u64>, completer: bool) -> Process {
+    fn rides(&self, pause_ms: Option<u64>, hold_at: Option<&str>, completer: bool) -> Process {
         let mut env = vec![
             ("RIDES_DB", self.rides_db.display().to_string()),
             ("PAYMENTS_URL", self.payments.url.clone()),
@@ -224,6 +240,9 @@ impl World {
         ];
         if let Some(ms) = pause_ms {
             env.push(("RIDES_PAUSE_MS", ms.to_string()));
+        }
+        if let Some(point) = hold_at {
+            env.push(("RIDES_HOLD_AT", point.to_owned()));
         }
         Process::start("rides", &env)
     }
@@ -260,11 +279,12 @@ impl World {
             route: format!("stop {n} to the station"),
             amount: 1000 + n as u32,
         };
-        let pause = match kill {
-            Kill::At(_) => 50,
-            Kill::After(_) => 2,
+        // At a crash point, the service stops there until it is killed; for a kill at a
+        // random moment, it pauses briefly at each point, so kills land throughout.
+        let mut doomed = match kill {
+            Kill::At(point) => self.rides(Some(0), Some(point), false),
+            Kill::After(_) => self.rides(Some(2), None, false),
         };
-        let mut doomed = self.rides(Some(pause), false);
         let first = tokio::spawn({
             let (url, key, request) = (doomed.url.clone(), key.clone(), request.clone());
             async move {
@@ -312,7 +332,7 @@ impl World {
             figures.charged_before_kill += 1;
         }
         let ride_committed = at_kill.0 == 1;
-        let service = self.rides(None, finisher == Finisher::CompleterAlone);
+        let service = self.rides(None, None, finisher == Finisher::CompleterAlone);
         if finisher == Finisher::CompleterAlone && ride_committed {
             // Nobody asks: the completer finishes the booking once the dead holder's lease
             // has passed.
