@@ -97,16 +97,48 @@ impl CompleterStats {
         self.errors.load(Ordering::Relaxed)
     }
 
+    /// Counts a round, here and through the `metrics` facade (with the `metrics` feature):
+    /// `idempotency_completer_rounds_total`, and `idempotency_completer_operations_total` by
+    /// how each operation ended (`end`: `completed`, `failed`, `taken_elsewhere`, `unknown`,
+    /// `error`).
     fn add(&self, round: &CompleterRound) {
+        tracing::debug!(%round, "completer round");
         self.rounds.fetch_add(1, Ordering::Relaxed);
-        for (total, n) in [
-            (&self.completed, round.completed),
-            (&self.failed, round.failed),
-            (&self.taken_elsewhere, round.taken_elsewhere),
-            (&self.unknown, round.unknown),
-            (&self.errors, round.errors),
+        #[cfg(feature = "metrics")]
+        metrics::counter!("idempotency_completer_rounds_total").increment(1);
+        for (total, end, n) in [
+            (&self.completed, "completed", round.completed),
+            (&self.failed, "failed", round.failed),
+            (
+                &self.taken_elsewhere,
+                "taken_elsewhere",
+                round.taken_elsewhere,
+            ),
+            (&self.unknown, "unknown", round.unknown),
+            (&self.errors, "error", round.errors),
         ] {
             total.fetch_add(n as u64, Ordering::Relaxed);
+            #[cfg(feature = "metrics")]
+            if n > 0 {
+                metrics::counter!("idempotency_completer_operations_total", "end" => end)
+                    .increment(n as u64);
+            }
+            #[cfg(not(feature = "metrics"))]
+            let _ = end;
+        }
+    }
+
+    /// Counts a round whose listing failed: a round and an error, here and through the
+    /// `metrics` facade (`idempotency_completer_rounds_total`,
+    /// `idempotency_completer_listing_failures_total`).
+    fn listing_failed(&self, e: &Error) {
+        tracing::warn!(error = %e, "the completer could not list abandoned operations");
+        self.rounds.fetch_add(1, Ordering::Relaxed);
+        self.errors.fetch_add(1, Ordering::Relaxed);
+        #[cfg(feature = "metrics")]
+        {
+            metrics::counter!("idempotency_completer_rounds_total").increment(1);
+            metrics::counter!("idempotency_completer_listing_failures_total").increment(1);
         }
     }
 }
@@ -258,9 +290,7 @@ impl<S: RecoveryPoints + 'static> Completer<S> {
         let listed = match self.store.abandoned(&query).await {
             Ok(listed) => listed,
             Err(e) => {
-                self.stats.rounds.fetch_add(1, Ordering::Relaxed);
-                self.stats.errors.fetch_add(1, Ordering::Relaxed);
-                emit_listing_failed(&e);
+                self.stats.listing_failed(&e);
                 return Err(e);
             }
         };
@@ -312,7 +342,6 @@ impl<S: RecoveryPoints + 'static> Completer<S> {
             }
         }
         self.stats.add(&round);
-        emit_round(&round);
         Ok(round)
     }
 
@@ -330,40 +359,5 @@ impl<S: RecoveryPoints + 'static> Completer<S> {
                 () = tokio::time::sleep(every).fuse() => {}
             }
         }
-    }
-}
-
-/// Counts a round through the `metrics` facade (with the `metrics` feature):
-/// `idempotency_completer_rounds_total`, and `idempotency_completer_operations_total` by how
-/// each operation ended (`end`: `completed`, `failed`, `taken_elsewhere`, `unknown`,
-/// `error`).
-fn emit_round(round: &CompleterRound) {
-    tracing::debug!(%round, "completer round");
-    #[cfg(feature = "metrics")]
-    {
-        metrics::counter!("idempotency_completer_rounds_total").increment(1);
-        for (end, n) in [
-            ("completed", round.completed),
-            ("failed", round.failed),
-            ("taken_elsewhere", round.taken_elsewhere),
-            ("unknown", round.unknown),
-            ("error", round.errors),
-        ] {
-            if n > 0 {
-                metrics::counter!("idempotency_completer_operations_total", "end" => end)
-                    .increment(n as u64);
-            }
-        }
-    }
-}
-
-/// Counts a round whose listing failed: a round, and
-/// `idempotency_completer_listing_failures_total`.
-fn emit_listing_failed(e: &Error) {
-    tracing::warn!(error = %e, "the completer could not list abandoned operations");
-    #[cfg(feature = "metrics")]
-    {
-        metrics::counter!("idempotency_completer_rounds_total").increment(1);
-        metrics::counter!("idempotency_completer_listing_failures_total").increment(1);
     }
 }

@@ -287,25 +287,7 @@ async fn a_phase_longer_than_the_lease_is_followed_by_the_next_at_every_level() 
             .engine
             .run_phases(&w.store, &key, &scope, &fp, slow_then_fast(&schema));
         let (duplicate, round) = tokio::join!(duplicate, completer.run_once());
-        let ran = holder.await.unwrap();
-        assert!(
-            matches!(ran, Ok(Outcome::Fresh(Ok(1)))),
-            "{level:?}: the holder: {ran:?}"
-        );
-        assert!(
-            matches!(
-                duplicate,
-                Err(Error::InProgress { .. }) | Ok(Outcome::Replayed(Ok(1)))
-            ),
-            "{level:?}: the duplicate: {duplicate:?}"
-        );
-        let round = round.unwrap();
-        assert_eq!(round.completed, 0, "{level:?}: the completer: {round}");
-        assert_eq!(
-            w.counts().await.0,
-            2,
-            "{level:?}: each phase committed once"
-        );
+        the_holder_kept_it(level, holder.await.unwrap(), duplicate, round, &w).await;
     }
 }
 
@@ -346,6 +328,36 @@ async fn the_completer_finishes_a_dead_holders_operation_at_every_level() {
         assert_eq!(w.run().await.unwrap(), Outcome::Replayed(Ok((1, 1))));
         assert_eq!(completer.run_once().await.unwrap().found, 0, "{level:?}");
     }
+}
+
+/// The verdict of the long-phase tests: the holder finished its operation (of value 1); a
+/// duplicate that came meanwhile was told it was in progress, or got the replay; the
+/// completer finished nothing; each phase wrote its ride once.
+async fn the_holder_kept_it(
+    level: Isolation,
+    holder: Result<Outcome<Result<i64, String>>, Error>,
+    duplicate: Result<Outcome<Result<i64, String>>, Error>,
+    round: Result<idempotency_core::CompleterRound, Error>,
+    w: &World,
+) {
+    assert!(
+        matches!(holder, Ok(Outcome::Fresh(Ok(1)))),
+        "{level:?}: the holder: {holder:?}"
+    );
+    assert!(
+        matches!(
+            duplicate,
+            Err(Error::InProgress { .. }) | Ok(Outcome::Replayed(Ok(1)))
+        ),
+        "{level:?}: the duplicate: {duplicate:?}"
+    );
+    let round = round.unwrap();
+    assert_eq!(round.completed, 0, "{level:?}: the completer: {round}");
+    assert_eq!(
+        w.counts().await.0,
+        2,
+        "{level:?}: each phase committed once"
+    );
 }
 
 /// A store whose lease renewals (`extend`) arrive late, as on a slow network: the holder's
@@ -472,24 +484,6 @@ async fn a_long_middle_phase_is_not_taken_over_when_it_commits_at_every_level() 
         let (key, scope, fp) = World::key();
         let duplicate = w.engine.run_phases(&w.store, &key, &scope, &fp, flow());
         let (duplicate, round) = tokio::join!(duplicate, completer.run_once());
-        let ran = holder.await.unwrap();
-        assert!(
-            matches!(ran, Ok(Outcome::Fresh(Ok(1)))),
-            "{level:?}: the holder: {ran:?}"
-        );
-        assert!(
-            matches!(
-                duplicate,
-                Err(Error::InProgress { .. }) | Ok(Outcome::Replayed(Ok(1)))
-            ),
-            "{level:?}: the duplicate: {duplicate:?}"
-        );
-        let round = round.unwrap();
-        assert_eq!(round.completed, 0, "{level:?}: the completer: {round}");
-        assert_eq!(
-            w.counts().await.0,
-            2,
-            "{level:?}: each phase committed once"
-        );
+        the_holder_kept_it(level, holder.await.unwrap(), duplicate, round, &w).await;
     }
 }

@@ -135,6 +135,60 @@ fn check(what: &str, ok: bool) -> Result<(), Failure> {
     }
 }
 
+/// A booking's answer through our client half.
+struct Booked {
+    status: reqwest::StatusCode,
+    attempts: u32,
+    replayed: bool,
+    booking: Booking,
+}
+
+/// Books `request` under `key` on the rides service at `url` through `client`, retrying as
+/// the client half does.
+async fn book(
+    client: &reqwest_middleware::ClientWithMiddleware,
+    url: &str,
+    key: &str,
+    request: &BookRide,
+) -> Result<Booked, Failure> {
+    let answer = client
+        .post(format!("{url}/rides"))
+        .json(request)
+        .idempotency_key(IdempotencyKey::new(key)?)
+        .send()
+        .await?;
+    let (attempts, replayed) = answer
+        .idempotency()
+        .map_or((0, false), |o| (o.attempts(), o.replayed()));
+    let status = answer.status();
+    Ok(Booked {
+        status,
+        attempts,
+        replayed,
+        booking: answer.json().await?,
+    })
+}
+
+/// Sends `request` under `key`, once, to a rides service started with `env` that aborts
+/// right after the charge; says what the client saw.
+async fn book_and_crash(
+    env: &[(&str, String)],
+    key: &str,
+    request: &BookRide,
+) -> Result<String, Failure> {
+    let crashing = Service::start("rides", env)?;
+    let sent = reqwest::Client::new()
+        .post(format!("{}/rides", crashing.url))
+        .header("idempotency-key", key)
+        .json(request)
+        .send()
+        .await;
+    Ok(match sent {
+        Ok(r) => format!("answered {}", r.status()),
+        Err(_) => "no answer: the rides service died".to_owned(),
+    })
+}
+
 async fn demo() -> Result<(), Failure> {
     let dir = tempfile::tempdir()?;
     let (rides_db, payments_db) = (dir.path().join("rides.db"), dir.path().join("payments.db"));
@@ -157,29 +211,15 @@ async fn demo() -> Result<(), Failure> {
         amount: 4200,
     };
 
+    let crash_after_charge = rides_env(&[
+        ("RIDES_CRASH_AT", "charge:called"),
+        ("RIDES_COMPLETER", "off"),
+    ]);
+
     println!("\n1. A booking whose process dies after the charge, resumed by the client's retry");
     let key = "demo-ride-1";
-    let crashing = Service::start(
-        "rides",
-        &rides_env(&[
-            ("RIDES_CRASH_AT", "charge:called"),
-            ("RIDES_COMPLETER", "off"),
-        ]),
-    )?;
-    let first = reqwest::Client::new()
-        .post(format!("{}/rides", crashing.url))
-        .header("idempotency-key", key)
-        .json(&request)
-        .send()
-        .await;
-    println!(
-        "   POST /rides (key {key}): {}",
-        match &first {
-            Ok(r) => format!("answered {}", r.status()),
-            Err(_) => "no answer: the rides service died".to_owned(),
-        }
-    );
-    drop(crashing);
+    let seen = book_and_crash(&crash_after_charge, key, &request).await?;
+    println!("   POST /rides (key {key}): {seen}");
     let after_crash = counts(&rides_db, &payments_db, key)?;
     println!("   after the crash: rides, charges, receipts = {after_crash:?}");
     check(
@@ -188,31 +228,19 @@ async fn demo() -> Result<(), Failure> {
     )?;
     let rides = Service::start("rides", &rides_env(&[("RIDES_COMPLETER", "off")]))?;
     println!("   the rides service restarted: {}", rides.url);
-    let retry = client
-        .post(format!("{}/rides", rides.url))
-        .json(&request)
-        .idempotency_key(IdempotencyKey::new(key)?)
-        .send()
-        .await?;
-    let attempts = retry.idempotency().map(|o| o.attempts()).unwrap_or(0);
-    let status = retry.status();
-    let booking: Booking = retry.json().await?;
-    println!("   the retry: {status} after {attempts} attempt(s) (409 while the dead holder's lease ran): {booking:?}");
+    let retry = book(&client, &rides.url, key, &request).await?;
+    println!(
+        "   the retry: {} after {} attempt(s) (409 while the dead holder's lease ran): {:?}",
+        retry.status, retry.attempts, retry.booking
+    );
     check(
         "resumed at the charge: one ride, one charge, one receipt",
         counts(&rides_db, &payments_db, key)? == (1, 1, 1),
     )?;
-    let again = client
-        .post(format!("{}/rides", rides.url))
-        .json(&request)
-        .idempotency_key(IdempotencyKey::new(key)?)
-        .send()
-        .await?;
-    let replayed = again.idempotency().is_some_and(|o| o.replayed());
-    let same: Booking = again.json().await?;
+    let again = book(&client, &rides.url, key, &request).await?;
     check(
         "a later retry replays the same booking",
-        replayed && same == booking,
+        again.replayed && again.booking == retry.booking,
     )?;
     drop(rides);
 
@@ -220,20 +248,7 @@ async fn demo() -> Result<(), Failure> {
         "\n2. Another booking dies after the charge; nobody retries; the completer finishes it"
     );
     let key = "demo-ride-2";
-    let crashing = Service::start(
-        "rides",
-        &rides_env(&[
-            ("RIDES_CRASH_AT", "charge:called"),
-            ("RIDES_COMPLETER", "off"),
-        ]),
-    )?;
-    let _ = reqwest::Client::new()
-        .post(format!("{}/rides", crashing.url))
-        .header("idempotency-key", key)
-        .json(&request)
-        .send()
-        .await;
-    drop(crashing);
+    book_and_crash(&crash_after_charge, key, &request).await?;
     println!(
         "   after the crash: rides, charges, receipts = {:?}",
         counts(&rides_db, &payments_db, key)?
@@ -258,17 +273,13 @@ async fn demo() -> Result<(), Failure> {
         "one ride, one charge, one receipt",
         counts(&rides_db, &payments_db, key)? == (1, 1, 1),
     )?;
-    let late = client
-        .post(format!("{}/rides", rides.url))
-        .json(&request)
-        .idempotency_key(IdempotencyKey::new(key)?)
-        .send()
-        .await?;
-    let replayed = late.idempotency().is_some_and(|o| o.replayed());
-    let booking: Booking = late.json().await?;
+    let late = book(&client, &rides.url, key, &request).await?;
     check(
-        &format!("the client's late retry gets the completed booking: {booking:?}"),
-        replayed,
+        &format!(
+            "the client's late retry gets the completed booking: {:?}",
+            late.booking
+        ),
+        late.replayed,
     )?;
     println!("\nEvery booking ran each of its phases once; the charge was asked for twice and made once.");
     Ok(())
