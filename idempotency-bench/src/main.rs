@@ -30,7 +30,7 @@ struct Args {
 
 const USAGE: &str = "usage: idempotency-bench [--backend NAME|all|a,b] [--clients 1,16] [--ops N] [--duration SECS] [--sizes 1000,10000,100000,1000000]
        idempotency-bench --phases --backend sqlite,postgres,mysql [--ops N]
-       idempotency-bench --profile store-cycle|store-replay|engine-cycle|engine-replay|raw-cycle|raw-replay|fingerprint-1k [--ops N]
+       idempotency-bench --profile store-cycle|store-replay|engine-cycle|engine-replay|raw-cycle|raw-replay|fingerprint-1k|http-plain|http-first|http-replay|http-first-raw|http-replay-raw [--ops N]
 
 --phases measures a multi-step operation's phases against the one-shot exactly-once path.
 --ops and --duration bound every measurement (whichever ends first). --sizes are the live-key

@@ -18,6 +18,11 @@ pub(crate) const WORKLOADS: &[&str] = &[
     "raw-cycle",
     "raw-replay",
     "fingerprint-1k",
+    "http-plain",
+    "http-first",
+    "http-replay",
+    "http-first-raw",
+    "http-replay-raw",
 ];
 
 pub(crate) fn run(workload: &str, ops: usize) -> Result<(), BoxError> {
@@ -46,7 +51,11 @@ pub(crate) fn run(workload: &str, ops: usize) -> Result<(), BoxError> {
         }
         Ok::<_, BoxError>((store, raw, engine, ids, raw_keys))
     })?;
-    let elapsed = hot_loop(&rt, workload, &store, &raw, &engine, &ids, &raw_keys)?;
+    let elapsed = if let Some(http) = workload.strip_prefix("http-") {
+        http_loop(&rt, http, engine, &ids)?
+    } else {
+        hot_loop(&rt, workload, &store, &raw, &engine, &ids, &raw_keys)?
+    };
     println!(
         "{workload}: {ops} ops in {elapsed:?}, {:.0} ns/op (wall clock; use callgrind for \
          instruction counts)",
@@ -126,6 +135,93 @@ fn hot_loop(
                     raw.replay(k).await?.ok_or("raw replay found nothing")?;
                 }
             }
+        }
+        Ok(start.elapsed())
+    })
+}
+
+/// What the handler answers in the `http-*` workloads.
+async fn create_order() -> ([(http::HeaderName, &'static str); 1], &'static str) {
+    (
+        [(http::header::CONTENT_TYPE, "application/json")],
+        harness::OUTCOME,
+    )
+}
+
+/// The `http-*` workloads: the same axum handler without the layer (`plain`), and with it on
+/// the memory store, each request a fresh key (`first`) or the same key again (`replay`),
+/// with the canonical JSON fingerprint or the body hashed raw (`-raw`: what the layer costs
+/// besides the canonicaliser). Requests carry the 1 KiB JSON body and are built before the
+/// loop; the loop sends each through the router and reads the whole response, as a server
+/// would.
+fn http_loop(
+    rt: &tokio::runtime::Runtime,
+    workload: &str,
+    engine: idempotency_core::Idempotency,
+    ids: &[RecordId],
+) -> Result<Duration, BoxError> {
+    use axum::routing::post;
+    use axum::Router;
+    use idempotency_core::Fingerprint;
+    use idempotency_tower::IdempotencyLayer;
+
+    let route = || Router::new().route("/orders", post(create_order));
+    let layer = IdempotencyLayer::new(engine).shared_scope();
+    let app = match workload {
+        "plain" => route(),
+        "first" | "replay" => route().layer(layer),
+        "first-raw" | "replay-raw" => route().layer(layer.fingerprint_with(|input| {
+            Fingerprint::builder()
+                .method(input.parts().method.as_str())
+                .path(input.parts().uri.path())
+                .body(input.body())
+                .finish()
+        })),
+        other => return Err(format!("no http workload {other:?}").into()),
+    };
+    let replay = workload.starts_with("replay");
+    let body = bytes::Bytes::from(idempotency_testing::payloads::order_json_1k());
+    let request = |key: &str| {
+        http::Request::post("/orders")
+            .header("content-type", "application/json")
+            .header("idempotency-key", key)
+            .body(axum::body::Body::from(body.clone()))
+    };
+    let requests = ids
+        .iter()
+        .map(|id| request(if replay { "replayed" } else { id.key.as_str() }))
+        .collect::<Result<Vec<_>, _>>()?;
+    if replay {
+        rt.block_on(send(&app, request("replayed")?))?;
+    }
+    http_hot_loop(rt, &app, requests)
+}
+
+async fn send(
+    app: &axum::Router,
+    request: http::Request<axum::body::Body>,
+) -> Result<(), BoxError> {
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+    let response = app.clone().oneshot(request).await?;
+    if response.status() != http::StatusCode::OK {
+        return Err(format!("the handler answered {}", response.status()).into());
+    }
+    std::hint::black_box(response.into_body().collect().await?.to_bytes());
+    Ok(())
+}
+
+/// The measured loop of the `http-*` workloads (see [`hot_loop`]).
+#[inline(never)]
+fn http_hot_loop(
+    rt: &tokio::runtime::Runtime,
+    app: &axum::Router,
+    requests: Vec<http::Request<axum::body::Body>>,
+) -> Result<Duration, BoxError> {
+    rt.block_on(async {
+        let start = Instant::now();
+        for request in requests {
+            send(app, request).await?;
         }
         Ok(start.elapsed())
     })

@@ -3,6 +3,7 @@
 mod body;
 mod claim;
 mod config;
+mod detach;
 mod fingerprint;
 mod future;
 mod headers;

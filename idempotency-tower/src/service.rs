@@ -2,6 +2,7 @@
 
 use crate::claim::{ClaimedKey, NothingDone, Settlement};
 use crate::config::{Config, OnUnreplayable, OnUnstored};
+use crate::detach::Detachable;
 use crate::fingerprint::FingerprintInput;
 use crate::future::ResponseFuture;
 use crate::headers::{CONNECTION, CONTENT_LENGTH, DIGEST, RETRY_AFTER, WWW_AUTHENTICATE};
@@ -439,10 +440,12 @@ fn not_replayable<B>(config: &Config, stored: &StoredResponse, reason: NotReplay
     resp.map(ResponseBody::full)
 }
 
-/// Runs the handler on a task of its own, so that a client that disconnects (or times out)
-/// does not cancel the work half-way: the outcome is still stored, and the client's retry gets
-/// it instead of running the work again. The lease is extended by the engine's heartbeat while
-/// the handler runs and its body is read (for at most the policy's `max_work_time`).
+/// Runs the handler where the request is awaited, so that a client that disconnects (or times
+/// out) does not cancel the work half-way: if the request's future is dropped before the
+/// handler's answer is stored, the rest moves to a task of its own and runs to its end, and
+/// the client's retry gets the stored outcome instead of running the work again. The lease is
+/// extended by the engine's heartbeat while the handler runs and its body is read (for at most
+/// the policy's `max_work_time`).
 async fn execute<S, ReqB, ResB>(
     inner: S,
     config: Arc<Config>,
@@ -457,15 +460,18 @@ where
     ResB: Body<Data = Bytes> + Send + 'static,
     ResB::Error: Into<BoxError>,
 {
-    let task = tokio::spawn(
-        run_and_store(inner, config.clone(), req, lease).instrument(tracing::Span::current()),
-    );
-    match task.await {
+    let work =
+        run_and_store(inner, config.clone(), req, lease).instrument(tracing::Span::current());
+    match Detachable::new(work).await {
         Ok(result) => result,
-        Err(e) => {
-            // The handler panicked (its key was released) or the runtime is shutting down
-            // (the dropped lease holds the key until it passes).
-            tracing::error!(error = %e, "handler task failed");
+        Err(panic) => {
+            // The handler panicked: its key was released (unless it settled the key itself).
+            let message = panic
+                .downcast_ref::<&str>()
+                .copied()
+                .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+                .unwrap_or("(no message)");
+            tracing::error!(panic = message, "the handler panicked");
             record_outcome(HttpOutcome::HandlerPanicked);
             Ok(refuse(&config, Refusal::HandlerFailed))
         }
