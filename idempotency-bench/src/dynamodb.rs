@@ -11,11 +11,20 @@
 use crate::harness::{Backend, Cleanup, Counted, Kind, RawBaseline, RoundTripCounter};
 use async_trait::async_trait;
 use idempotency_core::BoxError;
-use idempotency_dynamodb::aws_sdk_dynamodb::config::interceptors::BeforeTransmitInterceptorContextRef;
+use idempotency_dynamodb::aws_sdk_dynamodb::config::interceptors::{
+    AfterDeserializationInterceptorContextRef, BeforeSerializationInterceptorContextMut,
+    BeforeTransmitInterceptorContextRef,
+};
 use idempotency_dynamodb::aws_sdk_dynamodb::config::{ConfigBag, Intercept, RuntimeComponents};
+use idempotency_dynamodb::aws_sdk_dynamodb::operation::{
+    get_item::{GetItemInput, GetItemOutput},
+    put_item::{PutItemInput, PutItemOutput},
+    transact_write_items::{TransactWriteItemsInput, TransactWriteItemsOutput},
+    update_item::{UpdateItemInput, UpdateItemOutput},
+};
 use idempotency_dynamodb::aws_sdk_dynamodb::types::{
-    AttributeDefinition, AttributeValue, BillingMode, KeySchemaElement, KeyType,
-    ScalarAttributeType,
+    AttributeDefinition, AttributeValue, BillingMode, ConsumedCapacity, KeySchemaElement, KeyType,
+    ReturnConsumedCapacity, ScalarAttributeType,
 };
 use idempotency_dynamodb::aws_sdk_dynamodb::{self, Client};
 use idempotency_dynamodb::DynamoStore;
@@ -37,13 +46,54 @@ fn unreachable(e: impl std::fmt::Display) -> BoxError {
     .into()
 }
 
-/// Requests sent, by operation (`PutItem`, …).
+/// Requests sent, by operation (`PutItem`, …), and the capacity units DynamoDB reported
+/// consuming for them: every request is sent with `ReturnConsumedCapacity = TOTAL`, and the
+/// units of each answer are added up by operation (in thousandths, as
+/// `<operation> reported mCU`). An answer that carries none (a write whose condition failed
+/// is answered with an error, which carries no consumed capacity, though DynamoDB bills it)
+/// adds nothing.
 #[derive(Clone, Debug, Default)]
 struct Requests(Arc<Mutex<BTreeMap<String, u64>>>);
+
+impl Requests {
+    fn add(&self, what: String, n: u64) {
+        *self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .entry(what)
+            .or_default() += n;
+    }
+}
+
+/// Thousandths of a capacity unit.
+fn milli_units(c: &ConsumedCapacity) -> u64 {
+    (c.capacity_units().unwrap_or(0.0) * 1000.0).round() as u64
+}
 
 impl Intercept for Requests {
     fn name(&self) -> &'static str {
         "Requests"
+    }
+
+    fn modify_before_serialization(
+        &self,
+        context: &mut BeforeSerializationInterceptorContextMut<'_>,
+        _: &RuntimeComponents,
+        _: &mut ConfigBag,
+    ) -> Result<(), aws_sdk_dynamodb::error::BoxError> {
+        let input = context.input_mut();
+        let total = Some(ReturnConsumedCapacity::Total);
+        if let Some(i) = input.downcast_mut::<PutItemInput>() {
+            i.return_consumed_capacity = total;
+        } else if let Some(i) = input.downcast_mut::<UpdateItemInput>() {
+            i.return_consumed_capacity = total;
+        } else if let Some(i) = input.downcast_mut::<GetItemInput>() {
+            i.return_consumed_capacity = total;
+        } else if let Some(i) = input.downcast_mut::<TransactWriteItemsInput>() {
+            i.return_consumed_capacity = total;
+        }
+        Ok(())
     }
 
     fn read_before_transmit(
@@ -59,12 +109,35 @@ impl Intercept for Requests {
             .and_then(|t| t.rsplit('.').next())
             .unwrap_or("?")
             .to_owned();
-        *self
-            .0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .entry(operation)
-            .or_default() += 1;
+        self.add(operation, 1);
+        Ok(())
+    }
+
+    fn read_after_deserialization(
+        &self,
+        context: &AfterDeserializationInterceptorContextRef<'_>,
+        _: &RuntimeComponents,
+        _: &mut ConfigBag,
+    ) -> Result<(), aws_sdk_dynamodb::error::BoxError> {
+        let Ok(output) = context.output_or_error() else {
+            return Ok(());
+        };
+        let reported = if let Some(o) = output.downcast_ref::<PutItemOutput>() {
+            o.consumed_capacity().map(|c| ("PutItem", milli_units(c)))
+        } else if let Some(o) = output.downcast_ref::<UpdateItemOutput>() {
+            o.consumed_capacity()
+                .map(|c| ("UpdateItem", milli_units(c)))
+        } else if let Some(o) = output.downcast_ref::<GetItemOutput>() {
+            o.consumed_capacity().map(|c| ("GetItem", milli_units(c)))
+        } else if let Some(o) = output.downcast_ref::<TransactWriteItemsOutput>() {
+            let units = o.consumed_capacity().iter().map(milli_units).sum();
+            Some(("TransactWriteItems", units))
+        } else {
+            None
+        };
+        if let Some((operation, units)) = reported {
+            self.add(format!("{operation} reported mCU"), units);
+        }
         Ok(())
     }
 }
@@ -76,7 +149,9 @@ impl RoundTripCounter for Requests {
             .0
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .values()
+            .iter()
+            .filter(|(what, _)| !what.ends_with(" reported mCU"))
+            .map(|(_, n)| n)
             .sum())
     }
 

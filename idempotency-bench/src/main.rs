@@ -880,8 +880,9 @@ async fn replay_all(
         .await
 }
 
-/// Claims, completes and replays each of `ids` (new keys) through the counted store, one
-/// call at a time: what the counter saw in each of the three phases.
+/// Claims, claims again (a conflict: the key is in progress), completes and replays each of
+/// `ids` (new keys) through the counted store, one call at a time: what the counter saw in
+/// each of the four phases.
 async fn store_phases<'a>(
     store: &dyn idempotency_core::IdempotencyStore,
     counter: &dyn harness::RoundTripCounter,
@@ -892,6 +893,10 @@ async fn store_phases<'a>(
     let claimed = claim_all(store, ids, 1).await?;
     let now = Snapshot::take(counter).await?;
     phases.push(now.since("claim (new key)", &mark));
+    mark = now;
+    replay_all(store, ids, 1).await?;
+    let now = Snapshot::take(counter).await?;
+    phases.push(now.since("conflict (claim of a key in progress)", &mark));
     mark = now;
     complete_all(store, &claimed, 1).await?;
     let now = Snapshot::take(counter).await?;
