@@ -108,15 +108,13 @@ pub fn read_key_header(
     }
     let text = std::str::from_utf8(value.as_bytes()).map_err(|_| KeyHeaderError::NotUtf8)?;
     let text = text.trim_matches(|c| c == ' ' || c == '\t');
-    let key = if text.starts_with('"') {
-        parse_sf_string(text)?
-    } else {
-        if text.contains(',') {
-            return Err(KeyHeaderError::AmbiguousComma);
-        }
-        text.to_owned()
-    };
-    Ok(Some(IdempotencyKey::new(key)?))
+    if text.starts_with('"') {
+        return Ok(Some(IdempotencyKey::new(parse_sf_string(text)?)?));
+    }
+    if text.contains(',') {
+        return Err(KeyHeaderError::AmbiguousComma);
+    }
+    Ok(Some(IdempotencyKey::from_slice(text)?))
 }
 
 /// Parses a structured-field item whose bare item is a string (RFC 9651 §3.3.3), parameters

@@ -56,6 +56,13 @@ impl IdempotencyKey {
         Ok(Self(key.into()))
     }
 
+    /// Validates and wraps a key given as a slice: one allocation, with no `String` on the
+    /// way (a key read from a request header).
+    pub(crate) fn from_slice(key: &str) -> Result<Self, KeyError> {
+        validate_key(key)?;
+        Ok(Self(key.into()))
+    }
+
     /// A fresh random key (UUID v4), for clients that mint their own keys.
     pub fn random() -> Self {
         Self(uuid::Uuid::new_v4().to_string().into())

@@ -124,54 +124,196 @@ pub(crate) fn record_decision(decision: HttpDecision) {
         "idempotency http decision"
     );
     #[cfg(feature = "metrics")]
-    metrics::counter!("idempotency_http_requests_total", "decision" => decision.as_str())
-        .increment(1);
+    counted::decision(decision);
 }
 
 /// Records `outcome` on the current `idempotency.http` span, and counts it.
 pub(crate) fn record_outcome(outcome: HttpOutcome) {
     tracing::Span::current().record("outcome", outcome.as_str());
     #[cfg(feature = "metrics")]
-    metrics::counter!("idempotency_http_outcomes_total", "outcome" => outcome.as_str())
-        .increment(1);
+    counted::outcome(outcome);
+}
+
+/// The counters, each with a static key: counting a request allocates nothing (a label
+/// given to `metrics::counter!` as an expression is copied into a new key on every call).
+#[cfg(feature = "metrics")]
+mod counted {
+    use super::{HttpDecision, HttpOutcome};
+    use metrics::{Key, Label, Level, Metadata};
+
+    static METADATA: Metadata<'static> =
+        Metadata::new(module_path!(), Level::INFO, Some(module_path!()));
+
+    /// The static key of metric `$name` with label `$label` = `$value.as_str()`.
+    macro_rules! key {
+        ($name:literal, $label:literal, $value:expr) => {{
+            static LABELS: [Label; 1] = [Label::from_static_parts($label, $value.as_str())];
+            static KEY: Key = Key::from_static_parts($name, &LABELS);
+            &KEY
+        }};
+    }
+
+    fn increment(key: &Key) {
+        metrics::with_recorder(|recorder| recorder.register_counter(key, &METADATA)).increment(1);
+    }
+
+    pub(super) fn decision(decision: HttpDecision) {
+        use HttpDecision as D;
+        macro_rules! each {
+            ($($variant:ident),* $(,)?) => {
+                match decision {
+                    $(D::$variant => key!(
+                        "idempotency_http_requests_total",
+                        "decision",
+                        D::$variant
+                    ),)*
+                }
+            };
+        }
+        increment(each!(
+            PassThrough,
+            Refused,
+            Executed,
+            Replayed,
+            Mismatch,
+            InProgress,
+            StoreUnavailable,
+            FailOpen,
+            Unreadable,
+        ));
+    }
+
+    pub(super) fn outcome(outcome: HttpOutcome) {
+        use HttpOutcome as O;
+        macro_rules! each {
+            ($($variant:ident),* $(,)?) => {
+                match outcome {
+                    $(O::$variant => key!(
+                        "idempotency_http_outcomes_total",
+                        "outcome",
+                        O::$variant
+                    ),)*
+                }
+            };
+        }
+        increment(each!(
+            Stored,
+            ReleasedStatus,
+            HeldStatus,
+            ReleasedNothingDone,
+            ReleasedTooLarge,
+            ReleasedBodyFailed,
+            RecordedTooLarge,
+            RecordedBodyFailed,
+            StoreFailed,
+            LeaseLost,
+            SettledByHandler,
+            HandlerError,
+            HandlerErrorHeld,
+            HandlerPanicked,
+        ));
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    const DECISIONS: [(HttpDecision, &str); 9] = [
+        (HttpDecision::PassThrough, "pass_through"),
+        (HttpDecision::Refused, "refused"),
+        (HttpDecision::Executed, "executed"),
+        (HttpDecision::Replayed, "replayed"),
+        (HttpDecision::Mismatch, "mismatch"),
+        (HttpDecision::InProgress, "in_progress"),
+        (HttpDecision::StoreUnavailable, "store_unavailable"),
+        (HttpDecision::FailOpen, "fail_open"),
+        (HttpDecision::Unreadable, "stored_response_unreadable"),
+    ];
+
+    const OUTCOMES: [(HttpOutcome, &str); 14] = [
+        (HttpOutcome::Stored, "stored"),
+        (HttpOutcome::ReleasedStatus, "released_status"),
+        (HttpOutcome::HeldStatus, "held_status"),
+        (HttpOutcome::ReleasedNothingDone, "released_nothing_done"),
+        (HttpOutcome::ReleasedTooLarge, "released_too_large"),
+        (HttpOutcome::ReleasedBodyFailed, "response_body_failed"),
+        (HttpOutcome::RecordedTooLarge, "recorded_too_large"),
+        (HttpOutcome::RecordedBodyFailed, "recorded_body_failed"),
+        (HttpOutcome::StoreFailed, "store_failed"),
+        (HttpOutcome::LeaseLost, "lease_lost"),
+        (HttpOutcome::SettledByHandler, "settled_by_handler"),
+        (HttpOutcome::HandlerError, "handler_error"),
+        (HttpOutcome::HandlerErrorHeld, "handler_error_held"),
+        (HttpOutcome::HandlerPanicked, "handler_panicked"),
+    ];
+
     /// The labels are what dashboards and alerts match on: they never change.
     #[test]
     fn labels_are_stable() {
-        let decisions = [
-            (HttpDecision::PassThrough, "pass_through"),
-            (HttpDecision::Refused, "refused"),
-            (HttpDecision::Executed, "executed"),
-            (HttpDecision::Replayed, "replayed"),
-            (HttpDecision::Mismatch, "mismatch"),
-            (HttpDecision::InProgress, "in_progress"),
-            (HttpDecision::StoreUnavailable, "store_unavailable"),
-            (HttpDecision::FailOpen, "fail_open"),
-            (HttpDecision::Unreadable, "stored_response_unreadable"),
-        ];
-        for (decision, label) in decisions {
+        for (decision, label) in DECISIONS {
             assert_eq!(decision.as_str(), label);
         }
-        let outcomes = [
-            (HttpOutcome::Stored, "stored"),
-            (HttpOutcome::ReleasedStatus, "released_status"),
-            (HttpOutcome::ReleasedTooLarge, "released_too_large"),
-            (HttpOutcome::ReleasedBodyFailed, "response_body_failed"),
-            (HttpOutcome::RecordedTooLarge, "recorded_too_large"),
-            (HttpOutcome::RecordedBodyFailed, "recorded_body_failed"),
-            (HttpOutcome::StoreFailed, "store_failed"),
-            (HttpOutcome::LeaseLost, "lease_lost"),
-            (HttpOutcome::SettledByHandler, "settled_by_handler"),
-            (HttpOutcome::HandlerError, "handler_error"),
-            (HttpOutcome::HandlerPanicked, "handler_panicked"),
-        ];
-        for (outcome, label) in outcomes {
+        for (outcome, label) in OUTCOMES {
             assert_eq!(outcome.as_str(), label);
         }
+    }
+
+    /// Each decision and outcome is counted under its own label (the counters' keys are
+    /// written out per variant).
+    #[cfg(feature = "metrics")]
+    #[test]
+    fn each_is_counted_under_its_label() {
+        use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+        let recorder = DebuggingRecorder::new();
+        metrics::with_local_recorder(&recorder, || {
+            for (i, (decision, _)) in DECISIONS.into_iter().enumerate() {
+                for _ in 0..=i {
+                    record_decision(decision);
+                }
+            }
+            for (i, (outcome, _)) in OUTCOMES.into_iter().enumerate() {
+                for _ in 0..=i {
+                    record_outcome(outcome);
+                }
+            }
+        });
+        let counted = |name: &str, label: &str| -> Vec<(String, u64)> {
+            let mut counts: Vec<(String, u64)> = recorder
+                .snapshotter()
+                .snapshot()
+                .into_vec()
+                .into_iter()
+                .filter(|(key, ..)| key.key().name() == name)
+                .map(|(key, _, _, value)| {
+                    let labels: Vec<_> = key.key().labels().collect();
+                    assert_eq!(labels.len(), 1, "{key:?}");
+                    assert_eq!(labels[0].key(), label);
+                    let DebugValue::Counter(n) = value else {
+                        panic!("{key:?} is not a counter");
+                    };
+                    (labels[0].value().to_owned(), n)
+                })
+                .collect();
+            counts.sort();
+            counts
+        };
+        let expected = |pairs: &[&str]| -> Vec<(String, u64)> {
+            let mut v: Vec<(String, u64)> = pairs
+                .iter()
+                .enumerate()
+                .map(|(i, l)| ((*l).to_owned(), i as u64 + 1))
+                .collect();
+            v.sort();
+            v
+        };
+        assert_eq!(
+            counted("idempotency_http_requests_total", "decision"),
+            expected(&DECISIONS.map(|(_, l)| l))
+        );
+        assert_eq!(
+            counted("idempotency_http_outcomes_total", "outcome"),
+            expected(&OUTCOMES.map(|(_, l)| l))
+        );
     }
 }
