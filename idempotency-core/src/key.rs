@@ -58,6 +58,7 @@ impl IdempotencyKey {
 
     /// Validates and wraps a key given as a slice: one allocation, with no `String` on the
     /// way (a key read from a request header).
+    #[cfg(feature = "http")]
     pub(crate) fn from_slice(key: &str) -> Result<Self, KeyError> {
         validate_key(key)?;
         Ok(Self(key.into()))

@@ -12,19 +12,23 @@ pub(crate) type Panic = Box<dyn Any + Send + 'static>;
 
 /// A future that is polled where it is awaited (no task spawned, no scheduler round trip),
 /// and that is not cancelled by a drop: dropped before its end, it moves to a task of its own
-/// on the current Tokio runtime and runs to its end there. Without a runtime (one that is
-/// shutting down) it is dropped, as a spawned task would be.
+/// on the Tokio runtime it was created on (wherever the drop happens) and runs to its end
+/// there. Created outside a runtime, or dropped while that runtime shuts down, it is dropped,
+/// as a spawned task would be (its lease then holds the key until it passes).
 ///
 /// A panic while it is polled in place ends it and is returned as `Err`; it is not run any
 /// further.
 pub(crate) struct Detachable<F: Future + Send + 'static> {
     inner: Option<Pin<Box<F>>>,
+    /// The runtime the rest moves to if it is dropped before its end.
+    runtime: Option<tokio::runtime::Handle>,
 }
 
 impl<F: Future + Send + 'static> Detachable<F> {
     pub(crate) fn new(future: F) -> Self {
         Self {
             inner: Some(Box::pin(future)),
+            runtime: tokio::runtime::Handle::try_current().ok(),
         }
     }
 }
@@ -57,12 +61,16 @@ impl<F: Future + Send + 'static> Drop for Detachable<F> {
         let Some(inner) = self.inner.take() else {
             return;
         };
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        match &self.runtime {
             // The output was the dropped caller's; the work's own effects (the stored
             // outcome) are what matters.
-            drop(runtime.spawn(async move {
+            Some(runtime) => drop(runtime.spawn(async move {
                 let _ = inner.await;
-            }));
+            })),
+            None => tracing::warn!(
+                "the request was dropped while its handler ran, outside a Tokio runtime: the \
+                 handler is dropped with it, and its key is held until its lease passes"
+            ),
         }
     }
 }
@@ -107,6 +115,36 @@ mod tests {
         })
         .await
         .expect("the work finished on its own task");
+    }
+
+    #[tokio::test]
+    async fn dropped_off_its_runtime_it_finishes_on_the_runtime_it_was_made_on() {
+        let finished = Arc::new(AtomicBool::new(false));
+        let (go_tx, go_rx) = tokio::sync::oneshot::channel::<()>();
+        let work = {
+            let finished = finished.clone();
+            async move {
+                go_rx.await.expect("sent");
+                finished.store(true, Ordering::SeqCst);
+            }
+        };
+        let mut waiting = Box::pin(Detachable::new(work));
+        assert!(
+            futures::poll!(waiting.as_mut()).is_pending(),
+            "the work waits"
+        );
+        // Dropped on a thread outside any runtime.
+        std::thread::spawn(move || drop(waiting))
+            .join()
+            .expect("dropped");
+        go_tx.send(()).expect("the work survived the drop");
+        tokio::time::timeout(Duration::from_secs(30), async {
+            while !finished.load(Ordering::SeqCst) {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("the work finished on its runtime");
     }
 
     #[tokio::test]
