@@ -86,11 +86,15 @@ impl RefRecord {
         self.is_live(now) && self.status == RecordStatus::Pending && self.token == token
     }
 
-    /// Whether a reclaim may take the record over at `now` (token aside): it is Failed, or
-    /// Pending with a passed lease.
-    pub fn is_takeable(&self, now: Timestamp) -> bool {
+    /// Whether a reclaim with `fingerprint` may take the record over at `now` (token aside):
+    /// it is Pending with a passed lease, or Failed (a permanent failure only by another
+    /// fingerprint).
+    pub fn is_takeable(&self, now: Timestamp, fingerprint: &Fingerprint) -> bool {
         match self.status {
-            RecordStatus::Failed => true,
+            RecordStatus::Failed => {
+                self.failure.as_ref().is_none_or(|f| f.retryable)
+                    || self.fingerprint != *fingerprint
+            }
             RecordStatus::Pending => self.lease_until.is_none_or(|l| l <= now),
             RecordStatus::Completed => false,
         }
@@ -335,7 +339,7 @@ impl<K: Ord> ReferenceStore<K> {
             return Reclaim::Lost;
         };
         let holds_expected = r.token == expected || flaw == Flaw::ReclaimIgnoresExpectedToken;
-        if !r.is_live(now) || !holds_expected || !r.is_takeable(now) {
+        if !r.is_live(now) || !holds_expected || !r.is_takeable(now, fingerprint) {
             return Reclaim::Lost;
         }
         let token = expected.next();

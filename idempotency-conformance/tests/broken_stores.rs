@@ -91,7 +91,12 @@ impl IdempotencyStore for Broken {
                 Claim::Existing { record, now } if record.status == RecordStatus::Pending => {
                     // Overwrite: release and retake the key whatever its lease says.
                     self.inner
-                        .fail(&request.id, record.token, &Failure::default(), request.ttl)
+                        .fail(
+                            &request.id,
+                            record.token,
+                            &Failure::retryable("overwritten"),
+                            request.ttl,
+                        )
                         .await?;
                     match self
                         .inner
@@ -623,7 +628,9 @@ impl IdempotencyStore for RefStore {
             return Ok(Reclaim::Lost);
         };
         let takeable = match r.status {
-            RecordStatus::Failed => true,
+            RecordStatus::Failed => {
+                r.failure.as_ref().is_none_or(|f| f.retryable) || r.fingerprint != *fingerprint
+            }
             RecordStatus::Pending => r.lease_passed(now),
             RecordStatus::Completed => false,
         };

@@ -101,7 +101,11 @@ pub trait IdempotencyStore: Send + Sync + Debug + 'static {
     ///
     /// # Behavior
     /// Compare-and-swap: applies only if the record is live, still holds `expected` (the token
-    /// the caller read), and is either `Failed` or `Pending` with `lease_until <= now`. Then
+    /// the caller read), and is either `Pending` with `lease_until <= now`, or `Failed` with a
+    /// retryable failure, or `Failed` with a permanent failure and a fingerprint other than
+    /// `fingerprint` (a permanent failure is final for the request that failed: its work may
+    /// have acted, and the engine records one when a work's outcome could not be stored; a
+    /// holder may write it after the caller read the record Pending). Then
     /// sets `Pending`, a new token `expected + 1`, the given fingerprint, `attempts + 1`,
     /// `lease_until = now + lease`, `expires_at = now + max(lease, ttl)`, and clears any stored
     /// outcome and the previous attempt's failure, returning [`Reclaim::Reclaimed`]. A stale snapshot (the holder completed after

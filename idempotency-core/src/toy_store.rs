@@ -145,8 +145,11 @@ impl IdempotencyStore for ToyStore {
                 return Reclaim::Lost;
             };
             let lease_passed = r.lease_until.is_none_or(|until| until <= now);
-            let takeable = r.status == RecordStatus::Failed
-                || (r.status == RecordStatus::Pending && lease_passed);
+            // A permanent failure is final for the request that failed (its work may have
+            // acted): only a request with another fingerprint takes it over.
+            let takeable_failure = r.status == RecordStatus::Failed
+                && (r.failure.as_ref().is_none_or(|f| f.retryable) || r.fingerprint != *fingerprint);
+            let takeable = takeable_failure || (r.status == RecordStatus::Pending && lease_passed);
             // The token the caller read must still be there: a stale read (the holder
             // completed since) never overwrites the record.
             if r.is_expired(now) || r.token != expected || !takeable {

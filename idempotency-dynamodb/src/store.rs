@@ -639,7 +639,8 @@ impl IdempotencyStore for DynamoStore {
                  #lease = :until, #ua = :now, #exp = :exp, #ttl = :ttl, #nonce = :nonce \
                  REMOVE #out, #fmsg, #fretry",
                 "#tok = :expected AND #exp > :now AND \
-                 (#st = :failed OR (#st = :pending AND #lease <= :now))",
+                 ((#st = :failed AND (#fretry = :true OR #fp <> :fp)) \
+                  OR (#st = :pending AND #lease <= :now))",
                 &[
                     ("#tok", TOKEN),
                     ("#st", STATUS),
@@ -659,6 +660,7 @@ impl IdempotencyStore for DynamoStore {
                     (":expected", n(expected.0)),
                     (":pending", n(status_number(RecordStatus::Pending))),
                     (":failed", n(status_number(RecordStatus::Failed))),
+                    (":true", AttributeValue::Bool(true)),
                     (":fp", b(fingerprint.as_bytes().to_vec())),
                     (":one", n(1)),
                     (":until", n(lease_until.as_millis())),

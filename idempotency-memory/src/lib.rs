@@ -314,7 +314,11 @@ impl IdempotencyStore for MemoryStore {
             return Ok(Reclaim::Lost);
         };
         let takeable = match r.status {
-            RecordStatus::Failed => true,
+            // A permanent failure is final for the request that failed (its work may have
+            // acted): only a request with another fingerprint takes it over.
+            RecordStatus::Failed => {
+                r.failure.as_ref().is_none_or(|f| f.retryable) || r.fingerprint != *fingerprint
+            }
             RecordStatus::Pending => r.lease_passed(now),
             RecordStatus::Completed => false,
         };

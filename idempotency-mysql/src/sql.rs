@@ -126,7 +126,8 @@ WHERE {held}"
     outcome = NULL, failure_retryable = NULL, failure_message = NULL, updated_ms = {now},
     expires_ms = {now} + ?, revision = revision + 1
 WHERE scope = ? AND idem_key = ? AND token = ? AND expires_ms > {now}
-  AND (status = 'failed'
+  AND ((status = 'failed' AND (failure_retryable IS NULL OR failure_retryable <> 0
+                               OR fingerprint <> ?))
        OR (status = 'pending' AND (lease_until_ms IS NULL OR lease_until_ms <= {now})))"
         );
         let get = format!(

@@ -671,6 +671,7 @@ impl IdempotencyStore for MysqlStore {
                     .bind(id.scope.as_str().as_bytes())
                     .bind(id.key.as_str().as_bytes())
                     .bind(expected_i)
+                    .bind(&fingerprint.as_bytes()[..])
             })
             .await?;
         if done.rows_affected() == 0 {

@@ -284,7 +284,8 @@ UPDATE {t} AS r SET status = 'pending', token = r.token + 1, fingerprint = $4,
     expires_at = c.now + $6 * interval '1 millisecond'
 FROM c
 WHERE r.scope = $1 AND r.key = $2 AND r.token = $3 AND r.expires_at > c.now
-  AND (r.status = 'failed'
+  AND ((r.status = 'failed'
+        AND (r.failure_retryable IS NOT FALSE OR r.fingerprint IS DISTINCT FROM $4))
        OR (r.status = 'pending' AND (r.lease_until IS NULL OR r.lease_until <= c.now)))
 RETURNING r.token, {lease} AS lease_until_ms",
             lease = ms("r.lease_until"),

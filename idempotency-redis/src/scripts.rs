@@ -182,7 +182,10 @@ if not v or exp <= now or tok ~= expected then
   return 'l'
 end
 local leased = fl % 2 == 1
-if not (st == 3 or (st == 1 and (not leased or lease <= now))) then
+-- A permanent failure (flag 4 clear) is final for the request that failed: only another
+-- fingerprint takes it over.
+local takeable_failure = st == 3 and (math.floor(fl / 4) % 2 == 1 or fp ~= afp)
+if not (takeable_failure or (st == 1 and (not leased or lease <= now))) then
   return 'l'
 end
 local ntok = tok + 1

@@ -82,7 +82,8 @@ impl Sql {
                      failure_retryable = NULL, failure_message = NULL,
                      updated_at = ?4, expires_at = ?7
                    WHERE {held}
-                     AND (status = 'failed'
+                     AND ((status = 'failed'
+                           AND (failure_retryable IS NOT 0 OR fingerprint IS NOT ?5))
                           OR (status = 'pending' AND (lease_until IS NULL OR lease_until <= ?4)))"#
             ),
             get: format!(

@@ -11,7 +11,7 @@ use idempotency_core::{
 
 /// Fail, then reclaim: the failure is stored, the holder's further writes are refused, and a
 /// reclaim bumps the token, increments `attempts`, replaces the fingerprint and clears the
-/// lease-less Failed state. Permanent failures are reclaimable too (the store holds no policy).
+/// lease-less Failed state. A permanent failure is reclaimable only by another fingerprint.
 pub async fn fail_then_reclaim(t: TestStore) {
     let id = unique_id("fail-reclaim");
     let req = request(&id, fp("first payload"), t.long(), t.long());
@@ -114,9 +114,12 @@ pub async fn fail_then_reclaim(t: TestStore) {
     assert_eq!(done.outcome.as_deref(), Some(&b"second attempt"[..]));
     assert_eq!(done.attempts, 2);
 
-    // A permanent failure is reclaimable as well, any number of times.
+    // A permanent failure is final for the request that failed: a reclaim with its
+    // fingerprint is Lost and changes nothing (the holder may have written it after the
+    // reclaimer read the record Pending). Another fingerprint takes it over, any number of
+    // times.
     let id = unique_id("fail-permanent");
-    let req = request(&id, fp("p"), t.long(), t.long());
+    let req = request(&id, fp("p0"), t.long(), t.long());
     let mut token = must_claim(&t, &req).await;
     for attempt in 1..=3u32 {
         let failure = Failure::permanent(format!("attempt {attempt}"));
@@ -130,9 +133,23 @@ pub async fn fail_then_reclaim(t: TestStore) {
         let r = present(&t, &id).await;
         assert_eq!(r.attempts, attempt);
         assert_eq!(r.failure, Some(failure));
+        let same = fp(&format!("p{}", attempt - 1));
+        assert_eq!(
+            t.store
+                .reclaim(&id, token, &same, t.long(), t.long())
+                .await
+                .expect("reclaim"),
+            Reclaim::Lost,
+            "a permanent failure was reclaimed by the request that failed"
+        );
+        assert_eq!(
+            present(&t, &id).await,
+            r,
+            "a lost reclaim changed the record"
+        );
         token = match t
             .store
-            .reclaim(&id, token, &fp("p"), t.long(), t.long())
+            .reclaim(&id, token, &fp(&format!("p{attempt}")), t.long(), t.long())
             .await
             .expect("reclaim")
         {
@@ -140,10 +157,14 @@ pub async fn fail_then_reclaim(t: TestStore) {
                 assert_eq!(new, token.next());
                 new
             }
-            Reclaim::Lost => panic!("reclaim of a permanently Failed record was Lost"),
+            Reclaim::Lost => {
+                panic!("reclaim of a permanently Failed record by another fingerprint was Lost")
+            }
         };
     }
-    assert_eq!(present(&t, &id).await.attempts, 4);
+    let r = present(&t, &id).await;
+    assert_eq!(r.attempts, 4);
+    assert_eq!(r.fingerprint, fp("p3"));
 }
 
 /// A Completed record is final: no reclaim (with any token), complete, fail or extend changes
