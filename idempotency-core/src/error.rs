@@ -76,9 +76,12 @@ pub enum Error {
     },
     /// The store may or may not have applied a write: the connection died after the request
     /// was sent, or the work ran and its outcome could not be stored after the retries of
-    /// [`crate::Policy::settle_retry`]. The key is not released: it stays Pending until its
-    /// lease passes, so retries are told [`Error::InProgress`] until then and never replay
-    /// an outcome that was not stored. Read the record again before assuming anything.
+    /// [`crate::Policy::settle_retry`]. The key is not released: a lease whose completion
+    /// failed records a permanent failure in the outcome's place (retries are told
+    /// [`Error::FailedPermanently`]), or, if the store refuses that too, the record stays
+    /// Pending until its lease passes and retries are told [`Error::InProgress`] until then.
+    /// No retry is given an outcome that was not stored. Read the record again before
+    /// assuming anything.
     #[error("outcome unknown: the store may or may not have applied the write: {source}")]
     OutcomeUnknown {
         /// The transport error.

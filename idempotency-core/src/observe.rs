@@ -22,7 +22,8 @@ pub enum Event {
     LeaseLost,
     /// A request found its last attempt failed permanently and was not run.
     FailedPermanently,
-    /// A work ran but its outcome could not be stored: the key is held until its lease passes.
+    /// A work ran but its outcome could not be stored: a permanent failure is recorded in its
+    /// place (or, if the store refuses that too, the key is held until its lease passes).
     OutcomeNotStored,
     /// A lease was dropped unsettled (the work was cancelled): the key is held until its
     /// lease passes.

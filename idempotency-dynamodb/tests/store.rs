@@ -14,11 +14,13 @@ use aws_sdk_dynamodb::config::interceptors::{
 use aws_sdk_dynamodb::config::{ConfigBag, Intercept, RuntimeComponents};
 use aws_sdk_dynamodb::types::AttributeValue;
 use idempotency_core::{
-    Cas, Claim, ClaimRequest, Clock, Error, Failure, FencingToken, Fingerprint, IdempotencyKey,
-    IdempotencyStore, ManualClock, Reclaim, RecordId, RecordStatus, Scope, Timestamp,
+    Cas, Claim, ClaimRequest, Clock, Error, Failure, FencingToken, Fingerprint, Idempotency,
+    IdempotencyKey, IdempotencyStore, ManualClock, Policy, Reclaim, RecordId, RecordStatus, Scope,
+    Timestamp,
 };
 use idempotency_dynamodb::{DynamoError, DynamoStore, MAX_OUTCOME_BYTES};
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -143,6 +145,40 @@ async fn each_operation_is_one_request() {
         ops(&[("PutItem", 1), ("UpdateItem", 1)]),
         "a claim that counts its hit"
     );
+}
+
+/// Through the engine: a work whose outcome is over the item limit ran, and its outcome
+/// cannot be kept. A retry, at once or after the lease has passed, is told the first attempt
+/// failed for good; the work never runs a second time.
+#[tokio::test]
+async fn a_work_whose_outcome_is_over_the_item_limit_never_runs_twice() {
+    let (store, clock, _requests, _guard) = counted_store().await;
+    let engine =
+        Idempotency::new(Arc::new(store), Policy::default().lease(LEASE).ttl(TTL)).unwrap();
+    let (key, scope) = (IdempotencyKey::random(), Scope::new("orders").unwrap());
+    let fingerprint = Fingerprint::from_bytes(b"a");
+    let runs = Arc::new(AtomicUsize::new(0));
+    let run = || {
+        let runs = runs.clone();
+        engine.run(&key, &scope, &fingerprint, move |_| async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, String>("x".repeat(MAX_OUTCOME_BYTES + 1))
+        })
+    };
+    let first = run().await;
+    assert!(
+        matches!(first, Err(Error::OutcomeUnknown { .. })),
+        "{first:?}"
+    );
+    for later in [Duration::ZERO, LEASE + Duration::from_secs(1)] {
+        clock.advance(later);
+        let retry = run().await;
+        assert!(
+            matches!(retry, Err(Error::FailedPermanently { .. })),
+            "a retry {later:?} later: {retry:?}"
+        );
+        assert_eq!(runs.load(Ordering::SeqCst), 1, "the work ran twice");
+    }
 }
 
 #[tokio::test]

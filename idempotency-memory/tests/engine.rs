@@ -1,8 +1,14 @@
-//! Engine behaviour that needs real time: the lease heartbeat.
+//! Engine behaviour against a real store: the lease heartbeat (in real time), and what
+//! happens to a key whose outcome the store refuses.
 #![allow(clippy::unwrap_used)]
 
-use idempotency_core::{Error, Fingerprint, Idempotency, IdempotencyKey, Policy, Scope};
+use idempotency_core::{
+    Cas, Claim, ClaimRequest, Error, Failure, FencingToken, Fingerprint, Idempotency,
+    IdempotencyKey, IdempotencyStore, ManualClock, Policy, Reclaim, Record, RecordId, Scope,
+    SettleRetry,
+};
 use idempotency_memory::MemoryStore;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -90,4 +96,124 @@ async fn huge_wait_backoffs_do_not_overflow() {
         "the waiter got {waited:?}"
     );
     assert!(started.elapsed() >= Duration::from_millis(300));
+}
+
+/// The memory store, but refusing to keep an outcome over `limit` bytes, as a store with an
+/// item limit does (DynamoDB's 400 KB): a definite refusal, nothing written.
+#[derive(Debug)]
+struct RefusesLargeOutcomes {
+    inner: MemoryStore,
+    limit: usize,
+}
+
+#[async_trait::async_trait]
+impl IdempotencyStore for RefusesLargeOutcomes {
+    async fn claim(&self, request: &ClaimRequest) -> Result<Claim, Error> {
+        self.inner.claim(request).await
+    }
+    async fn complete(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        outcome: &[u8],
+        ttl: Duration,
+    ) -> Result<Cas, Error> {
+        if outcome.len() > self.limit {
+            return Err(Error::Backend {
+                retryable: false,
+                source: format!("an outcome of {} bytes is over the limit", outcome.len()).into(),
+            });
+        }
+        self.inner.complete(id, token, outcome, ttl).await
+    }
+    async fn fail(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        failure: &Failure,
+        ttl: Duration,
+    ) -> Result<Cas, Error> {
+        self.inner.fail(id, token, failure, ttl).await
+    }
+    async fn extend(
+        &self,
+        id: &RecordId,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<Cas, Error> {
+        self.inner.extend(id, token, lease).await
+    }
+    async fn reclaim(
+        &self,
+        id: &RecordId,
+        expected: FencingToken,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Reclaim, Error> {
+        self.inner
+            .reclaim(id, expected, fingerprint, lease, ttl)
+            .await
+    }
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
+        self.inner.get(id).await
+    }
+    async fn purge_expired(&self, batch: usize) -> Result<u64, Error> {
+        self.inner.purge_expired(batch).await
+    }
+}
+
+/// The work ran and the store refused its outcome for good: a retry after the lease has
+/// passed must not run the work a second time. It is told the first attempt failed
+/// permanently (the record says why), every time, until the record expires.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outcome_the_store_refuses_is_never_run_again() {
+    let clock = ManualClock::new();
+    let store = RefusesLargeOutcomes {
+        inner: MemoryStore::builder()
+            .clock(Arc::new(clock.clone()))
+            .build(),
+        limit: 1_000,
+    };
+    let lease = Duration::from_secs(30);
+    let policy = Policy::default()
+        .lease(lease)
+        .heartbeat(None)
+        .settle_retry(SettleRetry::new(
+            2,
+            Duration::from_millis(1),
+            Duration::from_millis(1),
+        ));
+    let engine = Idempotency::new(Arc::new(store), policy).unwrap();
+    let (key, scope, fp) = (
+        IdempotencyKey::random(),
+        Scope::new("t|large").unwrap(),
+        Fingerprint::from_bytes(b"x"),
+    );
+    let runs = Arc::new(AtomicUsize::new(0));
+    let run = || {
+        let runs = runs.clone();
+        engine.run(&key, &scope, &fp, move |_| async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, String>("x".repeat(5_000))
+        })
+    };
+    let first = run().await;
+    assert!(
+        matches!(first, Err(Error::OutcomeUnknown { .. })),
+        "the first run's outcome was not stored: {first:?}"
+    );
+    for later in [Duration::ZERO, lease + Duration::from_secs(1), lease * 10] {
+        clock.advance(later);
+        let retry = run().await;
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            1,
+            "a retry {later:?} later ran the work again ({retry:?})"
+        );
+        assert!(
+            matches!(retry, Err(Error::FailedPermanently { .. })),
+            "a retry {later:?} later is told the first attempt failed for good: {retry:?}"
+        );
+    }
 }

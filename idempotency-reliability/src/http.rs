@@ -130,6 +130,11 @@ impl HttpPath {
                 ),
             },
             StatusCode::CONFLICT => (R::InProgress, None, false),
+            StatusCode::UNPROCESSABLE_ENTITY
+                if text.contains("idempotency-key-failed-permanently") =>
+            {
+                (R::FailedPermanently, None, false)
+            }
             StatusCode::INTERNAL_SERVER_ERROR
                 if parts.headers.get(HANDLER).is_some() && !replayed =>
             {

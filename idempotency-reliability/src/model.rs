@@ -3,7 +3,9 @@
 //! A key is a *once-register*: it starts open, and the first execution whose completion
 //! commits closes it with that execution's value, for good. Every later request replays that
 //! value. While it is open, requests may run the work and fail (releasing the key), find
-//! another attempt in progress, or lose their lease.
+//! another attempt in progress, or lose their lease. An execution whose work ran but whose
+//! outcome could not be stored closes it too, with a permanent failure instead of a value
+//! ([`LOST`]): every later request is told it failed for good, and nothing runs again.
 //!
 //! Linearization points: a replay, an in-progress answer and a run whose work failed take
 //! effect at the claim that observed the record; a fresh success at its completion CAS; a read
@@ -49,7 +51,17 @@ pub enum Response {
     /// No answer (cancelled, timed out, a backend error): the call may or may not have taken
     /// effect, now or later.
     Unknown,
+    /// `Error::FailedPermanently` (HTTP 422 `idempotency-key-failed-permanently`): the key is
+    /// closed by a work whose outcome could not be stored.
+    FailedPermanently,
+    /// A read found the record Failed for good (not retryable).
+    ReadFailed,
 }
+
+/// The value of a key closed by a permanent failure in place of an outcome: a work ran (a call
+/// answered [`Response::Unknown`] or [`Response::Executed`]) and its outcome could not be
+/// stored. No call's own value (each is its sequence number, from 1).
+pub const LOST: u64 = u64::MAX;
 
 /// The model: state `None` (open) or `Some(v)` (closed with `v`).
 #[derive(Clone, Copy, Debug, Default)]
@@ -71,11 +83,16 @@ impl Model for OnceRegister {
             (Call::Run { .. }, R::Replayed(v), Some(held)) if v == held => vec![*state],
             (Call::Run { .. }, R::Released | R::InProgress, None) => vec![None],
             (Call::Run { .. }, R::LeaseLost, _) => vec![*state],
-            (Call::Run { value }, R::Executed(v), None) if v == value => vec![None, Some(*v)],
-            // Unknown: it may have committed its value (only onto an open key), or not.
-            (Call::Run { value }, R::Unknown, None) => vec![None, Some(*value)],
+            (Call::Run { value }, R::Executed(v), None) if v == value => {
+                vec![None, Some(*v), Some(LOST)]
+            }
+            // Unknown: it may have committed its value (only onto an open key), or a permanent
+            // failure in its place, or nothing.
+            (Call::Run { value }, R::Unknown, None) => vec![None, Some(*value), Some(LOST)],
             (Call::Run { .. }, R::Unknown, Some(_)) => vec![*state],
+            (Call::Run { .. }, R::FailedPermanently, Some(LOST)) => vec![*state],
             (Call::Read, R::ReadCompleted(v), Some(held)) if v == held => vec![*state],
+            (Call::Read, R::ReadFailed, Some(LOST)) => vec![*state],
             (Call::Read, R::ReadOpen, None) => vec![None],
             (Call::Read, R::Unknown, _) => vec![*state],
             _ => vec![],
@@ -137,20 +154,32 @@ impl Model for ExpiringOnceRegister {
             (Call::Run { .. }, R::Replayed(v)) if held(v) => vec![*state],
             (Call::Run { .. }, R::Released | R::InProgress) if open => vec![None],
             (Call::Run { .. }, R::LeaseLost) => vec![*state],
-            // It claimed an open key; it committed before its answer, or not.
+            // It claimed an open key; it committed before its answer (its value, or a
+            // permanent failure in its place), or not.
             (Call::Run { value }, R::Executed(v)) if *v == value && open => {
-                vec![None, self.closed_by(value, input.at)]
+                vec![
+                    None,
+                    self.closed_by(value, input.at),
+                    self.closed_by(LOST, input.at),
+                ]
             }
-            // It did nothing, or claimed an open key and committed, or not.
+            // It did nothing, or claimed an open key and committed (its value, or a permanent
+            // failure in its place), or not.
             (Call::Run { value }, R::Unknown) if open => {
-                let mut next = vec![None, self.closed_by(value, input.at)];
+                let mut next = vec![
+                    None,
+                    self.closed_by(value, input.at),
+                    self.closed_by(LOST, input.at),
+                ];
                 if state.is_some() {
                     next.push(*state);
                 }
                 next
             }
             (Call::Run { .. }, R::Unknown) => vec![*state],
+            (Call::Run { .. }, R::FailedPermanently) if held(&LOST) => vec![*state],
             (Call::Read, R::ReadCompleted(v)) if held(v) => vec![*state],
+            (Call::Read, R::ReadFailed) if held(&LOST) => vec![*state],
             (Call::Read, R::ReadOpen) if open => vec![None],
             (Call::Read, R::Unknown) => vec![*state],
             _ => vec![],
@@ -283,6 +312,38 @@ mod tests {
     #[test]
     fn a_fresh_value_that_is_not_the_callers_is_a_violation() {
         let h = [op(0, Some(10), run(1), Response::Fresh(2))];
+        assert!(matches!(verdict(&h), Verdict::Violation { .. }));
+    }
+
+    #[test]
+    fn an_unstored_outcome_closes_the_key_with_a_permanent_failure() {
+        // Call 1's work ran and its outcome could not be stored: a permanent failure was
+        // recorded in its place. Every later call is told so; nothing runs again.
+        let h = [
+            op(0, Some(10), run(1), Response::Unknown),
+            op(12, Some(13), run(2), Response::FailedPermanently),
+            op(14, Some(15), Call::Read, Response::ReadFailed),
+            op(400, Some(410), run(3), Response::FailedPermanently),
+        ];
+        assert!(verdict(&h).is_linearizable());
+        // The same after an HTTP execution whose response was delivered but not stored.
+        let mut h = h.to_vec();
+        h[0] = op(0, Some(10), run(1), Response::Executed(1));
+        assert!(verdict(&h).is_linearizable());
+        // A run after that is a second execution.
+        h.push(op(500, Some(510), run(5), Response::Fresh(5)));
+        assert!(matches!(verdict(&h), Verdict::Violation { .. }));
+        // And a permanent failure nothing could have recorded is a violation: here every
+        // earlier call is known to have done something else.
+        let h = [
+            op(0, Some(10), run(1), Response::Fresh(1)),
+            op(12, Some(13), run(2), Response::FailedPermanently),
+        ];
+        assert!(matches!(verdict(&h), Verdict::Violation { .. }));
+        let h = [
+            op(0, Some(10), run(1), Response::Released),
+            op(12, Some(13), Call::Read, Response::ReadFailed),
+        ];
         assert!(matches!(verdict(&h), Verdict::Violation { .. }));
     }
 

@@ -165,7 +165,7 @@ impl Refusal {
                 retry_after_secs(*retry_after)
             ),
             Self::Mismatch => "the key was already used with a different method, path, query, content type or body; use a new key for a new operation".into(),
-            Self::FailedPermanently => "the first request with this key failed in a way that retrying will not fix; it is not run again under this key".into(),
+            Self::FailedPermanently => "the first request with this key failed in a way that retrying will not fix, or ran but its response could not be stored; it is not run again under this key".into(),
             Self::StoreUnavailable(_) => "the request was not run because its key could not be recorded; retry later".into(),
             Self::StoredResponseUnreadable(_) => "the outcome stored for this key cannot be replayed".into(),
             Self::NotReplayable { status, reason } => {

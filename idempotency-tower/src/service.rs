@@ -600,9 +600,10 @@ async fn complete(lease: Lease, outcome: &StoredResponse, done: HttpOutcome) -> 
             HttpOutcome::LeaseLost
         }
         Err(e) => {
-            // The work ran; its response is delivered. The engine retried the write and left
-            // the key Pending: a retry is told 409 until the lease passes (then it runs
-            // again), never given the key at once.
+            // The work ran; its response is delivered. The engine retried the write, then
+            // recorded a permanent failure in its place (a retry is told 422 and the handler
+            // never runs again) or, if that failed too, left the key Pending (a retry is told
+            // 409 until the lease passes).
             tracing::error!(error = %e, "could not store the response");
             HttpOutcome::StoreFailed
         }

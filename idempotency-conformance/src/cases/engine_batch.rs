@@ -331,7 +331,8 @@ pub async fn engine_concurrent_batches_run_each_message_once(t: TestStore) {
 /// The batch's settlement fails as a whole (refused, or applied with its answer lost): each
 /// message's completion is then tried alone and read back, so every outcome is stored and no
 /// work runs twice. When the single tries fail too, every message is reported unsettled and
-/// to redeliver, its key held (a redelivery is told in progress), and the work not run again.
+/// to redeliver, a permanent failure is recorded in each outcome's place (a redelivery is told
+/// the message failed for good), and the work is not run again.
 pub async fn engine_batch_settlement_failure_is_retried_alone(t: TestStore) {
     let scope = Scope::from_parts(["conformance-engine", "batch-settle"]).expect("scope");
     let policy = Policy::default().lease(t.long()).ttl(t.long());
@@ -366,7 +367,7 @@ pub async fn engine_batch_settlement_failure_is_retried_alone(t: TestStore) {
         assert_eq!(again.replayed(), batch.len(), "{fault:?}: {again:?}");
         assert_eq!(ledger.total(), batch.len(), "{fault:?}: each work ran once");
 
-        // The batch and every single try fail: unsettled, held, not run again.
+        // The batch and every single try fail: unsettled, not run again.
         let batch: Vec<(String, &str, Act)> = (0..3)
             .map(|i| {
                 (
@@ -396,11 +397,12 @@ pub async fn engine_batch_settlement_failure_is_retried_alone(t: TestStore) {
             }
             assert!(m.redeliver, "{fault:?}: {m:?}");
         }
-        // A redelivery finds the key held (nothing stored) or the stored outcome.
+        // A redelivery finds the permanent failure recorded in the outcome's place (nothing
+        // stored), or the stored outcome.
         let again = consume(&e, &scope, &batch, 4, &ledger).await;
         for m in &again.messages {
             match (&m.outcome, fault) {
-                (MessageOutcome::Refused(Error::InProgress { .. }), Fault::Refused) => {}
+                (MessageOutcome::Refused(Error::FailedPermanently { .. }), Fault::Refused) => {}
                 (MessageOutcome::Replayed(Ok(_)), Fault::AckLost) => {}
                 (other, _) => panic!("{fault:?}: a redelivery got {other:?}"),
             }

@@ -44,9 +44,11 @@ async fn counted(
 
 /// A store error on `complete` after the work ran never lets a retry run it again. A
 /// transient error is retried and the outcome stored; a lost answer (the write applied) is
-/// recognised; a store that keeps failing leaves the record Pending, the caller gets
-/// `OutcomeUnknown`, and a retry 100 ms later is told `InProgress` (one-hour lease), not
-/// given the key.
+/// recognised; a completion refused through every try (an outcome over the store's item
+/// limit) gets `OutcomeUnknown` and a permanent failure recorded in the outcome's place, so
+/// retries are told `FailedPermanently`, now and after the lease; a store that refuses that
+/// write too leaves the record Pending, and a retry 100 ms later is told `InProgress`
+/// (one-hour lease), not given the key.
 pub async fn engine_failed_completion_holds_key(t: TestStore) {
     let policy = Policy::default().lease(t.long()).ttl(t.long());
     for fault in [Fault::Refused, Fault::AckLost] {
@@ -77,7 +79,41 @@ pub async fn engine_failed_completion_holds_key(t: TestStore) {
         );
     }
 
-    // Completion keeps failing: no release, the retry waits for the lease.
+    // Completion refused through every try, the store otherwise up: the failure recorded in
+    // the outcome's place answers every retry, and nothing runs again.
+    let flaky = FlakyStore::new(t.store.clone(), Fault::Refused);
+    let e = engine_on(Arc::new(flaky.clone()), policy.clone());
+    let (key, scope, id) = address("complete-refused");
+    let runs = Arc::new(AtomicUsize::new(0));
+    flaky.inject(FlakyOp::Complete, u64::MAX / 2);
+    match counted(&e, &key, &scope, &runs, "charged").await {
+        Err(Error::OutcomeUnknown { .. }) => {}
+        other => panic!(
+            "a work whose outcome cannot be stored must report OutcomeUnknown, got {other:?}"
+        ),
+    }
+    let r = present(&t, &id).await;
+    assert_eq!(r.status, RecordStatus::Failed, "{r:?}");
+    let failure = r.failure.as_ref().expect("the failure is recorded");
+    assert!(
+        !failure.retryable && failure.message.contains("could not be stored"),
+        "the record must say the work ran and its outcome was lost, for good: {failure:?}"
+    );
+    for _ in 0..2 {
+        match counted(&e, &key, &scope, &runs, "second charge").await {
+            Err(Error::FailedPermanently { .. }) => {}
+            other => panic!("a retry after an unstorable outcome got {other:?}"),
+        }
+    }
+    flaky.heal(FlakyOp::Complete);
+    match counted(&e, &key, &scope, &runs, "second charge").await {
+        Err(Error::FailedPermanently { .. }) => {}
+        other => panic!("a retry once the store keeps outcomes again got {other:?}"),
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the work ran twice");
+
+    // Completion and the failure both keep failing: no release, the retry waits for the
+    // lease.
     let flaky = FlakyStore::new(t.store.clone(), Fault::Refused);
     let e = engine_on(Arc::new(flaky.clone()), policy.clone());
     let (key, scope, id) = address("complete-down");

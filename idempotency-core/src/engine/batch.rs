@@ -47,8 +47,9 @@ pub enum MessageOutcome<T> {
     /// The work ran earlier (a redelivery, a duplicate): its stored outcome. Nothing ran.
     Replayed(T),
     /// The work ran in this batch, but its outcome could not be stored
-    /// ([`Error::OutcomeUnknown`]) or another holder took the key over meanwhile
-    /// ([`Error::LeaseLost`]). The key stays held until its lease passes.
+    /// ([`Error::OutcomeUnknown`]: a permanent failure is recorded in its place where the
+    /// store takes it, otherwise the key is held until its lease passes), or another holder
+    /// took the key over meanwhile ([`Error::LeaseLost`]).
     Unsettled {
         /// What the work returned.
         result: T,

@@ -31,8 +31,12 @@ use std::time::{Duration, Instant};
 ///   is written, the heartbeat stops with the future, and a retry is told
 ///   [`Error::InProgress`] until the lease passes, then takes the key over;
 /// - a completion the store refused with errors through every try of
-///   [`Policy::settle_retry`]: the caller gets [`Error::OutcomeUnknown`] and the record stays
-///   Pending until the lease passes.
+///   [`Policy::settle_retry`] (an outcome over a store's item limit, a store that went away):
+///   the caller gets [`Error::OutcomeUnknown`], and the lease records a permanent failure in
+///   the outcome's place, so every retry is told [`Error::FailedPermanently`] and none runs
+///   the work again. Only if the store refuses that write too does the record stay Pending
+///   until the lease passes (a retry may then run the work again: keep the work's effects
+///   and the completion in one transaction where that must never happen).
 ///
 /// Call [`Lease::fail`] yourself to release a key whose work you know did nothing.
 #[derive(Debug)]
@@ -196,8 +200,11 @@ impl Lease {
     /// on the token). Every refusal is read back: a write that was applied although its
     /// answer was lost (or that a client resent after it applied) shows as this holder's
     /// Completed record, and is a success. If every try fails the key is **not** released:
-    /// the record stays Pending until its lease passes and the result is
-    /// [`Error::OutcomeUnknown`]. It is `OutcomeUnknown` too when a try is refused and the
+    /// the result is [`Error::OutcomeUnknown`], and a permanent failure is recorded in the
+    /// outcome's place (with the same compare-and-swap, so a try that did apply is kept), so
+    /// retries are told [`Error::FailedPermanently`] rather than running the work again; if
+    /// that write fails too, the record stays Pending until its lease passes. It is
+    /// `OutcomeUnknown` too when a try is refused and the
     /// record is gone (purged, evicted, or lost by a store that restarted without its data),
     /// or replaced although an earlier try may have applied and its record since expired (a
     /// retention shorter than the retries).
@@ -225,10 +232,16 @@ impl Lease {
                 // The work ran: never release the key because its outcome could not be stored.
                 self.settled = true;
                 emit(Event::OutcomeNotStored);
+                let kept = self.record_outcome_not_stored(&e).await;
                 tracing::error!(
                     record = %loggable_record(&self.id, &self.policy),
                     error = %e,
-                    "the outcome could not be stored; the key stays pending until its lease passes"
+                    "the outcome could not be stored; {}",
+                    if kept {
+                        "a permanent failure is recorded in its place, so no retry runs the work again"
+                    } else {
+                        "the key stays pending until its lease passes"
+                    }
                 );
                 Err(match e {
                     e @ Error::OutcomeUnknown { .. } => e,
@@ -238,6 +251,47 @@ impl Lease {
                 })
             }
             cas => self.settle(cas),
+        }
+    }
+
+    /// After every try to store the outcome failed (`error`): records a permanent failure in
+    /// its place, so that a retry is told the work failed for good instead of taking the key
+    /// over once the lease passes and running the work a second time. The write is the same
+    /// compare-and-swap on this holder's token as any settlement: if a try of the completion
+    /// did apply after all, the record is Completed and stays so. Whether the failure was
+    /// recorded; if not (the store refuses it too), the key stays Pending until the lease
+    /// passes.
+    async fn record_outcome_not_stored(&self, error: &Error) -> bool {
+        /// Room for the store's error in the failure message: enough to say what went wrong,
+        /// small enough for any store that refused a large outcome.
+        const MAX_MESSAGE: usize = 512;
+        let mut message = format!("the work ran but its outcome could not be stored: {error}");
+        if message.len() > MAX_MESSAGE {
+            let mut end = MAX_MESSAGE;
+            while !message.is_char_boundary(end) {
+                end -= 1;
+            }
+            message.truncate(end);
+        }
+        let failure = Failure::permanent(message);
+        let cas = self
+            .settle_tries(RecordStatus::Failed, None, || {
+                self.store
+                    .as_ref()
+                    .fail(&self.id, self.token, &failure, self.policy.ttl)
+            })
+            .await;
+        match cas {
+            Ok(Cas::Applied) => true,
+            Ok(Cas::Fenced) => false,
+            Err(e) => {
+                tracing::warn!(
+                    record = %loggable_record(&self.id, &self.policy),
+                    error = %e,
+                    "could not record that the outcome was not stored"
+                );
+                false
+            }
         }
     }
 

@@ -358,31 +358,40 @@ pub async fn handler_outliving_its_lease_runs_once(store: TestStore) {
 }
 
 /// The handler ran but its response cannot be stored (every completion fails): the client
-/// still gets the response, and a retry is told 409 until the lease passes instead of running
-/// the handler again.
+/// still gets the response. The engine records a permanent failure in its place, so a retry
+/// is told `422` `idempotency-key-failed-permanently` and never runs the handler again. If
+/// the store refuses that write too, a retry is told `409` until the lease passes instead.
 pub async fn failed_completion_does_not_rerun_handler(store: TestStore) {
-    let flaky = FlakyStore::new(store.store.clone(), Fault::Refused);
-    flaky.inject(FlakyOp::Complete, u64::MAX / 2);
     let policy = Policy::default().lease(store.long()).ttl(store.long());
-    let s = TestServer::with_store(Arc::new(flaky.clone()), policy, |l| l).await;
-    let c = client();
-    let body = json!({"charge": 1});
-    let first = send(post(&c, &s, "/items", "unstored", &body)).await;
-    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
-    assert!(flaky.injected() > 0, "no completion was attempted");
-    flaky.heal(FlakyOp::Complete);
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    let retry = send(post(&c, &s, "/items", "unstored", &body)).await;
-    assert_eq!(
-        retry.status,
-        StatusCode::CONFLICT,
-        "a retry after a failed completion must wait for the lease, got {retry:?}"
-    );
-    assert_eq!(
-        s.executions(),
-        1,
-        "the handler ran again after a failed completion"
-    );
+    for (key, fail_refused) in [("unstored", false), ("unstored-held", true)] {
+        let flaky = FlakyStore::new(store.store.clone(), Fault::Refused);
+        flaky.inject(FlakyOp::Complete, u64::MAX / 2);
+        if fail_refused {
+            flaky.inject(FlakyOp::Fail, u64::MAX / 2);
+        }
+        let s = TestServer::with_store(Arc::new(flaky.clone()), policy.clone(), |l| l).await;
+        let c = client();
+        let body = json!({"charge": 1});
+        let first = send(post(&c, &s, "/items", key, &body)).await;
+        assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+        assert!(flaky.injected() > 0, "no completion was attempted");
+        flaky.heal(FlakyOp::Complete);
+        flaky.heal(FlakyOp::Fail);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        for _ in 0..2 {
+            let retry = send(post(&c, &s, "/items", key, &body)).await;
+            if fail_refused {
+                assert_problem(&retry, 409, "idempotency-key-in-progress");
+            } else {
+                assert_problem(&retry, 422, "idempotency-key-failed-permanently");
+            }
+        }
+        assert_eq!(
+            s.executions(),
+            1,
+            "{key}: the handler ran again after a failed completion"
+        );
+    }
 }
 
 /// `Retry-After` on 409 is capped (5 s by default, configurable) and, with the wait policy,

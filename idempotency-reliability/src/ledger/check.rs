@@ -123,7 +123,10 @@ fn check_record(
 
     // A holder whose token a newer lease replaced never writes.
     for op in ops {
-        if !matches!(op.kind, OpKind::Extend | OpKind::Complete | OpKind::Fail) {
+        if !matches!(
+            op.kind,
+            OpKind::Extend | OpKind::Complete | OpKind::Fail | OpKind::FailPermanently
+        ) {
             continue;
         }
         let replaced = grants
@@ -146,7 +149,8 @@ fn check_record(
         }
     }
 
-    // Every execution holds a granted token, and no failure releases a key whose work acted.
+    // Every execution holds a granted token, and no failure releases a key whose work acted
+    // (a permanent failure closes it instead).
     for e in execs {
         if !tokens.contains(&e.token) {
             problems.push(format!(
@@ -180,7 +184,8 @@ fn check_record(
         let until = op.invoked.saturating_add(nanos(op.duration));
         let map = match op.kind {
             OpKind::Claim | OpKind::Reclaim | OpKind::Extend => &mut leased_until,
-            OpKind::Complete => &mut retained_until,
+            // A permanent failure closes the key for the retention, as a completion does.
+            OpKind::Complete | OpKind::FailPermanently => &mut retained_until,
             OpKind::Fail => continue,
         };
         let entry = map.entry(op.token).or_insert(0);

@@ -50,8 +50,12 @@ pub enum OpKind {
     Extend,
     /// A completion.
     Complete,
-    /// A failure.
+    /// A failure that releases the key (retryable).
     Fail,
+    /// A permanent failure: it closes the key for the record's retention, as a completion
+    /// does (the engine records one in the outcome's place when the outcome cannot be
+    /// stored).
+    FailPermanently,
 }
 
 /// Whether a recorded operation changed the store.
@@ -352,7 +356,12 @@ impl IdempotencyStore for RecordingStore {
     ) -> Result<Cas, Error> {
         let invoked = self.ledger.now();
         let result = self.inner.fail(id, token, failure, ttl).await;
-        self.record(id, OpKind::Fail, token.0, invoked, Self::cas(&result), ttl);
+        let kind = if failure.retryable {
+            OpKind::Fail
+        } else {
+            OpKind::FailPermanently
+        };
+        self.record(id, kind, token.0, invoked, Self::cas(&result), ttl);
         result
     }
 

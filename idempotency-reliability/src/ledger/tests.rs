@@ -114,6 +114,41 @@ fn a_second_execution_under_a_live_lease_is_a_double_effect() {
 }
 
 #[test]
+fn a_permanent_failure_after_the_work_acted_closes_the_key() {
+    // Call 1 acted and its completion failed through every try; the engine recorded a
+    // permanent failure in the outcome's place. That is no release: the key is closed for
+    // the record's retention, so a second execution within it is a double effect.
+    let ops = [
+        op(OpKind::Claim, 10, 0, Applied::Yes, LEASE),
+        op(
+            OpKind::Complete,
+            10,
+            5,
+            Applied::Unknown,
+            Duration::from_secs(3600),
+        ),
+        op(
+            OpKind::FailPermanently,
+            10,
+            6,
+            Applied::Yes,
+            Duration::from_secs(3600),
+        ),
+    ];
+    let f = run(&ops, &[exec(10, 1, 1, 4, ExecEnd::Ok)], &[]);
+    assert!(f.violations.is_empty(), "{f:?}");
+    assert!(f.double_effects.is_empty(), "{f:?}");
+    let mut reran = ops.to_vec();
+    reran.push(op(OpKind::Reclaim, 11, 20_000, Applied::Yes, LEASE));
+    let execs = [
+        exec(10, 1, 1, 4, ExecEnd::Ok),
+        exec(11, 2, 20_001, 20_010, ExecEnd::Ok),
+    ];
+    let f = run(&reran, &execs, &[]);
+    assert_eq!(f.double_effects.len(), 1, "{f:?}");
+}
+
+#[test]
 fn a_dropped_execution_holds_its_key_for_the_lease() {
     let ops = [
         op(OpKind::Claim, 10, 0, Applied::Yes, LEASE),

@@ -293,6 +293,8 @@ fn response_kind(r: Response) -> &'static str {
         Response::ReadCompleted(_) => "read_completed",
         Response::ReadOpen => "read_open",
         Response::Unknown => "unknown",
+        Response::FailedPermanently => "failed_permanently",
+        Response::ReadFailed => "read_failed",
     }
 }
 

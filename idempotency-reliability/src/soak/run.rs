@@ -34,6 +34,7 @@ fn classify(result: RunResult) -> (Response, Option<String>, bool) {
         ),
         Err(Error::InProgress { .. }) => (Response::InProgress, None, false),
         Err(Error::LeaseLost { .. }) => (Response::LeaseLost, None, false),
+        Err(Error::FailedPermanently { .. }) => (Response::FailedPermanently, None, false),
         Err(e @ (Error::Backend { .. } | Error::OutcomeUnknown { .. })) => {
             (Response::Unknown, Some(e.to_string()), true)
         }
@@ -83,6 +84,12 @@ async fn read(store: &Arc<dyn IdempotencyStore>, id: &RecordId, space: Space) ->
                     None,
                 ),
             }
+        }
+        Ok(Some(record))
+            if record.status == RecordStatus::Failed
+                && record.failure.as_ref().is_some_and(|f| !f.retryable) =>
+        {
+            (Response::ReadFailed, None, false, None)
         }
         Ok(_) => (Response::ReadOpen, None, false, None),
         Err(e) => (Response::Unknown, Some(e.to_string()), true, None),
