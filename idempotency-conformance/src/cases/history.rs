@@ -150,11 +150,15 @@ pub async fn concurrent_claims_of_expired_record_one_winner(t: TestStore) {
 /// write is one atomic compare-and-swap, so either the holder's write lands first (and no
 /// reclaim of a completed or re-leased record wins), or a taker wins and the holder is
 /// fenced; the record never ends up holding a taker's token with the holder's write on it.
+/// A permanent failure races takers with the holder's own fingerprint (retries of the same
+/// request, as when the engine records one for an outcome it could not store): no taker may
+/// win once it landed, so the holder's failure and a taker's reclaim never both apply.
 pub async fn settling_races_takers_after_lease(t: TestStore) {
     #[derive(Clone, Copy, Debug)]
     enum Write {
         Complete,
         Fail,
+        FailPermanently,
         Extend,
     }
     // The race needs a taker to land inside the holder's check-then-write. Released together
@@ -166,7 +170,18 @@ pub async fn settling_races_takers_after_lease(t: TestStore) {
     } else {
         6
     };
-    for write in [Write::Complete, Write::Fail, Write::Extend] {
+    for write in [
+        Write::Complete,
+        Write::Fail,
+        Write::FailPermanently,
+        Write::Extend,
+    ] {
+        // Retries of the same request, or a corrected one.
+        let taker_fp = if matches!(write, Write::FailPermanently) {
+            fp("s")
+        } else {
+            fp("taker")
+        };
         for round in 0..rounds {
             let holder_first = round % 3 != 2;
             let id = unique_id("settle-race");
@@ -188,6 +203,11 @@ pub async fn settling_races_takers_after_lease(t: TestStore) {
                                 .fail(&id, held, &Failure::retryable("holder"), long)
                                 .await
                         }
+                        Write::FailPermanently => {
+                            store
+                                .fail(&id, held, &Failure::permanent("holder"), long)
+                                .await
+                        }
                         Write::Extend => store.extend(&id, held, long).await,
                     }
                     .expect("the holder's write")
@@ -201,7 +221,7 @@ pub async fn settling_races_takers_after_lease(t: TestStore) {
                         tokio::spawn(async move {
                             barrier.wait().await;
                             store
-                                .reclaim(&id, held, &fp("taker"), long, long)
+                                .reclaim(&id, held, &taker_fp, long, long)
                                 .await
                                 .expect("reclaim")
                         })
@@ -241,7 +261,7 @@ pub async fn settling_races_takers_after_lease(t: TestStore) {
                     // The taker's reclaim is the last write: the record is its fresh lease.
                     assert_eq!(
                         (r.status, r.token, r.fingerprint),
-                        (RecordStatus::Pending, winner, fp("taker")),
+                        (RecordStatus::Pending, winner, taker_fp),
                         "{what}: a taker won, but the record is not its Pending record (the \
                          holder's write landed on it?): {r:?}"
                     );
@@ -256,7 +276,7 @@ pub async fn settling_races_takers_after_lease(t: TestStore) {
                     assert!(applied, "{what}: neither the holder nor any taker won");
                     let want = match write {
                         Write::Complete => RecordStatus::Completed,
-                        Write::Fail => RecordStatus::Failed,
+                        Write::Fail | Write::FailPermanently => RecordStatus::Failed,
                         Write::Extend => RecordStatus::Pending,
                     };
                     assert_eq!((r.status, r.token), (want, held), "{what}: {r:?}");
