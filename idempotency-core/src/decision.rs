@@ -26,7 +26,10 @@ pub enum Decision {
     /// `retryable = false`): the same request would fail the same way, or its work may have
     /// acted without a storable outcome, so it is not run again while the record lives. A
     /// request with another fingerprint (a corrected one) may still reclaim the key when
-    /// [`DecisionOptions::reclaim_failed_with_different_fingerprint`] allows it.
+    /// [`DecisionOptions::reclaim_failed_with_different_fingerprint`] allows it, unless the
+    /// failure stands in for an outcome that could not be stored
+    /// ([`crate::Failure::outcome_not_stored`]): that is a [`Decision::Mismatch`], as against
+    /// a stored outcome.
     FailedPermanently,
 }
 
@@ -91,6 +94,14 @@ pub fn decide(
                 expected: record.token,
             },
         },
+        // The work ran and its outcome was lost: final, as a stored outcome is.
+        RecordStatus::Failed if outcome_not_stored(record) => {
+            if same {
+                Decision::FailedPermanently
+            } else {
+                Decision::Mismatch
+            }
+        }
         RecordStatus::Failed if same && is_permanent(record) => Decision::FailedPermanently,
         RecordStatus::Failed if same || options.reclaim_failed_with_different_fingerprint => {
             Decision::Reclaim {
@@ -106,9 +117,47 @@ fn is_permanent(record: &Record) -> bool {
     record.failure.as_ref().is_some_and(|f| !f.retryable)
 }
 
+/// Whether a Failed record stands in for an outcome that could not be stored
+/// ([`crate::Failure::outcome_not_stored`]).
+fn outcome_not_stored(record: &Record) -> bool {
+    record
+        .failure
+        .as_ref()
+        .is_some_and(crate::Failure::is_outcome_not_stored)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The failure that stands in for an outcome the store could not keep is final like a
+    /// stored outcome: the same request is told it failed for good, another payload is a
+    /// mismatch even where a corrected request may take over other failures.
+    #[test]
+    fn an_outcome_not_stored_is_final_for_every_payload() {
+        let fp = Fingerprint::from_bytes(b"a");
+        let other = Fingerprint::from_bytes(b"b");
+        let now = Timestamp::from_millis(1_000);
+        let mut r = record(
+            RecordStatus::Failed,
+            fp,
+            None,
+            Timestamp::from_millis(60_000),
+        );
+        r.failure = Some(Failure::outcome_not_stored("too large"));
+        let allow = DecisionOptions::new(true);
+        assert_eq!(
+            decide(Some(&r), &fp, now, allow),
+            Decision::FailedPermanently
+        );
+        assert_eq!(decide(Some(&r), &other, now, allow), Decision::Mismatch);
+        // Any other permanent failure: a corrected request takes it over.
+        r.failure = Some(Failure::permanent("card declined"));
+        assert!(matches!(
+            decide(Some(&r), &other, now, allow),
+            Decision::Reclaim { .. }
+        ));
+    }
     use crate::{Failure, IdempotencyKey, RecordId, Scope};
 
     fn record(

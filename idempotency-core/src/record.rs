@@ -138,6 +138,32 @@ impl Failure {
             message: message.into(),
         }
     }
+
+    /// The permanent failure the engine records in place of a work's outcome that the store
+    /// refused through every try; `detail` says why. The work ran and may have acted, so
+    /// while the record is kept no request runs under the key again: the same request is
+    /// told it failed for good, and another payload is a mismatch, as against a stored
+    /// outcome ([`crate::decide`]). Its message starts with [`Failure::OUTCOME_NOT_STORED`].
+    ///
+    /// ```
+    /// use idempotency_core::Failure;
+    ///
+    /// let f = Failure::outcome_not_stored("an item over 400 KB");
+    /// assert!(f.is_outcome_not_stored() && !f.retryable);
+    /// assert!(!Failure::permanent("card declined").is_outcome_not_stored());
+    /// ```
+    pub fn outcome_not_stored(detail: impl fmt::Display) -> Self {
+        Self::permanent(format!("{}: {detail}", Self::OUTCOME_NOT_STORED))
+    }
+
+    /// How the message of [`Failure::outcome_not_stored`] starts. A permanent failure of your
+    /// own whose message starts so is read as one.
+    pub const OUTCOME_NOT_STORED: &'static str = "the work ran but its outcome could not be stored";
+
+    /// Whether this is the failure [`Failure::outcome_not_stored`] records.
+    pub fn is_outcome_not_stored(&self) -> bool {
+        !self.retryable && self.message.starts_with(Self::OUTCOME_NOT_STORED)
+    }
 }
 
 /// Everything a store keeps for `(scope, key)`.

@@ -216,4 +216,13 @@ async fn an_outcome_the_store_refuses_is_never_run_again() {
             "a retry {later:?} later is told the first attempt failed for good: {retry:?}"
         );
     }
+    // Another payload under the key is a mismatch, as against a stored outcome: the work
+    // that ran is not followed by another one.
+    let other = engine
+        .run(&key, &scope, &Fingerprint::from_bytes(b"y"), |_| async {
+            Ok::<_, String>("other".to_owned())
+        })
+        .await;
+    assert!(matches!(other, Err(Error::Mismatch)), "{other:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
 }

@@ -98,6 +98,12 @@ pub enum Phase {
         /// The holder's token.
         token: FencingToken,
     },
+    /// Every try of the completion failed: recording the permanent failure that stands in
+    /// for the outcome (`fail` with `Failure::outcome_not_stored`).
+    StandingIn {
+        /// The holder's token.
+        token: FencingToken,
+    },
     /// Finished, gave up or crashed: the client takes no more steps.
     Stopped,
 }
@@ -204,6 +210,9 @@ pub enum Action {
     WriteCompletion(u8),
     /// The holder records a failure, releasing the key.
     Release(u8),
+    /// The holder records the permanent failure that stands in for an outcome it could not
+    /// store.
+    StandIn(u8),
     /// The holder's heartbeat extends its lease.
     Heartbeat(u8),
     /// The client crashes: it takes no more steps, and its lease is left to pass.
@@ -510,9 +519,10 @@ impl ProtocolModel {
                         } else if self.world.variant == Variant::ReleaseOnCompletionError {
                             Phase::Releasing { token }
                         } else {
-                            // The outcome is unknown: the key stays Pending until the lease
-                            // passes.
-                            Phase::Stopped
+                            // The outcome is unknown: a permanent failure stands in for it
+                            // (or, if the client crashes first, the key stays Pending until
+                            // the lease passes).
+                            Phase::StandingIn { token }
                         }
                     }
                 };
@@ -571,6 +581,16 @@ impl ProtocolModel {
                     unreachable!()
                 };
                 let failure = Failure::retryable("released");
+                if s.store.fail(&self.key(c), token, &failure, ttl, now) == Cas::Applied {
+                    self.applied_write(s, c);
+                }
+                s.clients[usize::from(c)].phase = Phase::Stopped;
+            }
+            Action::StandIn(c) => {
+                let Phase::StandingIn { token } = s.clients[usize::from(c)].phase else {
+                    unreachable!()
+                };
+                let failure = Failure::outcome_not_stored("every try failed");
                 if s.store.fail(&self.key(c), token, &failure, ttl, now) == Cas::Applied {
                     self.applied_write(s, c);
                 }
@@ -685,6 +705,7 @@ impl stateright::Model for ProtocolModel {
                 }
                 Phase::WritingCompletion { .. } => actions.push(Action::WriteCompletion(c)),
                 Phase::Releasing { .. } => actions.push(Action::Release(c)),
+                Phase::StandingIn { .. } => actions.push(Action::StandIn(c)),
                 Phase::Hung { .. } | Phase::Stopped => {}
             }
             if self.world.crashes && !matches!(client.phase, Phase::Hung { .. } | Phase::Stopped) {
@@ -724,6 +745,7 @@ impl stateright::Model for ProtocolModel {
             Action::Claim(c) => format!("{} claims and decides", name(c)),
             Action::Look(c) => format!("{} reads the record and decides", name(c)),
             Action::Reclaim(c) => format!("{} reclaims", name(c)),
+            Action::StandIn(c) => format!("{} records its outcome as not stored", name(c)),
             Action::Poll(c) => format!("{} polls and stops waiting", name(c)),
             Action::GiveUp(c) => format!("{} gives up waiting", name(c)),
             Action::Run(c, w) => format!("{}'s work {w:?}", name(c)),

@@ -1,7 +1,7 @@
 //! A queue consumer's batch of messages: claimed together, the new ones run, settled
 //! together, each message's fate reported in the shape a consumer acknowledges by.
 
-use super::{decode_replay, loggable_record, Idempotency, Lease};
+use super::{decode_replay, loggable_record, Acted, Idempotency, Lease};
 use crate::{
     ClaimRequest, Error, ErrorOutcomes, Failure, Fingerprint, IdempotencyKey, Operation, RecordId,
     Scope, Settle, Settlement,
@@ -300,9 +300,10 @@ impl Idempotency {
                     settle,
                 } = r;
                 let (stored, released) = match settle {
-                    Some(Settle::Complete(bytes)) => {
-                        (lease.complete_after(first, &bytes).await, false)
-                    }
+                    Some(Settle::Complete(bytes)) => (
+                        lease.complete_after(first, &bytes, Acted::Maybe).await,
+                        false,
+                    ),
                     Some(Settle::Fail(failure)) => (lease.fail_after(first, failure).await, true),
                     None => {
                         // The outcome cannot be encoded: released for good, as `run` does.

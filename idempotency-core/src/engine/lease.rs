@@ -209,15 +209,24 @@ impl Lease {
     /// or replaced although an earlier try may have applied and its record since expired (a
     /// retention shorter than the retries).
     pub async fn complete(self, outcome: &[u8]) -> Result<(), Error> {
-        self.complete_after(None, outcome).await
+        self.complete_after(None, outcome, Acted::Maybe).await
+    }
+
+    /// [`Lease::complete`] of an outcome whose work is known to have had no effect (its
+    /// transaction rolled back): if the outcome cannot be stored, nothing stands in for it,
+    /// and the key is held until the lease passes (a retry may then run the work, safely).
+    pub(crate) async fn complete_without_effects(self, outcome: &[u8]) -> Result<(), Error> {
+        self.complete_after(None, outcome, Acted::No).await
     }
 
     /// [`Lease::complete`], whose first try was already made (by a batch's `settle_many`,
-    /// sent at the `Instant`) and answered so.
+    /// sent at the `Instant`) and answered so; `acted`: whether the work may have had an
+    /// effect.
     pub(crate) async fn complete_after(
         mut self,
         first: Option<(Result<Cas, Error>, Instant)>,
         outcome: &[u8],
+        acted: Acted,
     ) -> Result<(), Error> {
         let this = &self;
         let cas = this
@@ -227,53 +236,61 @@ impl Lease {
                     .complete(&this.id, this.token, outcome, this.policy.ttl)
             })
             .await;
-        match cas {
-            Err(e) => {
-                // The work ran: never release the key because its outcome could not be stored.
-                self.settled = true;
-                emit(Event::OutcomeNotStored);
-                let kept = self.record_outcome_not_stored(&e).await;
-                tracing::error!(
-                    record = %loggable_record(&self.id, &self.policy),
-                    error = %e,
-                    "the outcome could not be stored; {}",
-                    if kept {
-                        "a permanent failure is recorded in its place, so no retry runs the work again"
-                    } else {
-                        "the key stays pending until its lease passes"
-                    }
-                );
-                Err(match e {
-                    e @ Error::OutcomeUnknown { .. } => e,
-                    e => Error::OutcomeUnknown {
-                        source: Box::new(e),
-                    },
-                })
+        let e = match cas {
+            Err(e) => e,
+            cas => return self.settle(cas),
+        };
+        // The work ran: never release the key because its outcome could not be stored.
+        self.settled = true;
+        let stand_in = match acted {
+            Acted::Maybe => self.record_outcome_not_stored(&e).await,
+            Acted::No => StandIn::NotRecorded,
+        };
+        let record = loggable_record(&self.id, &self.policy);
+        match stand_in {
+            StandIn::OutcomeStored => {
+                // A try applied after all (its answer was lost, and the later tries failed).
+                return Ok(());
             }
-            cas => self.settle(cas),
+            StandIn::Recorded => tracing::error!(
+                record = %record,
+                error = %e,
+                "the outcome could not be stored; a permanent failure is recorded in its \
+                 place, so no retry runs the work again"
+            ),
+            StandIn::NotRecorded => tracing::error!(
+                record = %record,
+                error = %e,
+                "the outcome could not be stored; the key stays pending until its lease passes"
+            ),
         }
+        emit(Event::OutcomeNotStored);
+        Err(match e {
+            e @ Error::OutcomeUnknown { .. } => e,
+            e => Error::OutcomeUnknown {
+                source: Box::new(e),
+            },
+        })
     }
 
-    /// After every try to store the outcome failed (`error`): records a permanent failure in
-    /// its place, so that a retry is told the work failed for good instead of taking the key
-    /// over once the lease passes and running the work a second time. The write is the same
-    /// compare-and-swap on this holder's token as any settlement: if a try of the completion
-    /// did apply after all, the record is Completed and stays so. Whether the failure was
-    /// recorded; if not (the store refuses it too), the key stays Pending until the lease
-    /// passes.
-    async fn record_outcome_not_stored(&self, error: &Error) -> bool {
+    /// After every try to store the outcome failed (`error`): records
+    /// [`Failure::outcome_not_stored`] in its place, so that a retry is told the work failed
+    /// for good instead of taking the key over once the lease passes and running the work a
+    /// second time. The write is the same compare-and-swap on this holder's token as any
+    /// settlement, so a try of the completion that did apply stays; the record is read back
+    /// to tell what it holds.
+    async fn record_outcome_not_stored(&self, error: &Error) -> StandIn {
         /// Room for the store's error in the failure message: enough to say what went wrong,
         /// small enough for any store that refused a large outcome.
         const MAX_MESSAGE: usize = 512;
-        let mut message = format!("the work ran but its outcome could not be stored: {error}");
-        if message.len() > MAX_MESSAGE {
+        let mut failure = Failure::outcome_not_stored(error);
+        if failure.message.len() > MAX_MESSAGE {
             let mut end = MAX_MESSAGE;
-            while !message.is_char_boundary(end) {
+            while !failure.message.is_char_boundary(end) {
                 end -= 1;
             }
-            message.truncate(end);
+            failure.message.truncate(end);
         }
-        let failure = Failure::permanent(message);
         let cas = self
             .settle_tries(RecordStatus::Failed, None, || {
                 self.store
@@ -281,17 +298,33 @@ impl Lease {
                     .fail(&self.id, self.token, &failure, self.policy.ttl)
             })
             .await;
-        match cas {
-            Ok(Cas::Applied) => true,
-            Ok(Cas::Fenced) => false,
-            Err(e) => {
-                tracing::warn!(
-                    record = %loggable_record(&self.id, &self.policy),
-                    error = %e,
-                    "could not record that the outcome was not stored"
-                );
-                false
+        if let Err(e) = &cas {
+            tracing::warn!(
+                record = %loggable_record(&self.id, &self.policy),
+                error = %e,
+                "could not record that the outcome was not stored"
+            );
+            return StandIn::NotRecorded;
+        }
+        // `Applied` also answers a write to a record that is gone (nothing to release), and
+        // `Fenced` a record this holder completed after all: only the record tells.
+        match self.store.as_ref().get(&self.id).await {
+            Ok(Some(r)) if r.token == self.token && r.status == RecordStatus::Completed => {
+                StandIn::OutcomeStored
             }
+            Ok(Some(r))
+                if r.token == self.token
+                    && r.status == RecordStatus::Failed
+                    && r.failure
+                        .as_ref()
+                        .is_some_and(Failure::is_outcome_not_stored) =>
+            {
+                StandIn::Recorded
+            }
+            Ok(_) => StandIn::NotRecorded,
+            // Unread: trust the write's answer.
+            Err(_) if cas.is_ok_and(|c| c == Cas::Applied) => StandIn::Recorded,
+            Err(_) => StandIn::NotRecorded,
         }
     }
 
@@ -520,4 +553,25 @@ impl Drop for Lease {
             "a lease was dropped unsettled; the key stays pending until its lease passes"
         );
     }
+}
+
+/// Whether a work may have had an effect, for what stands in for an outcome that could not be
+/// stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Acted {
+    /// It may have (it ran, and nothing says it did nothing).
+    Maybe,
+    /// It did not (its transaction rolled back).
+    No,
+}
+
+/// What the record holds once an outcome could not be stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum StandIn {
+    /// [`Failure::outcome_not_stored`], written by this holder.
+    Recorded,
+    /// This holder's outcome: a try applied after all.
+    OutcomeStored,
+    /// Neither: Pending until the lease passes, gone, or another holder's.
+    NotRecorded,
 }

@@ -6,6 +6,7 @@ mod lease;
 mod tests;
 
 pub use batch::{BatchMessage, BatchReport, MessageOutcome, MessageReport};
+pub(crate) use lease::Acted;
 pub use lease::Lease;
 
 use crate::observe::{emit, loggable_key, Event};

@@ -2,7 +2,7 @@
 //! store cannot be made to provoke on demand.
 
 use super::*;
-use crate::{Cas, Timestamp};
+use crate::{Cas, SettleRetry, Timestamp};
 use async_trait::async_trait;
 use std::collections::VecDeque;
 use std::sync::atomic::AtomicUsize;
@@ -597,4 +597,54 @@ async fn a_fence_after_a_failed_try_with_a_short_retention() {
             (other, _) => panic!("record {what}: the completion got {other:?}"),
         }
     }
+}
+
+/// Every try of a completion failed, but one had applied (its answer lost, the later tries
+/// refused by a store error): the failure that would stand in for the outcome is fenced,
+/// and the record, read back, is this holder's Completed one. The outcome is stored:
+/// success, not `OutcomeUnknown`.
+#[tokio::test]
+async fn an_outcome_found_stored_after_every_try_failed_is_success() {
+    let completed = Record {
+        status: RecordStatus::Completed,
+        lease_until: None,
+        outcome: Some(b"x".to_vec()),
+        ..pending(10_000)
+    };
+    let store = Arc::new(Scripted {
+        completes: Mutex::new(VecDeque::from([
+            Err(Error::backend(true, "answer lost")),
+            Err(Error::backend(true, "connection reset")),
+        ])),
+        fail_fenced: true,
+        get: Some(completed),
+        ..Scripted::default()
+    });
+    let policy = Policy::default().settle_retry(SettleRetry::new(
+        2,
+        Duration::from_millis(1),
+        Duration::from_millis(1),
+    ));
+    let got = lease_on(store, policy).complete(b"x").await;
+    assert!(got.is_ok(), "{got:?}");
+}
+
+/// The failure that stands in for an unstorable outcome "applied" to a record that is gone
+/// (purged, evicted, lost with the store's data): nothing stands in for the outcome, and the
+/// caller is told the outcome is unknown.
+#[tokio::test]
+async fn a_stand_in_for_a_record_that_is_gone_is_not_recorded() {
+    let store = Arc::new(Scripted {
+        completes: Mutex::new(VecDeque::from([Err(Error::backend(false, "too large"))])),
+        fail_fenced: true,
+        get: None,
+        ..Scripted::default()
+    });
+    let policy = Policy::default().settle_retry(SettleRetry::new(
+        1,
+        Duration::from_millis(1),
+        Duration::from_millis(1),
+    ));
+    let got = lease_on(store, policy).complete(b"x").await;
+    assert!(matches!(got, Err(Error::OutcomeUnknown { .. })), "{got:?}");
 }

@@ -97,8 +97,9 @@ impl Lease {
             TransactionEnd::WorkFailed(e) => {
                 let result: Result<T, E> = Err(e);
                 match self.policy().errors {
+                    // The transaction rolled back: the work had no effect.
                     ErrorOutcomes::Store => match encode_outcome(&result) {
-                        Ok(bytes) => self.complete(&bytes).await?,
+                        Ok(bytes) => self.complete_without_effects(&bytes).await?,
                         Err(codec) => {
                             let _ = self.fail(Failure::permanent(codec.to_string())).await;
                             return Err(codec);

@@ -386,6 +386,11 @@ pub async fn failed_completion_does_not_rerun_handler(store: TestStore) {
                 assert_problem(&retry, 422, "idempotency-key-failed-permanently");
             }
         }
+        if !fail_refused {
+            // Another payload under the key is refused, as against a stored response.
+            let other = send(post(&c, &s, "/items", key, &json!({"charge": 2}))).await;
+            assert_problem(&other, 422, "idempotency-key-reused");
+        }
         assert_eq!(
             s.executions(),
             1,
