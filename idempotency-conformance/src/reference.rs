@@ -150,6 +150,9 @@ pub enum Flaw {
     ReclaimIgnoresExpectedToken,
     /// A reclaim keeps the record's old fingerprint instead of the reclaimer's.
     ReclaimKeepsFingerprint,
+    /// A reclaim takes over any Failed record, a permanent failure too, with the failed
+    /// request's own fingerprint (the store contract before permanent failures were final).
+    ReclaimTakesPermanentFailure,
 }
 
 /// The reference store: one [`RefRecord`] per key, answering the contract's primitives on a
@@ -339,7 +342,11 @@ impl<K: Ord> ReferenceStore<K> {
             return Reclaim::Lost;
         };
         let holds_expected = r.token == expected || flaw == Flaw::ReclaimIgnoresExpectedToken;
-        if !r.is_live(now) || !holds_expected || !r.is_takeable(now, fingerprint) {
+        if !r.is_live(now)
+            || !holds_expected
+            || !(r.is_takeable(now, fingerprint)
+                || (flaw == Flaw::ReclaimTakesPermanentFailure && r.status == RecordStatus::Failed))
+        {
             return Reclaim::Lost;
         }
         let token = expected.next();

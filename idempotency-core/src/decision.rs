@@ -38,7 +38,8 @@ pub enum Decision {
 #[non_exhaustive]
 pub struct DecisionOptions {
     /// Whether a `Failed` record may be reclaimed by a request with a different fingerprint.
-    /// Nothing took effect under a failed key, so a corrected retry may run (default `true`).
+    /// A failed work took no effect, so a corrected retry may run (default `true`). Never the
+    /// failure that stands in for a work's lost outcome ([`crate::Failure::outcome_not_stored`]).
     pub reclaim_failed_with_different_fingerprint: bool,
 }
 

@@ -110,7 +110,9 @@ pub struct Policy {
     /// What happens to a work's `Err`. Default: recorded as a retryable failure.
     pub errors: ErrorOutcomes,
     /// Whether a Failed record may be reclaimed by a request with a different fingerprint.
-    /// Default `true`: nothing took effect under that key, so a corrected retry may run.
+    /// Default `true`: a failed work took no effect, so a corrected retry may run. Never the
+    /// failure that stands in for a work's lost outcome ([`crate::Failure::outcome_not_stored`]):
+    /// that work ran, and another payload is a mismatch.
     pub reclaim_failed_with_different_fingerprint: bool,
     /// What a duplicate does while the first attempt runs. Default: reject.
     pub in_flight: InFlight,

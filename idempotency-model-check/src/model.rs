@@ -41,6 +41,7 @@ impl Variant {
             Variant::ReadThenWriteComplete => COMPLETED_IS_FINAL,
             Variant::ReclaimWithoutExpectedToken => ONLY_CURRENT_HOLDER_WRITES,
             Variant::ReclaimKeepsFingerprint => REPLAY_IS_THE_COMPLETED_OUTCOME,
+            Variant::ReclaimTakesPermanentFailure => EFFECT_ONCE_PER_LEASE,
             Variant::ReleaseOnCompletionError => EFFECT_ONCE_PER_LEASE,
             Variant::CommitDespiteFence => EFFECT_ONCE_PER_RECORD,
             Variant::UnboundedHeartbeat => EVENTUALLY_CLAIMABLE,

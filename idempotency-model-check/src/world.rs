@@ -41,6 +41,9 @@ pub enum Variant {
     ReclaimWithoutExpectedToken,
     /// The store's reclaim keeps the old fingerprint.
     ReclaimKeepsFingerprint,
+    /// The store's reclaim takes over a permanent failure with the failed request's
+    /// fingerprint.
+    ReclaimTakesPermanentFailure,
     /// The engine releases the key (records a failure) as soon as the completion fails,
     /// although the work has acted.
     ReleaseOnCompletionError,
@@ -53,11 +56,12 @@ pub enum Variant {
 
 impl Variant {
     /// Every broken variant, with the property each is built to violate.
-    pub const BROKEN: [Variant; 7] = [
+    pub const BROKEN: [Variant; 8] = [
         Variant::TokenRestartsAfterPurge,
         Variant::ReadThenWriteComplete,
         Variant::ReclaimWithoutExpectedToken,
         Variant::ReclaimKeepsFingerprint,
+        Variant::ReclaimTakesPermanentFailure,
         Variant::ReleaseOnCompletionError,
         Variant::CommitDespiteFence,
         Variant::UnboundedHeartbeat,
@@ -67,7 +71,10 @@ impl Variant {
     /// completion is written apart from the work, a broken commit only in a transaction.
     pub fn modes(self) -> &'static [Mode] {
         match self {
-            Variant::ReadThenWriteComplete | Variant::ReleaseOnCompletionError => &[Mode::Plain],
+            // The failure that stands in for a lost outcome is written apart from the work.
+            Variant::ReadThenWriteComplete
+            | Variant::ReleaseOnCompletionError
+            | Variant::ReclaimTakesPermanentFailure => &[Mode::Plain],
             Variant::CommitDespiteFence => &[Mode::Transactional],
             _ => &[Mode::Plain, Mode::Transactional],
         }
@@ -79,6 +86,7 @@ impl Variant {
             Variant::TokenRestartsAfterPurge => Flaw::TokenRestartsAfterPurge,
             Variant::ReclaimWithoutExpectedToken => Flaw::ReclaimIgnoresExpectedToken,
             Variant::ReclaimKeepsFingerprint => Flaw::ReclaimKeepsFingerprint,
+            Variant::ReclaimTakesPermanentFailure => Flaw::ReclaimTakesPermanentFailure,
             _ => Flaw::None,
         }
     }

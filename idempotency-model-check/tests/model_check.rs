@@ -98,6 +98,11 @@ fn a_reclaim_that_keeps_the_old_fingerprint_is_caught() {
 }
 
 #[test]
+fn a_reclaim_that_takes_over_a_permanent_failure_is_caught() {
+    caught(Variant::ReclaimTakesPermanentFailure);
+}
+
+#[test]
 fn a_completion_failure_that_releases_the_key_is_caught() {
     caught(Variant::ReleaseOnCompletionError);
 }

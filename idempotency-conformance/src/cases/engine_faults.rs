@@ -46,7 +46,8 @@ async fn counted(
 /// transient error is retried and the outcome stored; a lost answer (the write applied) is
 /// recognised; a completion refused through every try (an outcome over the store's item
 /// limit) gets `OutcomeUnknown` and a permanent failure recorded in the outcome's place, so
-/// retries are told `FailedPermanently`, now and after the lease; a store that refuses that
+/// retries are told `FailedPermanently`, now and after the lease, and another payload is a
+/// `Mismatch`; a store that refuses that
 /// write too leaves the record Pending, and a retry 100 ms later is told `InProgress`
 /// (one-hour lease), not given the key.
 pub async fn engine_failed_completion_holds_key(t: TestStore) {
@@ -110,6 +111,19 @@ pub async fn engine_failed_completion_holds_key(t: TestStore) {
         Err(Error::FailedPermanently { .. }) => {}
         other => panic!("a retry once the store keeps outcomes again got {other:?}"),
     }
+    // Another payload under the key is a mismatch, as against a stored outcome.
+    let other = {
+        let runs = runs.clone();
+        e.run(&key, &scope, &fp("another payload"), move |_| async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, String>("other".to_owned())
+        })
+        .await
+    };
+    assert!(
+        matches!(other, Err(Error::Mismatch)),
+        "another payload under a key whose outcome was lost got {other:?}"
+    );
     assert_eq!(runs.load(Ordering::SeqCst), 1, "the work ran twice");
 
     // Completion and the failure both keep failing: no release, the retry waits for the

@@ -306,12 +306,13 @@ impl Idempotency {
                     ),
                     Some(Settle::Fail(failure)) => (lease.fail_after(first, failure).await, true),
                     None => {
-                        // The outcome cannot be encoded: released for good, as `run` does.
+                        // The outcome cannot be encoded: the work ran and its outcome is lost,
+                        // final for every payload, as `run` records it.
                         let e = serde_json::to_vec(&result)
                             .err()
                             .map(|source| Error::Codec { source })
                             .unwrap_or_else(|| Error::backend(false, "cannot encode"));
-                        let _ = lease.fail(Failure::permanent(e.to_string())).await;
+                        let _ = lease.fail(Failure::outcome_not_stored(&e)).await;
                         return (index, MessageOutcome::Refused(e), false);
                     }
                 };

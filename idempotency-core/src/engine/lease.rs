@@ -33,8 +33,9 @@ use std::time::{Duration, Instant};
 /// - a completion the store refused with errors through every try of
 ///   [`Policy::settle_retry`] (an outcome over a store's item limit, a store that went away):
 ///   the caller gets [`Error::OutcomeUnknown`], and the lease records a permanent failure in
-///   the outcome's place, so every retry is told [`Error::FailedPermanently`] and none runs
-///   the work again. Only if the store refuses that write too does the record stay Pending
+///   the outcome's place ([`Failure::outcome_not_stored`]), so a retry is told
+///   [`Error::FailedPermanently`], another payload [`Error::Mismatch`], and none runs the work
+///   again. Only if the store refuses that write too does the record stay Pending
 ///   until the lease passes (a retry may then run the work again: keep the work's effects
 ///   and the completion in one transaction where that must never happen).
 ///

@@ -260,7 +260,8 @@ impl Idempotency {
                     match bytes {
                         Ok(bytes) => lease.complete(&bytes).await?,
                         Err(e) => {
-                            let _ = lease.fail(Failure::permanent(e.to_string())).await;
+                            // The work ran: its outcome is lost, final for every payload.
+                            let _ = lease.fail(Failure::outcome_not_stored(&e)).await;
                             return Err(e);
                         }
                     }

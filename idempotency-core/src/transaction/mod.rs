@@ -97,7 +97,10 @@ impl Lease {
             TransactionEnd::WorkFailed(e) => {
                 let result: Result<T, E> = Err(e);
                 match self.policy().errors {
-                    // The transaction rolled back: the work had no effect.
+                    // Nothing of the work is kept by this path (its transaction rolled back, or
+                    // a foreign phase failed, which a retry calls again under the same phase
+                    // key): an outcome that cannot be stored holds the key until the lease
+                    // passes rather than closing it for good.
                     ErrorOutcomes::Store => match encode_outcome(&result) {
                         Ok(bytes) => self.complete_without_effects(&bytes).await?,
                         Err(codec) => {
