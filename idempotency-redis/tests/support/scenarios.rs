@@ -198,7 +198,7 @@ pub(crate) async fn script_flush_mid_run(h: Harness) {
     let token = claimed(s, &r).await;
     flush_scripts(&h);
     assert_eq!(
-        s.fail(&id, token, &Failure::permanent("no"), HOUR)
+        s.fail(&id, token, &Failure::retryable("no"), HOUR)
             .await
             .expect("fail"),
         Cas::Applied
