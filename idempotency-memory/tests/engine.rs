@@ -2,10 +2,9 @@
 //! happens to a key whose outcome the store refuses.
 #![allow(clippy::unwrap_used)]
 
+use idempotency_conformance::{Fault, FlakyOp, FlakyStore};
 use idempotency_core::{
-    Cas, Claim, ClaimRequest, Error, Failure, FencingToken, Fingerprint, Idempotency,
-    IdempotencyKey, IdempotencyStore, ManualClock, Policy, Reclaim, Record, RecordId, Scope,
-    SettleRetry,
+    Error, Fingerprint, Idempotency, IdempotencyKey, ManualClock, Policy, Scope, SettleRetry,
 };
 use idempotency_memory::MemoryStore;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -98,83 +97,23 @@ async fn huge_wait_backoffs_do_not_overflow() {
     assert!(started.elapsed() >= Duration::from_millis(300));
 }
 
-/// The memory store, but refusing to keep an outcome over `limit` bytes, as a store with an
-/// item limit does (DynamoDB's 400 KB): a definite refusal, nothing written.
-#[derive(Debug)]
-struct RefusesLargeOutcomes {
-    inner: MemoryStore,
-    limit: usize,
-}
-
-#[async_trait::async_trait]
-impl IdempotencyStore for RefusesLargeOutcomes {
-    async fn claim(&self, request: &ClaimRequest) -> Result<Claim, Error> {
-        self.inner.claim(request).await
-    }
-    async fn complete(
-        &self,
-        id: &RecordId,
-        token: FencingToken,
-        outcome: &[u8],
-        ttl: Duration,
-    ) -> Result<Cas, Error> {
-        if outcome.len() > self.limit {
-            return Err(Error::Backend {
-                retryable: false,
-                source: format!("an outcome of {} bytes is over the limit", outcome.len()).into(),
-            });
-        }
-        self.inner.complete(id, token, outcome, ttl).await
-    }
-    async fn fail(
-        &self,
-        id: &RecordId,
-        token: FencingToken,
-        failure: &Failure,
-        ttl: Duration,
-    ) -> Result<Cas, Error> {
-        self.inner.fail(id, token, failure, ttl).await
-    }
-    async fn extend(
-        &self,
-        id: &RecordId,
-        token: FencingToken,
-        lease: Duration,
-    ) -> Result<Cas, Error> {
-        self.inner.extend(id, token, lease).await
-    }
-    async fn reclaim(
-        &self,
-        id: &RecordId,
-        expected: FencingToken,
-        fingerprint: &Fingerprint,
-        lease: Duration,
-        ttl: Duration,
-    ) -> Result<Reclaim, Error> {
-        self.inner
-            .reclaim(id, expected, fingerprint, lease, ttl)
-            .await
-    }
-    async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
-        self.inner.get(id).await
-    }
-    async fn purge_expired(&self, batch: usize) -> Result<u64, Error> {
-        self.inner.purge_expired(batch).await
-    }
-}
-
 /// The work ran and the store refused its outcome for good: a retry after the lease has
 /// passed must not run the work a second time. It is told the first attempt failed
 /// permanently (the record says why), every time, until the record expires.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_outcome_the_store_refuses_is_never_run_again() {
     let clock = ManualClock::new();
-    let store = RefusesLargeOutcomes {
-        inner: MemoryStore::builder()
-            .clock(Arc::new(clock.clone()))
-            .build(),
-        limit: 1_000,
-    };
+    // Every completion refused, the store otherwise up (as a store whose item limit the
+    // outcome passes).
+    let store = FlakyStore::new(
+        Arc::new(
+            MemoryStore::builder()
+                .clock(Arc::new(clock.clone()))
+                .build(),
+        ),
+        Fault::Refused,
+    );
+    store.inject(FlakyOp::Complete, u64::MAX / 2);
     let lease = Duration::from_secs(30);
     let policy = Policy::default()
         .lease(lease)
@@ -225,4 +164,44 @@ async fn an_outcome_the_store_refuses_is_never_run_again() {
         .await;
     assert!(matches!(other, Err(Error::Mismatch)), "{other:?}");
     assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// An outcome that cannot be serialized after the work ran: the work is not run again, and
+/// another payload under the key is a mismatch, as for any outcome that could not be stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outcome_that_cannot_be_serialized_is_never_run_again() {
+    let engine = Idempotency::new(Arc::new(MemoryStore::new()), Policy::default()).unwrap();
+    let (key, scope) = (IdempotencyKey::random(), Scope::new("t|codec").unwrap());
+    let runs = Arc::new(AtomicUsize::new(0));
+    let run = |body: &'static [u8]| {
+        let runs = runs.clone();
+        let (engine, key, scope) = (engine.clone(), key.clone(), scope.clone());
+        async move {
+            engine
+                .run(
+                    &key,
+                    &scope,
+                    &Fingerprint::from_bytes(body),
+                    move |_| async move {
+                        runs.fetch_add(1, Ordering::SeqCst);
+                        // JSON has no map whose keys are not strings.
+                        Ok::<_, String>(std::collections::HashMap::from([((1, 2), 3)]))
+                    },
+                )
+                .await
+        }
+    };
+    let first = run(b"x").await;
+    assert!(matches!(first, Err(Error::Codec { .. })), "{first:?}");
+    let retry = run(b"x").await;
+    assert!(
+        matches!(retry, Err(Error::FailedPermanently { .. })),
+        "{retry:?}"
+    );
+    let other = run(b"y").await;
+    assert!(
+        matches!(other, Err(Error::Mismatch)),
+        "another payload under the key ran: {other:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the work ran again");
 }
