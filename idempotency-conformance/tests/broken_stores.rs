@@ -627,14 +627,7 @@ impl IdempotencyStore for RefStore {
         let Some(r) = records.get_mut(&self.addr(id)) else {
             return Ok(Reclaim::Lost);
         };
-        let takeable = match r.status {
-            RecordStatus::Failed => {
-                r.failure.as_ref().is_none_or(|f| f.retryable) || r.fingerprint != *fingerprint
-            }
-            RecordStatus::Pending => r.lease_passed(now),
-            RecordStatus::Completed => false,
-        };
-        if r.is_expired(now) || r.token != expected || !takeable {
+        if r.is_expired(now) || r.token != expected || !r.reclaimable_by(fingerprint, now) {
             return Ok(Reclaim::Lost);
         }
         let lease_until = now.saturating_add(lease);

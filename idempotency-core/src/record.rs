@@ -252,6 +252,20 @@ impl Record {
     pub fn lease_passed(&self, now: Timestamp) -> bool {
         self.status == RecordStatus::Pending && self.lease_until.is_none_or(|l| now >= l)
     }
+
+    /// Whether [`crate::IdempotencyStore::reclaim`] by a caller with `fingerprint` may take
+    /// the record over at `now`, the token and expiry aside: `Pending` with a passed lease, or
+    /// `Failed` with a retryable failure, or a permanent one and another fingerprint (a
+    /// permanent failure is final for the request that failed).
+    pub fn reclaimable_by(&self, fingerprint: &Fingerprint, now: Timestamp) -> bool {
+        match self.status {
+            RecordStatus::Failed => {
+                self.failure.as_ref().is_none_or(|f| f.retryable)
+                    || self.fingerprint != *fingerprint
+            }
+            _ => self.lease_passed(now),
+        }
+    }
 }
 
 /// How long a claim (or reclaim) keeps its Pending record: the longer of the lease and the

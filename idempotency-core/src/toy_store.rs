@@ -144,12 +144,9 @@ impl IdempotencyStore for ToyStore {
             let Some(r) = records.get_mut(id) else {
                 return Reclaim::Lost;
             };
-            let lease_passed = r.lease_until.is_none_or(|until| until <= now);
             // A permanent failure is final for the request that failed (its work may have
             // acted): only a request with another fingerprint takes it over.
-            let takeable_failure = r.status == RecordStatus::Failed
-                && (r.failure.as_ref().is_none_or(|f| f.retryable) || r.fingerprint != *fingerprint);
-            let takeable = takeable_failure || (r.status == RecordStatus::Pending && lease_passed);
+            let takeable = r.reclaimable_by(fingerprint, now);
             // The token the caller read must still be there: a stale read (the holder
             // completed since) never overwrites the record.
             if r.is_expired(now) || r.token != expected || !takeable {
