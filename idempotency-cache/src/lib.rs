@@ -3,7 +3,7 @@
 use async_trait::async_trait;
 use idempotency_core::{
     Cas, Claim, ClaimRequest, Clock, Error, Failure, FencingToken, Fingerprint, IdempotencyStore,
-    Reclaim, Record, RecordId, RecordStatus, SystemClock, Timestamp,
+    Reclaim, Record, RecordId, RecordStatus, Settlement, SystemClock, Timestamp,
 };
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -22,11 +22,17 @@ const ENTRY_OVERHEAD: u64 = 256;
 /// does not hold, `get`, and every write. The cache is filled only from what the store
 /// returned: a claim that found a Completed record.
 ///
-/// A cached record is served only while it is certainly live on the store's clock: until
-/// `expires_at` minus the time from sending the claim that filled it to the store reading its
-/// clock (the offset between the store's clock and the cache's is measured on every fill,
-/// and taken at its most cautious), and never longer than [`ReplayCacheBuilder::max_age`]
-/// after the fill, which bounds what a jump of the store's clock can do.
+/// A cached record is served only while it is certainly live on the store's clock: for as
+/// long as the store said it had left to live, counted from when the claim that filled it was
+/// sent (so the time the answer took is counted against it), and never longer than
+/// [`ReplayCacheBuilder::max_age`] after the fill, which bounds what a jump of the store's
+/// clock can do. That time is measured on a monotonic clock ([`Clock::monotonic`]): a step
+/// of this host's wall clock (NTP, an operator) neither extends nor shortens an entry; the
+/// store's clock gives only how long the record has left.
+///
+/// Batches keep the inner store's batches: [`IdempotencyStore::claim_many`] answers the
+/// replays the cache holds and sends the rest in one `claim_many`, and
+/// [`IdempotencyStore::settle_many`] goes to the store as one call.
 ///
 /// ```
 /// # async fn f() -> Result<(), idempotency_core::Error> {
@@ -68,10 +74,12 @@ impl<S: fmt::Debug> fmt::Debug for ReplayCache<S> {
 #[derive(Debug)]
 struct Entry {
     record: Record,
-    /// The cache's clock past which the record is no longer served.
-    deadline: Timestamp,
-    /// The store's clock minus the cache's, at its most cautious (ms).
-    offset_ms: i64,
+    /// The cache's monotonic reading when the claim that filled it was sent.
+    sent: Duration,
+    /// The monotonic reading past which the record is no longer served.
+    deadline: Duration,
+    /// The store's clock when it read the record.
+    store_now: Timestamp,
     /// What it weighs.
     weight: u64,
 }
@@ -224,28 +232,32 @@ impl<S: IdempotencyStore> ReplayCache<S> {
     /// is certainly live.
     fn cached(&self, id: &RecordId) -> Option<Claim> {
         let entry = self.entries.get(id)?;
-        let now = self.clock.now();
+        let now = self.clock.monotonic();
         if now >= entry.deadline {
             self.entries.remove(id);
             self.stats.expired.fetch_add(1, Ordering::Relaxed);
             return None;
         }
         self.stats.hits.fetch_add(1, Ordering::Relaxed);
+        // The store's clock, at its most cautious: as if it read the record when the claim
+        // was sent, and has run since at the cache's rate.
         Some(Claim::Existing {
             record: entry.record.clone(),
-            now: Timestamp::from_millis(now.as_millis().saturating_add(entry.offset_ms)),
+            now: entry
+                .store_now
+                .saturating_add(now.saturating_sub(entry.sent)),
         })
     }
 
     /// Keeps `record` if it is Completed and live: `store_now` is the store's clock when it
-    /// read it, `sent` the cache's clock before the claim was sent.
-    fn fill(&self, record: &Record, store_now: Timestamp, sent: Timestamp) {
+    /// read it, `sent` the cache's monotonic reading before the claim was sent.
+    fn fill(&self, record: &Record, store_now: Timestamp, sent: Duration) {
         if record.status != RecordStatus::Completed || record.expires_at <= store_now {
             return;
         }
         // The store read its clock at some moment after `sent`: assuming it read it at
-        // `sent` makes its clock look as far ahead as it can be, and the deadline the
-        // earliest the record can expire on the cache's clock.
+        // `sent` makes the deadline the earliest the record can expire, measured on the
+        // cache's monotonic clock.
         let live_for = record.expires_at.saturating_duration_since(store_now);
         let deadline = sent.saturating_add(live_for.min(self.max_age));
         // The fingerprint (32 bytes) is in the overhead.
@@ -255,8 +267,9 @@ impl<S: IdempotencyStore> ReplayCache<S> {
             + record.id.key.as_str().len() as u64;
         let entry = Entry {
             record: record.clone(),
+            sent,
             deadline,
-            offset_ms: store_now.as_millis().saturating_sub(sent.as_millis()),
+            store_now,
             weight,
         };
         self.entries.insert(record.id.clone(), Arc::new(entry));
@@ -273,12 +286,56 @@ impl<S: IdempotencyStore> IdempotencyStore for ReplayCache<S> {
             }
             self.stats.misses.fetch_add(1, Ordering::Relaxed);
         }
-        let sent = self.clock.now();
+        let sent = self.clock.monotonic();
         let claim = self.inner.claim(request).await?;
         if let Claim::Existing { record, now } = &claim {
             self.fill(record, *now, sent);
         }
         Ok(claim)
+    }
+
+    async fn claim_many(&self, requests: &[ClaimRequest]) -> Vec<Result<Claim, Error>> {
+        // The replays the cache holds are answered here; the rest go in one batch.
+        let mut answers: Vec<Option<Result<Claim, Error>>> = requests
+            .iter()
+            .map(|request| {
+                if request.count_hit {
+                    return None;
+                }
+                let cached = self.cached(&request.id);
+                if cached.is_none() {
+                    self.stats.misses.fetch_add(1, Ordering::Relaxed);
+                }
+                cached.map(Ok)
+            })
+            .collect();
+        let missed: Vec<ClaimRequest> = requests
+            .iter()
+            .zip(&answers)
+            .filter(|(_, answer)| answer.is_none())
+            .map(|(request, _)| request.clone())
+            .collect();
+        if !missed.is_empty() {
+            let sent = self.clock.monotonic();
+            let mut fetched = self.inner.claim_many(&missed).await.into_iter();
+            for answer in answers.iter_mut().filter(|a| a.is_none()) {
+                let claim = fetched.next().unwrap_or_else(|| {
+                    Err(Error::backend(
+                        false,
+                        "the store answered fewer claims than the batch had",
+                    ))
+                });
+                if let Ok(Claim::Existing { record, now }) = &claim {
+                    self.fill(record, *now, sent);
+                }
+                *answer = Some(claim);
+            }
+        }
+        answers.into_iter().flatten().collect()
+    }
+
+    async fn settle_many(&self, settlements: &[Settlement]) -> Vec<Result<Cas, Error>> {
+        self.inner.settle_many(settlements).await
     }
 
     async fn complete(

@@ -7,7 +7,7 @@ use idempotency_cache::ReplayCache;
 use idempotency_core::{
     async_trait, Cas, Claim, ClaimRequest, Clock, Error, Failure, FencingToken, Fingerprint,
     Idempotency, IdempotencyKey, IdempotencyStore, ManualClock, Policy, Reclaim, Record, RecordId,
-    RecordStatus, Scope,
+    RecordStatus, Scope, Settle, Settlement,
 };
 use idempotency_memory::MemoryStore;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -22,6 +22,8 @@ const TTL: Duration = Duration::from_secs(60);
 struct Counting {
     inner: MemoryStore,
     claims: Arc<AtomicUsize>,
+    /// Calls of `claim_many` and `settle_many` that reached the store.
+    batches: Arc<AtomicUsize>,
 }
 
 #[async_trait]
@@ -29,6 +31,15 @@ impl IdempotencyStore for Counting {
     async fn claim(&self, request: &ClaimRequest) -> Result<Claim, Error> {
         self.claims.fetch_add(1, Ordering::SeqCst);
         self.inner.claim(request).await
+    }
+    async fn claim_many(&self, requests: &[ClaimRequest]) -> Vec<Result<Claim, Error>> {
+        self.batches.fetch_add(1, Ordering::SeqCst);
+        self.claims.fetch_add(requests.len(), Ordering::SeqCst);
+        self.inner.claim_many(requests).await
+    }
+    async fn settle_many(&self, settlements: &[Settlement]) -> Vec<Result<Cas, Error>> {
+        self.batches.fetch_add(1, Ordering::SeqCst);
+        self.inner.settle_many(settlements).await
     }
     async fn complete(
         &self,
@@ -91,6 +102,7 @@ fn cached(
             .clock(Arc::new(store_clock.clone()))
             .build(),
         claims: claims.clone(),
+        batches: Arc::default(),
     };
     let builder = ReplayCache::builder().clock(Arc::new(cache_clock.clone()));
     (configure(builder).build(store), claims)
@@ -408,4 +420,103 @@ async fn engine_replays_from_memory() {
         .await
         .unwrap_err();
     assert!(matches!(err, Error::Mismatch), "{err:?}");
+}
+
+/// The application host's wall clock stepped back (an NTP step) while the store's did not:
+/// the entry's deadline is measured on a monotonic clock, so the step extends nothing, not
+/// past the record's expiry on the store, nor past `max_age`.
+#[tokio::test]
+async fn a_wall_clock_stepped_back_extends_no_entry() {
+    for (ttl, max_age) in [
+        (TTL, Duration::from_secs(3600)),
+        (Duration::from_secs(3600), Duration::from_secs(5)),
+    ] {
+        let cache_clock = ManualClock::new();
+        let store_clock = ManualClock::new();
+        let (cache, claims) = cached(&store_clock, &cache_clock, |b| b.max_age(max_age));
+        let key = id();
+        completed(&cache, &key, b"done", ttl).await;
+        existing(cache.claim(&replay(&key)).await.unwrap());
+        assert_eq!(cache.stats().fills, 1);
+        // The application's wall clock steps back an hour; then time passes on both hosts
+        // until the entry's time is up (the record's expiry, or `max_age`).
+        cache_clock.set(idempotency_core::Timestamp::from_millis(
+            cache_clock.now().as_millis() - 3_600_000,
+        ));
+        let up = ttl.min(max_age);
+        store_clock.advance(up);
+        cache_clock.advance(up);
+        let before = claims.load(Ordering::SeqCst);
+        let answer = cache.claim(&replay(&key)).await.unwrap();
+        assert_eq!(
+            claims.load(Ordering::SeqCst),
+            before + 1,
+            "ttl {ttl:?}, max_age {max_age:?}: served from memory after a step back of the \
+             wall clock: {answer:?}"
+        );
+        if ttl <= max_age {
+            assert!(
+                matches!(answer, Claim::Claimed { .. }),
+                "the store takes the expired key afresh: {answer:?}"
+            );
+        }
+    }
+}
+
+/// A batch through the cache keeps the inner store's batches: one `claim_many` and one
+/// `settle_many` reach it, not one call per message; cached replays are answered from memory.
+#[tokio::test]
+async fn batches_reach_the_store_as_batches() {
+    let clock = ManualClock::new();
+    let claims = Arc::new(AtomicUsize::new(0));
+    let batches = Arc::new(AtomicUsize::new(0));
+    let cache = ReplayCache::builder()
+        .clock(Arc::new(clock.clone()))
+        .build(Counting {
+            inner: MemoryStore::builder()
+                .clock(Arc::new(clock.clone()))
+                .build(),
+            claims: claims.clone(),
+            batches: batches.clone(),
+        });
+    let keys: Vec<RecordId> = (0..10).map(|_| id()).collect();
+    let requests: Vec<ClaimRequest> = keys.iter().map(replay).collect();
+    let answers = cache.claim_many(&requests).await;
+    assert_eq!(batches.load(Ordering::SeqCst), 1);
+    let settlements: Vec<Settlement> = keys
+        .iter()
+        .zip(answers)
+        .map(|(id, answer)| match answer.unwrap() {
+            Claim::Claimed { token, .. } => Settlement {
+                id: id.clone(),
+                token,
+                settle: Settle::Complete(b"done".to_vec()),
+                ttl: TTL,
+            },
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    for cas in cache.settle_many(&settlements).await {
+        assert_eq!(cas.unwrap(), Cas::Applied);
+    }
+    assert_eq!(batches.load(Ordering::SeqCst), 2, "one settle_many");
+    // Redelivered: the store answers once and fills the cache; then memory answers.
+    for answer in cache.claim_many(&requests).await {
+        assert_eq!(existing(answer.unwrap()).status, RecordStatus::Completed);
+    }
+    assert_eq!(batches.load(Ordering::SeqCst), 3);
+    assert_eq!(cache.stats().fills, 10);
+    let sent = claims.load(Ordering::SeqCst);
+    for answer in cache.claim_many(&requests).await {
+        assert_eq!(existing(answer.unwrap()).status, RecordStatus::Completed);
+    }
+    assert_eq!(
+        (
+            batches.load(Ordering::SeqCst),
+            claims.load(Ordering::SeqCst)
+        ),
+        (3, sent),
+        "cached replays reached the store"
+    );
+    assert_eq!(cache.stats().hits, 10);
 }

@@ -75,6 +75,23 @@ impl fmt::Debug for Timestamp {
 pub trait Clock: Send + Sync + fmt::Debug + 'static {
     /// The current time.
     fn now(&self) -> Timestamp;
+
+    /// A reading of a monotonic clock: how long since some fixed moment of this process.
+    /// Only differences between two readings mean anything. Unlike [`Clock::now`], it never
+    /// steps when the wall clock is set (an NTP step, an operator), so a deadline measured on
+    /// it lasts exactly as long as it says.
+    ///
+    /// The default reads [`std::time::Instant`]; a test clock overrides it, so that its time
+    /// passes for both readings.
+    fn monotonic(&self) -> Duration {
+        process_instant()
+    }
+}
+
+/// [`std::time::Instant`] now, as the time since the first call in this process.
+fn process_instant() -> Duration {
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    START.get_or_init(std::time::Instant::now).elapsed()
 }
 
 /// The system clock.
@@ -89,6 +106,10 @@ impl Clock for SystemClock {
 
 /// A clock that only moves when told to, for tests. Clones share the same time.
 ///
+/// [`ManualClock::advance`] moves both its wall reading ([`Clock::now`]) and its monotonic one
+/// ([`Clock::monotonic`]); [`ManualClock::set`] moves the wall reading only, as a wall clock
+/// set by NTP or an operator does.
+///
 /// ```
 /// use idempotency_core::{Clock, ManualClock};
 /// use std::time::Duration;
@@ -99,7 +120,11 @@ impl Clock for SystemClock {
 /// assert_eq!(clock.now().as_millis() - t0.as_millis(), 5_000);
 /// ```
 #[derive(Debug, Clone)]
-pub struct ManualClock(Arc<AtomicI64>);
+pub struct ManualClock {
+    wall: Arc<AtomicI64>,
+    /// Milliseconds the clock was advanced by, in all: its monotonic reading.
+    monotonic: Arc<AtomicI64>,
+}
 
 impl ManualClock {
     /// A manual clock starting at the current system time.
@@ -109,17 +134,23 @@ impl ManualClock {
 
     /// A manual clock starting at `t`.
     pub fn starting_at(t: Timestamp) -> Self {
-        Self(Arc::new(AtomicI64::new(t.as_millis())))
+        Self {
+            wall: Arc::new(AtomicI64::new(t.as_millis())),
+            monotonic: Arc::new(AtomicI64::new(0)),
+        }
     }
 
-    /// Moves the clock forward.
+    /// Moves the clock forward: its wall and its monotonic readings.
     pub fn advance(&self, d: Duration) {
-        self.0.fetch_add(duration_millis(d), Ordering::SeqCst);
+        let ms = duration_millis(d);
+        self.wall.fetch_add(ms, Ordering::SeqCst);
+        self.monotonic.fetch_add(ms, Ordering::SeqCst);
     }
 
-    /// Sets the clock.
+    /// Sets the wall reading, forward or back, as a wall clock is set; the monotonic reading
+    /// does not move.
     pub fn set(&self, t: Timestamp) {
-        self.0.store(t.as_millis(), Ordering::SeqCst);
+        self.wall.store(t.as_millis(), Ordering::SeqCst);
     }
 }
 
@@ -131,7 +162,11 @@ impl Default for ManualClock {
 
 impl Clock for ManualClock {
     fn now(&self) -> Timestamp {
-        Timestamp(self.0.load(Ordering::SeqCst))
+        Timestamp(self.wall.load(Ordering::SeqCst))
+    }
+
+    fn monotonic(&self) -> Duration {
+        Duration::from_millis(u64::try_from(self.monotonic.load(Ordering::SeqCst)).unwrap_or(0))
     }
 }
 
