@@ -1,6 +1,6 @@
 //! The completer: finishes multi-step operations whose holder died mid-way.
 
-use crate::phases::{Abandoned, AbandonedQuery, Phases, RecoveryPoints};
+use crate::phases::{Abandoned, AbandonedQuery, Phases, RecoveryPoints, Resumed};
 use crate::{Error, Idempotency, Outcome};
 use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
@@ -26,6 +26,9 @@ enum Finished {
     Failed,
     /// Someone else holds it now (a client's retry took it over first), or finished it.
     TakenElsewhere,
+    /// Not an operation to finish: its record expired or was purged after it was listed,
+    /// or it never got past its first phase. Left to its client.
+    Skipped,
     /// The store or the operation's definition failed.
     Error,
 }
@@ -42,6 +45,10 @@ pub struct CompleterRound {
     pub failed: usize,
     /// Taken over or finished by someone else first.
     pub taken_elsewhere: usize,
+    /// Left alone because there was nothing to finish: not past its first phase, or its
+    /// record expired or was purged after it was listed. A completer never starts an
+    /// operation (it has no request to start it with); its client's request does.
+    pub skipped: usize,
     /// Of an operation no [`Completer::operation`] registered: left alone (a store lists
     /// only registered ones; this counts those a store listed anyway).
     pub unknown: usize,
@@ -54,8 +61,15 @@ impl Display for CompleterRound {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} abandoned: {} completed, {} failed again, {} taken elsewhere, {} unknown, {} errors",
-            self.found, self.completed, self.failed, self.taken_elsewhere, self.unknown, self.errors
+            "{} abandoned: {} completed, {} failed again, {} taken elsewhere, {} skipped, {} \
+             unknown, {} errors",
+            self.found,
+            self.completed,
+            self.failed,
+            self.taken_elsewhere,
+            self.skipped,
+            self.unknown,
+            self.errors
         )
     }
 }
@@ -67,6 +81,7 @@ pub struct CompleterStats {
     completed: AtomicU64,
     failed: AtomicU64,
     taken_elsewhere: AtomicU64,
+    skipped: AtomicU64,
     unknown: AtomicU64,
     errors: AtomicU64,
 }
@@ -88,6 +103,10 @@ impl CompleterStats {
     pub fn taken_elsewhere(&self) -> u64 {
         self.taken_elsewhere.load(Ordering::Relaxed)
     }
+    /// Operations skipped: nothing to finish (see [`CompleterRound::skipped`]).
+    pub fn skipped(&self) -> u64 {
+        self.skipped.load(Ordering::Relaxed)
+    }
     /// Operations of no registered kind, seen.
     pub fn unknown(&self) -> u64 {
         self.unknown.load(Ordering::Relaxed)
@@ -99,8 +118,8 @@ impl CompleterStats {
 
     /// Counts a round, here and through the `metrics` facade (with the `metrics` feature):
     /// `idempotency_completer_rounds_total`, and `idempotency_completer_operations_total` by
-    /// how each operation ended (`end`: `completed`, `failed`, `taken_elsewhere`, `unknown`,
-    /// `error`).
+    /// how each operation ended (`end`: `completed`, `failed`, `taken_elsewhere`,
+    /// `skipped`, `unknown`, `error`).
     fn add(&self, round: &CompleterRound) {
         tracing::debug!(%round, "completer round");
         self.rounds.fetch_add(1, Ordering::Relaxed);
@@ -114,6 +133,7 @@ impl CompleterStats {
                 "taken_elsewhere",
                 round.taken_elsewhere,
             ),
+            (&self.skipped, "skipped", round.skipped),
             (&self.unknown, "unknown", round.unknown),
             (&self.errors, "error", round.errors),
         ] {
@@ -150,6 +170,13 @@ impl CompleterStats {
 /// one-step work have no recovery point, and operations of a kind it was not given are left
 /// alone. A client that retries meanwhile is told the key is in progress, then gets the
 /// stored outcome.
+///
+/// A completer only **finishes** operations, never starts one: it has no request to start
+/// one with. It takes over only a record that is still there when its turn comes (read,
+/// then taken over by a compare-and-swap on the token read, never claimed afresh) and whose
+/// recovery point is past the first phase. An operation not past its first phase, or whose
+/// record expired or was purged after the round listed it (a backlog, a short retention),
+/// is skipped and counted ([`CompleterRound::skipped`]): a request with its key starts it.
 ///
 /// An operation whose phase fails with an error recorded as a retryable failure is taken
 /// up again once that failure is [`Completer::retry_failed_after`] old, and given up once
@@ -248,18 +275,22 @@ impl<S: RecoveryPoints + 'static> Completer<S> {
                     id, fingerprint, ..
                 } = abandoned;
                 let ran = engine
-                    .run_phases(&*store, &id.key, &id.scope, &fingerprint, phases())
+                    .resume_phases(&*store, &id, &fingerprint, phases())
                     .await;
                 match ran {
-                    Ok(Outcome::Fresh(Ok(_))) => Finished::Completed,
-                    // Stored (the policy stores errors) or recorded as a failure: which one
-                    // is the policy's; a recorded one is listed again.
-                    Ok(Outcome::Fresh(Err(_))) => match engine.policy().errors {
-                        crate::ErrorOutcomes::Store => Finished::Completed,
-                        crate::ErrorOutcomes::RecordFailure => Finished::Failed,
+                    Ok(Resumed::NotStarted) => Finished::Skipped,
+                    Ok(Resumed::TakenElsewhere) => Finished::TakenElsewhere,
+                    Ok(Resumed::Ran(ran)) => match ran {
+                        Outcome::Fresh(Ok(_)) => Finished::Completed,
+                        // Stored (the policy stores errors) or recorded as a failure: which one
+                        // is the policy's; a recorded one is listed again.
+                        Outcome::Fresh(Err(_)) => match engine.policy().errors {
+                            crate::ErrorOutcomes::Store => Finished::Completed,
+                            crate::ErrorOutcomes::RecordFailure => Finished::Failed,
+                        },
+                        Outcome::Replayed(_) => Finished::TakenElsewhere,
                     },
-                    Ok(Outcome::Replayed(_))
-                    | Err(Error::InProgress { .. } | Error::LeaseLost { .. }) => {
+                    Err(Error::InProgress { .. } | Error::LeaseLost { .. }) => {
                         Finished::TakenElsewhere
                     }
                     Err(_) => Finished::Error,
@@ -284,9 +315,12 @@ impl<S: RecoveryPoints + 'static> Completer<S> {
         // Unreadable rows are never rewritten, so they stay first in the listing: ask for as
         // many more as the last round found, so that they never fill a batch.
         let unreadable = self.unreadable.load(Ordering::Relaxed);
-        let query = AbandonedQuery::new(names.into_iter().cloned(), self.batch + unreadable)
-            .max_attempts(self.max_attempts)
-            .failed_for(self.retry_failed_after);
+        let query = AbandonedQuery::new(
+            names.into_iter().cloned(),
+            self.batch.saturating_add(unreadable),
+        )
+        .max_attempts(self.max_attempts)
+        .failed_for(self.retry_failed_after);
         let listed = match self.store.abandoned(&query).await {
             Ok(listed) => listed,
             Err(e) => {
@@ -311,6 +345,12 @@ impl<S: RecoveryPoints + 'static> Completer<S> {
                     })
                     .ok()?;
                 match self.operations.get(&abandoned.operation) {
+                    // Not past its first phase: nothing to finish, and no request to start
+                    // it with. Left untouched for its client.
+                    Some(_) if abandoned.phase == 0 => {
+                        round.skipped += 1;
+                        None
+                    }
                     // A phase that panics ends this operation's run, not the completer.
                     Some(finish) => Some(
                         std::panic::AssertUnwindSafe(finish(
@@ -338,6 +378,7 @@ impl<S: RecoveryPoints + 'static> Completer<S> {
                 Finished::Completed => round.completed += 1,
                 Finished::Failed => round.failed += 1,
                 Finished::TakenElsewhere => round.taken_elsewhere += 1,
+                Finished::Skipped => round.skipped += 1,
                 Finished::Error => round.errors += 1,
             }
         }

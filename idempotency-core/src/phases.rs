@@ -37,8 +37,8 @@
 use crate::transaction::driver::{renew_kept, transaction, Complete, Seal};
 use crate::transaction::{TransactionEnd, TransactionalStore};
 use crate::{
-    decode_replay, Error, Fingerprint, Idempotency, IdempotencyKey, Lease, Outcome, Proceed,
-    RecordId, Scope,
+    decode_replay, Error, Failure, Fingerprint, Idempotency, IdempotencyKey, Lease, Operation,
+    Outcome, Proceed, Reclaim, RecordId, RecordStatus, Scope,
 };
 use async_trait::async_trait;
 use futures::future::BoxFuture;
@@ -541,23 +541,14 @@ impl Idempotency {
         key: &IdempotencyKey,
         scope: &Scope,
         fingerprint: &Fingerprint,
-        mut phases: Phases<S, T, E>,
+        phases: Phases<S, T, E>,
     ) -> Result<Outcome<Result<T, E>>, Error>
     where
         S: RecoveryPoints,
         T: Serialize + DeserializeOwned + Send + 'static,
         E: Serialize + DeserializeOwned + Display + Send + 'static,
     {
-        let count = u16::try_from(phases.steps.len())
-            .ok()
-            .filter(|&n| n > 0)
-            .ok_or_else(|| {
-                Error::Config(format!(
-                    "operation {:?}: between 1 and 65,535 phases, not {}",
-                    phases.operation,
-                    phases.steps.len()
-                ))
-            })?;
+        let count = phase_count(&phases)?;
         let id = RecordId::new(scope.clone(), key.clone());
         // A failed operation may have committed phases (a ride written, a card charged) for
         // the request that started it: a request with another fingerprint must not take it
@@ -583,6 +574,104 @@ impl Idempotency {
             Ok(point) => point,
             Err(e) => return lease.settle_transaction(Ok(rolled_back(e))).await,
         };
+        self.drive_phases(store, &id, fingerprint, lease, point, phases, count)
+            .await
+    }
+
+    /// Finishes the operation `phases` of the record `id` that an earlier holder left past
+    /// its first phase, for a [`Completer`](crate::Completer): never starts one. The record
+    /// is taken over only if it is there (live, of `fingerprint`) and a takeover is due (a
+    /// passed lease, a recorded failure: a compare-and-swap on the token read), and run only
+    /// from a recovery point past the first phase. Anything else is
+    /// [`Resumed::NotStarted`] (nothing written), or, for a record the takeover finds
+    /// without such a point (its first holder died before its first phase committed), a
+    /// retryable failure that leaves the key to its client: its request runs it from the
+    /// first phase.
+    pub(crate) async fn resume_phases<S, T, E>(
+        &self,
+        store: &S,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        phases: Phases<S, T, E>,
+    ) -> Result<Resumed<Outcome<Result<T, E>>>, Error>
+    where
+        S: RecoveryPoints,
+        T: Serialize + DeserializeOwned + Send + 'static,
+        E: Serialize + DeserializeOwned + Display + Send + 'static,
+    {
+        let count = phase_count(&phases)?;
+        let during = |op: Operation| {
+            let id = id.clone();
+            move |e: Error| e.during(op, id.to_string())
+        };
+        let engine_store = self.store().as_ref();
+        let Some(record) = engine_store.get(id).await.map_err(during(Operation::Get))? else {
+            // Expired or purged since it was listed: a request with its key is a new
+            // operation, for its client to start.
+            return Ok(Resumed::NotStarted);
+        };
+        if record.fingerprint != *fingerprint || record.status == RecordStatus::Completed {
+            return Ok(Resumed::TakenElsewhere);
+        }
+        let lease = match engine_store
+            .reclaim(
+                id,
+                record.token,
+                fingerprint,
+                self.policy().lease,
+                self.policy().ttl,
+            )
+            .await
+            .map_err(during(Operation::Reclaim))?
+        {
+            Reclaim::Reclaimed { token, .. } => self.lease(id.clone(), token),
+            // A live lease, a settled record, another holder first, or a record gone since.
+            Reclaim::Lost => return Ok(Resumed::TakenElsewhere),
+        };
+        let point = match store.recovery_point(&lease).await {
+            Ok(Some(point)) if point.phase > 0 => Some(point),
+            Ok(_) => {
+                // A record taken over between the listing and now (another operation under
+                // the key, its holder dead before its first phase): not this completer's.
+                let _ = lease
+                    .fail(Failure::retryable(
+                        "a completer took over an operation not past its first phase, and \
+                         left it to its client",
+                    ))
+                    .await;
+                return Ok(Resumed::NotStarted);
+            }
+            Err(e) => {
+                return lease
+                    .settle_transaction(Ok(rolled_back(e)))
+                    .await
+                    .map(Resumed::Ran)
+            }
+        };
+        self.drive_phases(store, id, fingerprint, lease, point, phases, count)
+            .await
+            .map(Resumed::Ran)
+    }
+
+    /// Runs `phases` under `lease` from the recovery point `point` (`None`: from the first
+    /// phase) to the end, and settles the lease.
+    #[allow(clippy::too_many_arguments)]
+    async fn drive_phases<S, T, E>(
+        &self,
+        store: &S,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        lease: Lease,
+        point: Option<RecoveryPoint>,
+        mut phases: Phases<S, T, E>,
+        count: u16,
+    ) -> Result<Outcome<Result<T, E>>, Error>
+    where
+        S: RecoveryPoints,
+        T: Serialize + DeserializeOwned + Send + 'static,
+        E: Serialize + DeserializeOwned + Display + Send + 'static,
+    {
+        let id = id.clone();
         let operation = phases.operation.clone();
         let (mut at, origin, mut state, mut written) = match point {
             Some(p) if p.operation != operation || p.phase >= count => {
@@ -679,6 +768,31 @@ impl Idempotency {
         .await;
         lease.settle_transaction(end.map(typed_end)).await
     }
+}
+
+/// What [`Idempotency::resume_phases`] did.
+#[derive(Debug)]
+pub(crate) enum Resumed<T> {
+    /// It took the operation over and ran it to this end.
+    Ran(T),
+    /// Nothing to finish: the record is gone, or not past its first phase.
+    NotStarted,
+    /// Someone else holds or finished it.
+    TakenElsewhere,
+}
+
+/// The number of `phases`, between 1 and 65,535.
+fn phase_count<S: RecoveryPoints, T, E>(phases: &Phases<S, T, E>) -> Result<u16, Error> {
+    u16::try_from(phases.steps.len())
+        .ok()
+        .filter(|&n| n > 0)
+        .ok_or_else(|| {
+            Error::Config(format!(
+                "operation {:?}: between 1 and 65,535 phases, not {}",
+                phases.operation,
+                phases.steps.len()
+            ))
+        })
 }
 
 fn rolled_back<T, E>(e: Error) -> TransactionEnd<T, E> {

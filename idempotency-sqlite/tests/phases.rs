@@ -613,3 +613,129 @@ fn the_completer_counts_its_rounds_as_metrics() {
         ]
     );
 }
+
+/// The completer only finishes operations, never starts one: an operation whose record
+/// expired after the completer listed it and before its turn (a backlog, a short retention)
+/// is not claimed afresh and run from its first phase without its request, and one that
+/// never got past its first phase is left for its client. Both are skipped and counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_completer_never_starts_an_operation() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let w = World::new(ConnectionMode::DedicatedThread).await;
+    // Two operations past their first phase, "ship-a" written (and listed) before "ship-b".
+    abandon(&w, "ship", "ship-a").await;
+    w.clock.advance(Duration::from_secs(1));
+    abandon(&w, "ship", "ship-b").await;
+    w.clock.advance(LEASE + Duration::from_secs(1));
+    // The first phase counts its runs; the second, on its first call, lets all but a second
+    // of the retention pass: "ship-b" expires while "ship-a" runs.
+    let (starts, calls) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let flow = {
+        let (starts, calls, clock) = (starts.clone(), calls.clone(), w.clock.clone());
+        move || {
+            let (starts, calls, clock) = (starts.clone(), calls.clone(), clock.clone());
+            Phases::<SqliteStore, (), String>::new("ship")
+                .phase(
+                    "write",
+                    move |_: &mut SqliteTransaction, (): (), _: PhaseContext| {
+                        starts.fetch_add(1, Ordering::SeqCst);
+                        Box::pin(async { Ok(Ok(())) })
+                    },
+                )
+                .foreign("call", move |(): (), _: PhaseContext| {
+                    if calls.fetch_add(1, Ordering::SeqCst) == 0 {
+                        clock.advance(Duration::from_secs(3600 - 1));
+                    }
+                    async { Ok(Ok(())) }
+                })
+        }
+    };
+    let flow = Arc::new(flow);
+    let completer = idempotency_core::Completer::new(w.engine.clone(), Arc::new(w.store.clone()))
+        .operation("ship", {
+            let flow = flow.clone();
+            move || flow()
+        })
+        .concurrency(1);
+    let round = completer.run_once().await.unwrap();
+    assert_eq!(
+        starts.load(Ordering::SeqCst),
+        0,
+        "the completer ran a first phase without a request: {round}"
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "{round}");
+    assert_eq!(
+        (round.found, round.completed, round.skipped),
+        (2, 1, 1),
+        "{round}"
+    );
+    assert_eq!(completer.stats().skipped(), 1);
+    // "ship-b" is a new key for its client: its request runs from the first phase.
+    let (_, scope, fp) = World::key();
+    let fresh = w
+        .engine
+        .run_phases(
+            &w.store,
+            &IdempotencyKey::new("ship-b").unwrap(),
+            &scope,
+            &fp,
+            flow(),
+        )
+        .await
+        .unwrap();
+    assert!(matches!(fresh, Outcome::Fresh(Ok(()))), "{fresh:?}");
+    assert_eq!(starts.load(Ordering::SeqCst), 1);
+}
+
+/// An operation whose first phase is a foreign call, abandoned during that call, is listed at
+/// phase 0: the completer leaves it untouched (no takeover, no call without the request)
+/// and counts it skipped; its client's retry resumes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_completer_skips_an_operation_not_past_its_first_phase() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let w = World::new(ConnectionMode::DedicatedThread).await;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let flow = {
+        let calls = calls.clone();
+        move |hang: bool| {
+            let calls = calls.clone();
+            Phases::<SqliteStore, (), String>::new("notify")
+                .foreign("call", move |(): (), _: PhaseContext| {
+                    calls.fetch_add(1, Ordering::SeqCst);
+                    async move {
+                        if hang {
+                            std::future::pending::<()>().await;
+                        }
+                        Ok(Ok(()))
+                    }
+                })
+                .phase(
+                    "write",
+                    |_: &mut SqliteTransaction, (): (), _: PhaseContext| {
+                        Box::pin(async { Ok(Ok(())) })
+                    },
+                )
+        }
+    };
+    let (engine, store, first) = (w.engine.clone(), w.store.clone(), flow(true));
+    let task = tokio::spawn(async move {
+        let (_, scope, fp) = World::key();
+        let key = IdempotencyKey::new("notify-1").unwrap();
+        engine.run_phases(&store, &key, &scope, &fp, first).await
+    });
+    while calls.load(Ordering::SeqCst) == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    task.abort();
+    let _ = task.await;
+    w.clock.advance(LEASE + Duration::from_secs(1));
+    let completer = idempotency_core::Completer::new(w.engine.clone(), Arc::new(w.store.clone()))
+        .operation("notify", move || flow(false));
+    let round = completer.run_once().await.unwrap();
+    assert_eq!((round.found, round.skipped), (1, 1), "{round}");
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        1,
+        "the completer made the call"
+    );
+}

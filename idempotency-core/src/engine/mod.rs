@@ -459,7 +459,7 @@ impl Idempotency {
         loggable_record(id, &self.policy)
     }
 
-    fn lease(&self, id: RecordId, token: FencingToken) -> Lease {
+    pub(crate) fn lease(&self, id: RecordId, token: FencingToken) -> Lease {
         Lease::new(self.store.clone(), self.policy.clone(), id, token)
     }
 }
