@@ -88,7 +88,7 @@ macro_rules! __with_case_list {
             keys_and_scopes_round_trip,
             model_based_random_sequences,
             engine_concurrent_runs_execute_once,
-            engine_panic_releases_key,
+            engine_panic_holds_key,
             engine_abandoned_work_holds_key_until_lease,
             engine_failed_completion_holds_key,
             engine_fenced_heartbeat_loses_completion,
@@ -112,6 +112,8 @@ macro_rules! __with_case_list {
             engine_batch_runs_each_message_once,
             engine_concurrent_batches_run_each_message_once,
             engine_batch_settlement_failure_is_retried_alone,
+            engine_batch_keeps_every_message_leased_until_settled,
+            engine_batch_panics_never_abandon_other_messages,
         }
     };
 }

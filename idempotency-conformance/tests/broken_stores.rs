@@ -322,7 +322,7 @@ fn rejects_fail_that_writes_nothing() {
         Bug::FailWritesNothing,
         &[
             "fail_then_reclaim",
-            "engine_panic_releases_key",
+            "engine_panic_holds_key",
             "engine_error_not_stored",
         ],
     );

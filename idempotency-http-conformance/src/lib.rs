@@ -29,7 +29,7 @@ macro_rules! __with_http_case_list {
             handler_that_did_nothing_frees_the_key,
             small_streams_are_stored_oversized_responses_run_once,
             unreplayable_responses_are_recorded_or_released,
-            handler_panic_releases_the_key,
+            handler_panic_settles_the_key,
             store_outage_fails_closed_or_open,
             concurrent_duplicates_run_once,
             scopes_isolate_callers,

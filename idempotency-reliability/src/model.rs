@@ -33,8 +33,12 @@ pub enum Response {
     Fresh(u64),
     /// `Outcome::Replayed(Ok(v))`: the key holds `v`.
     Replayed(u64),
-    /// The work ran and failed (an error released the key, or it panicked): no effect.
+    /// The work ran and failed with an error that released the key: no effect.
     Released,
+    /// The work panicked on an open key: it may have acted, so its key is settled for good
+    /// with a permanent failure in the outcome's place ([`LOST`]), or, if the store refused
+    /// that write, left Pending (open once its lease passes).
+    Panicked,
     /// `Error::InProgress` (HTTP 409): another attempt held a live lease.
     InProgress,
     /// The work ran in this call (`v` is the call's own value) and the call was answered,
@@ -82,6 +86,7 @@ impl Model for OnceRegister {
             (Call::Run { value }, R::Fresh(v), None) if v == value => vec![Some(*v)],
             (Call::Run { .. }, R::Replayed(v), Some(held)) if v == held => vec![*state],
             (Call::Run { .. }, R::Released | R::InProgress, None) => vec![None],
+            (Call::Run { .. }, R::Panicked, None) => vec![None, Some(LOST)],
             (Call::Run { .. }, R::LeaseLost, _) => vec![*state],
             (Call::Run { value }, R::Executed(v), None) if v == value => {
                 vec![None, Some(*v), Some(LOST)]
@@ -153,6 +158,7 @@ impl Model for ExpiringOnceRegister {
             }
             (Call::Run { .. }, R::Replayed(v)) if held(v) => vec![*state],
             (Call::Run { .. }, R::Released | R::InProgress) if open => vec![None],
+            (Call::Run { .. }, R::Panicked) if open => vec![None, self.closed_by(LOST, input.at)],
             (Call::Run { .. }, R::LeaseLost) => vec![*state],
             // It claimed an open key; it committed before its answer (its value, or a
             // permanent failure in its place), or not.

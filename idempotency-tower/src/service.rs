@@ -710,11 +710,19 @@ where
     {
         Ok(handled) => handled,
         Err(panic) => {
-            // A panic counts as a failed attempt: release the key, then let the task panic.
-            // A key the handler settled in its own transaction stays as it committed.
-            // The task's failure counts the outcome, once.
+            // The handler may have acted before it panicked: settle the key for good (no
+            // retry runs it again), then let the task panic; released only when its own
+            // transaction rolled back or the layer is told its handlers fail only before
+            // acting. A key the handler settled in its own transaction stays as it
+            // committed. The task's failure counts the outcome, once.
             if let Some(lease) = unless_settled_by_handler(&claim, lease) {
-                lease.release_after_panic().await;
+                if claim.settlement() == Settlement::RolledBack
+                    || config.unstored == OnUnstored::Release
+                {
+                    lease.release_after_panic().await;
+                } else {
+                    lease.settle_after_panic().await;
+                }
             }
             std::panic::resume_unwind(panic);
         }

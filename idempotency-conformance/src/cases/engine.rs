@@ -94,11 +94,19 @@ pub async fn engine_concurrent_runs_execute_once(t: TestStore) {
     }
 }
 
-/// A work that panics releases the key at once (the panic goes on to the caller), and a
-/// retry runs the work.
-pub async fn engine_panic_releases_key(t: TestStore) {
-    // A long lease: only the release, not the lease passing, can let the retry run.
-    let e = engine(&t, Policy::default().lease(t.long()).ttl(t.long()));
+/// A work that panics may have acted before it panicked (charged, then failed to build its
+/// answer): the key is settled for good, with a permanent failure in the outcome's place
+/// ([`idempotency_core::Failure::outcome_not_stored`]). The panic goes on to the caller; a
+/// retry is told [`Error::FailedPermanently`], also after the lease has passed, another
+/// payload [`Error::Mismatch`], and neither runs the work.
+pub async fn engine_panic_holds_key(t: TestStore) {
+    let e = engine(
+        &t,
+        Policy::default()
+            .lease(t.short_lease())
+            .ttl(t.long())
+            .heartbeat(None),
+    );
     let (key, scope) = fresh_address("panic");
     let explode = true;
     let task = {
@@ -116,17 +124,34 @@ pub async fn engine_panic_releases_key(t: TestStore) {
     let err = task.await.expect_err("the panic must reach the caller");
     assert!(err.is_panic(), "the run task ended without a panic: {err}");
     let r = present(&t, &RecordId::new(scope.clone(), key.clone())).await;
-    assert_eq!(
-        r.status,
-        RecordStatus::Failed,
-        "a panicking work must release the key (record Failed), found {r:?}"
+    assert!(
+        r.status == RecordStatus::Failed
+            && r.failure
+                .as_ref()
+                .is_some_and(idempotency_core::Failure::is_outcome_not_stored),
+        "a panicking work must settle the key with the outcome-not-stored failure, found {r:?}"
     );
     let runs = Arc::new(AtomicUsize::new(0));
-    match counted(&e, &key, &scope, &fp("p"), &runs, "after panic").await {
-        Ok(Outcome::Fresh(Ok(v))) => assert_eq!(v, "after panic"),
-        other => panic!("the retry after a panic got {other:?}, expected a fresh run"),
+    for when in ["at once", "after the lease"] {
+        match counted(&e, &key, &scope, &fp("p"), &runs, "after panic").await {
+            Err(Error::FailedPermanently { .. }) => {}
+            other => {
+                panic!("a retry {when} after a panic got {other:?}, expected FailedPermanently")
+            }
+        }
+        match counted(&e, &key, &scope, &fp("other"), &runs, "other").await {
+            Err(Error::Mismatch) => {}
+            other => {
+                panic!("another payload {when} after a panic got {other:?}, expected Mismatch")
+            }
+        }
+        t.advance(t.short_lease()).await;
     }
-    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        0,
+        "the work ran again after a panic"
+    );
 }
 
 /// An `Err` outcome is not stored (by default): the key is released, the retry runs, and

@@ -219,8 +219,11 @@ pub async fn engine_batch_runs_each_message_once(t: TestStore) {
         "{:?}",
         m[10]
     );
-    assert!(m[10].redeliver);
-    assert_eq!(report.redeliver(), vec![5, 6, 8, 10]);
+    assert!(
+        !m[10].redeliver,
+        "a panicked message is settled for good: no redelivery runs it"
+    );
+    assert_eq!(report.redeliver(), vec![5, 6, 8]);
     assert_eq!(report.ran(), 8, "the panicking one is not counted as run");
     assert_eq!(report.replayed(), 1);
     // The work ran for the six new messages, the taken-over one, the failing one and the
@@ -245,13 +248,20 @@ pub async fn engine_batch_runs_each_message_once(t: TestStore) {
         assert!(replayed(&m[i].outcome).is_some(), "message {i}: {:?}", m[i]);
     }
     assert_eq!(ran(&m[8].outcome), Some(&Err(format!("failed {fails}"))));
-    assert!(matches!(m[10].outcome, MessageOutcome::Panicked));
+    assert!(
+        matches!(
+            m[10].outcome,
+            MessageOutcome::Refused(Error::FailedPermanently { .. })
+        ),
+        "a panicked message is never run again: {:?}",
+        m[10]
+    );
     assert_eq!(
         ledger.total() - before,
-        2,
-        "only the released ones ran again"
+        1,
+        "only the released one ran again"
     );
-    assert_eq!(again.redeliver(), vec![5, 8, 10]);
+    assert_eq!(again.redeliver(), vec![5, 8]);
     holder
         .fail(Failure::retryable("released by the test"))
         .await
@@ -420,4 +430,222 @@ pub async fn engine_batch_settlement_failure_is_retried_alone(t: TestStore) {
         }
         assert_eq!(ledger.total(), batch.len(), "{fault:?}: never run twice");
     }
+}
+
+/// No claimed message's lease passes while its consumer is alive and has not settled it: a
+/// message whose work finished is settled without waiting for the slowest one, and a message
+/// waiting for a free slot is kept leased. With one slot, a fast message, a slow one and a
+/// queued one: while the slow one runs, the fast one is already Completed on the store, and
+/// after the store's clock ran well past the lease, another consumer finds the fast one
+/// replayable and the queued one in progress; each work runs once.
+pub async fn engine_batch_keeps_every_message_leased_until_settled(t: TestStore) {
+    let e = Idempotency::new(
+        t.store.clone(),
+        Policy::default()
+            .lease(Duration::from_millis(900))
+            .ttl(t.long())
+            .heartbeat(Some(1.0 / 3.0)),
+    )
+    .expect("valid policy");
+    let scope = Scope::from_parts(["conformance-engine", "batch-leases"]).expect("scope");
+    let ids: Vec<IdempotencyKey> = ["fast", "slow", "queued"]
+        .iter()
+        .map(|l| IdempotencyKey::new(format!("{l}-{}", IdempotencyKey::random())).expect("key"))
+        .collect();
+    let ledger = Arc::new(Ledger::default());
+    let started = Arc::new(tokio::sync::Notify::new());
+    let release = Arc::new(tokio::sync::Notify::new());
+    let batch = {
+        let (e, scope, ledger) = (e.clone(), scope.clone(), ledger.clone());
+        let (started, release) = (started.clone(), release.clone());
+        let messages: Vec<_> = ids
+            .iter()
+            .zip(["fast", "slow", "queued"])
+            .map(|(key, label)| BatchMessage::new(key.clone(), fp(label), label))
+            .collect();
+        tokio::spawn(async move {
+            e.run_batch(&scope, messages, 1, move |label: &'static str, _ctx| {
+                let (ledger, started, release) = (ledger.clone(), started.clone(), release.clone());
+                async move {
+                    *ledger
+                        .runs
+                        .lock()
+                        .expect("lock")
+                        .entry(label.to_owned())
+                        .or_insert(0) += 1;
+                    if label == "slow" {
+                        started.notify_one();
+                        release.notified().await;
+                    }
+                    Ok::<String, String>(format!("done {label}"))
+                }
+            })
+            .await
+        })
+    };
+    started.notified().await;
+    let address = |i: usize| RecordId::new(scope.clone(), ids[i].clone());
+    // The fast one is settled while the slow one runs.
+    let waited = std::time::Instant::now();
+    loop {
+        let record = t.store.get(&address(0)).await.expect("get");
+        if record
+            .as_ref()
+            .is_some_and(|r| r.status == idempotency_core::RecordStatus::Completed)
+        {
+            break;
+        }
+        assert!(
+            waited.elapsed() < Duration::from_secs(30),
+            "a finished message was not settled while the batch's slowest work ran: {record:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // The store's clock runs well past the lease, in steps the heartbeat keeps up with.
+    let step = Duration::from_millis(150);
+    for _ in 0..10 {
+        t.advance(step).await;
+        if matches!(t.time, crate::TimeControl::Manual(_)) {
+            tokio::time::sleep(step).await;
+        }
+    }
+    match e.begin(&address(0), &fp("fast")).await.expect("begin") {
+        Begin::Replay(_) => {}
+        other => panic!("another consumer of the fast message got {other:?}, expected a replay"),
+    }
+    match e.begin(&address(2), &fp("queued")).await.expect("begin") {
+        Begin::InProgress { .. } => {}
+        other => panic!(
+            "another consumer of the message waiting for a slot got {other:?}, expected it in \
+             progress (its lease passed while its consumer was alive)"
+        ),
+    }
+    release.notify_one();
+    let report = batch.await.expect("the batch ended");
+    for (i, m) in report.messages.iter().enumerate() {
+        assert!(
+            ran(&m.outcome).is_some_and(Result::is_ok),
+            "message {i}: {m:?}"
+        );
+    }
+    for label in ["fast", "slow", "queued"] {
+        assert_eq!(
+            ledger.runs(label),
+            1,
+            "{label} ran {} times",
+            ledger.runs(label)
+        );
+    }
+}
+
+/// An outcome whose `Serialize` panics.
+#[derive(Debug, serde::Deserialize)]
+struct Explosive(bool);
+
+impl serde::Serialize for Explosive {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        if self.0 {
+            panic!("the outcome's Serialize panicked (conformance case)");
+        }
+        serializer.serialize_bool(false)
+    }
+}
+
+/// Whatever one message does, every other message's outcome is settled: a work closure that
+/// panics before it returns a future (an `unwrap` on a malformed message), a work future
+/// that panics, and an outcome whose `Serialize` panics are each reported `Panicked`, with
+/// the key settled for good (a redelivery is refused, never run); the other messages are
+/// stored, and `run_batch` returns.
+pub async fn engine_batch_panics_never_abandon_other_messages(t: TestStore) {
+    let e = Idempotency::new(
+        t.store.clone(),
+        Policy::default().lease(t.long()).ttl(t.long()),
+    )
+    .expect("valid policy");
+    let scope = Scope::from_parts(["conformance-engine", "batch-panics"]).expect("scope");
+    let labels = [
+        "ok-0",
+        "closure",
+        "ok-1",
+        "future",
+        "ok-2",
+        "serialize",
+        "ok-3",
+    ];
+    let suffix = IdempotencyKey::random();
+    let key = |label: &str| IdempotencyKey::new(format!("{label}-{suffix}")).expect("key");
+    let messages = || -> Vec<BatchMessage<&'static str>> {
+        labels
+            .iter()
+            .map(|l| BatchMessage::new(key(l), fp(l), *l))
+            .collect()
+    };
+    let ledger = Arc::new(Ledger::default());
+    let run = |ledger: Arc<Ledger>| {
+        let (e, scope, batch) = (e.clone(), scope.clone(), messages());
+        tokio::spawn(async move {
+            e.run_batch(&scope, batch, 2, move |label: &'static str, _ctx| {
+                *ledger
+                    .runs
+                    .lock()
+                    .expect("lock")
+                    .entry(label.to_owned())
+                    .or_insert(0) += 1;
+                if label == "closure" {
+                    panic!("the work closure panicked before returning a future");
+                }
+                async move {
+                    if label == "future" {
+                        panic!("the work future panicked");
+                    }
+                    Ok::<Explosive, String>(Explosive(label == "serialize"))
+                }
+            })
+            .await
+        })
+    };
+    let report = run(ledger.clone())
+        .await
+        .expect("run_batch must not panic whatever one message does");
+    for (i, m) in report.messages.iter().enumerate() {
+        if labels[i].starts_with("ok") {
+            assert!(
+                matches!(&m.outcome, MessageOutcome::Ran(Ok(Explosive(false)))),
+                "message {i} ({}): {m:?}",
+                labels[i]
+            );
+            assert!(!m.redeliver);
+            let record = t
+                .store
+                .get(&RecordId::new(scope.clone(), key(labels[i])))
+                .await
+                .expect("get")
+                .expect("the record");
+            assert_eq!(record.status, idempotency_core::RecordStatus::Completed);
+        } else {
+            assert!(
+                matches!(m.outcome, MessageOutcome::Panicked) && !m.redeliver,
+                "message {i} ({}): {m:?}",
+                labels[i]
+            );
+        }
+    }
+    // Delivered again: the stored ones replay, the panicked ones are refused; nothing runs.
+    let again = run(ledger.clone()).await.expect("run_batch must not panic");
+    for (i, m) in again.messages.iter().enumerate() {
+        let fine = if labels[i].starts_with("ok") {
+            matches!(m.outcome, MessageOutcome::Replayed(_))
+        } else {
+            matches!(
+                m.outcome,
+                MessageOutcome::Refused(Error::FailedPermanently { .. })
+            )
+        };
+        assert!(
+            fine && !m.redeliver,
+            "redelivered message {i} ({}): {m:?}",
+            labels[i]
+        );
+    }
+    assert_eq!(ledger.total(), labels.len(), "a message ran twice");
 }

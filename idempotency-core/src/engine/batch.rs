@@ -56,8 +56,11 @@ pub enum MessageOutcome<T> {
         /// Why it is not stored.
         error: Error,
     },
-    /// The work panicked; the key was released (a retryable failure), so a redelivery runs
-    /// it again.
+    /// The work panicked (its closure, its future, or the outcome's `Serialize` or
+    /// `Display`). It may have acted first, so its key is settled for good, as an outcome
+    /// that cannot be stored ([`crate::Failure::outcome_not_stored`]): a redelivery is
+    /// refused with [`Error::FailedPermanently`] and never runs it; `redeliver` is `false`
+    /// (acknowledge it, or send it to a dead-letter queue).
     Panicked,
     /// The message was not run: [`Error::InProgress`] (another consumer holds it),
     /// [`Error::Mismatch`] (its id was used for another payload),
@@ -119,16 +122,20 @@ struct ToRun<M> {
     message: M,
 }
 
-/// A message whose work ran, or the index and lease of one whose work panicked.
-type RanOrPanicked<R> = Result<Ran<R>, (usize, Lease)>;
+/// A settlement for the batch's settler, and where its first answer goes (with when it was
+/// sent).
+type ToSettle = (
+    Settlement,
+    futures::channel::oneshot::Sender<(Result<crate::Cas, Error>, Instant)>,
+);
 
-/// A message whose work ran: how to settle it.
-struct Ran<R> {
-    index: usize,
-    lease: Lease,
-    result: R,
-    settle: Option<Settle>,
-}
+/// A message whose work ran without panicking: its result, how it is settled (`None`: it
+/// cannot be encoded), and the answer to its first settlement (`None`: not sent, or lost).
+type Ran<R> = (
+    R,
+    Option<Settle>,
+    Option<(Result<crate::Cas, Error>, Instant)>,
+);
 
 impl Idempotency {
     /// Runs a batch of messages (a queue consumer's poll): each message's work runs at most
@@ -137,19 +144,31 @@ impl Idempotency {
     /// delivered again.
     ///
     /// The batch is claimed with one [`crate::IdempotencyStore::claim_many`] (one round trip
-    /// on the stores that batch natively), the new messages run at most `concurrency` at a
-    /// time (each under its lease's heartbeat, as [`Idempotency::run`]), and their outcomes
-    /// are stored with one [`crate::IdempotencyStore::settle_many`]; a settlement the batch
-    /// could not store is retried alone, per [`crate::Policy::settle_retry`], and read back
-    /// as [`Lease::complete`] does. A message whose record needs a takeover (a released
+    /// on the stores that batch natively) and the new messages run at most `concurrency` at
+    /// a time. Each message is settled as soon as its work ends, together with the others that
+    /// ended meanwhile (one [`crate::IdempotencyStore::settle_many`] per group), never waiting
+    /// for the slowest; a settlement the batch could not store is retried alone, per
+    /// [`crate::Policy::settle_retry`], and read back as [`Lease::complete`] does. Every
+    /// claimed message stays under its lease's heartbeat (as [`Idempotency::run`]) from its
+    /// claim until its settlement is answered, while it waits for a slot too: no message's
+    /// lease passes while this consumer is alive, so a redelivery is told it is in progress
+    /// rather than taking it over. A message whose record needs a takeover (a released
     /// failure, a lease that passed) is taken over alone. A message another consumer holds is
     /// not waited for, whatever the policy says: it is reported [`Error::InProgress`] and
     /// marked for redelivery. A message named twice in one batch runs once; the second is
     /// reported in progress (or replayed, once the first is stored).
     ///
     /// Outcomes are classified as [`Idempotency::run`] does (per [`crate::Policy::errors`])
-    /// and stored as JSON. A panic in the work releases that message's key and is reported
-    /// as [`MessageOutcome::Panicked`]; the other messages go on.
+    /// and stored as JSON. A panic in a message's work (in the closure, before it returns a
+    /// future, as much as in the future, or in the outcome's `Serialize`) settles that
+    /// message's key for good and is reported as [`MessageOutcome::Panicked`]; every other
+    /// message is settled as usual and the batch returns.
+    ///
+    /// If the batch's future is dropped (a shutdown), the messages already settled stay
+    /// settled; a message whose work was running, or had ended and whose settlement was not
+    /// yet answered, is held until its lease passes, as for a consumer that crashed, and a
+    /// redelivery after that runs it again. Keep the work's effects and its completion in
+    /// one transaction where that must never happen.
     ///
     /// ```
     /// # use idempotency_core::*;
@@ -229,100 +248,88 @@ impl Idempotency {
             }
         }
 
-        // Run the new ones, at most `concurrency` at a time.
+        // Run the new ones, at most `concurrency` at a time. Every claimed message is under
+        // its lease's heartbeat from now until its first settlement is answered, whether it
+        // waits for a slot, runs, or waits for its settlement: no lease passes while this
+        // consumer is alive. A message is settled as soon as its work ends, with the others
+        // that ended meanwhile (one `settle_many` per group), never waiting for the slowest.
         let errors = self.policy.errors;
-        let work = &work;
-        let ran: Vec<RanOrPanicked<Result<T, E>>> =
-            futures::stream::iter(to_run.into_iter().map(|r| async move {
+        let slots = tokio::sync::Semaphore::new(concurrency.max(1));
+        let (to_settle, mut settling) = futures::channel::mpsc::unbounded::<ToSettle>();
+        let settler = async move {
+            while let Some(first) = settling.next().await {
+                let mut group = vec![first];
+                while let Ok(more) = settling.try_recv() {
+                    group.push(more);
+                }
+                let (settlements, replies): (Vec<Settlement>, Vec<_>) = group.into_iter().unzip();
+                let sent = Instant::now();
+                let mut answers = store.settle_many(&settlements).await.into_iter();
+                for reply in replies {
+                    let answer = answers.next().unwrap_or_else(|| {
+                        Err(Error::backend(
+                            true,
+                            "the store answered fewer settlements than the batch had",
+                        ))
+                    });
+                    // A message whose future was dropped no longer listens.
+                    let _ = reply.send((answer, sent));
+                }
+            }
+        };
+        let (work, slots) = (&work, &slots);
+        let runs = futures::future::join_all(to_run.into_iter().map(|r| {
+            let to_settle = to_settle.clone();
+            async move {
                 let ToRun {
                     index,
                     lease,
                     message,
                 } = r;
                 let ctx = lease.context();
-                let out = lease
-                    .with_heartbeat(AssertUnwindSafe(work(message, ctx)).catch_unwind())
+                let ttl = self.policy.ttl;
+                let ran = lease
+                    .with_heartbeat(async {
+                        // The semaphore is never closed.
+                        let permit = slots.acquire().await.ok();
+                        // The closure is called inside the guard: a panic before it returns a
+                        // future is this message's, as one in the future is.
+                        let out = AssertUnwindSafe(async { work(message, ctx).await })
+                            .catch_unwind()
+                            .await;
+                        drop(permit);
+                        let Ok(result) = out else {
+                            return None;
+                        };
+                        // The outcome's `Serialize` or the error's `Display` may panic too.
+                        let settle = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                            classified(&result, errors)
+                        }))
+                        .ok()?;
+                        let first = match &settle {
+                            Some(settle) => {
+                                let (reply, answer) = futures::channel::oneshot::channel();
+                                let settlement = Settlement {
+                                    id: lease.id().clone(),
+                                    token: lease.token(),
+                                    settle: settle.clone(),
+                                    ttl,
+                                };
+                                let _ = to_settle.unbounded_send((settlement, reply));
+                                answer.await.ok()
+                            }
+                            None => None,
+                        };
+                        Some((result, settle, first))
+                    })
                     .await;
-                match out {
-                    Ok(result) => Ok(classified(index, lease, result, errors)),
-                    Err(_panic) => Err((index, lease)),
-                }
-            }))
-            .buffer_unordered(concurrency.max(1))
-            .collect()
-            .await;
-
-        let mut settled = Vec::new();
-        let mut panicked = Vec::new();
-        for r in ran {
-            match r {
-                Ok(ran) => settled.push(ran),
-                Err(p) => panicked.push(p),
+                drop(to_settle);
+                self.finish_message(index, lease, ran).await
             }
-        }
-        for (index, lease) in panicked {
-            tracing::warn!(
-                record = %loggable_record(lease.id(), &self.policy),
-                "the work of a batch's message panicked; its key is released"
-            );
-            lease.release_after_panic().await;
-            reports[index] = Some(MessageReport {
-                outcome: MessageOutcome::Panicked,
-                redeliver: true,
-            });
-        }
-
-        // Settle together; each settlement's answer is its lease's first try.
-        let settlements: Vec<Settlement> = settled
-            .iter()
-            .filter_map(|r| {
-                r.settle.as_ref().map(|s| Settlement {
-                    id: r.lease.id().clone(),
-                    token: r.lease.token(),
-                    settle: s.clone(),
-                    ttl: self.policy.ttl,
-                })
-            })
-            .collect();
-        let sent = Instant::now();
-        let mut answers = store.settle_many(&settlements).await.into_iter();
-        let finishing = settled.into_iter().map(|r| {
-            let first = r
-                .settle
-                .as_ref()
-                .and_then(|_| answers.next())
-                .map(|answer| (answer, sent));
-            async move {
-                let Ran {
-                    index,
-                    lease,
-                    result,
-                    settle,
-                } = r;
-                let (stored, released) = match settle {
-                    Some(Settle::Complete(bytes)) => (
-                        lease.complete_after(first, &bytes, Acted::Maybe).await,
-                        false,
-                    ),
-                    Some(Settle::Fail(failure)) => (lease.fail_after(first, failure).await, true),
-                    None => {
-                        // The outcome cannot be encoded: the work ran and its outcome is lost,
-                        // final for every payload, as `run` records it.
-                        let e = serde_json::to_vec(&result)
-                            .err()
-                            .map(|source| Error::Codec { source })
-                            .unwrap_or_else(|| Error::backend(false, "cannot encode"));
-                        let _ = lease.fail(Failure::outcome_not_stored(&e)).await;
-                        return (index, MessageOutcome::Refused(e), false);
-                    }
-                };
-                match stored {
-                    Ok(()) => (index, MessageOutcome::Ran(result), released),
-                    Err(error) => (index, MessageOutcome::Unsettled { result, error }, true),
-                }
-            }
-        });
-        for (index, outcome, redeliver) in futures::future::join_all(finishing).await {
+        }));
+        drop(to_settle);
+        let (finished, ()) = futures::join!(runs, settler);
+        for (index, outcome, redeliver) in finished {
             reports[index] = Some(MessageReport { outcome, redeliver });
         }
         BatchReport {
@@ -338,6 +345,51 @@ impl Idempotency {
                     })
                 })
                 .collect(),
+        }
+    }
+}
+
+impl Idempotency {
+    /// Settles one message of a batch whose work ended (`None`: it panicked) and whose first
+    /// settlement was answered: retries alone and reads back as [`Lease::complete`] does.
+    async fn finish_message<T, E>(
+        &self,
+        index: usize,
+        lease: Lease,
+        ran: Option<Ran<Result<T, E>>>,
+    ) -> (usize, MessageOutcome<Result<T, E>>, bool)
+    where
+        T: Serialize,
+        E: Serialize,
+    {
+        let Some((result, settle, first)) = ran else {
+            tracing::warn!(
+                record = %loggable_record(lease.id(), &self.policy),
+                "the work of a batch's message panicked; its key is settled for good"
+            );
+            lease.settle_after_panic().await;
+            return (index, MessageOutcome::Panicked, false);
+        };
+        let (stored, released) = match settle {
+            Some(Settle::Complete(bytes)) => (
+                lease.complete_after(first, &bytes, Acted::Maybe).await,
+                false,
+            ),
+            Some(Settle::Fail(failure)) => (lease.fail_after(first, failure).await, true),
+            None => {
+                // The outcome cannot be encoded: the work ran and its outcome is lost, final
+                // for every payload, as `run` records it.
+                let e = serde_json::to_vec(&result)
+                    .err()
+                    .map(|source| Error::Codec { source })
+                    .unwrap_or_else(|| Error::backend(false, "cannot encode"));
+                let _ = lease.fail(Failure::outcome_not_stored(&e)).await;
+                return (index, MessageOutcome::Refused(e), false);
+            }
+        };
+        match stored {
+            Ok(()) => (index, MessageOutcome::Ran(result), released),
+            Err(error) => (index, MessageOutcome::Unsettled { result, error }, true),
         }
     }
 }
@@ -366,27 +418,16 @@ impl Decided {
 
 /// How a message's result is settled, per the policy's error outcomes; `None` when it
 /// cannot be encoded.
-fn classified<T, E>(
-    index: usize,
-    lease: Lease,
-    result: Result<T, E>,
-    errors: ErrorOutcomes,
-) -> Ran<Result<T, E>>
+fn classified<T, E>(result: &Result<T, E>, errors: ErrorOutcomes) -> Option<Settle>
 where
     T: Serialize,
     E: Serialize + std::fmt::Display,
 {
-    let settle = match (&result, errors) {
+    match (result, errors) {
         (Err(e), ErrorOutcomes::RecordFailure) => {
             Some(Settle::Fail(Failure::retryable(e.to_string())))
         }
-        _ => serde_json::to_vec(&result).ok().map(Settle::Complete),
-    };
-    Ran {
-        index,
-        lease,
-        result,
-        settle,
+        _ => serde_json::to_vec(result).ok().map(Settle::Complete),
     }
 }
 

@@ -23,9 +23,10 @@ use std::time::{Duration, Instant};
 ///
 /// The key is released at once (the record becomes Failed and a retry runs) only when the
 /// work is known not to have acted, or the policy says its failure is to be retried: the
-/// work returned an outcome the policy releases, or it panicked ([`Idempotency::run`](crate::Idempotency::run) calls
-/// [`Lease::fail`] for both). Everything else holds the key until the lease passes, because
-/// the work may have acted:
+/// work returned an outcome the policy releases ([`Idempotency::run`](crate::Idempotency::run)
+/// calls [`Lease::fail`]). A work that panicked may have acted: its key is settled for good
+/// ([`Lease::settle_after_panic`]). Everything else holds the key until the lease passes,
+/// because the work may have acted:
 /// - a lease dropped unsettled (the work's future was cancelled by a timeout, an abort or a
 ///   client that went away, or a caller of [`Idempotency::begin`](crate::Idempotency::begin) returned early): nothing
 ///   is written, the heartbeat stops with the future, and a retry is told
@@ -281,10 +282,16 @@ impl Lease {
     /// settlement, so a try of the completion that did apply stays; the record is read back
     /// to tell what it holds.
     async fn record_outcome_not_stored(&self, error: &Error) -> StandIn {
+        self.record_stand_in(Failure::outcome_not_stored(error))
+            .await
+    }
+
+    /// Writes `failure` (a [`Failure::outcome_not_stored`]) in the outcome's place and reads
+    /// the record back, as [`Lease::record_outcome_not_stored`] says.
+    async fn record_stand_in(&self, mut failure: Failure) -> StandIn {
         /// Room for the store's error in the failure message: enough to say what went wrong,
         /// small enough for any store that refused a large outcome.
         const MAX_MESSAGE: usize = 512;
-        let mut failure = Failure::outcome_not_stored(error);
         if failure.message.len() > MAX_MESSAGE {
             let mut end = MAX_MESSAGE;
             while !failure.message.is_char_boundary(end) {
@@ -478,10 +485,39 @@ impl Lease {
         self.settled = true;
     }
 
-    /// Releases the key after the work panicked (a panic counts as a failed attempt, and a
-    /// retry need not wait for the lease to pass): a retryable failure is recorded. The
-    /// engine, the SQL exactly-once paths and the HTTP layer all release through this. A
-    /// failure to release is logged; the lease then passes on its own.
+    /// Settles the key after the work panicked. A panic says nothing about whether the work
+    /// acted (it may have charged, then panicked building its answer), so it is settled as
+    /// an answer that cannot be replayed: [`Failure::outcome_not_stored`] ("the work
+    /// panicked") is recorded in the outcome's place, and while the record is kept a retry is
+    /// told [`Error::FailedPermanently`], another payload [`Error::Mismatch`], and none runs
+    /// the work again. [`Idempotency::run`](crate::Idempotency::run), a batch and the HTTP
+    /// layer settle a panic through this. If the store refuses the write, the record stays
+    /// Pending until its lease passes (logged).
+    pub async fn settle_after_panic(mut self) {
+        self.settled = true;
+        let record = loggable_record(&self.id, &self.policy);
+        match self
+            .record_stand_in(Failure::outcome_not_stored("the work panicked"))
+            .await
+        {
+            StandIn::Recorded => tracing::warn!(
+                record = %record,
+                "the work panicked; its key is settled for good (no retry runs it again)"
+            ),
+            StandIn::OutcomeStored => {}
+            StandIn::NotRecorded => tracing::warn!(
+                record = %record,
+                "the work panicked and its key could not be settled; it stays pending until \
+                 its lease passes"
+            ),
+        }
+    }
+
+    /// Releases the key after a work that is known to have done nothing panicked (its
+    /// transaction rolled back: the SQL exactly-once paths and phases): a retryable failure
+    /// is recorded, so a retry runs at once. A work that may have acted is settled with
+    /// [`Lease::settle_after_panic`] instead. A failure to release is logged; the lease then
+    /// passes on its own.
     pub async fn release_after_panic(self) {
         let record = loggable_record(&self.id, &self.policy);
         match self.fail(Failure::retryable("the work panicked")).await {

@@ -247,9 +247,9 @@ impl Idempotency {
             {
                 Ok(r) => r,
                 Err(panic) => {
-                    // Release the key before the panic goes on, so a retry need not wait for
-                    // the lease to pass.
-                    lease.release_after_panic().await;
+                    // The work may have acted before it panicked: settle the key for good
+                    // before the panic goes on, so no retry runs it again.
+                    lease.settle_after_panic().await;
                     std::panic::resume_unwind(panic);
                 }
             };

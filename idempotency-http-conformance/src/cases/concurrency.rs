@@ -170,18 +170,35 @@ pub async fn handler_that_did_nothing_frees_the_key(store: TestStore) {
     assert_eq!(s.executions(), 2);
 }
 
-/// A handler that panics gets a 500 problem, and the key is released so the retry runs.
-pub async fn handler_panic_releases_the_key(store: TestStore) {
+/// A handler that panics may have acted before it panicked (charged, then failed building
+/// its answer): the client gets `500`, and the key is settled for good, never run again:
+/// a retry is told `422` failed-permanently, a changed body `422` key-reused. Only under
+/// `OnUnstored::Release` (handlers that fail only before acting) is the key released.
+pub async fn handler_panic_settles_the_key(store: TestStore) {
     let s = server(&store).await;
     let c = client();
     let body = json!({"p": 1});
     let panicked = send(post(&c, &s, "/items", "panic", &body).header(control::PANIC, "1")).await;
     assert_problem(&panicked, 500, Refusal::HandlerFailed.slug());
-    // The key is released by a background write; give it a moment on slow stores.
+    // The key is settled by a background write; give it a moment on slow stores.
     let retry = retry_while_409(|| post(&c, &s, "/items", "panic", &body)).await;
+    assert_problem(&retry, 422, "idempotency-key-failed-permanently");
+    let other = send(post(&c, &s, "/items", "panic", &json!({"p": 2}))).await;
+    assert_problem(&other, 422, "idempotency-key-reused");
+    assert_eq!(s.executions(), 1, "the handler ran again after a panic");
+
+    let released = TestServer::with_store(store.store.clone(), Policy::default(), |l| {
+        l.on_unstored(OnUnstored::Release)
+    })
+    .await;
+    let panicked =
+        send(post(&c, &released, "/items", "panic-released", &body).header(control::PANIC, "1"))
+            .await;
+    assert_problem(&panicked, 500, Refusal::HandlerFailed.slug());
+    let retry = retry_while_409(|| post(&c, &released, "/items", "panic-released", &body)).await;
     assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
     assert!(!retry.replayed());
-    assert_eq!(s.executions(), 2);
+    assert_eq!(released.executions(), 2);
 }
 
 /// The store is down: 503 problem and the handler does not run (fail closed); with

@@ -96,7 +96,8 @@ pub enum ExecEnd {
     Ok,
     /// It returned an error: it did nothing (the engine releases the key).
     Err,
-    /// It panicked: it did nothing (the engine releases the key).
+    /// It panicked (the soak's work panics before its effect, so it did nothing; the engine
+    /// settles the key for good, since in general a panicking work may have acted).
     Panicked,
     /// Its future was dropped half-way (timeout, abort): it may have acted.
     Dropped,

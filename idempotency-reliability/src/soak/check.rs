@@ -287,6 +287,7 @@ fn response_kind(r: Response) -> &'static str {
         Response::Fresh(_) => "fresh",
         Response::Replayed(_) => "replayed",
         Response::Released => "released",
+        Response::Panicked => "panicked",
         Response::InProgress => "in_progress",
         Response::LeaseLost => "lease_lost",
         Response::Executed(_) => "executed",

@@ -242,7 +242,7 @@ async fn worker(shared: Arc<Shared>, seed: u64) -> Vec<Event> {
                     Ok(Ok(result)) => classify(result),
                     Ok(Err(_)) => (Response::Unknown, Some("timed out".into()), false),
                     Err(e) if e.is_panic() && fault == WorkFault::Panic => {
-                        (Response::Released, None, false)
+                        (Response::Panicked, None, false)
                     }
                     Err(e) => (
                         Response::Unknown,
@@ -261,7 +261,7 @@ async fn worker(shared: Arc<Shared>, seed: u64) -> Vec<Event> {
                         (Response::Unknown, Some("cancelled".into()), false)
                     }
                     Err(e) if e.is_panic() && fault == WorkFault::Panic => {
-                        (Response::Released, None, false)
+                        (Response::Panicked, None, false)
                     }
                     Err(e) => (
                         Response::Unknown,
@@ -273,7 +273,7 @@ async fn worker(shared: Arc<Shared>, seed: u64) -> Vec<Event> {
             CallMode::Run => match tokio::spawn(run()).await {
                 Ok(result) => classify(result),
                 Err(e) if e.is_panic() && fault == WorkFault::Panic => {
-                    (Response::Released, None, false)
+                    (Response::Panicked, None, false)
                 }
                 Err(e) => (
                     Response::Unknown,
