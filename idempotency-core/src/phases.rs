@@ -600,9 +600,10 @@ impl Idempotency {
         E: Serialize + DeserializeOwned + Display + Send + 'static,
     {
         let count = phase_count(&phases)?;
+        let shown = crate::engine::loggable_record(id, self.policy());
         let during = |op: Operation| {
-            let id = id.clone();
-            move |e: Error| e.during(op, id.to_string())
+            let shown = shown.clone();
+            move |e: Error| e.during(op, shown)
         };
         let engine_store = self.store().as_ref();
         let Some(record) = engine_store.get(id).await.map_err(during(Operation::Get))? else {
@@ -624,7 +625,10 @@ impl Idempotency {
             .await
             .map_err(during(Operation::Reclaim))?
         {
-            Reclaim::Reclaimed { token, .. } => self.lease(id.clone(), token),
+            Reclaim::Reclaimed { token, .. } => {
+                crate::observe::emit(crate::observe::Event::Reclaim);
+                self.lease(id.clone(), token)
+            }
             // A live lease, a settled record, another holder first, or a record gone since.
             Reclaim::Lost => return Ok(Resumed::TakenElsewhere),
         };

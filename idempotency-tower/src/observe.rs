@@ -90,7 +90,10 @@ pub enum HttpOutcome {
     /// The handler returned an error; it may have acted, so the key is held until its lease
     /// passes ([`OnUnstored::Hold`](crate::OnUnstored::Hold), the default).
     HandlerErrorHeld,
-    /// The handler panicked; the key was released (unless the handler had settled it itself).
+    /// The handler panicked. It may have acted, so the key is settled for good with a failure
+    /// that says the outcome was not stored; the key is released only when the handler's
+    /// transaction rolled back or [`OnUnstored::Release`](crate::OnUnstored::Release) is set
+    /// (and left as the handler settled it, when it did).
     HandlerPanicked,
 }
 

@@ -465,7 +465,9 @@ where
     match Detachable::new(work).await {
         Ok(result) => result,
         Err(panic) => {
-            // The handler panicked: its key was released (unless it settled the key itself).
+            // The handler panicked: its key was settled for good as not stored, or released
+            // when its transaction rolled back or the layer releases unstored answers (and left
+            // as it was when the handler settled it itself).
             let message = panic
                 .downcast_ref::<&str>()
                 .copied()

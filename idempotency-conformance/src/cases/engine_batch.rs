@@ -378,8 +378,9 @@ pub async fn engine_batch_settlement_failure_is_retried_alone(t: TestStore) {
         assert_eq!(again.replayed(), batch.len(), "{fault:?}: {again:?}");
         assert_eq!(ledger.total(), batch.len(), "{fault:?}: each work ran once");
 
-        // The batch and every single try fail: unsettled (or, when every answer was lost, found
-        // stored), not run again.
+        // Every group's settlement and every single try fail: unsettled (or, when every answer
+        // was lost, found stored), not run again. Messages that end at different times are
+        // settled in different groups, so every group commit fails, not only the first.
         let batch: Vec<(String, &str, Act)> = (0..3)
             .map(|i| {
                 (
@@ -390,9 +391,10 @@ pub async fn engine_batch_settlement_failure_is_retried_alone(t: TestStore) {
             })
             .collect();
         let ledger = Arc::new(Ledger::default());
-        flaky.inject(FlakyOp::SettleMany, 1);
+        flaky.inject(FlakyOp::SettleMany, 1_000);
         flaky.inject(FlakyOp::Complete, 1_000);
         let report = consume(&e, &scope, &batch, 4, &ledger).await;
+        flaky.heal(FlakyOp::SettleMany);
         flaky.heal(FlakyOp::Complete);
         for m in &report.messages {
             match (&m.outcome, fault) {
