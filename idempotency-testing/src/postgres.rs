@@ -30,16 +30,24 @@ pub fn options() -> PgConnectOptions {
 }
 
 /// A direct connection for setup and inspection; fails the test with how to start the server.
+///
+/// A server with every connection slot taken (`too_many_connections`, as when many tests of
+/// one binary run at once) or still starting is asked again for up to 30 s, as sqlx's pools
+/// do on their own.
 pub async fn admin() -> PgConnection {
-    match tokio::time::timeout(
-        Duration::from_secs(10),
-        PgConnection::connect_with(&options()),
-    )
-    .await
-    {
-        Ok(Ok(conn)) => conn,
-        Ok(Err(e)) => unreachable(e),
-        Err(_) => unreachable("no answer within 10 s"),
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        match tokio::time::timeout_at(deadline, PgConnection::connect_with(&options())).await {
+            Ok(Ok(conn)) => return conn,
+            Ok(Err(sqlx::Error::Database(e)))
+                if matches!(e.code().as_deref(), Some("53300" | "57P03"))
+                    && tokio::time::Instant::now() < deadline =>
+            {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Ok(Err(e)) => unreachable(e),
+            Err(_) => unreachable("no connection within 30 s"),
+        }
     }
 }
 
