@@ -1,0 +1,915 @@
+//! Exactly-once effects with a real business table: the completion CAS commits in the same
+//! transaction as the `orders` insert, so whatever happens to the holder (it stalls past its
+//! lease, its transaction is dropped, it panics or fails, it deadlocks, it runs longer than its
+//! lease), the key ends with exactly one order, never two and never none. Every scenario runs
+//! at each isolation level, many at once.
+#![allow(clippy::unwrap_used)]
+
+use crate::common;
+
+use common::{Isolation, TableGuard};
+use idempotency_core::{
+    Begin, Error, FencingToken, Fingerprint, IdempotencyKey, IdempotencyStore, InFlight, Outcome,
+    Policy, RecordId, RecordStatus, Scope,
+};
+use idempotency_mysql::sqlx::{self, Connection, Executor, MySqlConnection};
+use idempotency_mysql::{MysqlIdempotency, MysqlStore};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::Notify;
+
+/// A store, its guards and the `orders` table beside it.
+struct Rig {
+    store: MysqlStore,
+    orders: Arc<str>,
+    _guards: (TableGuard, TableGuard),
+}
+
+async fn setup(level: Isolation, pool_size: u32) -> Rig {
+    let (store, records) = common::store_with(level, pool_size).await;
+    let orders_guard = TableGuard::new();
+    let orders = format!("`{}`", orders_guard.table);
+    common::exec(&format!(
+        "CREATE TABLE {orders} (id BIGINT AUTO_INCREMENT PRIMARY KEY, ref VARCHAR(255) NOT NULL,
+             placed_by VARCHAR(64) NOT NULL) ENGINE = InnoDB"
+    ))
+    .await;
+    Rig {
+        store,
+        orders: orders.into(),
+        _guards: (records, orders_guard),
+    }
+}
+
+async fn insert_order(
+    conn: &mut MySqlConnection,
+    orders: &str,
+    key: &IdempotencyKey,
+    placed_by: &str,
+) -> Result<(), String> {
+    sqlx::query(&format!(
+        "INSERT INTO {orders} (ref, placed_by) VALUES (?, ?)"
+    ))
+    .bind(key.as_str())
+    .bind(placed_by)
+    .execute(conn)
+    .await
+    .map(|_| ())
+    .map_err(|e| e.to_string())
+}
+
+/// The committed orders for `key`, by who placed them, read on a connection of its own.
+async fn orders_for(orders: &str, key: &IdempotencyKey) -> Vec<String> {
+    let mut conn = common::admin().await;
+    let placed = sqlx::query_scalar(&format!(
+        "SELECT placed_by FROM {orders} WHERE ref = ? ORDER BY id"
+    ))
+    .bind(key.as_str())
+    .fetch_all(&mut conn)
+    .await
+    .expect("count orders");
+    let _ = conn.close().await;
+    placed
+}
+
+fn scope() -> Scope {
+    Scope::new("tenant-1|POST /orders").unwrap()
+}
+
+fn fingerprint() -> Fingerprint {
+    Fingerprint::from_json(&serde_json::json!({"sku": "A1", "qty": 2}))
+}
+
+/// A retry of `key`, released or left by the holder of `first`, reclaims it with the next
+/// token and commits the one order.
+async fn retry_runs_once(
+    engine: &MysqlIdempotency,
+    orders: &Arc<str>,
+    key: &IdempotencyKey,
+    first: FencingToken,
+) {
+    let (o, k) = (orders.clone(), key.clone());
+    let retry = engine
+        .run_in_transaction(key, &scope(), &fingerprint(), move |tx, ctx| {
+            let (orders, key) = (o.clone(), k.clone());
+            Box::pin(async move {
+                insert_order(tx, &orders, &key, "retry").await?;
+                Ok::<u64, String>(ctx.token.0)
+            })
+        })
+        .await
+        .expect("the retry runs");
+    assert_eq!(
+        retry,
+        Outcome::Fresh(Ok(first.next().0)),
+        "the retry reclaimed the released key"
+    );
+    assert_eq!(
+        orders_for(orders, key).await,
+        vec!["retry".to_owned()],
+        "exactly one order: the first holder's transaction committed nothing"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Lease takeover: the holder stalls past its lease inside its transaction (heartbeat off), a
+// retry reclaims the key and commits its order; the stale holder's completion matches nothing
+// and its transaction (with its order) rolls back.
+
+const TAKEOVER_PAIRS: usize = 6;
+const TAKEOVER_ROUNDS: usize = 2;
+
+async fn lease_takeover(level: Isolation) {
+    let rig = setup(level, 2 * TAKEOVER_PAIRS as u32 + 2).await;
+    let policy = Policy::default()
+        .lease(Duration::from_millis(300))
+        .heartbeat(None);
+    let engine = MysqlIdempotency::new(rig.store.clone(), policy).unwrap();
+    for _ in 0..TAKEOVER_ROUNDS {
+        let pairs: Vec<_> = (0..TAKEOVER_PAIRS)
+            .map(|_| tokio::spawn(takeover_pair(engine.clone(), rig.orders.clone())))
+            .collect();
+        for pair in pairs {
+            pair.await.expect("pair");
+        }
+    }
+}
+
+async fn takeover_pair(engine: MysqlIdempotency, orders: Arc<str>) {
+    let key = IdempotencyKey::random();
+    let started = Arc::new(Notify::new());
+    let stale_token = Arc::new(AtomicU64::new(0));
+    let stale = {
+        let (engine, orders, key, started, stale_token) = (
+            engine.clone(),
+            orders.clone(),
+            key.clone(),
+            started.clone(),
+            stale_token.clone(),
+        );
+        tokio::spawn(async move {
+            let k = key.clone();
+            engine
+                .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, ctx| {
+                    let (orders, key, started, stale_token) = (
+                        orders.clone(),
+                        k.clone(),
+                        started.clone(),
+                        stale_token.clone(),
+                    );
+                    Box::pin(async move {
+                        insert_order(tx, &orders, &key, "stale").await?;
+                        stale_token.store(ctx.token.0, Ordering::SeqCst);
+                        started.notify_one();
+                        // Stall well past the 300 ms lease, transaction open, and long after
+                        // the retry starts (it has 1.5 s to take the key over, however slow
+                        // a loaded machine's commits are).
+                        tokio::time::sleep(Duration::from_millis(2000)).await;
+                        Ok::<u64, String>(ctx.token.0)
+                    })
+                })
+                .await
+        })
+    };
+    started.notified().await;
+    let stale_token = FencingToken(stale_token.load(Ordering::SeqCst));
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    let (k, o) = (key.clone(), orders.clone());
+    let fresh = engine
+        .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, ctx| {
+            let (orders, key) = (o.clone(), k.clone());
+            Box::pin(async move {
+                insert_order(tx, &orders, &key, "retry").await?;
+                Ok::<u64, String>(ctx.token.0)
+            })
+        })
+        .await
+        .expect("the retry runs");
+    assert_eq!(
+        fresh,
+        Outcome::Fresh(Ok(stale_token.next().0)),
+        "the retry reclaimed with the stale holder's token + 1"
+    );
+    let stale = stale.await.expect("task");
+    assert!(
+        matches!(stale, Err(Error::LeaseLost { token }) if token == stale_token),
+        "the stale holder must be fenced, got {stale:?}"
+    );
+    assert_eq!(
+        orders_for(&orders, &key).await,
+        vec!["retry".to_owned()],
+        "exactly one order, the retry's: the stale holder's transaction rolled back"
+    );
+    let record = engine
+        .store()
+        .get(&RecordId::new(scope(), key.clone()))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(record.status, RecordStatus::Completed);
+    assert_eq!(record.token, stale_token.next());
+    let replay = engine
+        .run_in_transaction(&key, &scope(), &fingerprint(), |_tx, _ctx| {
+            Box::pin(async { panic!("a completed key must not run again") })
+        })
+        .await
+        .expect("replay");
+    assert_eq!(
+        replay,
+        Outcome::<Result<u64, String>>::Replayed(Ok(stale_token.next().0))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn lease_takeover_read_committed() {
+    lease_takeover(Isolation::ReadCommitted).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn lease_takeover_repeatable_read() {
+    lease_takeover(Isolation::RepeatableRead).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn lease_takeover_serializable() {
+    lease_takeover(Isolation::Serializable).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dropped transaction (a crash before the commit): the holder's future is cancelled after its
+// insert, or its transaction dropped after the completion CAS ran in it but before the commit.
+// Nothing commits; the retry runs once.
+
+const DROPPED: usize = 8;
+
+async fn dropped_transaction(level: Isolation) {
+    let rig = setup(level, 2 * DROPPED as u32 + 2).await;
+    let policy = Policy::default()
+        .lease(Duration::from_secs(2))
+        .in_flight(InFlight::wait(Duration::from_secs(20)));
+    let engine = MysqlIdempotency::new(rig.store.clone(), policy).unwrap();
+    let cases: Vec<_> = (0..DROPPED)
+        .map(|i| {
+            let (engine, orders) = (engine.clone(), rig.orders.clone());
+            tokio::spawn(async move {
+                if i % 2 == 0 {
+                    dropped_during_work(engine, orders).await;
+                } else {
+                    dropped_after_completion(engine, orders).await;
+                }
+            })
+        })
+        .collect();
+    for case in cases {
+        case.await.expect("case");
+    }
+}
+
+/// The work's future is aborted after its insert.
+async fn dropped_during_work(engine: MysqlIdempotency, orders: Arc<str>) {
+    let key = IdempotencyKey::random();
+    let inserted = Arc::new(Notify::new());
+    let token = Arc::new(AtomicU64::new(0));
+    let first = {
+        let (engine, orders, key, inserted, token) = (
+            engine.clone(),
+            orders.clone(),
+            key.clone(),
+            inserted.clone(),
+            token.clone(),
+        );
+        tokio::spawn(async move {
+            let k = key.clone();
+            engine
+                .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, ctx| {
+                    let (orders, key, inserted, token) =
+                        (orders.clone(), k.clone(), inserted.clone(), token.clone());
+                    Box::pin(async move {
+                        insert_order(tx, &orders, &key, "dropped").await?;
+                        token.store(ctx.token.0, Ordering::SeqCst);
+                        inserted.notify_one();
+                        std::future::pending::<()>().await;
+                        Ok::<u64, String>(0)
+                    })
+                })
+                .await
+        })
+    };
+    inserted.notified().await;
+    first.abort();
+    assert!(first.await.expect_err("aborted").is_cancelled());
+    let token = FencingToken(token.load(Ordering::SeqCst));
+    retry_runs_once(&engine, &orders, &key, token).await;
+}
+
+/// The completion CAS ran in the transaction, then the transaction and the lease were dropped
+/// without a commit (the process gave up, a panic unwound past them).
+async fn dropped_after_completion(engine: MysqlIdempotency, orders: Arc<str>) {
+    let key = IdempotencyKey::random();
+    let id = RecordId::new(scope(), key.clone());
+    let Begin::Execute(lease) = engine.engine().begin(&id, &fingerprint()).await.unwrap() else {
+        panic!("a fresh key is executed");
+    };
+    let mut tx = engine.store().pool().begin().await.unwrap();
+    insert_order(&mut tx, &orders, &key, "dropped")
+        .await
+        .unwrap();
+    engine
+        .store()
+        .complete_in(
+            &mut tx,
+            lease.id(),
+            lease.token(),
+            b"{\"Ok\":1}",
+            lease.ttl(),
+        )
+        .await
+        .expect("the holder's completion applies inside its transaction");
+    let token = lease.token();
+    drop(tx);
+    drop(lease);
+    retry_runs_once(&engine, &orders, &key, token).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dropped_transaction_read_committed() {
+    dropped_transaction(Isolation::ReadCommitted).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dropped_transaction_repeatable_read() {
+    dropped_transaction(Isolation::RepeatableRead).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dropped_transaction_serializable() {
+    dropped_transaction(Isolation::Serializable).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// A panicking work and a failing work: the transaction rolls back (the order with it) and the
+// key is released at once, so the retry runs once.
+
+async fn panic_and_error(level: Isolation) {
+    let rig = setup(level, 6).await;
+    let engine = MysqlIdempotency::new(rig.store.clone(), Policy::default()).unwrap();
+    // Panic.
+    let key = IdempotencyKey::random();
+    let token = Arc::new(AtomicU64::new(0));
+    let run = {
+        let (engine, orders, key, token) = (
+            engine.clone(),
+            rig.orders.clone(),
+            key.clone(),
+            token.clone(),
+        );
+        tokio::spawn(async move {
+            let k = key.clone();
+            engine
+                .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, ctx| {
+                    let (orders, key, token) = (orders.clone(), k.clone(), token.clone());
+                    Box::pin(async move {
+                        insert_order(tx, &orders, &key, "panicked").await?;
+                        token.store(ctx.token.0, Ordering::SeqCst);
+                        if ctx.token.0 > 0 {
+                            panic!("the work panics after its insert");
+                        }
+                        Ok::<u64, String>(0)
+                    })
+                })
+                .await
+        })
+    };
+    assert!(run.await.expect_err("the panic goes on").is_panic());
+    let first = FencingToken(token.load(Ordering::SeqCst));
+    retry_runs_once(&engine, &rig.orders, &key, first).await;
+
+    // The work's error (released by the default policy).
+    let key = IdempotencyKey::random();
+    let token = Arc::new(AtomicU64::new(0));
+    let (o, k, t) = (rig.orders.clone(), key.clone(), token.clone());
+    let failed = engine
+        .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, ctx| {
+            let (orders, key, token) = (o.clone(), k.clone(), t.clone());
+            Box::pin(async move {
+                insert_order(tx, &orders, &key, "failed").await?;
+                token.store(ctx.token.0, Ordering::SeqCst);
+                Err::<u64, String>("out of stock".to_owned())
+            })
+        })
+        .await
+        .expect("the work ran");
+    assert_eq!(failed, Outcome::Fresh(Err("out of stock".to_owned())));
+    assert!(orders_for(&rig.orders, &key).await.is_empty());
+    let first = FencingToken(token.load(Ordering::SeqCst));
+    retry_runs_once(&engine, &rig.orders, &key, first).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn panic_and_error_read_committed() {
+    panic_and_error(Isolation::ReadCommitted).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn panic_and_error_repeatable_read() {
+    panic_and_error(Isolation::RepeatableRead).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn panic_and_error_serializable() {
+    panic_and_error(Isolation::Serializable).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Concurrent duplicates: many tasks run the same key at once, round after round; exactly one
+// execution commits one order, every other request is told the key is in progress or replays.
+
+const DUPLICATES: usize = 16;
+const DUPLICATE_ROUNDS: usize = 6;
+
+async fn concurrent_duplicates(level: Isolation) {
+    let rig = setup(level, 10).await;
+    let engine = MysqlIdempotency::new(rig.store.clone(), Policy::default()).unwrap();
+    for _ in 0..DUPLICATE_ROUNDS {
+        let key = IdempotencyKey::random();
+        let executions = Arc::new(AtomicUsize::new(0));
+        let start = Arc::new(tokio::sync::Barrier::new(DUPLICATES));
+        let tasks: Vec<_> = (0..DUPLICATES)
+            .map(|i| {
+                let (engine, orders, key, executions, start) = (
+                    engine.clone(),
+                    rig.orders.clone(),
+                    key.clone(),
+                    executions.clone(),
+                    start.clone(),
+                );
+                tokio::spawn(async move {
+                    start.wait().await;
+                    let k = key.clone();
+                    engine
+                        .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, _ctx| {
+                            let (orders, key, executions) =
+                                (orders.clone(), k.clone(), executions.clone());
+                            Box::pin(async move {
+                                executions.fetch_add(1, Ordering::SeqCst);
+                                insert_order(tx, &orders, &key, &format!("task-{i}")).await?;
+                                tokio::time::sleep(Duration::from_millis(20)).await;
+                                Ok::<usize, String>(i)
+                            })
+                        })
+                        .await
+                })
+            })
+            .collect();
+        let mut fresh = 0;
+        for task in tasks {
+            match task.await.expect("task") {
+                Ok(Outcome::Fresh(Ok(_))) => fresh += 1,
+                Ok(Outcome::Replayed(Ok(_))) | Err(Error::InProgress { .. }) => {}
+                other => panic!("a duplicate got {other:?}"),
+            }
+        }
+        assert_eq!(fresh, 1, "exactly one request executes");
+        assert_eq!(executions.load(Ordering::SeqCst), 1, "the work ran once");
+        assert_eq!(orders_for(&rig.orders, &key).await.len(), 1, "one order");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_duplicates_read_committed() {
+    concurrent_duplicates(Isolation::ReadCommitted).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_duplicates_repeatable_read() {
+    concurrent_duplicates(Isolation::RepeatableRead).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_duplicates_serializable() {
+    concurrent_duplicates(Isolation::Serializable).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// A deadlock: the work updates a stock row, then its completion waits for the record row,
+// which another transaction holds locked while it waits for the stock row. InnoDB rolls back
+// the lighter transaction (the work's: the other one wrote many rows first) with error 1213;
+// the store calls it a conflict and core runs the whole transaction again, once more, and its
+// effect lands once.
+
+async fn deadlock_reruns(level: Isolation) {
+    let rig = setup(level, 6).await;
+    let stock_guard = TableGuard::new();
+    let stock = format!("`{}`", stock_guard.table);
+    common::exec(&format!(
+        "CREATE TABLE {stock} (id INT PRIMARY KEY, sold INT NOT NULL, touched INT NOT NULL,
+             pad VARCHAR(64) NULL) ENGINE = InnoDB"
+    ))
+    .await;
+    common::exec(&format!("INSERT INTO {stock} VALUES (1, 0, 0, NULL)")).await;
+    let policy = Policy::default()
+        .lease(Duration::from_secs(30))
+        .heartbeat(None);
+    let engine = MysqlIdempotency::new(rig.store.clone(), policy).unwrap();
+    let key = IdempotencyKey::random();
+    let id = RecordId::new(scope(), key.clone());
+    let attempts = Arc::new(AtomicUsize::new(0));
+    let stock_locked = Arc::new(Notify::new());
+    let record_locked = Arc::new(Notify::new());
+    let holder = {
+        let (engine, orders, key, attempts, stock, stock_locked, record_locked) = (
+            engine.clone(),
+            rig.orders.clone(),
+            key.clone(),
+            attempts.clone(),
+            stock.clone(),
+            stock_locked.clone(),
+            record_locked.clone(),
+        );
+        tokio::spawn(async move {
+            let k = key.clone();
+            engine
+                .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, _ctx| {
+                    let (orders, key, attempts, stock, stock_locked, record_locked) = (
+                        orders.clone(),
+                        k.clone(),
+                        attempts.clone(),
+                        stock.clone(),
+                        stock_locked.clone(),
+                        record_locked.clone(),
+                    );
+                    Box::pin(async move {
+                        let attempt = attempts.fetch_add(1, Ordering::SeqCst) + 1;
+                        sqlx::query(&format!("UPDATE {stock} SET sold = sold + 1 WHERE id = 1"))
+                            .execute(&mut *tx)
+                            .await
+                            .map_err(|e| e.to_string())?;
+                        insert_order(tx, &orders, &key, "holder").await?;
+                        if attempt == 1 {
+                            stock_locked.notify_one();
+                            record_locked.notified().await;
+                        }
+                        Ok::<usize, String>(attempt)
+                    })
+                })
+                .await
+        })
+    };
+    stock_locked.notified().await;
+    // The other transaction: heavy (200 rows written), then the record row, then the stock.
+    let mut other = common::admin().await;
+    other
+        .execute(format!("SET SESSION TRANSACTION ISOLATION LEVEL {}", level.sql()).as_str())
+        .await
+        .unwrap();
+    let mut tx = other.begin().await.unwrap();
+    for i in 0..200 {
+        sqlx::query(&format!("INSERT INTO {stock} VALUES (?, 0, 0, 'padding')"))
+            .bind(1000 + i)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+    }
+    let table = rig.store.table_name().quoted();
+    sqlx::query(&format!(
+        "SELECT token FROM {table} WHERE scope = ? AND idem_key = ? FOR UPDATE"
+    ))
+    .bind(id.scope.as_str().as_bytes())
+    .bind(id.key.as_str().as_bytes())
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    record_locked.notify_one();
+    // Waits for the holder's stock lock, until InnoDB breaks the cycle by rolling the holder
+    // back (its completion waits for the record row this transaction holds).
+    sqlx::query(&format!(
+        "UPDATE {stock} SET touched = touched + 1 WHERE id = 1"
+    ))
+    .execute(&mut *tx)
+    .await
+    .expect("InnoDB picks the lighter transaction, the holder's, as the victim");
+    tx.commit().await.unwrap();
+    let _ = other.close().await;
+    let outcome = holder
+        .await
+        .expect("task")
+        .expect("the holder's transaction runs again");
+    assert_eq!(
+        outcome,
+        Outcome::Fresh(Ok(2)),
+        "the deadlock ran the transaction again"
+    );
+    assert_eq!(attempts.load(Ordering::SeqCst), 2);
+    assert_eq!(
+        orders_for(&rig.orders, &key).await,
+        vec!["holder".to_owned()]
+    );
+    let mut conn = common::admin().await;
+    let (sold, touched): (i32, i32) =
+        sqlx::query_as(&format!("SELECT sold, touched FROM {stock} WHERE id = 1"))
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+    assert_eq!(
+        (sold, touched),
+        (1, 1),
+        "each transaction's effect landed once"
+    );
+    let record = rig.store.get(&id).await.unwrap().unwrap();
+    assert_eq!(record.status, RecordStatus::Completed);
+    drop(stock_guard);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn deadlock_reruns_read_committed() {
+    deadlock_reruns(Isolation::ReadCommitted).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn deadlock_reruns_repeatable_read() {
+    deadlock_reruns(Isolation::RepeatableRead).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn deadlock_reruns_serializable() {
+    deadlock_reruns(Isolation::Serializable).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Long work: the work runs for several leases with the heartbeat on, its business write and
+// completion in one transaction. Duplicates meanwhile are told the key is in progress (never
+// a takeover), and the completion inside the transaction finds the record although the
+// heartbeat extended it from another connection after the transaction's snapshot.
+
+async fn long_work(level: Isolation) {
+    let rig = setup(level, 6).await;
+    // A heartbeat every 300 ms for a 1 s lease: 700 ms of slack for an extension's commit on a
+    // loaded machine (each is a durable write).
+    let lease = Duration::from_secs(1);
+    let policy = Policy::default().lease(lease).heartbeat(Some(0.3));
+    let engine = MysqlIdempotency::new(rig.store.clone(), policy).unwrap();
+    let key = IdempotencyKey::random();
+    let id = RecordId::new(scope(), key.clone());
+    let started = Arc::new(Notify::new());
+    let holder = {
+        let (engine, orders, key, started) = (
+            engine.clone(),
+            rig.orders.clone(),
+            key.clone(),
+            started.clone(),
+        );
+        tokio::spawn(async move {
+            let k = key.clone();
+            engine
+                .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, ctx| {
+                    let (orders, key, started) = (orders.clone(), k.clone(), started.clone());
+                    Box::pin(async move {
+                        // Take the snapshot (REPEATABLE READ) before any heartbeat.
+                        let _: i64 =
+                            sqlx::query_scalar("SELECT COUNT(*) FROM information_schema.TABLES")
+                                .fetch_one(&mut *tx)
+                                .await
+                                .map_err(|e| e.to_string())?;
+                        insert_order(tx, &orders, &key, "long").await?;
+                        started.notify_one();
+                        tokio::time::sleep(Duration::from_millis(3500)).await;
+                        Ok::<u64, String>(ctx.token.0)
+                    })
+                })
+                .await
+        })
+    };
+    started.notified().await;
+    let first = rig.store.get(&id).await.unwrap().unwrap();
+    // Duplicates while the work runs, well past the first lease.
+    let until = Instant::now() + Duration::from_millis(3000);
+    let mut duplicates = 0;
+    while Instant::now() < until {
+        let dup = engine
+            .run_in_transaction(&key, &scope(), &fingerprint(), |_tx, _ctx| {
+                Box::pin(async { Ok::<u64, String>(0) })
+            })
+            .await;
+        assert!(
+            matches!(dup, Err(Error::InProgress { .. })),
+            "a duplicate during the long work must be told it is in progress, got {dup:?}"
+        );
+        duplicates += 1;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(duplicates >= 5);
+    let outcome = holder
+        .await
+        .expect("task")
+        .expect("the long work completes");
+    assert_eq!(outcome, Outcome::Fresh(Ok(first.token.0)));
+    let record = rig.store.get(&id).await.unwrap().unwrap();
+    assert_eq!(record.status, RecordStatus::Completed);
+    assert_eq!(record.token, first.token, "never taken over");
+    assert!(record.updated_at > first.updated_at);
+    assert_eq!(orders_for(&rig.orders, &key).await, vec!["long".to_owned()]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn long_work_read_committed() {
+    long_work(Isolation::ReadCommitted).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn long_work_repeatable_read() {
+    long_work(Isolation::RepeatableRead).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn long_work_serializable() {
+    long_work(Isolation::Serializable).await;
+}
+
+/// The pool's sessions really run at the level each test asks for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_run_at_the_level_asked() {
+    for level in Isolation::ALL {
+        let pool = common::pool(level, 1).await;
+        let got: String = sqlx::query_scalar("SELECT CAST(@@tx_isolation AS CHAR)")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert_eq!(got, level.reported());
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// A connection lost at the commit: the caller is told the outcome is unknown, and the key is
+// held, never released while the writes may have committed. If the COMMIT reached the server,
+// the key is Completed with its one order and a retry replays it; if it did not, nothing was
+// written, the key stays Pending until its lease passes, and then a retry runs the work once.
+
+async fn lost_at_commit(level: Isolation, committed: bool) {
+    let rig = setup(level, 2).await;
+    let options = common::options();
+    let upstream = format!("{}:{}", options.get_host(), options.get_port());
+    let proxy = common::proxy::CountingProxy::start(upstream).await.unwrap();
+    let proxied = options
+        .host("127.0.0.1")
+        .port(proxy.port())
+        .ssl_mode(idempotency_mysql::sqlx::mysql::MySqlSslMode::Disabled);
+    let store = MysqlStore::builder()
+        .table(rig.store.table_name().table())
+        .build(common::pool_with(proxied, level, 4).await)
+        .unwrap();
+    let policy = Policy::default().lease(Duration::from_secs(1));
+    let engine = MysqlIdempotency::new(store, policy).unwrap();
+    let key = IdempotencyKey::random();
+    let id = RecordId::new(scope(), key.clone());
+    proxy.cut_next_commit(committed);
+    let (o, k) = (rig.orders.clone(), key.clone());
+    let holder = engine
+        .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, ctx| {
+            let (orders, key) = (o.clone(), k.clone());
+            Box::pin(async move {
+                insert_order(tx, &orders, &key, "holder").await?;
+                Ok::<u64, String>(ctx.token.0)
+            })
+        })
+        .await;
+    assert!(
+        matches!(holder, Err(Error::OutcomeUnknown { .. })),
+        "a commit whose answer was lost: expected OutcomeUnknown, got {holder:?}"
+    );
+    let record = rig.store.get(&id).await.unwrap().unwrap();
+    let token = record.token;
+    if committed {
+        assert_eq!(record.status, RecordStatus::Completed);
+        assert_eq!(
+            orders_for(&rig.orders, &key).await,
+            vec!["holder".to_owned()]
+        );
+        let replay = engine
+            .run_in_transaction(&key, &scope(), &fingerprint(), |_tx, _ctx| {
+                Box::pin(async { panic!("a completed key must not run again") })
+            })
+            .await
+            .unwrap();
+        assert_eq!(
+            replay,
+            Outcome::<Result<u64, String>>::Replayed(Ok(token.0))
+        );
+        return;
+    }
+    // Nothing committed: the key is held, not released.
+    assert_eq!(record.status, RecordStatus::Pending, "{record:?}");
+    assert!(orders_for(&rig.orders, &key).await.is_empty());
+    let (o, k) = (rig.orders.clone(), key.clone());
+    let early = engine
+        .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, ctx| {
+            let (orders, key) = (o.clone(), k.clone());
+            Box::pin(async move {
+                insert_order(tx, &orders, &key, "too early").await?;
+                Ok::<u64, String>(ctx.token.0)
+            })
+        })
+        .await;
+    assert!(
+        matches!(early, Err(Error::InProgress { .. })),
+        "the key must be held while the lost commit's lease lives, got {early:?}"
+    );
+    // Once the lease passes, a retry takes the key over and runs the work once.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let retried = loop {
+        let (o, k) = (rig.orders.clone(), key.clone());
+        match engine
+            .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, ctx| {
+                let (orders, key) = (o.clone(), k.clone());
+                Box::pin(async move {
+                    insert_order(tx, &orders, &key, "retry").await?;
+                    Ok::<u64, String>(ctx.token.0)
+                })
+            })
+            .await
+        {
+            Err(Error::InProgress { .. }) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            other => break other,
+        }
+    };
+    assert_eq!(retried.unwrap(), Outcome::Fresh(Ok(token.next().0)));
+    assert_eq!(
+        orders_for(&rig.orders, &key).await,
+        vec!["retry".to_owned()]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn connection_lost_at_commit_read_committed() {
+    lost_at_commit(Isolation::ReadCommitted, true).await;
+    lost_at_commit(Isolation::ReadCommitted, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn connection_lost_at_commit_repeatable_read() {
+    lost_at_commit(Isolation::RepeatableRead, true).await;
+    lost_at_commit(Isolation::RepeatableRead, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn connection_lost_at_commit_serializable() {
+    lost_at_commit(Isolation::Serializable, true).await;
+    lost_at_commit(Isolation::Serializable, false).await;
+}
+
+/// The work's own `begin()` on the transaction's connection is a savepoint inside the
+/// completion's transaction, never a second `BEGIN` (which MySQL answers by committing the
+/// first): rolling the savepoint back undoes only its own writes, and the rest commits with
+/// the completion.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nested_begin_in_the_work_is_a_savepoint() {
+    let rig = setup(Isolation::RepeatableRead, 2).await;
+    let engine = MysqlIdempotency::new(rig.store.clone(), Policy::default()).unwrap();
+    let orders = rig.orders.clone();
+    let key = IdempotencyKey::random();
+    let scope = Scope::new("savepoint").unwrap();
+    let out = engine
+        .run_in_transaction(
+            &key,
+            &scope,
+            &Fingerprint::from_bytes(b"p"),
+            move |tx, _ctx| {
+                let orders = orders.clone();
+                Box::pin(async move {
+                    let insert = format!("INSERT INTO {orders} (ref, placed_by) VALUES (?, 'w')");
+                    sqlx::query(&insert)
+                        .bind("kept")
+                        .execute(&mut *tx)
+                        .await
+                        .unwrap();
+                    let mut inner = tx.begin().await.unwrap();
+                    sqlx::query(&insert)
+                        .bind("undone")
+                        .execute(&mut *inner)
+                        .await
+                        .unwrap();
+                    inner.rollback().await.unwrap();
+                    Ok::<u64, String>(1)
+                })
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(out, Outcome::Fresh(Ok(1)));
+    let mut conn = common::admin().await;
+    let refs: Vec<String> =
+        sqlx::query_scalar(&format!("SELECT ref FROM {} ORDER BY id", rig.orders))
+            .fetch_all(&mut conn)
+            .await
+            .unwrap();
+    assert_eq!(refs, vec!["kept".to_owned()]);
+    let record = rig
+        .store
+        .get(&RecordId::new(scope, key))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(record.status, RecordStatus::Completed);
+}

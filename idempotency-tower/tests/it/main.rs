@@ -1,0 +1,9 @@
+//! The integration tests of `idempotency-tower`, one binary: each module was a test binary of its own,
+//! and in one binary their tests run side by side (`cargo test -p idempotency-tower --test it MODULE`
+//! runs one module).
+
+mod http_semantics;
+mod metrics;
+mod observability;
+mod plain_hyper;
+mod service_shape;
