@@ -220,19 +220,17 @@ async fn cancellation_storm_blocking_pool() {
 // ---- processes killed with SIGKILL -------------------------------------------------------
 
 fn child(role: &str, db: &Path, key: Option<&str>, stdout: Stdio) -> Child {
+    // The test's name as the harness knows it: its module path without the crate's name.
+    let entry = concat!(module_path!(), "::child_process_entry")
+        .split_once("::")
+        .map_or("child_process_entry", |(_, name)| name);
     let mut cmd = Command::new(std::env::current_exe().expect("current exe"));
-    cmd.args([
-        "--exact",
-        "child_process_entry",
-        "--nocapture",
-        "--test-threads",
-        "1",
-    ])
-    .env(ROLE, role)
-    .env(DB, db)
-    .stdin(Stdio::null())
-    .stdout(stdout)
-    .stderr(Stdio::null());
+    cmd.args(["--exact", entry, "--nocapture", "--test-threads", "1"])
+        .env(ROLE, role)
+        .env(DB, db)
+        .stdin(Stdio::null())
+        .stdout(stdout)
+        .stderr(Stdio::null());
     if let Some(key) = key {
         cmd.env(KEY, key);
     }
@@ -427,6 +425,22 @@ async fn kill_9_while_holding_the_write_transaction() {
     }
 }
 
+/// Keys the churning children must have completed before the kills stop.
+const CHURN_MIN_COMPLETED: usize = 3;
+
+/// How many of the churned keys are Completed.
+async fn completed_keys(store: &SqliteStore) -> usize {
+    let mut completed = 0;
+    for i in 0..CHURN_KEYS {
+        let key = IdempotencyKey::new(format!("churn-{i:02}")).expect("key");
+        let record = store.get(&RecordId::new(scope(), key)).await.expect("get");
+        if record.is_some_and(|r| r.status == RecordStatus::Completed) {
+            completed += 1;
+        }
+    }
+    completed
+}
+
 /// Three processes churn through 30 keys with `SqliteIdempotency::run_in_transaction` while the test kills one at
 /// random every 100–300 ms (SIGKILL) and starts another. Afterwards the file passes
 /// `PRAGMA integrity_check`; every key has at most one business row, present exactly when
@@ -442,7 +456,16 @@ async fn kill_9_under_load_no_corruption_no_double_effect() {
         .collect();
     let started = Instant::now();
     let mut kills = 0;
-    while started.elapsed() < Duration::from_secs(4) {
+    // At least 4 s of kills, and on until the children completed keys of their own (a child
+    // that never got to work would make every check below vacuous), within a generous bound.
+    while started.elapsed() < Duration::from_secs(4)
+        || completed_keys(&store).await < CHURN_MIN_COMPLETED
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "in 120 s the children completed {} keys, fewer than {CHURN_MIN_COMPLETED}",
+            completed_keys(&store).await
+        );
         let pause = rand::thread_rng().gen_range(100..300);
         tokio::time::sleep(Duration::from_millis(pause)).await;
         let victim = rand::thread_rng().gen_range(0..children.len());
@@ -496,6 +519,10 @@ async fn kill_9_under_load_no_corruption_no_double_effect() {
         }
     };
     let completed_before = check(false).await;
+    assert!(
+        completed_before >= CHURN_MIN_COMPLETED,
+        "the children completed {completed_before} keys"
+    );
     tokio::time::sleep(KILL_LEASE + Duration::from_millis(50)).await;
     for i in 0..CHURN_KEYS {
         let key = IdempotencyKey::new(format!("churn-{i:02}")).expect("key");
