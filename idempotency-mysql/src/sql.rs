@@ -60,6 +60,8 @@ impl Statements {
         // or replaced the record: the returned nonce says whether this claim won, whatever
         // the connection's CLIENT_FOUND_ROWS setting makes of the affected-row count. A
         // claim sent again (its first send's answer was lost) finds its own nonce: no hit.
+        // Every other write that changes the holder (a reclaim) sets the nonce to 0, which no
+        // claim draws, so a resent claim recognises only its own claim, untouched since.
         //
         // MySQL evaluates ON DUPLICATE KEY UPDATE assignments left to right, each seeing the
         // columns assigned before it: every condition reads `expires_ms`, so it is assigned
@@ -121,7 +123,7 @@ WHERE {held}"
         // learns the lease on the server's clock without a second round trip. (The new token
         // is the expected one plus one.)
         let reclaim = format!(
-            "UPDATE {t} SET status = 'pending', token = token + 1, fingerprint = ?,
+            "UPDATE {t} SET status = 'pending', token = token + 1, claim_nonce = 0, fingerprint = ?,
     attempts = attempts + 1, lease_until_ms = LAST_INSERT_ID({now} + ?),
     outcome = NULL, failure_retryable = NULL, failure_message = NULL, updated_ms = {now},
     expires_ms = {now} + ?, revision = revision + 1

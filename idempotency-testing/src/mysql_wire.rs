@@ -77,6 +77,7 @@ pub struct CountingProxy {
     split: Arc<Split>,
     counts: Arc<Mutex<Counts>>,
     queries: Arc<Mutex<Vec<String>>>,
+    hold: tokio::sync::watch::Sender<bool>,
 }
 
 impl CountingProxy {
@@ -92,8 +93,13 @@ impl CountingProxy {
         let armed = cut.clone();
         let split = Arc::new(Split::default());
         let splitting = split.clone();
+        let (hold, mut held) = tokio::sync::watch::channel(false);
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
+                // A held connection waits here, accepted but not yet answered by the server.
+                if held.wait_for(|held| !*held).await.is_err() {
+                    break;
+                }
                 let Ok(server) = TcpStream::connect(&upstream).await else {
                     continue;
                 };
@@ -113,7 +119,21 @@ impl CountingProxy {
             split,
             counts,
             queries,
+            hold,
         })
+    }
+
+    /// New connections are accepted but not passed on to the server until
+    /// [`release_connections`](Self::release_connections): a client that reconnects waits
+    /// for the server's greeting, as behind a slow network.
+    pub fn hold_new_connections(&self) {
+        self.hold.send_replace(true);
+    }
+
+    /// Passes on the connections held since [`hold_new_connections`](Self::hold_new_connections),
+    /// and every new one.
+    pub fn release_connections(&self) {
+        self.hold.send_replace(false);
     }
 
     /// The next `COM_STMT_EXECUTE` is passed on whole, then its connection is cut in both

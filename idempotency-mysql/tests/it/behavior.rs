@@ -10,7 +10,7 @@ use common::proxy::CountingProxy;
 use common::{Isolation, TableGuard};
 use idempotency_core::{
     Cas, Claim, ClaimRequest, Error, Failure, Fingerprint, IdempotencyKey, IdempotencyStore,
-    RecordId, RecordStatus, Scope, Timestamp,
+    Reclaim, RecordId, RecordStatus, Scope, Timestamp,
 };
 use idempotency_mysql::sqlx::mysql::{MySqlPoolOptions, MySqlSslMode};
 use idempotency_mysql::sqlx::{self, Connection, Executor};
@@ -301,6 +301,83 @@ async fn lost_connections_mid_statement() {
     assert_eq!(
         store
             .complete(&fresh.id, token, b"1", fresh.ttl)
+            .await
+            .unwrap(),
+        Cas::Applied
+    );
+}
+
+/// A claim whose answer was lost is sent again on a new connection; if, meanwhile, its lease
+/// passed and another caller reclaimed the record, the resent claim must not take the record
+/// for its own (the reclaimer holds it, with a token of its own): it finds a live record held
+/// by someone else. Before the fix the reclaim left the first claim's nonce in place, and the
+/// resent claim answered `Claimed` with the reclaimer's token: two holders, one token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resent_claim_never_takes_over_a_reclaimed_record() {
+    let (store, proxy, guard) = cuttable().await;
+    // Another application instance, on its own pool straight to the server.
+    let (other, _other_guard) = common::store_with(Isolation::RepeatableRead, 2).await;
+    let other = MysqlStore::builder()
+        .table(&guard.table)
+        .build(other.pool().clone())
+        .unwrap();
+    // Prepare the claim statement on the cuttable connection first.
+    let warm = request(Duration::from_secs(60));
+    store.claim(&warm).await.unwrap();
+
+    let req = request(Duration::from_millis(300));
+    proxy.cut_next_execute();
+    proxy.hold_new_connections();
+    let first = {
+        let store = store.clone();
+        let req = req.clone();
+        tokio::spawn(async move { store.claim(&req).await })
+    };
+    // The first send applied: the record is there, held by a claim nobody was told of.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let lost = loop {
+        if let Some(record) = other.get(&req.id).await.unwrap() {
+            break record;
+        }
+        assert!(Instant::now() < deadline, "the first send never applied");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    // Once its lease passed, the other instance reclaims it.
+    let reclaimed = loop {
+        match other
+            .reclaim(
+                &req.id,
+                lost.token,
+                &req.fingerprint,
+                Duration::from_secs(60),
+                req.ttl,
+            )
+            .await
+            .unwrap()
+        {
+            Reclaim::Reclaimed { token, .. } => break token,
+            Reclaim::Lost => {
+                assert!(Instant::now() < deadline, "the lease never passed");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    assert_eq!(reclaimed, lost.token.next());
+    // Now the resent claim reaches the server.
+    proxy.release_connections();
+    let resent = first.await.unwrap().unwrap();
+    assert!(
+        !matches!(resent, Claim::Claimed { .. }),
+        "the resent claim took over the reclaimed record: {resent:?} (the reclaimer holds token {reclaimed:?})"
+    );
+    let record = other.get(&req.id).await.unwrap().unwrap();
+    assert_eq!(
+        (record.status, record.token),
+        (RecordStatus::Pending, reclaimed)
+    );
+    assert_eq!(
+        other
+            .complete(&req.id, reclaimed, b"done", req.ttl)
             .await
             .unwrap(),
         Cas::Applied
