@@ -76,7 +76,8 @@ impl SettleRetry {
 }
 
 impl Default for SettleRetry {
-    /// 5 tries, 25 ms apart at first, doubling up to 400 ms: about 0.75 s in all.
+    /// 5 tries, 25 ms apart at first, doubling up to 400 ms: pauses of 25, 50, 100 and 200 ms,
+    /// 375 ms of waiting in all (plus the tries themselves).
     fn default() -> Self {
         Self {
             attempts: 5,

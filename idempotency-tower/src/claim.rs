@@ -181,9 +181,9 @@ impl ClaimedKey {
     /// Tells the layer that the handler's own transaction rolled back and it did nothing else
     /// (no call to another service, no write elsewhere): the layer releases the key at once,
     /// whatever the handler answers, and the answer is not stored, so a retry runs the
-    /// handler again. Without it, an answer that is not stored (a 5xx, say) holds the key
-    /// until its lease passes, because the layer cannot know that nothing was done
-    /// ([`crate::OnUnstored`]).
+    /// handler again. Without it, the handler's answer (a 5xx, say) is stored and replayed, and
+    /// a handler error settles the key for good, because the layer cannot know that nothing
+    /// was done ([`crate::OnUnstored`]).
     ///
     /// Call it only when the rollback is certain: not after a `COMMIT` whose outcome is
     /// unknown (a lost connection during the commit), which may have applied.
@@ -204,8 +204,9 @@ impl ClaimedKey {
 /// run it again at once. The layer then releases the key and delivers the response unstored,
 /// whatever its status.
 ///
-/// Without it, a response the layer does not store (5xx, 408, 429 by default) holds the key
-/// until its lease passes ([`crate::OnUnstored`]): the handler may have acted before it failed.
+/// Without it, every response is stored and replayed, a 5xx as a 201 (and a status a custom
+/// [`store_status`](crate::IdempotencyLayer::store_status) rule leaves out settles the key per
+/// [`crate::OnUnstored`]): the handler may have acted before it failed.
 ///
 /// ```
 /// use http::{Response, StatusCode};

@@ -43,23 +43,31 @@ pub enum OnUnreplayable {
 #[deprecated(since = "0.1.0", note = "renamed to OnUnreplayable")]
 pub type Unreplayable = OnUnreplayable;
 
-/// What the layer does with the key when the handler answered with a status that is not
-/// stored (5xx, 408 and 429 by default; see [`IdempotencyLayer::store_status`]) or returned an
-/// error.
+/// What the layer does with the key when the handler answered with a status the layer was told
+/// not to store ([`IdempotencyLayer::store_status`]; by default every status is stored) or
+/// returned an error (a `Service` error, not a response).
 ///
 /// A handler that failed may have acted first: it charged a card and then could not build its
-/// response, or a timeout layer inside this one cut it off after it wrote. Running it again at
-/// once would act twice, so by default the key is held. A handler that knows it did nothing
-/// frees the key itself, whatever this setting: it puts [`NothingDone`](crate::NothingDone)
-/// in its response's extensions, or calls [`ClaimedKey::rolled_back`](crate::ClaimedKey::rolled_back)
-/// after its own transaction rolled back.
+/// response, or a timeout layer inside this one cut it off after it wrote. Running it again
+/// would act twice, so by default the key is settled for good. A handler that knows it did
+/// nothing frees the key itself, whatever this setting: it puts
+/// [`NothingDone`](crate::NothingDone) in its response's extensions, or calls
+/// [`ClaimedKey::rolled_back`](crate::ClaimedKey::rolled_back) after its own transaction rolled
+/// back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum OnUnstored {
-    /// Hold the key until its lease passes (the default): a retry gets `409`
-    /// `idempotency-key-in-progress` with `Retry-After` until then, and runs the handler
-    /// after (the lease is the engine's `Policy::lease`).
+    /// Settle the key for good (the default): an answer is recorded without its body (its
+    /// status and replayed headers; a retry is told the handler ran, with that status, and
+    /// [`NotReplayable::StatusNotStored`](crate::NotReplayable::StatusNotStored)), an error as
+    /// a permanent failure (a retry is told `422` `idempotency-key-failed-permanently`). No
+    /// retry runs the handler again while the key is kept.
     #[default]
+    Settle,
+    /// Hold the key until its lease passes, without a write: a retry gets `409`
+    /// `idempotency-key-in-progress` with `Retry-After` until then, and **runs the handler
+    /// again** after (the lease is the engine's `Policy::lease`). Only for handlers whose
+    /// failures may be retried once the lease has passed.
     Hold,
     /// Release the key at once, so a retry runs the handler again: only for handlers that
     /// fail only before they act.
@@ -113,7 +121,7 @@ impl Config {
             fingerprint_headers: DEFAULT_FINGERPRINT_HEADERS.to_vec(),
             fingerprint_hook: None,
             unreplayable: OnUnreplayable::Record,
-            unstored: OnUnstored::Hold,
+            unstored: OnUnstored::Settle,
             challenge: HeaderValue::from_static("Bearer"),
             max_retry_after: IdempotencyLayer::DEFAULT_MAX_RETRY_AFTER,
             unavailable_retry_after: IdempotencyLayer::DEFAULT_UNAVAILABLE_RETRY_AFTER,
@@ -160,13 +168,14 @@ impl Config {
     }
 }
 
-/// The default rule for which responses are stored: everything except 5xx, 408 and 429. What
-/// becomes of the key after a status that is not stored is [`OnUnstored`]: by default it is held
-/// until its lease passes.
-pub fn default_store_status(status: StatusCode) -> bool {
-    !(status.is_server_error()
-        || status == StatusCode::REQUEST_TIMEOUT
-        || status == StatusCode::TOO_MANY_REQUESTS)
+/// The default rule for which responses are stored: every status. A handler that answered may
+/// have acted, whatever it answered (a `500` after the charge, a `503` after a write whose
+/// answer was lost), so every retry is given its first answer, replayed, and none runs it
+/// again. A handler that knows it did nothing says so ([`NothingDone`](crate::NothingDone)); a
+/// rate limiter or a load shedder belongs outside the layer, where its refusals never reach
+/// it. What becomes of the key after a status a custom rule does not store is [`OnUnstored`].
+pub fn default_store_status(_status: StatusCode) -> bool {
+    true
 }
 
 fn default_route(parts: &Parts) -> String {

@@ -79,7 +79,7 @@ impl IdempotencyLayer {
 
     /// A layer over `engine` (its store and policy: lease, retention, in-flight behaviour,
     /// key hashing in logs) with the defaults: POST and PATCH covered, key optional, 1 MiB
-    /// limits, 5xx/408/429 not stored (and their keys held until the lease passes), fail
+    /// limits, every status stored and replayed (5xx, 408 and 429 included), fail
     /// closed, problem+json refusals, preconditions fingerprinted, unreplayable responses
     /// recorded. There is no default scope: choose one with [`IdempotencyLayer::scope`] (the
     /// caller's identity) or [`IdempotencyLayer::shared_scope`] before the layer wraps a
@@ -164,9 +164,9 @@ impl IdempotencyLayer {
     }
 
     /// Which statuses are stored and replayed (default
-    /// [`default_store_status`](crate::default_store_status)). After a status that is not
-    /// stored the key is held until its lease passes, or released at once per
-    /// [`IdempotencyLayer::on_unstored`].
+    /// [`default_store_status`](crate::default_store_status): every status). After a status
+    /// that is not stored the key is settled for good without the body, held until its lease
+    /// passes, or released at once, per [`IdempotencyLayer::on_unstored`].
     pub fn store_status<F>(self, f: F) -> Self
     where
         F: Fn(StatusCode) -> bool + Send + Sync + 'static,
@@ -276,9 +276,10 @@ impl IdempotencyLayer {
     }
 
     /// What to do with the key when the handler answered a status that is not stored, or
-    /// returned an error: [`OnUnstored::Hold`] (the default) holds it until its lease passes,
-    /// because the handler may have acted before it failed; [`OnUnstored::Release`] frees it at
-    /// once, for handlers that fail only before they act. A handler that did nothing can free
+    /// returned an error: [`OnUnstored::Settle`] (the default) settles it for good, because
+    /// the handler may have acted before it failed; [`OnUnstored::Hold`] holds it until its
+    /// lease passes and then runs the handler again; [`OnUnstored::Release`] frees it at once,
+    /// for handlers that fail only before they act. A handler that did nothing can free
     /// the key itself under either rule ([`NothingDone`](crate::NothingDone),
     /// [`ClaimedKey::rolled_back`](crate::ClaimedKey::rolled_back)).
     pub fn on_unstored(self, unstored: OnUnstored) -> Self {

@@ -50,18 +50,23 @@ impl HttpDecision {
 /// `idempotency_http_outcomes_total{outcome}`). A response hook
 /// ([`ResponseContext::outcome`](crate::ResponseContext::outcome)) is told the outcomes that
 /// come with the handler's response; [`HttpOutcome::HandlerError`],
-/// [`HttpOutcome::HandlerErrorHeld`] and [`HttpOutcome::HandlerPanicked`] have none, so it never sees them.
+/// [`HttpOutcome::HandlerErrorHeld`], [`HttpOutcome::HandlerErrorSettled`] and
+/// [`HttpOutcome::HandlerPanicked`] have none, so it never sees them.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Hash)]
 #[non_exhaustive]
 pub enum HttpOutcome {
     /// Stored for replay.
     Stored,
-    /// Not stored because of its status (5xx, 408, 429 by default); the key was released
-    /// ([`OnUnstored::Release`](crate::OnUnstored::Release)).
+    /// Not stored because of its status ([`IdempotencyLayer::store_status`](crate::IdempotencyLayer::store_status));
+    /// the key was released ([`OnUnstored::Release`](crate::OnUnstored::Release)).
     ReleasedStatus,
-    /// Not stored because of its status; the handler may have acted, so the key is held until
-    /// its lease passes ([`OnUnstored::Hold`](crate::OnUnstored::Hold), the default).
+    /// Not stored because of its status; the key is held until its lease passes
+    /// ([`OnUnstored::Hold`](crate::OnUnstored::Hold)).
     HeldStatus,
+    /// Not stored because of its status; the handler may have acted, so the key records that
+    /// it ran, with its status and replayed headers, for good
+    /// ([`OnUnstored::Settle`](crate::OnUnstored::Settle), the default).
+    RecordedStatus,
     /// The handler said it did nothing ([`NothingDone`](crate::NothingDone), or
     /// [`ClaimedKey::rolled_back`](crate::ClaimedKey::rolled_back)); the key was released and
     /// the response not stored.
@@ -87,9 +92,13 @@ pub enum HttpOutcome {
     /// The handler returned an error; the key was released
     /// ([`OnUnstored::Release`](crate::OnUnstored::Release), or its transaction rolled back).
     HandlerError,
-    /// The handler returned an error; it may have acted, so the key is held until its lease
-    /// passes ([`OnUnstored::Hold`](crate::OnUnstored::Hold), the default).
+    /// The handler returned an error; the key is held until its lease passes
+    /// ([`OnUnstored::Hold`](crate::OnUnstored::Hold)).
     HandlerErrorHeld,
+    /// The handler returned an error; it may have acted, so the key is settled for good with a
+    /// failure that says the outcome was not stored
+    /// ([`OnUnstored::Settle`](crate::OnUnstored::Settle), the default).
+    HandlerErrorSettled,
     /// The handler panicked. It may have acted, so the key is settled for good with a failure
     /// that says the outcome was not stored; the key is released only when the handler's
     /// transaction rolled back or [`OnUnstored::Release`](crate::OnUnstored::Release) is set
@@ -104,6 +113,7 @@ impl HttpOutcome {
             Self::Stored => "stored",
             Self::ReleasedStatus => "released_status",
             Self::HeldStatus => "held_status",
+            Self::RecordedStatus => "recorded_status",
             Self::ReleasedNothingDone => "released_nothing_done",
             Self::ReleasedTooLarge => "released_too_large",
             Self::ReleasedBodyFailed => "response_body_failed",
@@ -114,6 +124,7 @@ impl HttpOutcome {
             Self::SettledByHandler => "settled_by_handler",
             Self::HandlerError => "handler_error",
             Self::HandlerErrorHeld => "handler_error_held",
+            Self::HandlerErrorSettled => "handler_error_settled",
             Self::HandlerPanicked => "handler_panicked",
         }
     }
@@ -205,6 +216,7 @@ mod counted {
             Stored,
             ReleasedStatus,
             HeldStatus,
+            RecordedStatus,
             ReleasedNothingDone,
             ReleasedTooLarge,
             ReleasedBodyFailed,
@@ -215,6 +227,7 @@ mod counted {
             SettledByHandler,
             HandlerError,
             HandlerErrorHeld,
+            HandlerErrorSettled,
             HandlerPanicked,
         ));
     }
@@ -236,10 +249,11 @@ mod tests {
         (HttpDecision::Unreadable, "stored_response_unreadable"),
     ];
 
-    const OUTCOMES: [(HttpOutcome, &str); 14] = [
+    const OUTCOMES: [(HttpOutcome, &str); 16] = [
         (HttpOutcome::Stored, "stored"),
         (HttpOutcome::ReleasedStatus, "released_status"),
         (HttpOutcome::HeldStatus, "held_status"),
+        (HttpOutcome::RecordedStatus, "recorded_status"),
         (HttpOutcome::ReleasedNothingDone, "released_nothing_done"),
         (HttpOutcome::ReleasedTooLarge, "released_too_large"),
         (HttpOutcome::ReleasedBodyFailed, "response_body_failed"),
@@ -250,6 +264,7 @@ mod tests {
         (HttpOutcome::SettledByHandler, "settled_by_handler"),
         (HttpOutcome::HandlerError, "handler_error"),
         (HttpOutcome::HandlerErrorHeld, "handler_error_held"),
+        (HttpOutcome::HandlerErrorSettled, "handler_error_settled"),
         (HttpOutcome::HandlerPanicked, "handler_panicked"),
     ];
 

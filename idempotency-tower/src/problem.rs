@@ -172,13 +172,14 @@ impl Refusal {
                 let why = match reason {
                     NotReplayable::TooLarge => "was too large to keep",
                     NotReplayable::BodyFailed => "failed while it was being read",
+                    NotReplayable::StatusNotStored => "has a status this service does not keep",
                 };
                 format!(
                     "the request with this key ran and answered {}, but its response {why}; it is not run again under this key (the status and headers such as Location are the original ones)",
                     status.as_u16()
                 )
             }
-            Self::HandlerFailed => "the request failed before producing a response; it may be retried with the same key".into(),
+            Self::HandlerFailed => "the request failed before producing a response; a retry with the same key is told what became of it".into(),
             Self::LeaseLost => "this request took longer than its lease and another request with the key took it over; nothing it did was kept. Retry with the same key to get the outcome of that request".into(),
         }
     }

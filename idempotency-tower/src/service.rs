@@ -734,12 +734,19 @@ where
             if let Some(lease) = unless_settled_by_handler(&claim, lease) {
                 // The handler may have acted before its error, unless its own transaction
                 // rolled back or the layer is told its handlers fail only before acting.
-                if claim.settlement() == Settlement::RolledBack
-                    || config.unstored == OnUnstored::Release
-                {
+                if claim.settlement() == Settlement::RolledBack {
                     release(lease, HttpOutcome::HandlerError).await;
                 } else {
-                    hold(lease, HttpOutcome::HandlerErrorHeld);
+                    match config.unstored {
+                        OnUnstored::Release => release(lease, HttpOutcome::HandlerError).await,
+                        OnUnstored::Hold => hold(lease, HttpOutcome::HandlerErrorHeld),
+                        _ => {
+                            record_outcome(HttpOutcome::HandlerErrorSettled);
+                            lease
+                                .settle_without_outcome("the handler returned an error")
+                                .await;
+                        }
+                    }
                 }
             }
             Err(e)
@@ -771,20 +778,35 @@ where
         }
         Handled::UnstoredStatus(resp) => {
             let key = lease.id().key.clone();
-            // The handler may have acted before it failed: hold the key unless the layer is
-            // told its handlers fail only before acting.
-            let outcome = match config.unstored {
+            let retained = SystemTime::now().checked_add(lease.ttl());
+            // The handler may have acted before it failed: settle the key with what can be
+            // kept of the answer, unless the layer is told otherwise.
+            let (outcome, expires_at) = match config.unstored {
                 OnUnstored::Release => {
                     release(lease, HttpOutcome::ReleasedStatus).await;
-                    HttpOutcome::ReleasedStatus
+                    (HttpOutcome::ReleasedStatus, None)
+                }
+                OnUnstored::Hold => {
+                    hold(lease, HttpOutcome::HeldStatus);
+                    (HttpOutcome::HeldStatus, None)
                 }
                 _ => {
-                    hold(lease, HttpOutcome::HeldStatus);
-                    HttpOutcome::HeldStatus
+                    let (parts, body) = resp.into_parts();
+                    let stored = StoredResponse {
+                        not_replayable: Some(NotReplayable::StatusNotStored),
+                        ..config.stored_response(&parts, Bytes::new())
+                    };
+                    let outcome = complete(lease, &stored, HttpOutcome::RecordedStatus).await;
+                    record_outcome(outcome);
+                    let resp = Response::from_parts(parts, ResponseBody::inner(body));
+                    let expires_at = (outcome == HttpOutcome::RecordedStatus)
+                        .then_some(retained)
+                        .flatten();
+                    return Ok(with_hook(&config, &key, resp, Some(outcome), expires_at));
                 }
             };
             let resp = resp.map(ResponseBody::inner);
-            Ok(with_hook(&config, &key, resp, Some(outcome), None))
+            Ok(with_hook(&config, &key, resp, Some(outcome), expires_at))
         }
         Handled::Read(read) => Ok(settle_response(&config, lease, read).await),
     }

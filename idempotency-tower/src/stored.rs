@@ -17,6 +17,10 @@ pub enum NotReplayable {
     TooLarge,
     /// The body failed while the layer read it (after the handler had run).
     BodyFailed,
+    /// The layer was told not to store the answer's status
+    /// ([`IdempotencyLayer::store_status`](crate::IdempotencyLayer::store_status)), and the key
+    /// was settled for good ([`OnUnstored::Settle`](crate::OnUnstored::Settle)).
+    StatusNotStored,
 }
 
 impl NotReplayable {
@@ -24,6 +28,7 @@ impl NotReplayable {
         match self {
             Self::TooLarge => 1,
             Self::BodyFailed => 2,
+            Self::StatusNotStored => 3,
         }
     }
 
@@ -31,15 +36,17 @@ impl NotReplayable {
         match code {
             1 => Some(Self::TooLarge),
             2 => Some(Self::BodyFailed),
+            3 => Some(Self::StatusNotStored),
             _ => None,
         }
     }
 
-    /// A short label (`too_large`, `body_failed`).
+    /// A short label (`too_large`, `body_failed`, `status_not_stored`).
     pub const fn as_str(self) -> &'static str {
         match self {
             Self::TooLarge => "too_large",
             Self::BodyFailed => "body_failed",
+            Self::StatusNotStored => "status_not_stored",
         }
     }
 }
@@ -261,7 +268,11 @@ mod tests {
 
     #[test]
     fn not_replayable_records_round_trip_and_unknown_reasons_are_errors() {
-        for why in [NotReplayable::TooLarge, NotReplayable::BodyFailed] {
+        for why in [
+            NotReplayable::TooLarge,
+            NotReplayable::BodyFailed,
+            NotReplayable::StatusNotStored,
+        ] {
             let r = StoredResponse {
                 body: Bytes::new(),
                 not_replayable: Some(why),
@@ -274,7 +285,7 @@ mod tests {
                 assert!(StoredResponse::decode(&bytes[..n]).is_err(), "prefix {n}");
             }
         }
-        for code in [0u8, 3, 0xff] {
+        for code in [0u8, 4, 0xff] {
             let mut bytes = StoredResponse {
                 not_replayable: Some(NotReplayable::TooLarge),
                 ..sample()

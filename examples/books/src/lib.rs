@@ -13,7 +13,7 @@ use axum::routing::{get, post, MethodRouter};
 use axum::Router;
 use book::{validate, Book, Issue};
 use idempotency_core::{is_json_media_type, Idempotency, IdempotencyStore, Policy};
-use idempotency_tower::{default_store_status, ClaimedKey, IdempotencyLayer, NothingDone};
+use idempotency_tower::{ClaimedKey, IdempotencyLayer, NothingDone};
 use repo::{BookRepo, RepoError, Update};
 use serde_json::{json, Value};
 use std::path::PathBuf;
@@ -412,7 +412,6 @@ pub async fn build_with(
     let patch_layer = IdempotencyLayer::new(engine)
         .methods([http::Method::PATCH])
         .problem_type_base(PROBLEM_BASE)
-        .store_status(|s| default_store_status(s) && s != StatusCode::PRECONDITION_FAILED)
         .scope(caller);
     let router = Router::new()
         .route("/", get(describe))
@@ -769,12 +768,40 @@ async fn update(
             Err(e) => return internal(e),
         }
     }
-    problem(
+    kept_changing()
+}
+
+/// The `409` for a patch that lost the race to other writers every time it tried. Nothing was
+/// written, so the key must not keep this answer: a retry under the same key should try the
+/// patch again, not be replayed "retry".
+fn kept_changing() -> Response {
+    let mut resp = problem(
         StatusCode::CONFLICT,
         "conflict",
         "The book is being changed by others",
         Some("the book kept changing while this patch was applied; retry".into()),
-    )
+    );
+    resp.extensions_mut().insert(NothingDone);
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Answers that say nothing was written free the key for the retry they ask for.
+    #[test]
+    fn answers_after_writing_nothing_free_the_key() {
+        for (name, resp) in [
+            ("409 kept changing", kept_changing()),
+            ("412 precondition failed", precondition_failed()),
+        ] {
+            assert!(
+                resp.extensions().get::<NothingDone>().is_some(),
+                "{name}: the layer would keep this answer for the key"
+            );
+        }
+    }
 }
 
 /// A running service, for tests and `main`.

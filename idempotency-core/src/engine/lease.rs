@@ -493,22 +493,32 @@ impl Lease {
     /// the work again. [`Idempotency::run`](crate::Idempotency::run), a batch and the HTTP
     /// layer settle a panic through this. If the store refuses the write, the record stays
     /// Pending until its lease passes (logged).
-    pub async fn settle_after_panic(mut self) {
+    pub async fn settle_after_panic(self) {
+        self.settle_without_outcome("the work panicked").await;
+    }
+
+    /// Settles the key for good after work that may have acted ended without an outcome to
+    /// store (it panicked, or a service returned an error instead of an answer): `why` is
+    /// recorded as [`Failure::outcome_not_stored`], and while the record is kept a retry is
+    /// told [`Error::FailedPermanently`], another payload [`Error::Mismatch`], and none runs
+    /// the work again. If the store refuses the write, the record stays Pending until its
+    /// lease passes (logged).
+    pub async fn settle_without_outcome(mut self, why: &str) {
         self.settled = true;
         let record = loggable_record(&self.id, &self.policy);
-        match self
-            .record_stand_in(Failure::outcome_not_stored("the work panicked"))
-            .await
-        {
+        match self.record_stand_in(Failure::outcome_not_stored(why)).await {
             StandIn::Recorded => tracing::warn!(
                 record = %record,
-                "the work panicked; its key is settled for good (no retry runs it again)"
+                why,
+                "the work ended without an outcome; its key is settled for good (no retry \
+                 runs it again)"
             ),
             StandIn::OutcomeStored => {}
             StandIn::NotRecorded => tracing::warn!(
                 record = %record,
-                "the work panicked and its key could not be settled; it stays pending until \
-                 its lease passes"
+                why,
+                "the work ended without an outcome and its key could not be settled; it stays \
+                 pending until its lease passes"
             ),
         }
     }

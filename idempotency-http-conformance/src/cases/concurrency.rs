@@ -54,12 +54,14 @@ pub async fn in_flight_wait_policy_replays(store: TestStore) {
     assert_eq!(s.executions(), 1);
 }
 
-/// With `OnUnstored::Release` (for handlers that fail only before acting), 5xx, 408 and 429 are
-/// delivered but not stored: the key is released and the retry runs the handler. A
-/// deterministic client error (404, 400) is stored and replayed.
+/// Statuses the layer is told not to store (`store_status`), for handlers that answer them
+/// only before acting: 5xx, 408 and 429 here. With `OnUnstored::Release` they are delivered
+/// but not stored: the key is released and the retry runs the handler. A client error the
+/// rule stores (404, 400) is replayed.
 pub async fn server_errors_408_429_release_the_key(store: TestStore) {
     let s = TestServer::with_store(store.store.clone(), Policy::default(), |l| {
-        l.on_unstored(OnUnstored::Release)
+        l.store_status(not_5xx_408_429)
+            .on_unstored(OnUnstored::Release)
     })
     .await;
     let c = client();
@@ -90,21 +92,80 @@ pub async fn server_errors_408_429_release_the_key(store: TestStore) {
     assert_eq!(s.executions(), expected);
 }
 
-/// By default a status that is not stored (5xx, 408, 429) holds the key until its lease
-/// passes: the handler may have acted before it failed (charged, then failed to build its
-/// answer). The client gets the handler's answer; a retry 100 ms later gets 409 with
-/// `Retry-After`, and the handler has run once.
-pub async fn unstored_statuses_hold_the_key(store: TestStore) {
-    let s = server(&store).await;
+/// A handler that answered may have acted, whatever its status: a 500 after the charge, a 503
+/// after a write whose answer was lost. By default every answer is stored and replayed, with
+/// the replay marker, for the key's retention, also once the lease has passed: a retry never
+/// runs the handler again.
+pub async fn answers_of_every_status_are_replayed_after_the_lease(store: TestStore) {
+    let lease = store.short_lease();
+    let policy = Policy::default().lease(lease).ttl(store.long());
+    let s = TestServer::with_store(store.store.clone(), policy, |l| l).await;
     let c = client();
     for (i, code) in ["500", "503", "408", "429"].into_iter().enumerate() {
-        let key = format!("held-{code}");
+        let key = format!("answered-{code}");
         let body = json!({"code": code});
         let failed = send(post(&c, &s, "/items", &key, &body).header(control::STATUS, code)).await;
         assert_eq!(failed.status.as_str(), code);
         assert!(!failed.replayed());
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        // The lease passes (a real-time store sleeps; a manual clock moves).
+        store.advance(lease * 2).await;
         let retry = send(post(&c, &s, "/items", &key, &body)).await;
+        assert_eq!(retry.status.as_str(), code, "{retry:?}");
+        assert!(retry.replayed(), "the {code} was not replayed: {retry:?}");
+        assert_eq!(retry.body, failed.body);
+        assert_eq!(s.executions(), i as u64 + 1, "the {code} handler ran again");
+    }
+}
+
+/// A rule that stores every status but 5xx, 408 and 429 (the default before every answer was
+/// stored).
+fn not_5xx_408_429(status: StatusCode) -> bool {
+    !(status.is_server_error()
+        || status == StatusCode::REQUEST_TIMEOUT
+        || status == StatusCode::TOO_MANY_REQUESTS)
+}
+
+/// A status the layer is told not to store still comes from a handler that may have acted. By
+/// default (`OnUnstored::Settle`) the key records that it ran, with its status and `Location`
+/// but not its body: a retry, also after the lease, is told so (replayed, the original status)
+/// and the handler never runs again. With `OnUnstored::Hold` the key is held until its lease
+/// passes: a retry 100 ms later gets 409 with `Retry-After`.
+pub async fn unstored_statuses_settle_or_hold_the_key(store: TestStore) {
+    let lease = store.short_lease();
+    let policy = Policy::default().lease(lease).ttl(store.long());
+    let settled = TestServer::with_store(store.store.clone(), policy.clone(), |l| {
+        l.store_status(not_5xx_408_429)
+    })
+    .await;
+    let held = TestServer::with_store(store.store.clone(), policy, |l| {
+        l.store_status(not_5xx_408_429)
+            .on_unstored(OnUnstored::Hold)
+    })
+    .await;
+    let c = client();
+    for (i, code) in ["500", "503", "408", "429"].into_iter().enumerate() {
+        let body = json!({"code": code});
+        let key = format!("settled-{code}");
+        let failed =
+            send(post(&c, &settled, "/items", &key, &body).header(control::STATUS, code)).await;
+        assert_eq!(failed.status.as_str(), code);
+        assert!(!failed.replayed());
+        store.advance(lease * 2).await;
+        let retry = send(post(&c, &settled, "/items", &key, &body)).await;
+        let location = format!("/items/{}", i + 1);
+        assert_not_replayable(&retry, failed.status.as_u16(), Some(&location), true);
+        assert_eq!(
+            settled.executions(),
+            i as u64 + 1,
+            "the {code} handler ran again"
+        );
+
+        let key = format!("held-{code}");
+        let failed =
+            send(post(&c, &held, "/items", &key, &body).header(control::STATUS, code)).await;
+        assert_eq!(failed.status.as_str(), code);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let retry = send(post(&c, &held, "/items", &key, &body)).await;
         assert_problem(
             &retry,
             409,
@@ -118,13 +179,17 @@ pub async fn unstored_statuses_hold_the_key(store: TestStore) {
             .and_then(|v| v.parse().ok())
             .unwrap_or_else(|| panic!("no Retry-After on {retry:?}"));
         assert!(after >= 1, "{retry:?}");
-        assert_eq!(s.executions(), i as u64 + 1, "the {code} handler ran again");
+        assert_eq!(
+            held.executions(),
+            i as u64 + 1,
+            "the {code} handler ran again"
+        );
     }
 }
 
 /// A handler cut off by a timeout layer inside the idempotency layer (it counted, then slept
-/// past the timeout) may have acted: the `408` holds the key, and a retry 100 ms later gets
-/// 409, not a second run.
+/// past the timeout) may have acted: the `408` is its answer, stored, and a retry 100 ms later
+/// gets it replayed, not a second run.
 pub async fn handler_cut_off_by_an_inner_timeout_runs_once(store: TestStore) {
     let s = server(&store).await;
     let c = client();
@@ -138,8 +203,8 @@ pub async fn handler_cut_off_by_an_inner_timeout_runs_once(store: TestStore) {
     assert_eq!(cut.status, StatusCode::REQUEST_TIMEOUT, "{cut:?}");
     tokio::time::sleep(Duration::from_millis(100)).await;
     let retry = send(post(&c, &s, "/items", "cut-off", &body)).await;
-    assert_eq!(retry.status, StatusCode::CONFLICT, "{retry:?}");
-    assert!(retry.header("retry-after").is_some(), "{retry:?}");
+    assert_eq!(retry.status, StatusCode::REQUEST_TIMEOUT, "{retry:?}");
+    assert!(retry.replayed(), "{retry:?}");
     assert_eq!(s.executions(), 1, "the cut-off handler ran again");
 }
 

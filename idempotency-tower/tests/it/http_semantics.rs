@@ -5,7 +5,7 @@
 
 use bytes::Bytes;
 use http::{Request, Response, Version};
-use http_body_util::Full;
+use http_body_util::{BodyExt, Full};
 use idempotency_core::{Idempotency, Policy};
 use idempotency_memory::MemoryStore;
 use idempotency_tower::{IdempotencyLayer, RequestBody};
@@ -131,12 +131,28 @@ where
 }
 
 /// A handler that returns an error may have acted before it failed: by default the key is
-/// held, so a retry 100 ms later gets 409 with `Retry-After` and the handler has run once.
-/// With `OnUnstored::Release` (handlers that fail only before acting) the retry runs it again.
+/// settled for good, so a retry gets 422 failed-permanently and the handler has run once.
+/// With `OnUnstored::Hold` a retry 100 ms later gets 409 with `Retry-After` (until the lease
+/// passes); with `OnUnstored::Release` (handlers that fail only before acting) the retry runs
+/// it again.
 #[tokio::test]
-async fn a_handler_error_holds_the_key_unless_told_to_release() {
+async fn a_handler_error_settles_the_key_unless_told_otherwise() {
     let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let mut held = layer().layer(failing_service(calls.clone()));
+    let mut settled = layer().layer(failing_service(calls.clone()));
+    assert!(send_keyed(&mut settled, "err").await.is_err());
+    let retry = send_keyed(&mut settled, "err").await.unwrap();
+    assert_eq!(retry.status(), 422, "{retry:?}");
+    let body = retry.into_body().collect().await.unwrap().to_bytes();
+    assert!(
+        String::from_utf8_lossy(&body).contains("idempotency-key-failed-permanently"),
+        "{body:?}"
+    );
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+
+    let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut held = layer()
+        .on_unstored(idempotency_tower::OnUnstored::Hold)
+        .layer(failing_service(calls.clone()));
     assert!(send_keyed(&mut held, "err").await.is_err());
     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     let retry = send_keyed(&mut held, "err").await.unwrap();
