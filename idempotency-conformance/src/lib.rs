@@ -97,6 +97,7 @@ macro_rules! __with_case_list {
             engine_permanent_failure_is_final,
             engine_hung_work_stops_being_extended,
             engine_error_not_stored,
+            engine_long_failure_messages_are_bounded,
             engine_wait_policy_replays,
             engine_mismatch,
             engine_heartbeat_keeps_long_work_leased,

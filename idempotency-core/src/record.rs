@@ -156,6 +156,36 @@ impl Failure {
         Self::permanent(format!("{}: {detail}", Self::OUTCOME_NOT_STORED))
     }
 
+    /// The longest message, in bytes, the engine asks a store to keep: a failure is for
+    /// operators, and every store holds this much (a column, an item limit).
+    /// [`Failure::bounded`] cuts a longer one.
+    pub const MAX_MESSAGE: usize = 4096;
+
+    /// This failure with its message cut to at most [`Failure::MAX_MESSAGE`] bytes, on a
+    /// character boundary, ending with `…` where it was cut. The engine bounds every failure
+    /// it records this way; the caller still gets the whole error.
+    ///
+    /// ```
+    /// use idempotency_core::Failure;
+    ///
+    /// let f = Failure::retryable("é".repeat(5000)).bounded();
+    /// assert!(f.message.len() <= Failure::MAX_MESSAGE && f.message.ends_with('…'));
+    /// assert_eq!(Failure::permanent("short").bounded().message, "short");
+    /// ```
+    #[must_use]
+    pub fn bounded(mut self) -> Self {
+        const CUT: char = '…';
+        if self.message.len() > Self::MAX_MESSAGE {
+            let mut end = Self::MAX_MESSAGE - CUT.len_utf8();
+            while !self.message.is_char_boundary(end) {
+                end -= 1;
+            }
+            self.message.truncate(end);
+            self.message.push(CUT);
+        }
+        self
+    }
+
     /// How the message of [`Failure::outcome_not_stored`] starts. A permanent failure of your
     /// own whose message starts so is read as one.
     pub const OUTCOME_NOT_STORED: &'static str = "the work ran but its outcome could not be stored";

@@ -190,6 +190,56 @@ pub async fn engine_error_not_stored(t: TestStore) {
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
 
+/// A work error of any length releases the key as usual: the message kept in the record is
+/// cut to [`Failure::MAX_MESSAGE`] bytes on a character boundary (no store refuses it for its
+/// size: a column, an item limit), while the caller gets the whole error; a retry runs.
+pub async fn engine_long_failure_messages_are_bounded(t: TestStore) {
+    let e = engine(&t, Policy::default().lease(t.long()).ttl(t.long()));
+    let (key, scope) = fresh_address("long-failure");
+    // 100 KiB of two-, three- and four-byte characters: a cut at a byte count would land
+    // inside one.
+    let message = "é€𝄞".repeat(100 * 1024 / 9);
+    let first = {
+        let message = message.clone();
+        e.run(&key, &scope, &fp("f"), move |_| async move {
+            Err::<String, String>(message)
+        })
+        .await
+    };
+    match first {
+        Ok(Outcome::Fresh(Err(returned))) => {
+            assert!(
+                returned == message,
+                "the caller did not get the whole error"
+            )
+        }
+        other => panic!("the failing work returned {other:?}"),
+    }
+    let r = present(&t, &RecordId::new(scope.clone(), key.clone())).await;
+    assert_eq!(
+        r.status,
+        RecordStatus::Failed,
+        "the key was not released: {r:?}"
+    );
+    let kept = &r.failure.as_ref().expect("a failure").message;
+    assert!(
+        kept.len() <= Failure::MAX_MESSAGE && kept.len() >= Failure::MAX_MESSAGE / 2,
+        "kept {} bytes of the message, expected at most {} and not much less",
+        kept.len(),
+        Failure::MAX_MESSAGE
+    );
+    let kept_text = kept.trim_end_matches('…');
+    assert!(
+        message.starts_with(kept_text),
+        "the kept message is not the start of the error"
+    );
+    let runs = Arc::new(AtomicUsize::new(0));
+    match counted(&e, &key, &scope, &fp("f"), &runs, "second try").await {
+        Ok(Outcome::Fresh(Ok(v))) => assert_eq!(v, "second try"),
+        other => panic!("the retry after a long error got {other:?}, expected a fresh run"),
+    }
+}
+
 /// With `InFlight::Wait`, callers arriving while the first attempt runs wait for it and
 /// replay its outcome; their own work never runs.
 pub async fn engine_wait_policy_replays(t: TestStore) {

@@ -425,7 +425,7 @@ where
 {
     match (result, errors) {
         (Err(e), ErrorOutcomes::RecordFailure) => {
-            Some(Settle::Fail(Failure::retryable(e.to_string())))
+            Some(Settle::Fail(Failure::retryable(e.to_string()).bounded()))
         }
         _ => serde_json::to_vec(result).ok().map(Settle::Complete),
     }

@@ -350,6 +350,7 @@ impl Lease {
         first: Option<(Result<Cas, Error>, Instant)>,
         failure: Failure,
     ) -> Result<(), Error> {
+        let failure = failure.bounded();
         let this = &self;
         let cas = this
             .settle_with_retries(RecordStatus::Failed, first, || {
