@@ -336,7 +336,9 @@ impl Lease {
         }
     }
 
-    /// Records a failure and releases the key. [`Error::LeaseLost`] if the token was fenced.
+    /// Records a failure and releases the key. [`Error::LeaseLost`] if the token was fenced,
+    /// unless an earlier try may have applied and the key has moved on since (a retry
+    /// reclaimed what that try freed): the release did its job, and this answers `Ok`.
     ///
     /// A store error is retried per [`Policy::settle_retry`]; if every try fails, the error
     /// is returned and the key stays Pending until its lease passes.
@@ -466,6 +468,16 @@ impl Lease {
                          or lost by the store): whether the outcome was stored is unknown"
                     .into(),
             }),
+            // A release of ours may have applied before its answer was lost, and a retry of the
+            // request then reclaimed the freed key: the release did its job. (Without a failed
+            // try, the record moved on before this holder released it: its lease was lost.)
+            Some(r)
+                if status == RecordStatus::Failed
+                    && since_failed_try.is_some()
+                    && r.token > self.token =>
+            {
+                Ok(Cas::Applied)
+            }
             Some(_)
                 if since_failed_try.is_some_and(|elapsed| {
                     elapsed.saturating_add(RETENTION_MARGIN) >= self.policy.ttl

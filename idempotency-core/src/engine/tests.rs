@@ -21,6 +21,8 @@ struct Scripted {
     fail_fenced: bool,
     /// Answers of the first completions, before `complete_fenced` applies.
     completes: Mutex<VecDeque<Result<Cas, Error>>>,
+    /// Answers of the first failures, before `fail_fenced` applies.
+    fails: Mutex<VecDeque<Result<Cas, Error>>>,
     extends: Mutex<Vec<Duration>>,
     claimed: AtomicUsize,
     got: AtomicUsize,
@@ -63,6 +65,9 @@ impl IdempotencyStore for Scripted {
         _: &Failure,
         _: Duration,
     ) -> Result<Cas, Error> {
+        if let Some(answer) = self.fails.lock().expect("lock").pop_front() {
+            return answer;
+        }
         Ok(if self.fail_fenced {
             Cas::Fenced
         } else {
@@ -484,6 +489,59 @@ async fn a_fenced_release_with_no_record_is_released() {
     let got = lease.fail(Failure::retryable("nothing was done")).await;
     assert!(got.is_ok(), "a release of a gone record got {got:?}");
     assert_eq!(store.got.load(Ordering::SeqCst), 1);
+}
+
+/// A release whose first try applied but whose answer was lost, fenced on its retry because a
+/// retry of the request already reclaimed the freed key: the release did its job, and the
+/// work's outcome goes to the caller, not `LeaseLost`. A release fenced on its first try (the
+/// lease had passed and another caller took the key) is still `LeaseLost`.
+#[tokio::test]
+async fn a_lost_release_answer_then_a_reclaim_is_released() {
+    let mut theirs = pending(1000);
+    theirs.token = FencingToken(6);
+    for (first_try_failed, released) in [(true, true), (false, false)] {
+        let store = Arc::new(Scripted {
+            fails: Mutex::new(if first_try_failed {
+                VecDeque::from([Err(Error::backend(true, "the answer was lost"))])
+            } else {
+                VecDeque::new()
+            }),
+            fail_fenced: true,
+            get: Some(theirs.clone()),
+            ..Scripted::default()
+        });
+        let lease = lease_on(store, Policy::default());
+        match (lease.fail(Failure::retryable("declined")).await, released) {
+            (Ok(()), true) | (Err(Error::LeaseLost { .. }), false) => {}
+            (other, _) => panic!(
+                "a release (first try failed: {first_try_failed}) fenced by a later token got \
+                 {other:?}"
+            ),
+        }
+    }
+    // Through the engine: the caller gets the work's error, not LeaseLost.
+    let store = Arc::new(Scripted {
+        claims: Mutex::new(VecDeque::from([Claim::Claimed {
+            token: FencingToken(5),
+            lease_until: Timestamp::from_millis(now().as_millis() + 30_000),
+        }])),
+        fails: Mutex::new(VecDeque::from([Err(Error::backend(true, "lost"))])),
+        fail_fenced: true,
+        get: Some(theirs),
+        ..Scripted::default()
+    });
+    let e = engine(store, Policy::default().heartbeat(None));
+    let key = IdempotencyKey::new("k").expect("key");
+    let scope = Scope::new("engine-tests").expect("scope");
+    let got = e
+        .run(&key, &scope, &fp(), |_| async {
+            Err::<String, String>("declined".into())
+        })
+        .await;
+    assert!(
+        matches!(&got, Ok(Outcome::Fresh(Err(e))) if e == "declined"),
+        "the run got {got:?}"
+    );
 }
 
 /// A completion that failed, then was fenced on its retry, is an applied one only if the
