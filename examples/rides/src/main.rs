@@ -15,6 +15,10 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// The rider the demo books for (`Authorization: Bearer`); the rides service keeps each
+/// rider's keys apart.
+const RIDER: &str = "rider-1";
+
 type Failure = Box<dyn std::error::Error>;
 
 #[tokio::main]
@@ -153,6 +157,7 @@ async fn book(
 ) -> Result<Booked, Failure> {
     let answer = client
         .post(format!("{url}/rides"))
+        .bearer_auth(RIDER)
         .json(request)
         .idempotency_key(IdempotencyKey::new(key)?)
         .send()
@@ -179,6 +184,7 @@ async fn book_and_crash(
     let crashing = Service::start("rides", env)?;
     let sent = reqwest::Client::new()
         .post(format!("{}/rides", crashing.url))
+        .bearer_auth(RIDER)
         .header("idempotency-key", key)
         .json(request)
         .send()

@@ -269,7 +269,6 @@ fn booking(
 struct App {
     store: SqliteStore,
     engine: Idempotency,
-    scope: Scope,
     payments: Payments,
     crash: CrashPoints,
 }
@@ -301,7 +300,6 @@ pub async fn start(config: &Config, port: u16) -> Result<Running, Box<dyn std::e
     let app = Arc::new(App {
         store,
         engine,
-        scope: Scope::new("rides")?,
         payments,
         crash: config.crash.clone(),
     });
@@ -309,8 +307,37 @@ pub async fn start(config: &Config, port: u16) -> Result<Running, Box<dyn std::e
     Ok(serve(router, port).await?)
 }
 
-/// `POST /rides` with an `Idempotency-Key`.
+/// The rider making the request, from `Authorization: Bearer <token>`, as the key space of
+/// their keys: two riders who pick the same key make two bookings, and neither is ever
+/// answered with the other's. (The example accepts any token; it stands for whatever your
+/// authentication establishes.)
+fn rider_scope(headers: &HeaderMap) -> Option<Scope> {
+    let rider = headers
+        .get(http::header::AUTHORIZATION)?
+        .to_str()
+        .ok()?
+        .strip_prefix("Bearer ")?
+        .trim();
+    if rider.is_empty() {
+        return None;
+    }
+    Scope::from_parts(["rides", rider]).ok()
+}
+
+/// `POST /rides` with an `Idempotency-Key`, by a rider named in `Authorization: Bearer`.
 async fn book(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
+    let Some(scope) = rider_scope(&headers) else {
+        let mut resp = problem(
+            StatusCode::UNAUTHORIZED,
+            "rider-unidentified",
+            "send Authorization: Bearer <your rider token>",
+        );
+        resp.headers_mut().insert(
+            http::header::WWW_AUTHENTICATE,
+            HeaderValue::from_static("Bearer"),
+        );
+        return resp;
+    };
     let key = match headers.get("idempotency-key").map(|v| v.to_str()) {
         None => {
             return problem(
@@ -352,7 +379,7 @@ async fn book(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> R
     );
     let ran = app
         .engine
-        .run_phases(&app.store, &key, &app.scope, &fingerprint, phases)
+        .run_phases(&app.store, &key, &scope, &fingerprint, phases)
         .await;
     let (replayed, ended) = match ran {
         Ok(Outcome::Fresh(ended)) => (false, ended),
@@ -411,4 +438,59 @@ async fn book(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> R
             .insert("idempotent-replayed", HeaderValue::from_static("true"));
     }
     resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Keys are the rider's own: the same key from two riders makes two bookings, a repeat
+    /// from the first is replayed its own booking, and a request naming no rider is `401`.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn riders_keep_their_keys_apart() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let payments =
+            crate::payments::start(&dir.path().join("payments.db"), 0, Duration::from_secs(30))
+                .await
+                .expect("payments");
+        let config = Config {
+            db: dir.path().join("rides.db"),
+            payments: payments.url.clone(),
+            lease: Duration::from_secs(5),
+            completer: false,
+            crash: CrashPoints::default(),
+        };
+        let rides = start(&config, 0).await.expect("rides");
+        let client = reqwest::Client::new();
+        let request = BookRide {
+            route: "A to B".into(),
+            amount: 1200,
+        };
+        let send = |rider: Option<&'static str>| {
+            let mut req = client
+                .post(format!("{}/rides", rides.url))
+                .header("idempotency-key", "same-key")
+                .json(&request);
+            if let Some(rider) = rider {
+                req = req.bearer_auth(rider);
+            }
+            req.send()
+        };
+        let anonymous = send(None).await.expect("answered");
+        assert_eq!(anonymous.status(), StatusCode::UNAUTHORIZED);
+        assert!(anonymous.headers().contains_key("www-authenticate"));
+        let mut bookings = Vec::new();
+        for rider in ["rider-a", "rider-b", "rider-a"] {
+            let resp = send(Some(rider)).await.expect("answered");
+            assert_eq!(resp.status(), StatusCode::CREATED, "{rider}");
+            let replayed = resp.headers().contains_key("idempotent-replayed");
+            let booking: Booking = resp.json().await.expect("a booking");
+            bookings.push((booking, replayed));
+        }
+        let [(a, false), (b, false), (again, true)] = &bookings[..] else {
+            panic!("expected two fresh bookings and a replay: {bookings:?}")
+        };
+        assert_ne!(a.ride, b.ride, "two riders got one booking");
+        assert_eq!(again, a, "the first rider's repeat got another booking");
+    }
 }

@@ -257,6 +257,7 @@ impl World {
         let resp = self
             .client
             .post(format!("{url}/rides"))
+            .bearer_auth("rider-1")
             .json(request)
             .idempotency_key(IdempotencyKey::new(key).unwrap())
             .send()
@@ -290,6 +291,7 @@ impl World {
             async move {
                 reqwest::Client::new()
                     .post(format!("{url}/rides"))
+                    .bearer_auth("rider-1")
                     .header("idempotency-key", key)
                     .json(&request)
                     .send()
