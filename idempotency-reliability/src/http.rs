@@ -4,9 +4,9 @@
 //!
 //! The request body is the same on every call for a key (it is fingerprinted); what the call
 //! wants the handler to do travels in headers the fingerprint ignores: the call's value
-//! (echoed as the response body), the fault (`none`; `error`: a 500, whose key the layer
-//! holds until the lease passes; `long`: a sleep of 2–4 leases), how long to sleep, and
-//! whether to doom the completion.
+//! (echoed as the response body), the fault (`none`; `error`: a 500 from a handler that acted,
+//! which the layer stores and replays like a 200; `long`: a sleep of 2–4 leases), how long to
+//! sleep, and whether to doom the completion.
 
 use crate::faults::FaultRig;
 use crate::faults::WorkFault;
@@ -118,13 +118,15 @@ impl HttpPath {
         let text = String::from_utf8_lossy(&body).into_owned();
         let replayed = parts.headers.get(IDEMPOTENT_REPLAYED).is_some();
         match parts.status {
-            StatusCode::OK => match text.parse::<u64>() {
+            // A handler's answer, whatever its status: stored and replayed.
+            StatusCode::OK | StatusCode::INTERNAL_SERVER_ERROR => match text.parse::<u64>() {
                 Ok(v) if replayed => (R::Replayed(v), None, false),
                 Ok(v) if v == value => (R::Executed(v), None, false),
                 _ => (
                     R::Unknown,
                     Some(format!(
-                        "UNEXPECTED: 200 with body {text:?} (replayed: {replayed}) for call {value}"
+                        "UNEXPECTED: {} with body {text:?} (replayed: {replayed}) for call {value}",
+                        parts.status
                     )),
                     false,
                 ),
@@ -134,15 +136,6 @@ impl HttpPath {
                 if text.contains("idempotency-key-failed-permanently") =>
             {
                 (R::FailedPermanently, None, false)
-            }
-            StatusCode::INTERNAL_SERVER_ERROR
-                if parts.headers.get(HANDLER).is_some() && !replayed =>
-            {
-                (
-                    R::Released,
-                    Some(format!("injected error in call {value}")),
-                    false,
-                )
             }
             StatusCode::SERVICE_UNAVAILABLE => (R::Unknown, Some(format!("503: {text}")), true),
             status => (
@@ -181,14 +174,14 @@ async fn handle(
     }
     let guard = ledger.start(id, token, value, fault == "long");
     tokio::time::sleep(sleep).await;
+    guard.finish(crate::ledger::ExecEnd::Ok);
     if fault == "error" {
-        guard.finish(crate::ledger::ExecEnd::Err);
-        let mut resp = Response::new(Full::new(Bytes::from_static(b"injected error")));
+        // It acted, then failed to answer: a 500, which the layer stores as the key's answer.
+        let mut resp = Response::new(Full::new(Bytes::from(value.to_string())));
         *resp.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
         resp.headers_mut()
             .insert(HANDLER, http::HeaderValue::from_static("error"));
         return Ok(resp);
     }
-    guard.finish(crate::ledger::ExecEnd::Ok);
     Ok(Response::new(Full::new(Bytes::from(value.to_string()))))
 }

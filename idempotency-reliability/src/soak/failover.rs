@@ -68,7 +68,11 @@ impl FailoverRun {
         Fut: Future<Output = Option<Self>>,
     {
         for run in 1..=5 {
-            if let Some(f) = once().await {
+            let ran = {
+                let _heavy = heavy_run().await;
+                once().await
+            };
+            if let Some(f) = ran {
                 let r = &f.report;
                 eprintln!(
                     "{label}: {} calls, {} checked, 1 failover ({:.1} s from the crash to the \
@@ -135,4 +139,28 @@ impl FailoverRun {
             "the failover lost nothing the checker could see: {r}"
         );
     }
+}
+
+/// How many heavy runs (a failover, a partition soak: servers of their own, a soak and its
+/// check) a test process makes at once: `IDEMPOTENCY_HEAVY_RUNS`, 2 unless set. The
+/// campaign's tests share one binary and run side by side; more heavy runs at once on a
+/// small machine only slow each one down, and a scenario that must see a fault bite (a
+/// failover that loses commits) then needs more runs to see it.
+fn heavy_runs() -> usize {
+    std::env::var("IDEMPOTENCY_HEAVY_RUNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(2)
+}
+
+/// Waits for a turn to make a heavy run ([`heavy_runs`] at once in the process); the turn
+/// ends when the guard is dropped.
+pub async fn heavy_run() -> tokio::sync::SemaphorePermit<'static> {
+    static TURNS: std::sync::OnceLock<tokio::sync::Semaphore> = std::sync::OnceLock::new();
+    TURNS
+        .get_or_init(|| tokio::sync::Semaphore::new(heavy_runs()))
+        .acquire()
+        .await
+        .expect("the semaphore is never closed")
 }

@@ -28,7 +28,7 @@ mod failover;
 mod run;
 
 pub use crate::faults::WorkFault;
-pub use failover::{Expect, FailoverRun};
+pub use failover::{heavy_run, Expect, FailoverRun};
 pub use run::soak;
 
 /// The env var that sets the number of operations of a soak run.

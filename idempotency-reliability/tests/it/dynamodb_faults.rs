@@ -22,6 +22,7 @@ const START: Duration = Duration::from_secs(60);
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn restart_mid_soak() {
     for run in 1..=5 {
+        let _heavy = idempotency_reliability::soak::heavy_run().await;
         if restart_mid_soak_once().await {
             return;
         }

@@ -199,6 +199,7 @@ where
     Fut: std::future::Future<Output = (Arc<PartitionProxy>, Arc<dyn Runner>)>,
 {
     for _ in 0..5 {
+        let _heavy = idempotency_reliability::soak::heavy_run().await;
         let (proxy, runner) = setup().await;
         if partition_soak_once(backend, ops, proxy, runner).await {
             return;
