@@ -15,6 +15,31 @@ pub fn url() -> String {
         .unwrap_or_else(|_| "http://127.0.0.1:8000".to_owned())
 }
 
+/// Every stand-in the per-test tables of [`store`] are spread over:
+/// `IDEMPOTENCY_TEST_DYNAMODB_URLS` (comma-separated), else [`url`] alone. A stand-in serves
+/// one request at a time; tests that run side by side go faster on several.
+pub fn urls() -> Vec<String> {
+    std::env::var("IDEMPOTENCY_TEST_DYNAMODB_URLS")
+        .ok()
+        .map(|v| {
+            v.split(',')
+                .map(str::trim)
+                .filter(|u| !u.is_empty())
+                .map(str::to_owned)
+                .collect::<Vec<_>>()
+        })
+        .filter(|urls| !urls.is_empty())
+        .unwrap_or_else(|| vec![url()])
+}
+
+/// The next of [`urls`], in turn.
+fn next_url() -> String {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let urls = urls();
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    urls[n % urls.len()].clone()
+}
+
 /// An SDK client for the stand-in: plain HTTP, fixed test credentials.
 pub fn client() -> aws_sdk_dynamodb::Client {
     client_at(&url())
@@ -65,9 +90,10 @@ impl Drop for TableGuard {
     }
 }
 
-/// A store on a new table of its own (created, TTL on), on `clock`.
+/// A store on a new table of its own (created, TTL on), on `clock`, on the next of [`urls`].
 pub async fn store(clock: Arc<dyn Clock>) -> Result<(DynamoStore, TableGuard), Error> {
-    let client = client();
+    let at = next_url();
+    let client = client_at(&at);
     let table = format!("idk-test-{}", uuid::Uuid::new_v4().simple());
     let store = DynamoStore::builder()
         .table(&table)
@@ -77,7 +103,7 @@ pub async fn store(clock: Arc<dyn Clock>) -> Result<(DynamoStore, TableGuard), E
         Error::Config(format!(
             "cannot create a table on the DynamoDB stand-in at {} ({e}); start it with \
              `bash .ci/services`",
-            url()
+            at
         ))
     })?;
     Ok((store, TableGuard { client, table }))
