@@ -90,9 +90,23 @@ impl Drop for TableGuard {
     }
 }
 
-/// A store on a new table of its own (created, TTL on), on `clock`, on the next of [`urls`].
+/// A store on a new table of its own (created, TTL on), on `clock`, on the stand-in at
+/// [`url`] (where [`client`] reaches it too).
 pub async fn store(clock: Arc<dyn Clock>) -> Result<(DynamoStore, TableGuard), Error> {
-    let at = next_url();
+    store_at_url(clock, url()).await
+}
+
+/// [`store`], on the next of the stand-ins [`urls`] lists, in turn: for tests that reach the
+/// table only through the store (the kit's cases), so that many of them side by side spread
+/// their requests over several stand-ins.
+pub async fn spread_store(clock: Arc<dyn Clock>) -> Result<(DynamoStore, TableGuard), Error> {
+    store_at_url(clock, next_url()).await
+}
+
+async fn store_at_url(
+    clock: Arc<dyn Clock>,
+    at: String,
+) -> Result<(DynamoStore, TableGuard), Error> {
     let client = client_at(&at);
     let table = format!("idk-test-{}", uuid::Uuid::new_v4().simple());
     let store = DynamoStore::builder()

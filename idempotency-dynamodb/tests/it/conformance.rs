@@ -18,7 +18,7 @@ mod manual_clock {
 
     async fn factory() -> TestStore {
         let clock = ManualClock::new();
-        let (store, guard) = idempotency_testing::dynamodb::store(Arc::new(clock.clone()))
+        let (store, guard) = idempotency_testing::dynamodb::spread_store(Arc::new(clock.clone()))
             .await
             .expect("a table on the DynamoDB stand-in");
         TestStore::manual_time(Arc::new(store), clock)
@@ -35,7 +35,7 @@ mod system_clock {
     use std::sync::Arc;
 
     async fn factory() -> TestStore {
-        let (store, guard) = idempotency_testing::dynamodb::store(Arc::new(SystemClock))
+        let (store, guard) = idempotency_testing::dynamodb::spread_store(Arc::new(SystemClock))
             .await
             .expect("a table on the DynamoDB stand-in");
         TestStore::real_time(Arc::new(store))

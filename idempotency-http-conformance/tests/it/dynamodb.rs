@@ -7,7 +7,7 @@ use idempotency_core::SystemClock;
 use std::sync::Arc;
 
 async fn factory() -> TestStore {
-    let (store, guard) = idempotency_testing::dynamodb::store(Arc::new(SystemClock))
+    let (store, guard) = idempotency_testing::dynamodb::spread_store(Arc::new(SystemClock))
         .await
         .expect("a table on the DynamoDB stand-in");
     TestStore::real_time(Arc::new(store)).with_guard(guard)

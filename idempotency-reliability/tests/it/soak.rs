@@ -397,7 +397,7 @@ async fn soak_catches_a_heartbeat_that_lies() {
 async fn soak_dynamodb() {
     let mut config = SoakConfig::from_env("dynamodb");
     config.purge_every = std::time::Duration::from_millis(100);
-    let (store, _guard) = idempotency_testing::dynamodb::store(Arc::new(SystemClock))
+    let (store, _guard) = idempotency_testing::dynamodb::spread_store(Arc::new(SystemClock))
         .await
         .expect("a table on the DynamoDB stand-in (bash .ci/services starts it)");
     run(engine(Arc::new(store), &config), config, Purge::Deletes).await;
