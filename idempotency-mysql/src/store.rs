@@ -566,8 +566,10 @@ impl IdempotencyStore for MysqlStore {
         // wrote as its own (and counts no hit for it) instead of leaving it held by nobody.
         let table = &*self.quoted;
         let nonce: i64 = rand::thread_rng().gen_range(1..=i64::MAX);
+        let sends = std::sync::atomic::AtomicU32::new(0);
         let row = self
             .run(Effect::Write, OnLoss::Resend, One, || {
+                sends.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 sqlx::query(&self.sql.claim)
                     .bind(request.id.scope.as_str().as_bytes())
                     .bind(request.id.key.as_str().as_bytes())
@@ -591,10 +593,16 @@ impl IdempotencyStore for MysqlStore {
                     request.id
                 )));
             };
-            return Ok(Claim::Claimed {
-                token: FencingToken(token),
-                lease_until: Timestamp::from_millis(lease_until),
-            });
+            // A claim sent again after its lease passed (the first send's answer was lost and
+            // reconnecting took longer) must not start the work on a lease anyone may take
+            // over: it is answered as the record it finds, which the caller reclaims.
+            let resent = sends.load(std::sync::atomic::Ordering::Relaxed) > 1;
+            if !resent || lease_until > now_ms {
+                return Ok(Claim::Claimed {
+                    token: FencingToken(token),
+                    lease_until: Timestamp::from_millis(lease_until),
+                });
+            }
         }
         let record = decode_record(&row, &request.id, table)?;
         Ok(Claim::Existing {

@@ -160,8 +160,8 @@ impl Refusal {
             Self::BodyUnreadable(_) => "the request body could not be read to the end".into(),
             Self::InProgress { retry_after } => format!(
                 "the first request with this key is still running, or it ended without a stored \
-                 outcome (its answer was not kept, or storing it failed) and the key is held \
-                 until its lease passes; retry after {} s",
+                 outcome (storing it failed, or the service holds such keys) and the key is \
+                 held until its lease passes; retry after {} s",
                 retry_after_secs(*retry_after)
             ),
             Self::Mismatch => "the key was already used with a different method, path, query, content type or body; use a new key for a new operation".into(),

@@ -702,8 +702,8 @@ async fn show(
 
 /// The `412` for a stale `If-Match`. Nothing was written, and the response says so
 /// ([`NothingDone`]): the layer does not store it and frees the key at once, so the retry
-/// with a fresh `If-Match` runs (an answer the layer does not store otherwise holds the key
-/// until its lease passes).
+/// with a fresh `If-Match` runs (without it the layer would store the 412 and replay it to
+/// every retry under the key).
 fn precondition_failed() -> Response {
     let mut resp = problem(
         StatusCode::PRECONDITION_FAILED,

@@ -42,8 +42,8 @@ async fn inject(
         tokio::time::sleep(SLOW).await;
     }
     if take(&faults.fail_next) {
-        // Failed before the create ran: say so, or the layer holds the key until its lease
-        // passes (a 500 may come from a handler that acted).
+        // Failed before the create ran: say so, or the layer stores this 500 and replays it
+        // to the retry (a 500 may come from a handler that acted).
         return (
             axum::http::StatusCode::INTERNAL_SERVER_ERROR,
             axum::Extension(idempotency_tower::NothingDone),

@@ -125,11 +125,17 @@ async fn charge(
             claim.lease_lost();
             StatusCode::CONFLICT.into_response()
         }
-        Ok(Err(e)) => problem(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "charge-failed",
-            e.to_string(),
-        ),
+        Ok(Err(e)) => {
+            // The transaction never committed (SQLite rolls back a transaction whose COMMIT
+            // failed): nothing was charged, so the key is freed for the retry this 503 asks
+            // for, instead of replaying the 503 for the key's retention.
+            claim.rolled_back();
+            problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "charge-failed",
+                e.to_string(),
+            )
+        }
         Err(e) => problem(
             StatusCode::SERVICE_UNAVAILABLE,
             "charge-failed",

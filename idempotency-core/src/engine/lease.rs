@@ -380,7 +380,9 @@ impl Lease {
     /// - another token holds the record: fenced, unless an earlier try failed and may have
     ///   applied before its record expired and was replaced (a retention shorter than the
     ///   retries, plus a margin): then [`Error::OutcomeUnknown`]. Within the retention an
-    ///   applied try would still show, so `Fenced` is certain.
+    ///   applied try would still show, so `Fenced` is certain. A release whose earlier try
+    ///   ended [`Error::OutcomeUnknown`], by a holder whose lease was not found lost, counts as
+    ///   applied: the key it freed was then reclaimed.
     async fn settle_with_retries<'a, W, Fut>(
         &self,
         status: RecordStatus,
@@ -413,6 +415,8 @@ impl Lease {
         let retry = self.policy.settle_retry;
         let mut backoff = retry.initial_backoff;
         let mut failed_before = false;
+        // Whether a failed try may have applied (the store said its outcome is unknown).
+        let mut unknown_before = false;
         let mut attempt = 1;
         // No try applied before this, so an applied try's record lives until at least this
         // plus the retention.
@@ -426,7 +430,7 @@ impl Lease {
                 Ok(Cas::Applied) => return Ok(Cas::Applied),
                 Ok(Cas::Fenced) => {
                     let window = failed_before.then(|| first_try.elapsed());
-                    return self.check_fence(status, window).await;
+                    return self.check_fence(status, window, unknown_before).await;
                 }
                 Err(e) if attempt >= retry.attempts => return Err(e),
                 Err(e) => {
@@ -437,6 +441,7 @@ impl Lease {
                         "settling the lease failed; trying again"
                     );
                     failed_before = true;
+                    unknown_before |= matches!(e, Error::OutcomeUnknown { .. });
                     attempt += 1;
                     tokio::time::sleep(backoff).await;
                     backoff = backoff.saturating_mul(2).min(retry.max_backoff);
@@ -452,6 +457,7 @@ impl Lease {
         &self,
         status: RecordStatus,
         since_failed_try: Option<Duration>,
+        unknown_before: bool,
     ) -> Result<Cas, Error> {
         /// Room for the store's clock (millisecond timestamps, another host's rate).
         const RETENTION_MARGIN: Duration = Duration::from_secs(1);
@@ -468,12 +474,14 @@ impl Lease {
                          or lost by the store): whether the outcome was stored is unknown"
                     .into(),
             }),
-            // A release of ours may have applied before its answer was lost, and a retry of the
-            // request then reclaimed the freed key: the release did its job. (Without a failed
-            // try, the record moved on before this holder released it: its lease was lost.)
+            // A release of ours whose outcome the store could not tell may have applied, and a
+            // retry of the request then reclaimed the freed key: the release did its job.
+            // (Without such a try, or once the heartbeat found the lease lost, the record
+            // moved on before this holder released it: its lease was lost.)
             Some(r)
                 if status == RecordStatus::Failed
-                    && since_failed_try.is_some()
+                    && unknown_before
+                    && !self.is_lost()
                     && r.token > self.token =>
             {
                 Ok(Cas::Applied)

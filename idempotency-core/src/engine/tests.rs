@@ -499,13 +499,21 @@ async fn a_fenced_release_with_no_record_is_released() {
 async fn a_lost_release_answer_then_a_reclaim_is_released() {
     let mut theirs = pending(1000);
     theirs.token = FencingToken(6);
-    for (first_try_failed, released) in [(true, true), (false, false)] {
+    // The first try: lost with its outcome unknown (it may have applied), failed before it
+    // was sent (it did not), or fenced at once.
+    let unknown = || {
+        Err(Error::OutcomeUnknown {
+            source: "the answer was lost".into(),
+        })
+    };
+    let not_sent = || Err(Error::backend(true, "not sent"));
+    for (first_try_failed, first, released) in [
+        ("unknown", vec![unknown()], true),
+        ("not sent", vec![not_sent()], false),
+        ("no", vec![], false),
+    ] {
         let store = Arc::new(Scripted {
-            fails: Mutex::new(if first_try_failed {
-                VecDeque::from([Err(Error::backend(true, "the answer was lost"))])
-            } else {
-                VecDeque::new()
-            }),
+            fails: Mutex::new(VecDeque::from(first)),
             fail_fenced: true,
             get: Some(theirs.clone()),
             ..Scripted::default()
@@ -525,7 +533,9 @@ async fn a_lost_release_answer_then_a_reclaim_is_released() {
             token: FencingToken(5),
             lease_until: Timestamp::from_millis(now().as_millis() + 30_000),
         }])),
-        fails: Mutex::new(VecDeque::from([Err(Error::backend(true, "lost"))])),
+        fails: Mutex::new(VecDeque::from([Err(Error::OutcomeUnknown {
+            source: "lost".into(),
+        })])),
         fail_fenced: true,
         get: Some(theirs),
         ..Scripted::default()

@@ -384,6 +384,71 @@ async fn a_resent_claim_never_takes_over_a_reclaimed_record() {
     );
 }
 
+/// A claim whose answer was lost and whose resend arrives after its own lease passed (the
+/// reconnect took longer), with nobody else about: the resend must not start the work on a
+/// lease that has passed, which anyone may take over at once. It answers the record as it
+/// finds it (Pending, lease passed), and the caller reclaims it with a fresh lease. Before
+/// the fix it answered `Claimed` with the passed lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_resent_after_its_lease_passed_is_not_claimed() {
+    let (store, proxy, _guard) = cuttable().await;
+    let warm = request(Duration::from_secs(60));
+    store.claim(&warm).await.unwrap();
+
+    let req = request(Duration::from_millis(300));
+    proxy.cut_next_execute();
+    proxy.hold_new_connections();
+    let first = {
+        let (store, req) = (store.clone(), req.clone());
+        tokio::spawn(async move { store.claim(&req).await })
+    };
+    // Wait, on the server's clock, until the first send's lease has passed.
+    let (observer, _observer_guard) = common::store_with(Isolation::RepeatableRead, 2).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let mut conn = common::admin().await;
+        let passed: Option<i64> = sqlx::query_scalar(&format!(
+            "SELECT CAST(lease_until_ms <= CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', \
+             UTC_TIMESTAMP(6)) DIV 1000 AS SIGNED) AS SIGNED) FROM {} WHERE idem_key = ?",
+            store.table_name().quoted()
+        ))
+        .bind(req.id.key.as_str().as_bytes())
+        .fetch_optional(&mut conn)
+        .await
+        .unwrap();
+        let _ = conn.close().await;
+        if passed == Some(1) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the first send's lease never passed"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    drop(observer);
+    proxy.release_connections();
+    match first.await.unwrap().unwrap() {
+        Claim::Existing { record, now } => {
+            assert_eq!(record.status, RecordStatus::Pending);
+            assert!(
+                record.lease_until.is_some_and(|l| l <= now),
+                "the record's lease had passed: {record:?} at {now:?}"
+            );
+            // The caller takes it over with a fresh lease and the next token.
+            match store
+                .reclaim(&req.id, record.token, &req.fingerprint, req.lease, req.ttl)
+                .await
+                .unwrap()
+            {
+                Reclaim::Reclaimed { token, .. } => assert_eq!(token, record.token.next()),
+                Reclaim::Lost => panic!("the reclaim of a passed lease was lost"),
+            }
+        }
+        other => panic!("a claim resent after its lease passed answered {other:?}"),
+    }
+}
+
 /// Timestamps come from `UTC_TIMESTAMP(6)` as milliseconds since the epoch: a session in
 /// another time zone stores and reads the same instants.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

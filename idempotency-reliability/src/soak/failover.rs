@@ -154,8 +154,9 @@ fn heavy_runs() -> usize {
         .unwrap_or(2)
 }
 
-/// Waits for a turn to make a heavy run ([`heavy_runs`] at once in the process); the turn
-/// ends when the guard is dropped.
+/// Waits for a turn to make a heavy run (a failover, a partition soak: servers of their own,
+/// a soak and its check); the turn ends when the guard is dropped. At most
+/// `IDEMPOTENCY_HEAVY_RUNS` (2 unless set) run at once in the process.
 pub async fn heavy_run() -> tokio::sync::SemaphorePermit<'static> {
     static TURNS: std::sync::OnceLock<tokio::sync::Semaphore> = std::sync::OnceLock::new();
     TURNS

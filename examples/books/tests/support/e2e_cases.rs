@@ -53,8 +53,8 @@ async fn inject(
             "title": "Injected create failure",
             "status": 500,
         });
-        // The handler did not run: say so, or the layer holds the key until its lease
-        // passes (a 500 may come from a handler that acted).
+        // The handler did not run: say so, or the layer stores this 500 and replays it to
+        // the retry (a 500 may come from a handler that acted).
         return (
             axum::http::StatusCode::INTERNAL_SERVER_ERROR,
             axum::Extension(idempotency_tower::NothingDone),
