@@ -147,6 +147,13 @@ pub(crate) fn is_serialization_failure(e: &sqlx::Error) -> bool {
     matches!(sqlstate(e).as_deref(), Some("40001" | "40P01"))
 }
 
+/// An integrity constraint refused the statement (SQLSTATE class 23: a unique, foreign-key,
+/// check or exclusion violation). At `COMMIT` (a deferred constraint) the server rolled the
+/// transaction back: nothing of it committed.
+pub(crate) fn is_integrity_violation(e: &sqlx::Error) -> bool {
+    sqlstate(e).is_some_and(|code| code.starts_with("23"))
+}
+
 /// The connection died or the server went away: whatever was in flight may or may not have
 /// been applied.
 pub(crate) fn is_connection_loss(e: &sqlx::Error) -> bool {

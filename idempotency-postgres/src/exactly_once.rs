@@ -2,7 +2,9 @@
 //! ([`TransactionalStore`]): begin on a live connection, keep the lease as the isolation level
 //! needs, complete the record inside the transaction, commit.
 
-use crate::error::{is_connection_loss, is_serialization_failure, map_sqlx, Effect};
+use crate::error::{
+    is_connection_loss, is_integrity_violation, is_serialization_failure, map_sqlx, Effect,
+};
 use crate::store::Level;
 use crate::PostgresStore;
 use idempotency_core::{
@@ -106,12 +108,11 @@ impl TransactionalStore for PostgresStore {
         };
         match committed {
             Ok(()) => Ok(()),
-            // The server aborted the transaction: nothing of it committed.
-            Err(e) if is_serialization_failure(&e) => Err(CommitError::NotCommitted(map_sqlx(
-                e,
-                &self.qualified,
-                Effect::None,
-            ))),
+            // The server aborted the transaction (a conflict, or a deferred constraint the
+            // work's writes broke): nothing of it committed.
+            Err(e) if is_serialization_failure(&e) || is_integrity_violation(&e) => Err(
+                CommitError::NotCommitted(map_sqlx(e, &self.qualified, Effect::None)),
+            ),
             // A lost connection: the commit may have applied.
             Err(e) => Err(CommitError::Unknown(map_sqlx(
                 e,

@@ -70,7 +70,7 @@ pub enum OnUnstored {
     /// failures may be retried once the lease has passed.
     Hold,
     /// Release the key at once, so a retry runs the handler again: only for handlers that
-    /// fail only before they act.
+    /// fail only before they act. It also releases the key of a handler that panicked.
     Release,
 }
 

@@ -383,6 +383,10 @@ impl IdempotencyLayer {
     /// The header that marks a replayed response (default
     /// [`IDEMPOTENT_REPLAYED`](crate::IDEMPOTENT_REPLAYED)`: true`), or `None` for no marker. The marker's name is never stored, whatever the allowlist says.
     ///
+    /// Clients use it to tell a replayed answer from a fresh one: `idempotency-reqwest` takes a
+    /// replayed 5xx as final, and without the marker (or under a name it was not told of)
+    /// retries it until its deadline, each retry answered with the same replay.
+    ///
     /// ```
     /// # use idempotency_core::{Idempotency, Policy};
     /// # use idempotency_memory::MemoryStore;

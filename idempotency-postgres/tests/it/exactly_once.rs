@@ -1072,3 +1072,77 @@ fn counted_insert(
         })
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// A constraint checked at COMMIT (a deferred unique key) refuses the commit: a definite
+// rollback, so nothing of the work took effect and the key is released at once, the error
+// returned; never "outcome unknown" with the key held until its lease passes.
+
+/// A work that inserts `value` into `refs`.
+fn insert_ref(
+    refs: Arc<str>,
+    value: &'static str,
+) -> impl for<'c> FnMut(
+    &'c mut PgConnection,
+    idempotency_core::WorkContext,
+) -> futures::future::BoxFuture<'c, Result<(), String>>
+       + Send {
+    move |tx, _ctx| {
+        let refs = refs.clone();
+        Box::pin(async move {
+            sqlx::query(&format!("INSERT INTO {refs} (ref) VALUES ($1)"))
+                .bind(value)
+                .execute(tx)
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        })
+    }
+}
+
+async fn deferred_violation_at_commit(level: Isolation) {
+    let (store, guard, _orders) = setup(level, 4).await;
+    let refs = format!(r#""{}".refs"#, guard.schema);
+    common::exec(&format!(
+        "CREATE TABLE {refs} (ref text UNIQUE DEFERRABLE INITIALLY DEFERRED)"
+    ))
+    .await;
+    common::exec(&format!("INSERT INTO {refs} (ref) VALUES ('taken')")).await;
+    let engine = PostgresIdempotency::new(store.clone(), Policy::default()).unwrap();
+    let key = IdempotencyKey::random();
+    let refs: Arc<str> = refs.into();
+    let insert = |value: &'static str| insert_ref(refs.clone(), value);
+    let refused = engine
+        .run_in_transaction(&key, &scope(), &fingerprint(), insert("taken"))
+        .await;
+    match &refused {
+        Err(e) if !matches!(e, Error::OutcomeUnknown { .. }) => {}
+        other => panic!("{level:?}: a commit refused by a deferred constraint got {other:?}"),
+    }
+    let record = store
+        .get(&RecordId::new(scope(), key.clone()))
+        .await
+        .unwrap()
+        .expect("the record");
+    assert_eq!(
+        record.status,
+        RecordStatus::Failed,
+        "{level:?}: the key was not released after a definite rollback: {record:?}"
+    );
+    let retried = engine
+        .run_in_transaction(&key, &scope(), &fingerprint(), insert("free"))
+        .await
+        .expect("the retry runs");
+    assert_eq!(retried, Outcome::Fresh(Ok(())), "{level:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deferred_constraint_at_commit_releases_the_key() {
+    for level in [
+        Isolation::ReadCommitted,
+        Isolation::RepeatableRead,
+        Isolation::Serializable,
+    ] {
+        deferred_violation_at_commit(level).await;
+    }
+}
