@@ -7,10 +7,12 @@ use http_body_util::{BodyExt, Full};
 use idempotency_core::{Idempotency, Policy};
 use idempotency_memory::MemoryStore;
 use idempotency_tower::{IdempotencyLayer, RequestBody};
+use std::cell::RefCell;
 use std::convert::Infallible;
 use std::io::Write;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use tower::{Service, ServiceBuilder, ServiceExt};
+use tracing_subscriber::fmt::MakeWriter;
 
 #[derive(Clone, Default)]
 struct Captured(Arc<Mutex<Vec<u8>>>);
@@ -29,6 +31,47 @@ impl Captured {
     fn text(&self) -> String {
         String::from_utf8(self.0.lock().unwrap().clone()).unwrap()
     }
+}
+
+thread_local! {
+    /// Where the logs of this thread go, while a test captures them.
+    static CAPTURING: RefCell<Option<Captured>> = const { RefCell::new(None) };
+}
+
+/// Writes to the capture of the thread that logs, or nowhere.
+struct ThisThread;
+
+impl<'a> MakeWriter<'a> for ThisThread {
+    type Writer = Box<dyn Write + 'a>;
+
+    fn make_writer(&'a self) -> Self::Writer {
+        match CAPTURING.with(|c| c.borrow().clone()) {
+            Some(captured) => Box::new(captured),
+            None => Box::new(std::io::sink()),
+        }
+    }
+}
+
+/// One subscriber for the whole process, writing each thread's logs to that thread's capture.
+///
+/// Not a scoped subscriber per test: `tracing` caches whether a callsite is enabled when the
+/// callsite is first hit, and with one scoped subscriber alive, a callsite first hit on
+/// another test's thread (no subscriber there) is cached as disabled for every thread (seen
+/// in CI: the span of the layer missing from the captured logs).
+fn install_subscriber() {
+    static INSTALLED: OnceLock<()> = OnceLock::new();
+    INSTALLED.get_or_init(|| {
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::DEBUG)
+            .with_ansi(false)
+            .with_span_events(tracing_subscriber::fmt::format::FmtSpan::CLOSE)
+            .with_writer(ThisThread)
+            .finish();
+        tracing::subscriber::set_global_default(subscriber)
+            .expect("no other subscriber is installed in this test binary");
+    });
+    // Callsites first hit by other tests before the installation are enabled from now on.
+    tracing::callsite::rebuild_interest_cache();
 }
 
 async fn call<S>(svc: &mut S, key: &str) -> u16
@@ -67,15 +110,9 @@ fn service(
 }
 
 fn capture(hash: bool) -> String {
+    install_subscriber();
     let captured = Captured::default();
-    let writer = captured.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::DEBUG)
-        .with_ansi(false)
-        .with_span_events(tracing_subscriber::fmt::format::FmtSpan::CLOSE)
-        .with_writer(move || writer.clone())
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    CAPTURING.with(|c| *c.borrow_mut() = Some(captured.clone()));
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -86,6 +123,8 @@ fn capture(hash: bool) -> String {
         assert_eq!(call(&mut svc, "secret-key-1").await, 200);
         assert_eq!(call(&mut svc, "").await, 400);
     });
+    drop(rt);
+    CAPTURING.with(|c| *c.borrow_mut() = None);
     captured.text()
 }
 
