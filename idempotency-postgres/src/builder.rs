@@ -93,10 +93,11 @@ impl PostgresStoreBuilder {
     /// [`PostgresError::NoAnswer`] as its source. Without it, a network partition (no reset,
     /// no answer) would hold a call for as long as TCP keeps trying, many minutes.
     ///
-    /// A statement can legitimately wait this long only on a lock: at REPEATABLE READ and
-    /// SERIALIZABLE a duplicate request's claim waits for the transaction of the holder that
-    /// locked the record (see [`crate::PostgresIdempotency`]); past the timeout it gets the
-    /// retryable error instead of waiting on.
+    /// No store statement waits for a holder: at REPEATABLE READ and SERIALIZABLE the
+    /// holder's transaction keeps the record locked (see [`crate::PostgresIdempotency`]),
+    /// and a duplicate's claim and reclaim skip that lock. They wait only for the moment
+    /// another store statement holds the row, so a statement this slow means the server or
+    /// the network is stuck.
     pub fn response_timeout(mut self, timeout: Duration) -> Self {
         self.response_timeout = timeout;
         self

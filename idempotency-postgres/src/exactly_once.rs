@@ -36,7 +36,7 @@ impl TransactionalStore for PostgresStore {
 
     /// At READ COMMITTED the heartbeat keeps the lease; at REPEATABLE READ and SERIALIZABLE
     /// an extension committed from outside would fail the completion to serialize, so the
-    /// first statement locks the record row (`SELECT … FOR NO KEY UPDATE`) until the commit.
+    /// first statement locks the record row (`SELECT … FOR UPDATE`) until the commit.
     /// The level is learned from that statement or from the last completion.
     async fn begin(&self, lease: &Lease) -> Result<Begun<PostgresTransaction>, Error> {
         let mut lost = 0;

@@ -118,20 +118,21 @@ impl PostgresIdempotency {
     ///   and everything it wrote rolls back.
     /// - **REPEATABLE READ and SERIALIZABLE**: a heartbeat committed on another connection
     ///   would make the completion fail to serialize, so instead the transaction's first
-    ///   statement locks the record row (`SELECT … FOR NO KEY UPDATE`, checking it is still
+    ///   statement locks the record row (`SELECT … FOR UPDATE`, checking it is still
     ///   Pending with this holder's token and its lease has not passed) and holds it until
-    ///   the commit. Nobody else can change the record meanwhile: a reclaimer, a duplicate
-    ///   request's claim, a purge or another completion waits for the transaction to end (or
-    ///   skips the row), then finds the record Completed (a replay) or, after a rollback,
-    ///   as it was. The lease is kept in the process: every heartbeat interval renews it, and
+    ///   the commit. Nobody else can change the record meanwhile, and nobody waits for it: a
+    ///   duplicate request's claim and reclaim skip a row a holder has locked, so the
+    ///   duplicate gets [`Error::InProgress`] at once (even once the lease in the table has
+    ///   passed: the lock says the holder is alive), a purge skips the row, and after the
+    ///   commit a duplicate finds the record Completed (a replay) or, after a rollback, as it
+    ///   was. The lease is kept in the process: every heartbeat interval renews it, and
     ///   if it passes without one (the heartbeat is off and the work outlives the lease, or
     ///   the process stalled), the work is cancelled, the transaction rolls back and the
-    ///   result is [`Error::LeaseLost`], leaving the record to be reclaimed. Duplicates
-    ///   therefore wait for a running holder instead of getting
-    ///   [`Error::InProgress`] at once, each holding a pooled connection while it waits.
+    ///   result is [`Error::LeaseLost`], leaving the record to be reclaimed.
     ///   After a serialization failure the lease is extended before the transaction runs
-    ///   again; a duplicate that was waiting may have taken the key over first if the work
-    ///   outlived the lease, and then the re-run is fenced (nothing was committed).
+    ///   again; a duplicate arriving between the rollback and that extension may take the key
+    ///   over if the work outlived the lease, and then the re-run is fenced (nothing was
+    ///   committed).
     ///
     /// A work that never returns holds the key as long as the heartbeat runs, at every level
     /// (and at REPEATABLE READ and SERIALIZABLE keeps the row locked).

@@ -138,9 +138,32 @@ impl Statements {
                   true) AS commit_mode
 FROM up, c"
         );
+        // The claim never waits for a holder's row lock. `PostgresIdempotency`'s transaction
+        // at REPEATABLE READ or SERIALIZABLE locks the record `FOR UPDATE` until its commit
+        // (`hold`) and keeps the lease in its process, and a duplicate must be answered at
+        // once, not when the holder commits. That lock is the only one on the record that
+        // conflicts with `FOR KEY SHARE`: the store's own statements (a claim counting a
+        // hit, a completion) take `FOR NO KEY UPDATE`, for a moment, and are still waited
+        // for, so no hit is lost. `free` takes that weak lock, skipping a row a holder has
+        // locked; such a row is then only read, as committed (`held`, `written` false: no
+        // hit counted), and the upsert does not run.
         let claim = format!(
-            "{NOW_CTE},\nup AS (\n    {}\n)\n{written}",
-            upsert(single, "c", "", "")
+            "{NOW_CTE},
+free AS MATERIALIZED (
+    SELECT 1 FROM {t} AS l WHERE l.scope = $1 AND l.key = $2
+    FOR KEY SHARE OF l SKIP LOCKED
+),
+held AS (
+    SELECT {cols} FROM {t} AS r, c
+    WHERE r.scope = $1 AND r.key = $2 AND r.expires_at > c.now AND NOT EXISTS (SELECT 1 FROM free)
+),
+up AS (
+    {}
+)
+SELECT held.*, {now_ms} AS now_ms, false AS written, NULL::text AS commit_mode FROM held, c
+UNION ALL
+{written}",
+            upsert(single, "c", "WHERE NOT EXISTS (SELECT 1 FROM held)", "")
         );
         // The claim that counts no hit: a live record is only read (`written` false), and
         // the upsert inserts nothing, so the statement writes nothing and its commit costs
@@ -187,9 +210,33 @@ UNION ALL
         FROM up AS u) AS commit_mode
 FROM up, c"
         );
+        // As `claim`, a live row another transaction holds is only read.
         let claim_batch = format!(
-            "{NOW_CTE},\n{input},\nup AS (\n    {}\n)\n{written_batch}",
-            upsert(batch, "c, i", "ORDER BY i.scope, i.key", named)
+            "{NOW_CTE},
+{input},
+free AS MATERIALIZED (
+    SELECT l.scope, l.key FROM {t} AS l JOIN i ON l.scope = i.scope AND l.key = i.key
+    FOR KEY SHARE OF l SKIP LOCKED
+),
+held AS (
+    SELECT {cols}{named} FROM {t} AS r JOIN i ON r.scope = i.scope AND r.key = i.key, c
+    WHERE r.expires_at > c.now
+      AND NOT EXISTS (SELECT 1 FROM free WHERE free.scope = r.scope AND free.key = r.key)
+),
+up AS (
+    {}
+)
+SELECT held.*, {now_ms} AS now_ms, false AS written, NULL::text AS commit_mode FROM held, c
+UNION ALL
+{written_batch}",
+            upsert(
+                batch,
+                "c, i",
+                "WHERE NOT EXISTS (
+        SELECT 1 FROM held WHERE held.b_scope = i.scope AND held.b_key = i.key)
+    ORDER BY i.scope, i.key",
+                named
+            )
         );
         let observe_batch = format!(
             "{NOW_CTE},
@@ -276,14 +323,21 @@ UPDATE {t} AS r SET lease_until = c.now + $4 * interval '1 millisecond',
 FROM c WHERE {held}
 RETURNING r.token"
         );
+        // A row a holder's transaction has locked (see `claim`) is not reclaimed, and not
+        // waited for: the reclaim is lost at once. Its holder is alive (its transaction holds
+        // the lock), whatever the lease column says.
         let reclaim = format!(
-            "{NOW_CTE}
+            "{NOW_CTE},
+free AS MATERIALIZED (
+    SELECT l.scope, l.key FROM {t} AS l WHERE l.scope = $1 AND l.key = $2
+    FOR KEY SHARE OF l SKIP LOCKED
+)
 UPDATE {t} AS r SET status = 'pending', token = r.token + 1, fingerprint = $4,
     attempts = r.attempts + 1, lease_until = c.now + $5 * interval '1 millisecond',
     outcome = NULL, failure_retryable = NULL, failure_message = NULL, updated_at = c.now,
     expires_at = c.now + $6 * interval '1 millisecond'
-FROM c
-WHERE r.scope = $1 AND r.key = $2 AND r.token = $3 AND r.expires_at > c.now
+FROM c, free
+WHERE r.scope = free.scope AND r.key = free.key AND r.token = $3 AND r.expires_at > c.now
   AND ((r.status = 'failed'
         AND (r.failure_retryable IS NOT FALSE OR r.fingerprint IS DISTINCT FROM $4))
        OR (r.status = 'pending' AND (r.lease_until IS NULL OR r.lease_until <= c.now)))
@@ -325,7 +379,7 @@ held AS (
     SELECT r.lease_until FROM {t} AS r, c
     WHERE {held}
       AND current_setting('transaction_isolation') NOT IN ('read committed', 'read uncommitted')
-    FOR NO KEY UPDATE OF r
+    FOR UPDATE OF r
 )
 SELECT current_setting('transaction_isolation') AS isolation,
        (SELECT {lease} - {now} FROM held) AS lease_left_ms

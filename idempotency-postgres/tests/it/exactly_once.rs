@@ -743,20 +743,13 @@ async fn long_work(level: Isolation) {
         matches!(reclaim, Ok(Reclaim::Lost)),
         "{level:?}: a reclaim while the holder works must not take the key: {reclaim:?}"
     );
-    // At READ COMMITTED the heartbeat keeps the lease alive and the duplicate is told the key
-    // is in progress; at the snapshot levels the holder's row lock makes it wait for the
-    // holder's commit, then replay.
-    if level == Isolation::ReadCommitted {
-        assert!(
-            matches!(&duplicate, Err(Error::InProgress { .. })),
-            "{level:?}: a duplicate while the holder works is in progress: {duplicate:?}"
-        );
-    } else {
-        assert!(
-            matches!(&duplicate, Ok(Outcome::Replayed(Ok(t))) if *t == token.0),
-            "{level:?}: a duplicate while the holder works waits and replays: {duplicate:?}"
-        );
-    }
+    // At every level the duplicate is told at once that the key is in progress: at READ
+    // COMMITTED the heartbeat keeps the lease alive, at the snapshot levels the holder's row
+    // lock says it is alive (the lease column has passed).
+    assert!(
+        matches!(&duplicate, Err(Error::InProgress { .. })),
+        "{level:?}: a duplicate while the holder works is in progress: {duplicate:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -823,6 +816,218 @@ async fn long_work_short_ttl_repeatable_read() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn long_work_short_ttl_serializable() {
     long_work_short_ttl(Isolation::Serializable).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// A duplicate of a held key is answered at once at every isolation level. At the snapshot levels
+// the holder keeps the record row locked for its whole transaction and renews its lease only in
+// its process, so the record's lease passes in the database while the holder is alive: a
+// duplicate's claim, its reclaim and the store calls behind them must not wait for that lock
+// (they answered only when the holder committed, or at the response timeout), and duplicates
+// whose callers give up must not leave the small pool's connections behind blocked statements.
+
+async fn duplicates_of_a_held_key(level: Isolation) {
+    const POOL: u32 = 3;
+    let (store, _guard, orders) = setup(level, POOL).await;
+    let policy = Policy::default().lease(LONG_LEASE);
+    let engine = PostgresIdempotency::new(store.clone(), policy.clone()).unwrap();
+    let plain =
+        idempotency_core::Idempotency::new(Arc::new(store.clone()), policy.clone()).unwrap();
+    // A duplicate whose claim counts a hit writes the record row (the others only read it).
+    let counting =
+        idempotency_core::Idempotency::new(Arc::new(store.clone()), policy.count_hits(true))
+            .unwrap();
+    let key = IdempotencyKey::random();
+    let id = RecordId::new(scope(), key.clone());
+    // Runs of the duplicates' work: none may run. (The holder's transaction may run again
+    // after a serialization failure at SERIALIZABLE, its first run rolled back: the orders
+    // table counts what committed.)
+    let runs = Arc::new(AtomicUsize::new(0));
+    let token = Arc::new(AtomicU64::new(0));
+    let inserted = Arc::new(Notify::new());
+    let finish = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let holder = {
+        let (engine, orders, key, token, inserted, finish) = (
+            engine.clone(),
+            orders.clone(),
+            key.clone(),
+            token.clone(),
+            inserted.clone(),
+            finish.clone(),
+        );
+        tokio::spawn(async move {
+            let k = key.clone();
+            engine
+                .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, ctx| {
+                    let (orders, key, token, inserted, finish) = (
+                        orders.clone(),
+                        k.clone(),
+                        token.clone(),
+                        inserted.clone(),
+                        finish.clone(),
+                    );
+                    Box::pin(async move {
+                        insert_order(tx, &orders, &key, "holder").await?;
+                        token.store(ctx.token.0, Ordering::SeqCst);
+                        inserted.notify_one();
+                        // Works until the duplicates have all been answered.
+                        for _ in 0..6_000 {
+                            if finish.load(Ordering::SeqCst) {
+                                break;
+                            }
+                            tokio::time::sleep(Duration::from_millis(10)).await;
+                        }
+                        Ok::<u64, String>(ctx.token.0)
+                    })
+                })
+                .await
+        })
+    };
+    inserted.notified().await;
+    let token = FencingToken(token.load(Ordering::SeqCst));
+    // Every duplicate must be answered while the holder still works: none may wait for it.
+    const ANSWER_WITHIN: Duration = Duration::from_secs(20);
+    let duplicate = || {
+        let (engine, runs) = (engine.clone(), runs.clone());
+        let key = key.clone();
+        async move {
+            tokio::time::timeout(
+                ANSWER_WITHIN,
+                engine.run_in_transaction(&key, &scope(), &fingerprint(), move |_tx, _ctx| {
+                    let runs = runs.clone();
+                    Box::pin(async move {
+                        runs.fetch_add(1, Ordering::SeqCst);
+                        Ok::<u64, String>(0)
+                    })
+                }),
+            )
+            .await
+        }
+    };
+    let through_engine = |counts_hits: bool| {
+        let plain = if counts_hits {
+            counting.clone()
+        } else {
+            plain.clone()
+        };
+        let runs = runs.clone();
+        let key = key.clone();
+        async move {
+            tokio::time::timeout(
+                ANSWER_WITHIN,
+                plain.run(&key, &scope(), &fingerprint(), move |_ctx| async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    Ok::<u64, String>(0)
+                }),
+            )
+            .await
+        }
+    };
+    // Within the lease, then past it (in the database; the holder keeps it in its process).
+    for phase in ["within the lease", "past the lease"] {
+        if phase == "past the lease" {
+            tokio::time::sleep(LONG_LEASE * 2).await;
+        }
+        let answer = duplicate().await;
+        assert!(
+            matches!(answer, Ok(Err(Error::InProgress { .. }))),
+            "{level:?}, {phase}: a duplicate through run_in_transaction is told the key is in \
+             progress at once: {answer:?}"
+        );
+        for counts_hits in [false, true] {
+            let answer = through_engine(counts_hits).await;
+            assert!(
+                matches!(answer, Ok(Err(Error::InProgress { .. }))),
+                "{level:?}, {phase}: a duplicate through the engine (counting hits: \
+                 {counts_hits}) is told the key is in progress at once: {answer:?}"
+            );
+        }
+        // A batch's claim (a queue consumer's), counting its hit.
+        let request = ClaimRequest::new(
+            id.clone(),
+            fingerprint(),
+            LONG_LEASE,
+            Duration::from_secs(3600),
+        )
+        .with_count_hit(true);
+        let batch = tokio::time::timeout(ANSWER_WITHIN, store.claim_many(&[request])).await;
+        assert!(
+            matches!(batch.as_deref(), Ok([Ok(Claim::Existing { record, .. })]) if record.token == token),
+            "{level:?}, {phase}: a batch's claim of the held key is answered at once: {batch:?}"
+        );
+        let reclaim = tokio::time::timeout(
+            ANSWER_WITHIN,
+            store.reclaim(
+                &id,
+                token,
+                &fingerprint(),
+                LONG_LEASE,
+                Duration::from_secs(3600),
+            ),
+        )
+        .await;
+        assert!(
+            matches!(reclaim, Ok(Ok(Reclaim::Lost))),
+            "{level:?}, {phase}: a reclaim of the held key is lost at once: {reclaim:?}"
+        );
+    }
+    // Duplicates whose callers give up at once, many more than the pool holds.
+    for _ in 0..(4 * POOL) {
+        let _ = tokio::time::timeout(Duration::from_millis(1), duplicate()).await;
+        let _ = tokio::time::timeout(Duration::from_millis(1), through_engine(false)).await;
+        let _ = tokio::time::timeout(Duration::from_millis(1), through_engine(true)).await;
+    }
+    // The pool still serves: a new key runs (the test pool waits 60 s for a connection).
+    let other = tokio::time::timeout(
+        ANSWER_WITHIN,
+        plain.run(
+            &IdempotencyKey::random(),
+            &scope(),
+            &fingerprint(),
+            |_ctx| async { Ok::<u64, String>(1) },
+        ),
+    )
+    .await;
+    assert!(
+        matches!(other, Ok(Ok(Outcome::Fresh(Ok(1))))),
+        "{level:?}: after cancelled duplicates a new key runs on the pool: {other:?}"
+    );
+    finish.store(true, Ordering::SeqCst);
+    let out = holder.await.expect("holder task");
+    assert!(
+        matches!(&out, Ok(Outcome::Fresh(Ok(_)))),
+        "{level:?}: the holder commits: {out:?}"
+    );
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        0,
+        "{level:?}: no duplicate ran the work"
+    );
+    assert_eq!(
+        orders_for(&store, &orders, &key).await,
+        vec!["holder".to_owned()],
+        "{level:?}: one order"
+    );
+    let replay = duplicate().await;
+    assert!(
+        matches!((&out, &replay), (Ok(Outcome::Fresh(Ok(t))), Ok(Ok(Outcome::Replayed(Ok(r))))) if t == r),
+        "{level:?}: after the commit a duplicate replays: {replay:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn duplicates_of_a_held_key_read_committed() {
+    duplicates_of_a_held_key(Isolation::ReadCommitted).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn duplicates_of_a_held_key_repeatable_read() {
+    duplicates_of_a_held_key(Isolation::RepeatableRead).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn duplicates_of_a_held_key_serializable() {
+    duplicates_of_a_held_key(Isolation::Serializable).await;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -176,7 +176,9 @@ async fn cancelled_operations_leave_no_half_used_connection() {
     let locked = completed(&store).await;
     let table = store.table_name().qualified();
 
-    let lock_sql = format!("SELECT 1 FROM {table} WHERE scope = $1 AND key = $2 FOR UPDATE");
+    // The lock a store statement takes for a moment (a holder's `FOR UPDATE` is not waited
+    // for at all).
+    let lock_sql = format!("SELECT 1 FROM {table} WHERE scope = $1 AND key = $2 FOR NO KEY UPDATE");
     let mut locker = common::admin().await;
     let mut cancelled = 0;
     for i in 0..60u64 {
