@@ -93,7 +93,8 @@ pub enum HttpOutcome {
     /// ([`OnUnstored::Release`](crate::OnUnstored::Release), or its transaction rolled back).
     HandlerError,
     /// The handler returned an error; the key is held until its lease passes
-    /// ([`OnUnstored::Hold`](crate::OnUnstored::Hold)).
+    /// ([`OnUnstored::Hold`](crate::OnUnstored::Hold), or under the default
+    /// [`OnUnstored::Settle`](crate::OnUnstored::Settle) when the store refused to settle it).
     HandlerErrorHeld,
     /// The handler returned an error; it may have acted, so the key is settled for good with a
     /// failure that says the outcome was not stored

@@ -741,10 +741,15 @@ where
                         OnUnstored::Release => release(lease, HttpOutcome::HandlerError).await,
                         OnUnstored::Hold => hold(lease, HttpOutcome::HandlerErrorHeld),
                         _ => {
-                            record_outcome(HttpOutcome::HandlerErrorSettled);
-                            lease
+                            let settled = lease
                                 .settle_without_outcome("the handler returned an error")
                                 .await;
+                            // The store refused the stand-in: the key is held until its
+                            // lease passes.
+                            record_outcome(match settled {
+                                true => HttpOutcome::HandlerErrorSettled,
+                                false => HttpOutcome::HandlerErrorHeld,
+                            });
                         }
                     }
                 }

@@ -515,7 +515,8 @@ impl Lease {
     /// layer settle a panic through this. If the store refuses the write, the record stays
     /// Pending until its lease passes (logged).
     pub async fn settle_after_panic(self) {
-        self.settle_without_outcome("the work panicked").await;
+        // Whether it settled is logged; a panic has nobody else to tell.
+        let _ = self.settle_without_outcome("the work panicked").await;
     }
 
     /// Settles the key for good after work that may have acted ended without an outcome to
@@ -524,23 +525,32 @@ impl Lease {
     /// told [`Error::FailedPermanently`], another payload [`Error::Mismatch`], and none runs
     /// the work again. If the store refuses the write, the record stays Pending until its
     /// lease passes (logged).
-    pub async fn settle_without_outcome(mut self, why: &str) {
+    ///
+    /// Returns whether the key is settled: `false` when the store refused the write and the
+    /// key is only held until its lease passes.
+    pub async fn settle_without_outcome(mut self, why: &str) -> bool {
         self.settled = true;
         let record = loggable_record(&self.id, &self.policy);
         match self.record_stand_in(Failure::outcome_not_stored(why)).await {
-            StandIn::Recorded => tracing::warn!(
-                record = %record,
-                why,
-                "the work ended without an outcome; its key is settled for good (no retry \
-                 runs it again)"
-            ),
-            StandIn::OutcomeStored => {}
-            StandIn::NotRecorded => tracing::warn!(
-                record = %record,
-                why,
-                "the work ended without an outcome and its key could not be settled; it stays \
-                 pending until its lease passes"
-            ),
+            StandIn::Recorded => {
+                tracing::warn!(
+                    record = %record,
+                    why,
+                    "the work ended without an outcome; its key is settled for good (no retry \
+                     runs it again)"
+                );
+                true
+            }
+            StandIn::OutcomeStored => true,
+            StandIn::NotRecorded => {
+                tracing::warn!(
+                    record = %record,
+                    why,
+                    "the work ended without an outcome and its key could not be settled; it \
+                     stays pending until its lease passes"
+                );
+                false
+            }
         }
     }
 

@@ -68,3 +68,41 @@ fn a_panicking_handler_is_counted_once() {
         vec![("handler_panicked".to_owned(), 1)]
     );
 }
+
+/// A handler error whose key the store could not settle (the stand-in failure was refused)
+/// is counted as held, not settled: the key stays Pending until its lease passes.
+#[test]
+fn a_handler_error_the_store_cannot_settle_is_counted_as_held() {
+    use idempotency_conformance::{Fault, FlakyOp, FlakyStore};
+    let recorder = DebuggingRecorder::new();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let flaky = FlakyStore::new(Arc::new(MemoryStore::new()), Fault::Refused);
+    // Every try of the stand-in write is refused.
+    flaky.inject(FlakyOp::Fail, 1_000);
+    let store: Arc<dyn idempotency_core::IdempotencyStore> = Arc::new(flaky.clone());
+    metrics::with_local_recorder(&recorder, || {
+        rt.block_on(async {
+            let engine = Idempotency::new(store.clone(), Policy::default()).unwrap();
+            let mut svc = ServiceBuilder::new()
+                .layer(IdempotencyLayer::new(engine).shared_scope())
+                .service_fn(|_req: Request<RequestBody<Full<Bytes>>>| async {
+                    Err::<Response<Full<Bytes>>, _>(std::io::Error::other("handler failed"))
+                });
+            let req = Request::post("/orders")
+                .header("idempotency-key", "unsettled")
+                .header("content-type", "application/json")
+                .body(Full::new(Bytes::from_static(b"{}")))
+                .unwrap();
+            let answer = svc.ready().await.unwrap().call(req).await;
+            assert!(answer.is_err(), "the handler's error is returned");
+        })
+    });
+    assert!(flaky.injected() > 0, "the stand-in write was refused");
+    assert_eq!(
+        outcomes(&recorder),
+        vec![("handler_error_held".to_owned(), 1)]
+    );
+}
