@@ -25,6 +25,8 @@ pub(super) fn analyse(
             .unwrap_or(u64::MAX)
             .saturating_sub(CLOCK_SKEW),
     };
+    // Keys not decided yet: every key at first, searched below.
+    let mut undecided: Vec<(String, Space, &Vec<Event>)> = Vec::new();
     for (&key, history) in &per_key {
         let slot = &slots[key];
         let name = format!("{:?} key {}", slot.space, slot.local);
@@ -49,48 +51,88 @@ pub(super) fn analyse(
                 }
             }
         }
-        let verdict = if slot.space == Space::Short {
-            let ops: Vec<_> = history
-                .iter()
-                .map(|e| Operation {
-                    call: e.op.call,
-                    ret: e.op.ret,
-                    input: Timed {
-                        call: e.op.input,
-                        at: e.op.call,
-                        by: e.op.ret.unwrap_or(u64::MAX),
-                    },
-                    output: e.op.output,
-                })
-                .collect();
-            decide(|steps| check(&expiring, &ops, steps))
-        } else {
-            let ops: Vec<_> = history.iter().map(|e| e.op.clone()).collect();
-            decide(|steps| check(&OnceRegister, &ops, steps))
-        };
-        match verdict {
-            Verdict::Linearizable => {}
-            Verdict::Violation { deepest } => report.violations.push(format!(
-                "{name}: not linearizable (deepest linearized prefix: {} of {} ops)\n{}",
-                deepest.len(),
-                history.len(),
-                dump(history)
-            )),
-            Verdict::Undecided { steps } => report.undecided.push(format!(
-                "{name}: undecided after {steps} steps\n{}",
-                dump(history)
-            )),
-        }
+        undecided.push((name.clone(), slot.space, history));
         if slot.space == Space::Short {
             count_short_effects(&mut report, &name, history, config.short_ttl);
         } else {
             count_effects(&mut report, key, &name, history, finals.get(&key), effects);
         }
     }
+    // Every key is searched with a small budget first, then the keys left undecided with
+    // larger ones, but only while the run still looks clean: once a violation or a double
+    // effect is found, the run is known to have lost something, and what an undecided key
+    // would add is one more count (a loss scenario's search of a long history of unknown
+    // answers can take minutes).
+    for budget in BUDGETS {
+        if undecided.is_empty()
+            || (budget != BUDGETS[0]
+                && !(report.violations.is_empty() && report.double_effects.is_empty()))
+        {
+            break;
+        }
+        for (name, space, history) in std::mem::take(&mut undecided) {
+            match search(space, history, &expiring, budget) {
+                Verdict::Linearizable => {}
+                Verdict::Violation { deepest } => {
+                    report.violations.push(violation(&name, &deepest, history))
+                }
+                Verdict::Undecided { .. } => undecided.push((name, space, history)),
+            }
+        }
+    }
+    let steps = BUDGETS.iter().sum::<u64>();
+    for (name, _, history) in undecided {
+        report.undecided.push(format!(
+            "{name}: undecided within {steps} search steps\n{}",
+            dump(history)
+        ));
+    }
     if let Some(effects) = effects {
         report.effect_rows = Some(effects.values().map(Vec::len).sum());
     }
     report
+}
+
+/// The search budgets of a key's history, tried in turn while it stays undecided: most are
+/// decided in far fewer than the first; a long history with many overlapping calls (an
+/// open-ended unknown answer among hundreds of "in progress") may need the last.
+const BUDGETS: [u64; 3] = [200_000, 5_000_000, 50_000_000];
+
+/// Searches one key's history for a linearization within `budget` steps.
+fn search(
+    space: Space,
+    history: &[Event],
+    expiring: &ExpiringOnceRegister,
+    budget: u64,
+) -> Verdict {
+    if space == Space::Short {
+        let ops: Vec<_> = history
+            .iter()
+            .map(|e| Operation {
+                call: e.op.call,
+                ret: e.op.ret,
+                input: Timed {
+                    call: e.op.input,
+                    at: e.op.call,
+                    by: e.op.ret.unwrap_or(u64::MAX),
+                },
+                output: e.op.output,
+            })
+            .collect();
+        check(expiring, &ops, budget)
+    } else {
+        let ops: Vec<_> = history.iter().map(|e| e.op.clone()).collect();
+        check(&OnceRegister, &ops, budget)
+    }
+}
+
+fn violation(name: &str, deepest: &[usize], history: &[Event]) -> String {
+    format!(
+        "{name}: not linearizable (deepest linearized prefix: {} of {} ops)\n{}",
+        deepest.len(),
+        history.len(),
+        dump(history)
+    )
 }
 
 /// Double effects of one key:
@@ -321,15 +363,4 @@ fn dump(history: &[Event]) -> String {
         })
         .collect::<Vec<_>>()
         .join("\n")
-}
-
-/// A key's verdict within a generous bound: most histories are decided in far fewer than 5
-/// million steps; a long one with many overlapping calls (an open-ended unknown answer among
-/// hundreds of "in progress") may need more, so an undecided search runs again with ten times
-/// the budget before the key is reported undecided.
-fn decide(check: impl Fn(u64) -> Verdict) -> Verdict {
-    match check(5_000_000) {
-        Verdict::Undecided { .. } => check(50_000_000),
-        verdict => verdict,
-    }
 }
