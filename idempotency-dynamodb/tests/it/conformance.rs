@@ -1,6 +1,7 @@
 //! The conformance kit on DynamoDB (the local stand-in), once on a manual clock (the store
 //! decides time on the application's clock, which the kit then moves) and once on the
-//! system clock.
+//! system clock. Each case's keys are spread over a table on every stand-in (each serves one
+//! request at a time), every key on one of them.
 
 /// Records hold outcomes up to the item limit. DynamoDB counts a binary value by its bytes;
 /// the stand-in counts its base64 text (4/3 as long) against 405,000 bytes, so the largest
@@ -18,9 +19,9 @@ mod manual_clock {
 
     async fn factory() -> TestStore {
         let clock = ManualClock::new();
-        let (store, guard) = idempotency_testing::dynamodb::spread_store(Arc::new(clock.clone()))
+        let (store, guard) = idempotency_testing::dynamodb::sharded_store(Arc::new(clock.clone()))
             .await
-            .expect("a table on the DynamoDB stand-in");
+            .expect("a table on each DynamoDB stand-in");
         TestStore::manual_time(Arc::new(store), clock)
             .with_capabilities(super::capabilities())
             .with_guard(guard)
@@ -35,9 +36,9 @@ mod system_clock {
     use std::sync::Arc;
 
     async fn factory() -> TestStore {
-        let (store, guard) = idempotency_testing::dynamodb::spread_store(Arc::new(SystemClock))
+        let (store, guard) = idempotency_testing::dynamodb::sharded_store(Arc::new(SystemClock))
             .await
-            .expect("a table on the DynamoDB stand-in");
+            .expect("a table on each DynamoDB stand-in");
         TestStore::real_time(Arc::new(store))
             .with_capabilities(super::capabilities())
             .with_server_clock(process_clock())
