@@ -93,11 +93,13 @@ impl PostgresStoreBuilder {
     /// [`PostgresError::NoAnswer`] as its source. Without it, a network partition (no reset,
     /// no answer) would hold a call for as long as TCP keeps trying, many minutes.
     ///
-    /// No store statement waits for a holder: at REPEATABLE READ and SERIALIZABLE the
-    /// holder's transaction keeps the record locked (see [`crate::PostgresIdempotency`]),
-    /// and a duplicate's claim and reclaim skip that lock. They wait only for the moment
-    /// another store statement holds the row, so a statement this slow means the server or
-    /// the network is stuck.
+    /// A duplicate's claim and reclaim do not wait for a holder: at REPEATABLE READ and
+    /// SERIALIZABLE the holder's transaction keeps the record locked (see
+    /// [`crate::PostgresIdempotency`]), and they skip that lock on a live record. Two cases
+    /// still wait on a lock: a record that expired while its holder's transaction runs (work
+    /// outliving a short TTL), and a transaction between its own
+    /// [`crate::PostgresStore::complete_in`] and its commit. Otherwise a statement this slow
+    /// means the server or the network is stuck.
     pub fn response_timeout(mut self, timeout: Duration) -> Self {
         self.response_timeout = timeout;
         self

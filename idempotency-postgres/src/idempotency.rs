@@ -120,12 +120,13 @@ impl PostgresIdempotency {
     ///   would make the completion fail to serialize, so instead the transaction's first
     ///   statement locks the record row (`SELECT … FOR UPDATE`, checking it is still
     ///   Pending with this holder's token and its lease has not passed) and holds it until
-    ///   the commit. Nobody else can change the record meanwhile, and nobody waits for it: a
-    ///   duplicate request's claim and reclaim skip a row a holder has locked, so the
-    ///   duplicate gets [`Error::InProgress`] at once (even once the lease in the table has
-    ///   passed: the lock says the holder is alive), a purge skips the row, and after the
-    ///   commit a duplicate finds the record Completed (a replay) or, after a rollback, as it
-    ///   was. The lease is kept in the process: every heartbeat interval renews it, and
+    ///   the commit. Nobody else can change the record meanwhile, and duplicates do not wait
+    ///   for it: a duplicate request's claim and reclaim skip a live row a holder has locked,
+    ///   so the duplicate gets [`Error::InProgress`] at once (even once the lease in the
+    ///   table has passed: the lock says the holder's transaction is open), a purge skips the
+    ///   row, and after the commit a duplicate finds the record Completed (a replay) or,
+    ///   after a rollback, as it was. (A record whose retention passed while the work runs is
+    ///   waited for again.) The lease is kept in the process: every heartbeat interval renews it, and
     ///   if it passes without one (the heartbeat is off and the work outlives the lease, or
     ///   the process stalled), the work is cancelled, the transaction rolls back and the
     ///   result is [`Error::LeaseLost`], leaving the record to be reclaimed.

@@ -141,16 +141,19 @@ FROM up, c"
         // The claim never waits for a holder's row lock. `PostgresIdempotency`'s transaction
         // at REPEATABLE READ or SERIALIZABLE locks the record `FOR UPDATE` until its commit
         // (`hold`) and keeps the lease in its process, and a duplicate must be answered at
-        // once, not when the holder commits. That lock is the only one on the record that
-        // conflicts with `FOR KEY SHARE`: the store's own statements (a claim counting a
-        // hit, a completion) take `FOR NO KEY UPDATE`, for a moment, and are still waited
-        // for, so no hit is lost. `free` takes that weak lock, skipping a row a holder has
-        // locked; such a row is then only read, as committed (`held`, `written` false: no
-        // hit counted), and the upsert does not run.
+        // once, not when the holder commits. Of the locks the store takes, that one and the
+        // purge's (on expired rows only) are those that conflict with `FOR KEY SHARE`: the
+        // store's other statements (a claim counting a hit, a completion) take
+        // `FOR NO KEY UPDATE`, for a moment, and are still waited for, so no hit is lost.
+        // `free` takes that weak lock on a live row, skipping a row a holder has locked; such
+        // a row is then only read, as committed (`held`, `written` false: no hit counted),
+        // and the upsert does not run. A holder's row that has expired (work outliving a
+        // short TTL) is still waited for, as is a READ COMMITTED transaction between its
+        // `complete_in` and its commit.
         let claim = format!(
             "{NOW_CTE},
 free AS MATERIALIZED (
-    SELECT 1 FROM {t} AS l WHERE l.scope = $1 AND l.key = $2
+    SELECT 1 FROM {t} AS l, c WHERE l.scope = $1 AND l.key = $2 AND l.expires_at > c.now
     FOR KEY SHARE OF l SKIP LOCKED
 ),
 held AS (
@@ -215,7 +218,8 @@ FROM up, c"
             "{NOW_CTE},
 {input},
 free AS MATERIALIZED (
-    SELECT l.scope, l.key FROM {t} AS l JOIN i ON l.scope = i.scope AND l.key = i.key
+    SELECT l.scope, l.key FROM {t} AS l JOIN i ON l.scope = i.scope AND l.key = i.key, c
+    WHERE l.expires_at > c.now
     FOR KEY SHARE OF l SKIP LOCKED
 ),
 held AS (
@@ -324,12 +328,13 @@ FROM c WHERE {held}
 RETURNING r.token"
         );
         // A row a holder's transaction has locked (see `claim`) is not reclaimed, and not
-        // waited for: the reclaim is lost at once. Its holder is alive (its transaction holds
+        // waited for: the reclaim is lost at once. Its holder's transaction is open (it holds
         // the lock), whatever the lease column says.
         let reclaim = format!(
             "{NOW_CTE},
 free AS MATERIALIZED (
-    SELECT l.scope, l.key FROM {t} AS l WHERE l.scope = $1 AND l.key = $2
+    SELECT l.scope, l.key FROM {t} AS l, c
+    WHERE l.scope = $1 AND l.key = $2 AND l.token = $3 AND l.expires_at > c.now
     FOR KEY SHARE OF l SKIP LOCKED
 )
 UPDATE {t} AS r SET status = 'pending', token = r.token + 1, fingerprint = $4,
@@ -337,7 +342,8 @@ UPDATE {t} AS r SET status = 'pending', token = r.token + 1, fingerprint = $4,
     outcome = NULL, failure_retryable = NULL, failure_message = NULL, updated_at = c.now,
     expires_at = c.now + $6 * interval '1 millisecond'
 FROM c, free
-WHERE r.scope = free.scope AND r.key = free.key AND r.token = $3 AND r.expires_at > c.now
+WHERE r.scope = $1 AND r.key = $2 AND r.scope = free.scope AND r.key = free.key
+  AND r.token = $3 AND r.expires_at > c.now
   AND ((r.status = 'failed'
         AND (r.failure_retryable IS NOT FALSE OR r.fingerprint IS DISTINCT FROM $4))
        OR (r.status = 'pending' AND (r.lease_until IS NULL OR r.lease_until <= c.now)))
@@ -369,8 +375,8 @@ WHERE r.scope = doomed.scope AND r.key = doomed.key AND r.expires_at <= c.now"
         // is still a live Pending record held by $3, returning how much of its lease is left.
         // Holding that lock until the commit is what lets long work complete at those levels:
         // nobody else can write the row meanwhile (a heartbeat's extend on another connection
-        // would make the completion fail to serialize), and a reclaimer, a duplicate claim or
-        // another completion waits for the transaction to end instead of taking the key. At
+        // would make the completion fail to serialize); a reclaimer or a duplicate claim skips
+        // the row (see `claim`), another completion waits for the transaction to end. At
         // READ COMMITTED it locks nothing (the heartbeat extends the lease from another
         // connection, as for the plain engine).
         let hold = format!(
@@ -394,8 +400,8 @@ FROM c",
         let current = "r.op_origin >= r.token - r.attempts + 1";
         // A recovery point also renews the holder's lease, in the phase's own transaction:
         // at REPEATABLE READ and SERIALIZABLE the lease was kept in the process while the
-        // phase held the row, so the record's own may have passed, and a reclaimer waiting
-        // for the row would otherwise take the operation over the moment the phase commits.
+        // phase held the row, so the record's own may have passed, and a reclaimer would
+        // otherwise take the operation over the moment the phase commits.
         let advance_set = "SET op_name = $4, op_phase = $5, op_origin = $6, op_state = $7, \
                            lease_until = c.now + $9 * interval '1 millisecond', \
                            expires_at = greatest(r.expires_at, \
