@@ -338,6 +338,8 @@ impl Idempotency {
         // The store's clock at the last claim, and when that was on ours.
         let mut store_clock: Option<(Timestamp, Instant)> = None;
         let mut reread = false;
+        // The token whose reclaim was lost last, while nothing was seen to change since.
+        let mut lost: Option<FencingToken> = None;
         let mut rounds = 0;
         while rounds < MAX_ROUNDS {
             rounds += 1;
@@ -369,12 +371,27 @@ impl Idempotency {
                 },
             };
             reread = true;
-            match decide(
+            let decision = match decide(
                 Some(&record),
                 fingerprint,
                 now,
                 self.policy.decision_options(),
             ) {
+                // The store refused to reclaim this very record a moment ago, and it has not
+                // changed since: its holder is alive as far as the store knows (a holder's
+                // transaction that locked the row and keeps the lease in its process), or
+                // the store's clock has not reached the lease's end. The key is in progress;
+                // reclaiming it again would only be lost again.
+                Decision::Reclaim { expected }
+                    if lost == Some(expected) && record.status == RecordStatus::Pending =>
+                {
+                    Decision::InProgress {
+                        retry_after: self.policy.lease,
+                    }
+                }
+                decision => decision,
+            };
+            match decision {
                 Decision::Claim => reread = false,
                 Decision::Replay => {
                     emit(Event::Replay);
@@ -406,8 +423,9 @@ impl Idempotency {
                             emit(Event::Reclaim);
                             return Ok(Begin::Execute(self.lease(request.id, token)));
                         }
-                        // Someone else moved the record on: look again (a `get`).
-                        Reclaim::Lost => {}
+                        // Someone else moved the record on, or the store holds it for a
+                        // live holder: look again (a `get`).
+                        Reclaim::Lost => lost = Some(expected),
                     }
                 }
                 Decision::InProgress { retry_after } => {
@@ -445,6 +463,9 @@ impl Idempotency {
                             _ => break,
                         }
                     }
+                    // Decide afresh: a record unchanged after a whole lease of waiting may be
+                    // reclaimed again.
+                    lost = None;
                 }
             }
         }

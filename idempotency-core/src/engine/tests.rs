@@ -15,6 +15,9 @@ use std::sync::Mutex;
 struct Scripted {
     claims: Mutex<VecDeque<Claim>>,
     get: Option<Record>,
+    /// Each `get` finds `get` with a token one greater than the last: someone else keeps
+    /// taking the key over, and losing it again.
+    get_moves_on: bool,
     claim_delay: Duration,
     extend_fenced: bool,
     complete_fenced: bool,
@@ -94,8 +97,12 @@ impl IdempotencyStore for Scripted {
         Ok(Reclaim::Lost)
     }
     async fn get(&self, _: &RecordId) -> Result<Option<Record>, Error> {
-        self.got.fetch_add(1, Ordering::SeqCst);
-        Ok(self.get.clone())
+        let n = self.got.fetch_add(1, Ordering::SeqCst);
+        let mut record = self.get.clone();
+        if let Some(r) = record.as_mut().filter(|_| self.get_moves_on) {
+            r.token = FencingToken(r.token.0 + 1 + n as u64);
+        }
+        Ok(record)
     }
     async fn purge_expired(&self, _: usize) -> Result<u64, Error> {
         Ok(0)
@@ -161,10 +168,42 @@ fn the_engine_keeps_its_store_and_policy() {
     assert!(Arc::ptr_eq(e.store(), &dyn_store));
 }
 
-/// A key whose reclaims keep being lost (someone else always wins) is reported in
-/// progress after exactly `MAX_ROUNDS` tries, from one claim: every later look is a `get`.
+/// A key whose reclaims keep being lost (someone else always wins, and its lease passes
+/// too, record after record) is reported in progress after exactly `MAX_ROUNDS` tries, from
+/// one claim: every later look is a `get`.
 #[tokio::test]
 async fn lost_reclaims_give_up_after_max_rounds() {
+    let passed = pending(-1);
+    let store = Arc::new(Scripted {
+        claims: Mutex::new(VecDeque::from([Claim::Existing {
+            record: passed.clone(),
+            now: now(),
+        }])),
+        get: Some(passed),
+        get_moves_on: true,
+        ..Scripted::default()
+    });
+    let e = engine(store.clone(), Policy::default());
+    let got = tokio::time::timeout(Duration::from_secs(5), e.begin(&id(), &fp()))
+        .await
+        .expect("the engine looped without bound");
+    assert!(matches!(got, Ok(Begin::InProgress { .. })), "{got:?}");
+    assert_eq!(store.reclaimed.load(Ordering::SeqCst), MAX_ROUNDS);
+    assert_eq!(
+        store.claimed.load(Ordering::SeqCst),
+        1,
+        "one claim per request"
+    );
+}
+
+/// A reclaim the store refused while the record stayed as it was (same holder, same token,
+/// its lease passed on the table) means the store knows the holder is alive (Postgres at
+/// REPEATABLE READ or SERIALIZABLE: the holder's transaction has the row locked and keeps
+/// its lease in its process), or that the store's clock has not reached the lease's end yet:
+/// the key is in progress. Before, the engine read and reclaimed again, eight rounds in all,
+/// then answered in progress without waiting as the policy asked.
+#[tokio::test]
+async fn a_lost_reclaim_of_an_unchanged_record_is_in_progress_at_once() {
     let passed = pending(-1);
     let store = Arc::new(Scripted {
         claims: Mutex::new(VecDeque::from([Claim::Existing {
@@ -179,12 +218,47 @@ async fn lost_reclaims_give_up_after_max_rounds() {
         .await
         .expect("the engine looped without bound");
     assert!(matches!(got, Ok(Begin::InProgress { .. })), "{got:?}");
-    assert_eq!(store.reclaimed.load(Ordering::SeqCst), MAX_ROUNDS);
     assert_eq!(
-        store.claimed.load(Ordering::SeqCst),
+        store.reclaimed.load(Ordering::SeqCst),
         1,
-        "one claim per request"
+        "the same holder's record was reclaimed again"
     );
+}
+
+/// The same, with a policy that waits for a holder in flight: the engine waits (polling with
+/// `get`) for up to `max_wait`, as for any key in progress, instead of giving up at once.
+#[tokio::test]
+async fn a_lost_reclaim_of_an_unchanged_record_is_waited_for() {
+    let passed = pending(-1);
+    let store = Arc::new(Scripted {
+        claims: Mutex::new(VecDeque::from([Claim::Existing {
+            record: passed.clone(),
+            now: now(),
+        }])),
+        get: Some(passed),
+        ..Scripted::default()
+    });
+    let max_wait = Duration::from_millis(300);
+    let e = engine(
+        store.clone(),
+        Policy::default().in_flight(InFlight::Wait {
+            max_wait,
+            initial_backoff: Duration::from_millis(10),
+            max_backoff: Duration::from_millis(50),
+        }),
+    );
+    let started = Instant::now();
+    let got = tokio::time::timeout(Duration::from_secs(10), e.begin(&id(), &fp()))
+        .await
+        .expect("the engine looped without bound");
+    assert!(matches!(got, Ok(Begin::InProgress { .. })), "{got:?}");
+    assert!(
+        started.elapsed() >= max_wait,
+        "gave up after {:?}, before max_wait",
+        started.elapsed()
+    );
+    assert_eq!(store.reclaimed.load(Ordering::SeqCst), 1);
+    assert!(store.got.load(Ordering::SeqCst) > 2, "it did not poll");
 }
 
 /// When the decision is to claim (the record read had expired), the engine claims again
