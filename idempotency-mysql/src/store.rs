@@ -633,6 +633,15 @@ impl IdempotencyStore for MysqlStore {
         failure: &Failure,
         ttl: Duration,
     ) -> Result<Cas, Error> {
+        // The column holds 64 KiB: a longer message would be refused (error 1406) and the
+        // key left Pending. Keep what the engine keeps of any failure.
+        let bounded;
+        let failure = if failure.message.len() > Failure::MAX_MESSAGE {
+            bounded = failure.clone().bounded();
+            &bounded
+        } else {
+            failure
+        };
         let extra = Extra::Fail {
             retryable: failure.retryable,
             message: &failure.message,

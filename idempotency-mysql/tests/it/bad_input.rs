@@ -408,3 +408,34 @@ async fn writes_without_a_connection_are_not_outcome_unknown() {
         }
     }
 }
+
+/// A failure whose message is longer than the `failure_message` column (64 KiB) is recorded,
+/// its message cut on a character boundary: before, MariaDB refused the write (error 1406,
+/// "data too long"), the call failed as a table of the wrong shape and the key stayed Pending.
+#[tokio::test]
+async fn a_failure_message_longer_than_its_column_is_cut_not_refused() {
+    let (store, _guard) = common::store(Isolation::ReadCommitted).await;
+    let request = request();
+    let token = match store.claim(&request).await.unwrap() {
+        idempotency_core::Claim::Claimed { token, .. } => token,
+        other => panic!("a fresh key was found: {other:?}"),
+    };
+    // 100 KiB of two-, three- and four-byte characters: a cut at a byte count would land
+    // inside one.
+    let message = "é€𝄞".repeat(100 * 1024 / 9);
+    let failure = idempotency_core::Failure::permanent(message.clone());
+    let cas = store
+        .fail(&request.id, token, &failure, Duration::from_secs(3600))
+        .await
+        .unwrap();
+    assert_eq!(cas, idempotency_core::Cas::Applied);
+    let record = store.get(&request.id).await.unwrap().unwrap();
+    assert_eq!(record.status, idempotency_core::RecordStatus::Failed);
+    let kept = record.failure.unwrap().message;
+    assert!(
+        kept.len() <= idempotency_core::Failure::MAX_MESSAGE
+            && message.starts_with(kept.trim_end_matches('…')),
+        "kept {} bytes that are not the start of the message",
+        kept.len()
+    );
+}
