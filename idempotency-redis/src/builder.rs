@@ -87,12 +87,20 @@ impl RedisStoreBuilder {
     /// is a retryable [`Error::Backend`] (its Pending record holds the key until its lease
     /// passes), a completion or a failure is [`Error::OutcomeUnknown`] (the engine retries it
     /// and reads it back, and holds the key if it stays unknown), an extension or a reclaim a
-    /// retryable error. Reads are followed by `WAIT` too: it waits for every write the
-    /// server had made when the read ran, so a claim that found the key taken, or a `get`,
-    /// is answered only once the replicas have what it saw, and is a retryable error
+    /// retryable error. Reads are acknowledged too, so a claim that found the key taken, or a
+    /// `get`, is answered only once the replicas have what it saw, and is a retryable error
     /// otherwise. Without this, another instance could replay a completion that only the
     /// old primary had, and after the failover the work would run again. A fenced
     /// compare-and-swap answers as usual (it wrote nothing and stops the caller).
+    ///
+    /// From Redis 7.2 (and on Valkey) `WAIT` covers only the writes of the connection that
+    /// sends it, so a call that only read would be acknowledged at once. Every call therefore
+    /// writes a marker of its own after its script, in the same round trip, and `WAIT`
+    /// acknowledges that: an empty string at `<record key>!ack`, in the record's slot, that
+    /// expires after 10 s (it is never read; `SCAN MATCH <prefix>*` lists it beside the
+    /// records, and the store's credentials must be allowed to `SET` it). Replicas apply
+    /// writes in order, so one that has the marker has everything the call saw, whatever the
+    /// server's version. Tested on Redis 7.0 (standalone, Sentinel and Cluster).
     ///
     /// `WAIT` makes a lost write unlikely, not impossible: it says the write reached the
     /// replicas' memory, not their disks, and a failover may still promote a replica that

@@ -43,16 +43,18 @@ impl Connection {
         }
     }
 
-    /// Sends a pipeline of one script and its `WAIT`. On a cluster the pipeline goes whole to
-    /// the primary of the script's slot (the cluster client routes a pipeline by its first
-    /// keyed command, and follows a redirect with all of it), so `WAIT` counts that shard's
-    /// replicas.
+    /// Sends a pipeline of one script, its acknowledgement marker and its `WAIT`
+    /// ([`ReplicaWait::append`]): the script's reply and the number of replicas that
+    /// acknowledged. On a cluster the pipeline goes whole to the primary of the script's slot
+    /// (the cluster client routes a pipeline by its first keyed command, and follows a
+    /// redirect with all of it), so `WAIT` counts that shard's replicas.
     async fn query_with_wait(&self, pipe: &redis::Pipeline) -> Result<(Value, u32), RedisError> {
-        match self {
+        let (value, _marker, acknowledged): (Value, Value, u32) = match self {
             Self::Standalone(c) => pipe.query_async(&mut ConnectionManager::clone(c)).await,
             Self::Sentinel(c) => pipe.query_async(&mut &**c).await,
             Self::Cluster(c) => pipe.query_async(&mut c.clone()).await,
-        }
+        }?;
+        Ok((value, acknowledged))
     }
 
     /// Sends a pipeline and returns every reply, error replies included as values (one
@@ -103,6 +105,40 @@ impl Script {
 pub(crate) struct ReplicaWait {
     pub(crate) replicas: u32,
     pub(crate) timeout: Duration,
+}
+
+/// How long the acknowledgement marker of a call lives ([`ReplicaWait::append`]).
+const MARKER_LIFETIME_MS: u64 = 10_000;
+
+/// The acknowledgement marker of the record at `record_key`: `<record key>!ack`, in the
+/// record's slot (the hash tag is the record's), never a record's key (those end with `}`).
+pub(crate) fn marker_key(record_key: &str) -> String {
+    format!("{record_key}!ack")
+}
+
+impl ReplicaWait {
+    /// Appends to `pipe`, after the calls on `record_key`'s slot: a write of the call's own
+    /// (the record's marker, an empty string that lives 10 s), then `WAIT`. Two commands,
+    /// two replies: `OK`, then the number of replicas that acknowledged.
+    ///
+    /// The marker is what makes a read's acknowledgement independent of the server version.
+    /// Up to Redis 7.0, `WAIT` waits for every write the server had made when the client's
+    /// last command ran, a read included; from Redis 7.2 (and on Valkey) it covers only the
+    /// client's own writes, so after a script that only read (a replay, a claim that found the
+    /// key, a `get`) it would return at once, and a completion another instance wrote could be
+    /// trusted before any replica had it. The marker is written after everything the call
+    /// read, and replicas apply the stream in order, so a replica that acknowledged the
+    /// marker has what the call saw, on every version.
+    fn append(&self, pipe: &mut redis::Pipeline, record_key: &str) {
+        pipe.cmd("SET")
+            .arg(marker_key(record_key))
+            .arg("")
+            .arg("PX")
+            .arg(MARKER_LIFETIME_MS);
+        pipe.cmd("WAIT")
+            .arg(self.replicas)
+            .arg(duration_millis(self.timeout));
+    }
 }
 
 pub(crate) struct Scripts {
@@ -219,9 +255,7 @@ impl RedisStore {
             for a in args {
                 call.arg(*a);
             }
-            p.cmd("WAIT")
-                .arg(wait.replicas)
-                .arg(duration_millis(wait.timeout));
+            wait.append(&mut p, &key);
             p
         };
         let send = |p: redis::Pipeline| async move { self.connection.query_with_wait(&p).await };
@@ -310,12 +344,10 @@ impl RedisStore {
                 call.arg(a.as_slice());
             }
         }
-        if let Some(wait) = self.wait {
-            pipe.cmd("WAIT")
-                .arg(wait.replicas)
-                .arg(duration_millis(wait.timeout));
+        if let (Some(wait), Some(&first)) = (self.wait, members.first()) {
+            wait.append(&mut pipe, &keys[first]);
         }
-        let commands = members.len() + usize::from(self.wait.is_some());
+        let commands = members.len() + 2 * usize::from(self.wait.is_some());
         let mut values = match self.connection.query_pipeline(&pipe, commands).await {
             Ok(values) => values,
             Err(e) => {
@@ -329,8 +361,10 @@ impl RedisStore {
         let missing = match self.wait {
             None => None,
             Some(wait) => {
-                let acknowledged = match values.pop() {
-                    Some(Value::Int(n)) => u32::try_from(n).unwrap_or(0),
+                // The last two replies are the marker's and `WAIT`'s: a marker that was not
+                // written proves nothing, whatever `WAIT` counted.
+                let acknowledged = match (values.pop(), values.pop()) {
+                    (Some(Value::Int(n)), Some(Value::Okay)) => u32::try_from(n).unwrap_or(0),
                     _ => 0,
                 };
                 (acknowledged < wait.replicas).then_some(NotAcknowledged {

@@ -191,6 +191,106 @@ async fn writes_wait_for_replicas_and_an_unacknowledged_write_is_not_trusted() {
     assert!(exists_on(&replica, &store.record_key(&held)));
 }
 
+/// The key of a record's acknowledgement marker: the record's key and `!ack`.
+fn marker_of(store: &RedisStore, id: &RecordId) -> String {
+    format!("{}!ack", store.record_key(id))
+}
+
+/// From Redis 7.2 (and on Valkey) `WAIT` covers only the writes of the connection it is sent
+/// on: after a call that only read, it would answer at once, and a completion another
+/// instance wrote could be replayed before any replica had it. So every call writes a marker
+/// of its own after what it read, and `WAIT` acknowledges that write: when a read returns, the
+/// replica has the marker, which the primary wrote after the record the read saw. (The
+/// machine's Redis is 7.0, where `WAIT` after a read also waits: this checks the marker that
+/// makes the read path independent of the version.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_is_acknowledged_through_a_write_of_its_own() {
+    let primary = RedisServer::start_anywhere(&[]);
+    let replica = replica_of(&primary);
+    let connect = || {
+        RedisStore::builder()
+            .wait_for_replicas(1, ACK_TIMEOUT)
+            .connect(primary.url())
+    };
+    // Two instances: one writes the record, the other (a connection that never wrote it)
+    // only reads it.
+    let (writer, reader) = (connect().await.unwrap(), connect().await.unwrap());
+    let done = id();
+    let token = claimed(&writer, &done).await;
+    assert_eq!(
+        writer
+            .complete(&done, token, b"outcome", TTL)
+            .await
+            .unwrap(),
+        Cas::Applied
+    );
+
+    let read = reader.get(&done).await.unwrap().unwrap();
+    assert_eq!(read.status, RecordStatus::Completed);
+    assert!(
+        exists_on(&replica, &marker_of(&reader, &done)),
+        "a get was answered with no write of its own acknowledged"
+    );
+    redis::cmd("DEL")
+        .arg(marker_of(&reader, &done))
+        .query::<i64>(
+            &mut redis::Client::open(primary.url())
+                .unwrap()
+                .get_connection()
+                .unwrap(),
+        )
+        .unwrap();
+    // A claim that found the completion (the replay's read; counting no hit, so its script
+    // writes nothing), then the same in a batch.
+    let uncounted = |id: &RecordId| request(id).with_count_hit(false);
+    assert!(matches!(
+        reader.claim(&uncounted(&done)).await.unwrap(),
+        Claim::Existing { record, .. } if record.status == RecordStatus::Completed
+    ));
+    assert!(
+        exists_on(&replica, &marker_of(&reader, &done)),
+        "a claim that found the key was answered with no write of its own acknowledged"
+    );
+    let other = id();
+    let token = claimed(&writer, &other).await;
+    assert_eq!(
+        writer
+            .complete(&other, token, b"outcome", TTL)
+            .await
+            .unwrap(),
+        Cas::Applied
+    );
+    let found = reader.claim_many(&[uncounted(&other)]).await;
+    assert!(
+        matches!(
+            found.as_slice(),
+            [Ok(Claim::Existing { record, .. })] if record.status == RecordStatus::Completed
+        ),
+        "{found:?}"
+    );
+    assert!(
+        exists_on(&replica, &marker_of(&reader, &other)),
+        "a batch's claim that found the key was answered with no write of its own acknowledged"
+    );
+    // The marker is no record: reading the record still works, and the marker goes away.
+    let mut conn = redis::Client::open(primary.url())
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    let ttl: i64 = redis::cmd("PTTL")
+        .arg(marker_of(&reader, &other))
+        .query(&mut conn)
+        .unwrap();
+    assert!(
+        ttl > 0 && ttl <= 10_000,
+        "the marker lives at most 10 s: {ttl}"
+    );
+    assert_eq!(
+        reader.get(&other).await.unwrap().unwrap().status,
+        RecordStatus::Completed
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiting_is_refused_past_the_response_timeout_and_without_replicas() {
     let too_long = RedisStore::builder()
