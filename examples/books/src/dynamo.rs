@@ -126,10 +126,19 @@ impl DynamoBooks {
     ) -> Result<(), RepoError> {
         let mut writes = DynamoTransaction::default();
         writes.put(self.put(book)?)?;
-        self.records
+        match self
+            .records
             .complete_with(writes, claim.id(), claim.token(), outcome, claim.ttl())
-            .await?;
-        Ok(())
+            .await
+        {
+            Ok(()) => Ok(()),
+            // The transaction may have applied (an answer lost that its nonce could not
+            // settle, a server error): both writes, or neither.
+            Err(e @ idempotency_core::Error::OutcomeUnknown { .. }) => {
+                Err(RepoError::CommitUnknown(e.to_string()))
+            }
+            Err(e) => Err(e.into()),
+        }
     }
 
     pub(crate) async fn get(&self, id: &str) -> Result<Option<Versioned>, RepoError> {

@@ -615,7 +615,15 @@ async fn create(
             claim.lease_lost();
             internal(RepoError::LeaseLost)
         }
-        Err(e) => internal(e),
+        // The book and the completion may have committed: the layer stores this 500 unless
+        // the commit completed the key first (then every retry gets the 201 replayed).
+        Err(e @ RepoError::CommitUnknown(_)) => internal(e),
+        Err(e) => {
+            // Nothing was written, book or record: the key is released and the retry
+            // creates the book.
+            claim.rolled_back();
+            internal(e)
+        }
     }
 }
 

@@ -46,6 +46,21 @@ pub enum RepoError {
     /// The completion in the book's transaction failed otherwise; nothing was written.
     #[error("the idempotency completion failed: {0}")]
     Completion(idempotency_core::Error),
+    /// The commit of the book's transaction was sent and its outcome is not known (the
+    /// connection was lost before its answer): the book and the key's completion may both
+    /// have committed, or neither. Every other error of
+    /// [`BookRepo::create_completing`] means nothing was written.
+    #[error("the commit's outcome is unknown: {0}")]
+    CommitUnknown(String),
+}
+
+/// A failed `COMMIT` over sqlx: refused by the server (it answered with an error: the
+/// transaction rolled back) or of unknown outcome (no answer).
+fn commit_error(e: sqlx::Error, refused: fn(sqlx::Error) -> RepoError) -> RepoError {
+    match e {
+        sqlx::Error::Database(_) => refused(e),
+        e => RepoError::CommitUnknown(e.to_string()),
+    }
 }
 
 impl From<idempotency_core::Error> for RepoError {
@@ -283,8 +298,9 @@ impl BookRepo {
 
     /// Inserts `book` and completes the request's key with `outcome` in **one transaction**:
     /// both commit or neither does. [`RepoError::LeaseLost`] if the lease had passed and
-    /// another request holds the key (the book is not written). Needs
-    /// [`BookRepo::completes_in_transaction`].
+    /// another request holds the key (the book is not written);
+    /// [`RepoError::CommitUnknown`] if the commit's answer was lost (both may have committed);
+    /// any other error: nothing was written. Needs [`BookRepo::completes_in_transaction`].
     pub async fn create_completing(
         &self,
         book: &Book,
@@ -320,7 +336,9 @@ impl BookRepo {
                 records
                     .complete_in(&mut tx, claim.id(), claim.token(), outcome, claim.ttl())
                     .await?;
-                tx.commit().await?;
+                tx.commit()
+                    .await
+                    .map_err(|e| commit_error(e, RepoError::Postgres))?;
                 Ok(())
             }
             Backend::Mysql {
@@ -336,7 +354,9 @@ impl BookRepo {
                 records
                     .complete_in(&mut tx, claim.id(), claim.token(), outcome, claim.ttl())
                     .await?;
-                tx.commit().await.map_err(RepoError::Mysql)?;
+                tx.commit()
+                    .await
+                    .map_err(|e| commit_error(e, RepoError::Mysql))?;
                 Ok(())
             }
             Backend::Dynamo(books) => books.create_completing(book, claim, outcome).await,

@@ -46,3 +46,37 @@ async fn expired_keys_are_purged_on_a_schedule() {
     }
     assert_eq!(records(), 0, "the expired record was never purged");
 }
+
+/// A create whose transaction rolled back for sure (here the books table refuses the insert)
+/// wrote nothing, book or record: the key is released, and the retry under it creates the
+/// book. Before, the 500 was stored like any answer and replayed to every retry, so the key
+/// could never create its book.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_whose_transaction_rolled_back_is_run_again_by_its_retry() {
+    let s = svc_with(|c| c.store = StoreChoice::Sqlite).await;
+    let books = || {
+        let conn = rusqlite::Connection::open(&s.config.database).unwrap();
+        conn.busy_timeout(Duration::from_secs(5)).unwrap();
+        conn
+    };
+    books()
+        .execute_batch(
+            "CREATE TRIGGER refuse_books BEFORE INSERT ON books \
+             BEGIN SELECT RAISE(ABORT, 'the books table refuses inserts'); END;",
+        )
+        .unwrap();
+    let failed = s.create("rolled-back", &kindred()).send().await.unwrap();
+    problem(failed, 500, "internal").await;
+    assert_eq!(s.count().await, 0);
+    books().execute_batch("DROP TRIGGER refuse_books;").unwrap();
+    let retry = s.create("rolled-back", &kindred()).send().await.unwrap();
+    assert_eq!(
+        retry.status(),
+        StatusCode::CREATED,
+        "the retry of a rolled-back create was not run again"
+    );
+    assert!(!replayed(&retry));
+    let again = s.create("rolled-back", &kindred()).send().await.unwrap();
+    assert!(replayed(&again));
+    assert_eq!(s.count().await, 1);
+}
