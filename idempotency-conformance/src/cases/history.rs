@@ -98,8 +98,11 @@ pub async fn tokens_grow_across_purge_and_expiry(t: TestStore) {
 }
 
 /// 32 concurrent claims of an **expired** record (of each status): exactly one replaces it,
-/// the others observe the new record (a check-then-replace lets several win).
+/// the others observe the new record (a check-then-replace lets several win). Four rounds of
+/// each status; every record is made first and they expire together (one wait on a real
+/// clock, not one per race), then each is raced in turn.
 pub async fn concurrent_claims_of_expired_record_one_winner(t: TestStore) {
+    let mut expired = Vec::new();
     for round in 0..4 {
         for status in [
             RecordStatus::Completed,
@@ -124,25 +127,28 @@ pub async fn concurrent_claims_of_expired_record_one_winner(t: TestStore) {
                 }
                 RecordStatus::Pending => {}
             }
-            t.advance(t.short_ttl().max(t.short_lease())).await;
-            let req = request(&id, fp("x"), t.long(), t.long());
-            let mut winners = Vec::new();
-            for answer in concurrent_claims(&t, &req, 32).await {
-                if let Claim::Claimed { token, .. } = answer {
-                    winners.push(token);
-                }
-            }
-            assert_eq!(
-                winners.len(),
-                1,
-                "round {round}: {} of 32 concurrent claims of an expired {status} record won \
-                 ({winners:?})",
-                winners.len()
-            );
-            let r = present(&t, &id).await;
-            assert_eq!((r.status, r.token), (RecordStatus::Pending, winners[0]));
-            assert_eq!(r.hits, 31, "the 31 observers each count one hit");
+            expired.push((round, status, id));
         }
+    }
+    t.advance(t.short_ttl().max(t.short_lease())).await;
+    for (round, status, id) in expired {
+        let req = request(&id, fp("x"), t.long(), t.long());
+        let mut winners = Vec::new();
+        for answer in concurrent_claims(&t, &req, 32).await {
+            if let Claim::Claimed { token, .. } = answer {
+                winners.push(token);
+            }
+        }
+        assert_eq!(
+            winners.len(),
+            1,
+            "round {round}: {} of 32 concurrent claims of an expired {status} record won \
+             ({winners:?})",
+            winners.len()
+        );
+        let r = present(&t, &id).await;
+        assert_eq!((r.status, r.token), (RecordStatus::Pending, winners[0]));
+        assert_eq!(r.hits, 31, "the 31 observers each count one hit");
     }
 }
 
@@ -170,117 +176,123 @@ pub async fn settling_races_takers_after_lease(t: TestStore) {
     } else {
         6
     };
+    // Every record is claimed first and their leases pass together: one wait on a real
+    // clock, not one per race.
+    let mut held_records = Vec::new();
     for write in [
         Write::Complete,
         Write::Fail,
         Write::FailPermanently,
         Write::Extend,
     ] {
+        for round in 0..rounds {
+            let id = unique_id("settle-race");
+            let req = request(&id, fp("s"), t.short_lease(), t.long());
+            let held = must_claim(&t, &req).await;
+            held_records.push((write, round, id, held));
+        }
+    }
+    t.advance(t.short_lease()).await;
+    for (write, round, id, held) in held_records {
         // Retries of the same request, or a corrected one.
         let taker_fp = if matches!(write, Write::FailPermanently) {
             fp("s")
         } else {
             fp("taker")
         };
-        for round in 0..rounds {
-            let holder_first = round % 3 != 2;
-            let id = unique_id("settle-race");
-            let req = request(&id, fp("s"), t.short_lease(), t.long());
-            let held = must_claim(&t, &req).await;
-            t.advance(t.short_lease()).await;
-            let barrier = Arc::new(Barrier::new(if holder_first { 16 } else { 17 }));
-            let holder = {
-                let (store, id, barrier, long) =
-                    (t.store.clone(), id.clone(), barrier.clone(), t.long());
-                async move {
-                    if !holder_first {
-                        barrier.wait().await;
-                    }
-                    match write {
-                        Write::Complete => store.complete(&id, held, b"holder", long).await,
-                        Write::Fail => {
-                            store
-                                .fail(&id, held, &Failure::retryable("holder"), long)
-                                .await
-                        }
-                        Write::FailPermanently => {
-                            store
-                                .fail(&id, held, &Failure::permanent("holder"), long)
-                                .await
-                        }
-                        Write::Extend => store.extend(&id, held, long).await,
-                    }
-                    .expect("the holder's write")
+        let holder_first = round % 3 != 2;
+        let barrier = Arc::new(Barrier::new(if holder_first { 16 } else { 17 }));
+        let holder = {
+            let (store, id, barrier, long) =
+                (t.store.clone(), id.clone(), barrier.clone(), t.long());
+            async move {
+                if !holder_first {
+                    barrier.wait().await;
                 }
-            };
-            let spawn_takers = || -> Vec<_> {
-                (0..16)
-                    .map(|_| {
-                        let (store, id, barrier, long) =
-                            (t.store.clone(), id.clone(), barrier.clone(), t.long());
-                        tokio::spawn(async move {
-                            barrier.wait().await;
-                            store
-                                .reclaim(&id, held, &taker_fp, long, long)
-                                .await
-                                .expect("reclaim")
-                        })
-                    })
-                    .collect()
-            };
-            let (cas, takers) = if holder_first {
-                let mut holder = Box::pin(holder);
-                let early = futures::poll!(holder.as_mut());
-                let takers = spawn_takers();
-                let cas = match early {
-                    std::task::Poll::Ready(cas) => cas,
-                    std::task::Poll::Pending => holder.await,
-                };
-                (cas, takers)
-            } else {
-                let holder = tokio::spawn(holder);
-                let takers = spawn_takers();
-                (holder.await.expect("holder task"), takers)
-            };
-            let applied = cas == Cas::Applied;
-            let mut won = Vec::new();
-            for taker in takers {
-                if let Reclaim::Reclaimed { token, .. } = taker.await.expect("taker task") {
-                    won.push(token);
+                match write {
+                    Write::Complete => store.complete(&id, held, b"holder", long).await,
+                    Write::Fail => {
+                        store
+                            .fail(&id, held, &Failure::retryable("holder"), long)
+                            .await
+                    }
+                    Write::FailPermanently => {
+                        store
+                            .fail(&id, held, &Failure::permanent("holder"), long)
+                            .await
+                    }
+                    Write::Extend => store.extend(&id, held, long).await,
                 }
+                .expect("the holder's write")
             }
-            let r = present(&t, &id).await;
-            let what = format!("{write:?} round {round}");
-            assert!(
-                won.len() <= 1,
-                "{what}: {} takers reclaimed one record",
-                won.len()
-            );
-            match won.first() {
-                Some(&winner) => {
-                    // The taker's reclaim is the last write: the record is its fresh lease.
-                    assert_eq!(
-                        (r.status, r.token, r.fingerprint),
-                        (RecordStatus::Pending, winner, taker_fp),
-                        "{what}: a taker won, but the record is not its Pending record (the \
-                         holder's write landed on it?): {r:?}"
-                    );
-                    assert_eq!(r.outcome, None, "{what}: {r:?}");
-                    assert_eq!(r.failure, None, "{what}: {r:?}");
-                    assert!(
-                        !applied || matches!(write, Write::Fail),
-                        "{what}: the holder's write and a taker's reclaim both applied"
-                    );
-                }
-                None => {
-                    assert!(applied, "{what}: neither the holder nor any taker won");
-                    let want = match write {
-                        Write::Complete => RecordStatus::Completed,
-                        Write::Fail | Write::FailPermanently => RecordStatus::Failed,
-                        Write::Extend => RecordStatus::Pending,
-                    };
-                    assert_eq!((r.status, r.token), (want, held), "{what}: {r:?}");
-                }
+        };
+        let spawn_takers = || -> Vec<_> {
+            (0..16)
+                .map(|_| {
+                    let (store, id, barrier, long) =
+                        (t.store.clone(), id.clone(), barrier.clone(), t.long());
+                    tokio::spawn(async move {
+                        barrier.wait().await;
+                        store
+                            .reclaim(&id, held, &taker_fp, long, long)
+                            .await
+                            .expect("reclaim")
+                    })
+                })
+                .collect()
+        };
+        let (cas, takers) = if holder_first {
+            let mut holder = Box::pin(holder);
+            let early = futures::poll!(holder.as_mut());
+            let takers = spawn_takers();
+            let cas = match early {
+                std::task::Poll::Ready(cas) => cas,
+                std::task::Poll::Pending => holder.await,
+            };
+            (cas, takers)
+        } else {
+            let holder = tokio::spawn(holder);
+            let takers = spawn_takers();
+            (holder.await.expect("holder task"), takers)
+        };
+        let applied = cas == Cas::Applied;
+        let mut won = Vec::new();
+        for taker in takers {
+            if let Reclaim::Reclaimed { token, .. } = taker.await.expect("taker task") {
+                won.push(token);
+            }
+        }
+        let r = present(&t, &id).await;
+        let what = format!("{write:?} round {round}");
+        assert!(
+            won.len() <= 1,
+            "{what}: {} takers reclaimed one record",
+            won.len()
+        );
+        match won.first() {
+            Some(&winner) => {
+                // The taker's reclaim is the last write: the record is its fresh lease.
+                assert_eq!(
+                    (r.status, r.token, r.fingerprint),
+                    (RecordStatus::Pending, winner, taker_fp),
+                    "{what}: a taker won, but the record is not its Pending record (the \
+                     holder's write landed on it?): {r:?}"
+                );
+                assert_eq!(r.outcome, None, "{what}: {r:?}");
+                assert_eq!(r.failure, None, "{what}: {r:?}");
+                assert!(
+                    !applied || matches!(write, Write::Fail),
+                    "{what}: the holder's write and a taker's reclaim both applied"
+                );
+            }
+            None => {
+                assert!(applied, "{what}: neither the holder nor any taker won");
+                let want = match write {
+                    Write::Complete => RecordStatus::Completed,
+                    Write::Fail | Write::FailPermanently => RecordStatus::Failed,
+                    Write::Extend => RecordStatus::Pending,
+                };
+                assert_eq!((r.status, r.token), (want, held), "{what}: {r:?}");
             }
         }
     }
