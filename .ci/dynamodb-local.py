@@ -15,19 +15,77 @@ Usage: python dynamodb-local.py HOST PORT
 """
 
 import base64
+import collections
+import copy
+import functools
 import io
 import json
 import os
 import sys
 import threading
 
+from moto.dynamodb.comparisons import ConditionExpressionParser
+from moto.dynamodb.parsing.expressions import UpdateExpressionParser
 from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
-from werkzeug.serving import run_simple
+from werkzeug.serving import WSGIRequestHandler, run_simple
 from werkzeug.test import EnvironBuilder
 
 host, port = sys.argv[1], int(sys.argv[2])
-app = DomainDispatcherApplication(create_backend_app)
+dispatcher = DomainDispatcherApplication(create_backend_app)
 one_at_a_time = threading.Lock()
+
+# Speed, not behaviour. Most of moto's time per request goes to finding the service for the
+# host among all of its modules, and to parsing the same few expressions again and again:
+# - DynamoDB requests (X-Amz-Target DynamoDB_20120810.*) go straight to the app moto's own
+#   dispatcher chose for the first of them; anything else goes through the dispatcher.
+# - A parsed update expression, and a lexed condition expression, depend only on the
+#   expression's text: each is kept by text and handed out as a deep copy (moto rewrites the
+#   tree when it substitutes values). Errors are not kept: a bad expression raises each time.
+DYNAMODB_TARGET = "DynamoDB_20120810."
+dynamodb_app = None
+
+
+def app(environ, start_response):
+    global dynamodb_app
+    if environ.get("HTTP_X_AMZ_TARGET", "").startswith(DYNAMODB_TARGET):
+        if dynamodb_app is None:
+            dynamodb_app = dispatcher.get_application(environ)
+        return dynamodb_app(environ, start_response)
+    return dispatcher(environ, start_response)
+
+
+_parse_update = UpdateExpressionParser.make.__func__
+
+
+@functools.lru_cache(maxsize=512)
+def _parsed_update(cls, expression):
+    return _parse_update(cls, expression)
+
+
+UpdateExpressionParser.make = classmethod(
+    lambda cls, expression: copy.deepcopy(_parsed_update(cls, expression))
+)
+
+_lex_condition = ConditionExpressionParser._lex_condition_expression
+
+
+@functools.lru_cache(maxsize=512)
+def _lexed_condition(expression):
+    parser = ConditionExpressionParser.__new__(ConditionExpressionParser)
+    parser.condition_expression = expression
+    return tuple(_lex_condition(parser))
+
+
+ConditionExpressionParser._lex_condition_expression = lambda self: copy.deepcopy(
+    collections.deque(_lexed_condition(self.condition_expression))
+)
+
+
+class QuietHandler(WSGIRequestHandler):
+    """No log line per request (the tests send tens of thousands)."""
+
+    def log_request(self, *args, **kwargs):
+        pass
 
 WRITES = {
     "PutItem", "UpdateItem", "DeleteItem", "TransactWriteItems", "BatchWriteItem",
@@ -101,4 +159,4 @@ if journal_path:
         replay(journal_path)
     journal = open(journal_path, "ab")
 
-run_simple(host, port, serialised, threaded=True)
+run_simple(host, port, serialised, threaded=True, request_handler=QuietHandler)
