@@ -168,21 +168,27 @@ fn the_engine_keeps_its_store_and_policy() {
     assert!(Arc::ptr_eq(e.store(), &dyn_store));
 }
 
-/// A key whose reclaims keep being lost (someone else always wins, and its lease passes
-/// too, record after record) is reported in progress after exactly `MAX_ROUNDS` tries, from
-/// one claim: every later look is a `get`.
-#[tokio::test]
-async fn lost_reclaims_give_up_after_max_rounds() {
+/// A store whose claim finds a Pending record past its lease and loses every reclaim; each
+/// `get` finds that record again, or (`moves_on`) a newer holder's, also past its lease.
+fn losing_reclaims(moves_on: bool) -> Arc<Scripted> {
     let passed = pending(-1);
-    let store = Arc::new(Scripted {
+    Arc::new(Scripted {
         claims: Mutex::new(VecDeque::from([Claim::Existing {
             record: passed.clone(),
             now: now(),
         }])),
         get: Some(passed),
-        get_moves_on: true,
+        get_moves_on: moves_on,
         ..Scripted::default()
-    });
+    })
+}
+
+/// A key whose reclaims keep being lost (someone else always wins, and its lease passes
+/// too, record after record) is reported in progress after exactly `MAX_ROUNDS` tries, from
+/// one claim: every later look is a `get`.
+#[tokio::test]
+async fn lost_reclaims_give_up_after_max_rounds() {
+    let store = losing_reclaims(true);
     let e = engine(store.clone(), Policy::default());
     let got = tokio::time::timeout(Duration::from_secs(5), e.begin(&id(), &fp()))
         .await
@@ -204,15 +210,7 @@ async fn lost_reclaims_give_up_after_max_rounds() {
 /// then answered in progress without waiting as the policy asked.
 #[tokio::test]
 async fn a_lost_reclaim_of_an_unchanged_record_is_in_progress_at_once() {
-    let passed = pending(-1);
-    let store = Arc::new(Scripted {
-        claims: Mutex::new(VecDeque::from([Claim::Existing {
-            record: passed.clone(),
-            now: now(),
-        }])),
-        get: Some(passed),
-        ..Scripted::default()
-    });
+    let store = losing_reclaims(false);
     let e = engine(store.clone(), Policy::default());
     let got = tokio::time::timeout(Duration::from_secs(5), e.begin(&id(), &fp()))
         .await
@@ -229,15 +227,7 @@ async fn a_lost_reclaim_of_an_unchanged_record_is_in_progress_at_once() {
 /// `get`) for up to `max_wait`, as for any key in progress, instead of giving up at once.
 #[tokio::test]
 async fn a_lost_reclaim_of_an_unchanged_record_is_waited_for() {
-    let passed = pending(-1);
-    let store = Arc::new(Scripted {
-        claims: Mutex::new(VecDeque::from([Claim::Existing {
-            record: passed.clone(),
-            now: now(),
-        }])),
-        get: Some(passed),
-        ..Scripted::default()
-    });
+    let store = losing_reclaims(false);
     let max_wait = Duration::from_millis(300);
     let e = engine(
         store.clone(),
