@@ -25,14 +25,19 @@ fn id() -> RecordId {
     RecordId::new(Scope::new("replicas").unwrap(), IdempotencyKey::random())
 }
 
+/// A connection of its own to `server`.
+fn connection(server: &RedisServer) -> redis::Connection {
+    redis::Client::open(server.url())
+        .unwrap()
+        .get_connection()
+        .unwrap()
+}
+
 /// Starts a replica of `primary` and waits until its link is up and it has synced.
 fn replica_of(primary: &RedisServer) -> RedisServer {
     let port = primary.port.to_string();
     let replica = RedisServer::start_anywhere(&["--replicaof", "127.0.0.1", &port]);
-    let mut conn = redis::Client::open(replica.url())
-        .unwrap()
-        .get_connection()
-        .unwrap();
+    let mut conn = connection(&replica);
     let start = Instant::now();
     loop {
         let info: String = redis::cmd("INFO")
@@ -51,10 +56,7 @@ fn replica_of(primary: &RedisServer) -> RedisServer {
 }
 
 fn exists_on(server: &RedisServer, key: &str) -> bool {
-    let mut conn = redis::Client::open(server.url())
-        .unwrap()
-        .get_connection()
-        .unwrap();
+    let mut conn = connection(server);
     redis::cmd("EXISTS")
         .arg(key)
         .query::<i64>(&mut conn)
@@ -168,10 +170,7 @@ async fn writes_wait_for_replicas_and_an_unacknowledged_write_is_not_trusted() {
     // applied on the primary: the new replica has it, and the engine's read-back of a retry
     // finds this holder's Completed record.
     let replica = replica_of(&primary);
-    let mut admin = redis::Client::open(primary.url())
-        .unwrap()
-        .get_connection()
-        .unwrap();
+    let mut admin = connection(&primary);
     redis::cmd("SCRIPT")
         .arg("FLUSH")
         .query::<()>(&mut admin)
@@ -233,12 +232,7 @@ async fn a_read_is_acknowledged_through_a_write_of_its_own() {
     );
     redis::cmd("DEL")
         .arg(marker_of(&reader, &done))
-        .query::<i64>(
-            &mut redis::Client::open(primary.url())
-                .unwrap()
-                .get_connection()
-                .unwrap(),
-        )
+        .query::<i64>(&mut connection(&primary))
         .unwrap();
     // A claim that found the completion (the replay's read; counting no hit, so its script
     // writes nothing), then the same in a batch.
@@ -273,10 +267,7 @@ async fn a_read_is_acknowledged_through_a_write_of_its_own() {
         "a batch's claim that found the key was answered with no write of its own acknowledged"
     );
     // The marker is no record: reading the record still works, and the marker goes away.
-    let mut conn = redis::Client::open(primary.url())
-        .unwrap()
-        .get_connection()
-        .unwrap();
+    let mut conn = connection(&primary);
     let ttl: i64 = redis::cmd("PTTL")
         .arg(marker_of(&reader, &other))
         .query(&mut conn)
