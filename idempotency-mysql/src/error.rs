@@ -61,6 +61,25 @@ pub enum MysqlError {
         /// The response timeout.
         after: std::time::Duration,
     },
+    /// MariaDB's snapshot isolation (`innodb_snapshot_isolation`, on by default from 11.8, at
+    /// REPEATABLE READ and SERIALIZABLE) refused to complete the record inside the work's
+    /// transaction (error 1020): the heartbeat extended the record's lease after the
+    /// transaction read its first row, so the work ran longer than one heartbeat interval.
+    /// Nothing committed and the key is released. Run the store's sessions at READ COMMITTED,
+    /// or with `innodb_snapshot_isolation` off (both in the pool's `after_connect`), to run
+    /// long work in a transaction.
+    #[error(
+        "MariaDB's snapshot isolation refused to complete the record in {table}, which the \
+         heartbeat extended during the work's transaction (error 1020); run the store's \
+         sessions at READ COMMITTED or with innodb_snapshot_isolation off for long work"
+    )]
+    SnapshotIsolation {
+        /// The table name.
+        table: String,
+        /// The driver's error.
+        #[source]
+        source: sqlx::Error,
+    },
     /// Any other database error while setting up.
     #[error("database error: {source}")]
     Database {
@@ -79,7 +98,8 @@ impl MysqlError {
             Self::InvalidName { .. }
             | Self::InvalidUrl { .. }
             | Self::MissingTable { .. }
-            | Self::TableShape { .. } => false,
+            | Self::TableShape { .. }
+            | Self::SnapshotIsolation { .. } => false,
         }
     }
 
@@ -113,11 +133,12 @@ pub(crate) fn error_number(e: &sqlx::Error) -> Option<u16> {
     }
 }
 
-/// A deadlock (1213, the transaction was rolled back) or a lock wait timeout (1205, the
-/// statement was rolled back): nothing of an autocommit statement applied, and it may simply
-/// run again.
+/// A deadlock (1213, the transaction was rolled back), a lock wait timeout (1205, the
+/// statement was rolled back) or a row changed since the transaction's snapshot read it
+/// (1020, MariaDB's `innodb_snapshot_isolation`): nothing of an autocommit statement applied,
+/// and it may simply run again; a transaction runs again from its start.
 pub(crate) fn is_conflict(e: &sqlx::Error) -> bool {
-    matches!(error_number(e), Some(1213 | 1205))
+    matches!(error_number(e), Some(1213 | 1205 | 1020))
 }
 
 /// The connection died or the server went away: whatever was in flight may or may not have
@@ -135,11 +156,11 @@ pub(crate) fn is_connection_loss(e: &sqlx::Error) -> bool {
 fn sqlx_retryable(e: &sqlx::Error) -> bool {
     match e {
         sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::WorkerCrashed => true,
-        // Deadlock, lock wait timeout, server shutdown, too many connections, connection
+        // Deadlock, lock wait timeout, row changed since the snapshot, server shutdown, too many connections, connection
         // killed, query interrupted, read-only (a replica until failover finishes).
         _ => matches!(
             error_number(e),
-            Some(1213 | 1205 | 1053 | 1040 | 1927 | 4031 | 1317 | 1290 | 1836 | 2006 | 2013)
+            Some(1213 | 1205 | 1020 | 1053 | 1040 | 1927 | 4031 | 1317 | 1290 | 1836 | 2006 | 2013)
         ),
     }
 }
@@ -179,6 +200,18 @@ pub(crate) enum Effect {
     None,
     /// An autocommit write (or a commit): a lost connection leaves the outcome unknown.
     Write,
+}
+
+/// A database error from the work's own statements inside an exactly-once transaction, as
+/// core sees it: [`Error::Backend`] with the sqlx error as its source, so that a conflict is
+/// told apart ([`is_conflict`](idempotency_core::TransactionalStore::is_conflict)) and the
+/// transaction runs again. Unlike [`map_sqlx`] it never blames the store's table: the
+/// statement was the work's, on its own tables.
+pub(crate) fn work_error(e: sqlx::Error) -> Error {
+    Error::Backend {
+        retryable: sqlx_retryable(&e),
+        source: Box::new(e),
+    }
 }
 
 /// Maps a driver error from a statement on `table` to the core error.

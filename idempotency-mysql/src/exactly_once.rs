@@ -4,7 +4,7 @@
 
 use crate::abandon::CloseIfAbandoned;
 use crate::error::{is_conflict, is_connection_loss, map_sqlx, Effect};
-use crate::MysqlStore;
+use crate::{MysqlError, MysqlStore};
 use idempotency_core::{
     async_trait, Begun, CommitError, Error, Lease, RecoveryPoint, RecoveryPoints,
     TransactionalStore,
@@ -124,11 +124,18 @@ impl TransactionalStore for MysqlStore {
         let _ = tx.end(false, self.response_timeout).await;
     }
 
-    /// Deadlocks (1213, InnoDB rolled the transaction back) and lock wait timeouts (1205,
-    /// the statement was rolled back; core rolls the rest back before running it again).
+    /// Deadlocks (1213, InnoDB rolled the transaction back), lock wait timeouts (1205, the
+    /// statement was rolled back; core rolls the rest back before running it again) and rows
+    /// changed since the snapshot (1020), in the work's statements or the store's. A record
+    /// the heartbeat changed under snapshot isolation
+    /// ([`MysqlError::SnapshotIsolation`]) is not one: it would happen again.
     fn is_conflict(&self, e: &Error) -> bool {
         matches!(e, Error::Backend { .. })
             && e.find_source::<sqlx::Error>().is_some_and(is_conflict)
+            && !matches!(
+                MysqlError::find(e),
+                Some(MysqlError::SnapshotIsolation { .. })
+            )
     }
 }
 

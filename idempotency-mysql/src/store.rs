@@ -2,7 +2,7 @@
 
 use crate::abandon::CloseIfAbandoned;
 use crate::decode::{col, decode_record, get};
-use crate::error::{is_conflict, is_connection_loss, map_sqlx, Effect};
+use crate::error::{error_number, is_conflict, is_connection_loss, map_sqlx, Effect};
 use crate::schema;
 use crate::sql::Statements;
 use crate::{MysqlError, MysqlStoreBuilder, TableName};
@@ -177,7 +177,7 @@ impl MysqlStore {
             // Nothing commits until the caller commits: a statement without an answer, or a
             // lost connection, applied nothing.
             .map_err(|_| self.no_answer(Effect::None))?
-            .map_err(|e| map_sqlx(e, &self.quoted, Effect::None))?;
+            .map_err(|e| self.in_transaction_error(e))?;
         match done.rows_affected() {
             0 => Err(Error::LeaseLost { token }),
             _ => Ok(()),
@@ -215,11 +215,26 @@ impl MysqlStore {
             // Nothing commits until the caller commits: a statement without an answer, or a
             // lost connection, applied nothing.
             .map_err(|_| self.no_answer(Effect::None))?
-            .map_err(|e| map_sqlx(e, &self.quoted, Effect::None))?;
+            .map_err(|e| self.in_transaction_error(e))?;
         match done.rows_affected() {
             0 => Err(Error::LeaseLost { token }),
             _ => Ok(()),
         }
+    }
+
+    /// The error of a write to the record inside the work's transaction. Under MariaDB's
+    /// snapshot isolation a record the heartbeat extended after the transaction's snapshot
+    /// cannot be written in it (1020): running the transaction again would meet the next
+    /// heartbeat the same way, so it is [`MysqlError::SnapshotIsolation`], not a conflict.
+    fn in_transaction_error(&self, e: sqlx::Error) -> Error {
+        if error_number(&e) == Some(1020) {
+            return MysqlError::SnapshotIsolation {
+                table: self.quoted.to_string(),
+                source: e,
+            }
+            .into();
+        }
+        map_sqlx(e, &self.quoted, Effect::None)
     }
 
     /// The live operations whose holder is gone that `query` asks for (see

@@ -224,6 +224,18 @@ pub(crate) enum Effect {
     Write,
 }
 
+/// A database error from the work's own statements inside an exactly-once transaction, as
+/// core sees it: [`Error::Backend`] with the sqlx error as its source, so that a conflict is
+/// told apart ([`is_conflict`](idempotency_core::TransactionalStore::is_conflict)) and the
+/// transaction runs again. Unlike [`map_sqlx`] it never blames the store's table: the
+/// statement was the work's, on its own tables.
+pub(crate) fn work_error(e: sqlx::Error) -> Error {
+    Error::Backend {
+        retryable: sqlx_retryable(&e),
+        source: Box::new(e),
+    }
+}
+
 /// Maps a driver error from a statement on `table` to the core error.
 pub(crate) fn map_sqlx(e: sqlx::Error, table: &str, effect: Effect) -> Error {
     if matches!(sqlstate(&e).as_deref(), Some("42P01" | "3F000")) {

@@ -1,6 +1,7 @@
 //! The exactly-once engine: an [`Idempotency`] engine over one [`PostgresStore`], whose
 //! work writes in the transaction that completes its record.
 
+use crate::error::work_error;
 use crate::PostgresStore;
 use futures::future::BoxFuture;
 use futures::FutureExt;
@@ -34,9 +35,8 @@ use std::sync::Arc;
 ///                 "INSERT INTO orders (sku, qty) VALUES ('A1', 2) RETURNING id",
 ///             )
 ///             .fetch_one(&mut *tx)
-///             .await
-///             .map_err(|e| e.to_string())?;
-///             Ok::<_, String>(id)
+///             .await?; // a database error: rolled back, and run again after a conflict
+///             Ok(Ok::<_, String>(id)) // the work's answer; `Ok(Err(refusal))` to refuse
 ///         })
 ///     })
 ///     .await?;
@@ -82,18 +82,23 @@ impl PostgresIdempotency {
     /// stores its `Ok` outcome in the same transaction.
     ///
     /// - Replays return the stored outcome; the work does not run.
-    /// - `Ok(v)`: the completion CAS runs in the work's transaction, then it commits. If the
+    /// - `Ok(Ok(v))`: the completion CAS runs in the work's transaction, then it commits. If the
     ///   lease was lost meanwhile (a stalled holder whose key was reclaimed), the CAS matches
     ///   nothing, the transaction rolls back with all the work's writes, and the result is
     ///   [`Error::LeaseLost`].
-    /// - `Err(e)`: the transaction rolls back, then the error is handled per
-    ///   [`Policy::errors`] (by default the key is released for a retry) and returned as
-    ///   `Fresh(Err(e))`.
-    /// - A serialization failure or deadlock in the completion or the commit re-runs the
-    ///   transaction (at most
+    /// - `Ok(Err(e))`, the work's own refusal (a declined payment, an invalid request): the
+    ///   transaction rolls back, then the error is handled per [`Policy::errors`] (by default
+    ///   the key is released for a retry) and returned as `Fresh(Err(e))`.
+    /// - `Err(database_error)`, what `?` on a failed sqlx call returns: the transaction rolls
+    ///   back. A serialization failure or deadlock (SQLSTATE 40001, 40P01), in the work's own
+    ///   statements as in the completion or the commit, runs the whole transaction again,
+    ///   `work` included (at most
     ///   [`MAX_TRANSACTION_ATTEMPTS`](idempotency_core::MAX_TRANSACTION_ATTEMPTS) runs in all),
-    ///   so `work` must only act through the connection it is
-    ///   given. Errors inside `work` are `work`'s to return.
+    ///   so `work` must only act through the connection it is given. Any other database error
+    ///   (or a conflict on the last run) releases the key, since nothing committed, and is
+    ///   returned as [`Error::Backend`] whose source is the sqlx error
+    ///   (`error.find_source::<sqlx::Error>()`). A database error the work wants stored as its
+    ///   answer (a unique key it calls a duplicate order, say) it returns as `Ok(Err(..))`.
     /// - If the connection dies during the commit, the result is [`Error::OutcomeUnknown`]
     ///   and the key is held (nothing is written) until its lease passes: a retry then finds
     ///   the Completed record and replays the committed outcome, or, if nothing committed,
@@ -147,12 +152,18 @@ impl PostgresIdempotency {
     where
         T: Serialize + DeserializeOwned + Send + 'static,
         E: Serialize + DeserializeOwned + Display + Send + 'static,
-        F: for<'c> FnMut(&'c mut PgConnection, WorkContext) -> BoxFuture<'c, Result<T, E>> + Send,
+        F: for<'c> FnMut(
+                &'c mut PgConnection,
+                WorkContext,
+            ) -> BoxFuture<'c, Result<Result<T, E>, sqlx::Error>>
+            + Send,
     {
         let engine = &self.engine;
         engine
             .run_in_transaction(&self.store, key, scope, fingerprint, |tx, ctx| {
-                work(tx.connection(), ctx).map(Ok).boxed()
+                work(tx.connection(), ctx)
+                    .map(|ran| ran.map_err(work_error))
+                    .boxed()
             })
             .await
     }

@@ -433,7 +433,10 @@ impl Ledger {
         let run = self
             .idempotency
             .run_in_transaction(&key, &self.scope, &fingerprint, |conn, _ctx| {
-                apply(conn, schema.clone(), transfer.clone(), delay).boxed()
+                // A transfer is never refused: its only errors are the database's, after
+                // which its transaction runs again (a conflict) or the key is released.
+                let applied = apply(conn, schema.clone(), transfer.clone(), delay);
+                applied.map(|applied| applied.map(Ok::<_, String>)).boxed()
             })
             .await;
         match run {
@@ -470,7 +473,7 @@ async fn apply(
     schema: String,
     t: Transfer,
     delay: Duration,
-) -> Result<Applied, String> {
+) -> Result<Applied, sqlx::Error> {
     sqlx::query(&format!(
         "INSERT INTO \"{schema}\".effects (message_id, account, amount_cents) VALUES ($1, $2, $3)"
     ))
@@ -478,8 +481,7 @@ async fn apply(
     .bind(&t.account)
     .bind(t.amount_cents)
     .execute(&mut *conn)
-    .await
-    .map_err(|e| e.to_string())?;
+    .await?;
     if !delay.is_zero() {
         tokio::time::sleep(delay).await;
     }
@@ -491,7 +493,6 @@ async fn apply(
     .bind(&t.account)
     .bind(t.amount_cents)
     .fetch_one(&mut *conn)
-    .await
-    .map_err(|e| e.to_string())?;
+    .await?;
     Ok(Applied { balance_after })
 }

@@ -29,7 +29,10 @@ impl Idempotency {
     /// again, `work` included, so `work` must act only through the transaction it is given.
     ///
     /// `work` returns the work's own result, or `Err(error)` when the transaction broke
-    /// under it (its connection was lost): nothing of it commits, and the key is released.
+    /// under it (a statement of the work failed at the database, its connection was lost):
+    /// nothing of it commits; when the store calls `error` a conflict
+    /// ([`TransactionalStore::is_conflict`]) the transaction runs again, else the key is
+    /// released and `error` returned.
     ///
     /// `store` must reach the same records as this engine's store (usually it is the same
     /// store, or the one a decorator wraps).
@@ -160,6 +163,11 @@ where
             }
             Some(Ok(Err(e))) => {
                 store.rollback(tx).await;
+                // The work's own statement conflicted with a concurrent transaction (a
+                // serialization failure, a deadlock): run it all again, as for the completion.
+                if again && store.is_conflict(&e) {
+                    continue;
+                }
                 return TransactionEnd::RolledBack(e);
             }
             Some(Err(panic)) => {

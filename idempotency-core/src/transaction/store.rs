@@ -62,8 +62,8 @@ pub trait TransactionalStore: Send + Sync {
     /// back by its database when its connection closes.
     async fn rollback(&self, transaction: Self::Transaction);
 
-    /// Whether `error` (from [`begin`](TransactionalStore::begin),
-    /// [`complete_in`](TransactionalStore::complete_in) or a
+    /// Whether `error` (from [`begin`](TransactionalStore::begin), from the work (its
+    /// `Err`), from [`complete_in`](TransactionalStore::complete_in) or a
     /// [`CommitError::NotCommitted`]) is a conflict with a concurrent transaction (a
     /// serialization failure, a deadlock) that rolled this one back, after which the whole
     /// transaction, work included, runs again (at most [`MAX_TRANSACTION_ATTEMPTS`] times).

@@ -648,11 +648,14 @@ async fn cancelled_transactions_give_their_connections_back() {
         let deadline = Duration::from_micros(rand_micros(i) * 2);
         let call = engine.run_in_transaction(&key, &scope, &fp, |tx, _ctx| {
             Box::pin(async move {
-                sqlx::query("SELECT 1")
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                Ok::<u64, String>(1)
+                Ok(async move {
+                    sqlx::query("SELECT 1")
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    Ok::<u64, String>(1)
+                }
+                .await)
             })
         });
         if tokio::time::timeout(deadline, call).await.is_err() {

@@ -13,7 +13,7 @@ use idempotency_core::{
     Policy, RecordId, RecordStatus, Scope,
 };
 use idempotency_mysql::sqlx::{self, Connection, Executor, MySqlConnection};
-use idempotency_mysql::{MysqlIdempotency, MysqlStore};
+use idempotency_mysql::{MysqlError, MysqlIdempotency, MysqlStore};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -94,8 +94,11 @@ async fn retry_runs_once(
         .run_in_transaction(key, &scope(), &fingerprint(), move |tx, ctx| {
             let (orders, key) = (o.clone(), k.clone());
             Box::pin(async move {
-                insert_order(tx, &orders, &key, "retry").await?;
-                Ok::<u64, String>(ctx.token.0)
+                Ok(async move {
+                    insert_order(tx, &orders, &key, "retry").await?;
+                    Ok::<u64, String>(ctx.token.0)
+                }
+                .await)
             })
         })
         .await
@@ -159,14 +162,17 @@ async fn takeover_pair(engine: MysqlIdempotency, orders: Arc<str>) {
                         stale_token.clone(),
                     );
                     Box::pin(async move {
-                        insert_order(tx, &orders, &key, "stale").await?;
-                        stale_token.store(ctx.token.0, Ordering::SeqCst);
-                        started.notify_one();
-                        // Stall well past the 300 ms lease, transaction open, and long after
-                        // the retry starts (it has 1.5 s to take the key over, however slow
-                        // a loaded machine's commits are).
-                        tokio::time::sleep(Duration::from_millis(2000)).await;
-                        Ok::<u64, String>(ctx.token.0)
+                        Ok(async move {
+                            insert_order(tx, &orders, &key, "stale").await?;
+                            stale_token.store(ctx.token.0, Ordering::SeqCst);
+                            started.notify_one();
+                            // Stall well past the 300 ms lease, transaction open, and long after
+                            // the retry starts (it has 1.5 s to take the key over, however slow
+                            // a loaded machine's commits are).
+                            tokio::time::sleep(Duration::from_millis(2000)).await;
+                            Ok::<u64, String>(ctx.token.0)
+                        }
+                        .await)
                     })
                 })
                 .await
@@ -180,8 +186,11 @@ async fn takeover_pair(engine: MysqlIdempotency, orders: Arc<str>) {
         .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, ctx| {
             let (orders, key) = (o.clone(), k.clone());
             Box::pin(async move {
-                insert_order(tx, &orders, &key, "retry").await?;
-                Ok::<u64, String>(ctx.token.0)
+                Ok(async move {
+                    insert_order(tx, &orders, &key, "retry").await?;
+                    Ok::<u64, String>(ctx.token.0)
+                }
+                .await)
             })
         })
         .await
@@ -211,7 +220,9 @@ async fn takeover_pair(engine: MysqlIdempotency, orders: Arc<str>) {
     assert_eq!(record.token, stale_token.next());
     let replay = engine
         .run_in_transaction(&key, &scope(), &fingerprint(), |_tx, _ctx| {
-            Box::pin(async { panic!("a completed key must not run again") })
+            Box::pin(async {
+                Ok(async move { panic!("a completed key must not run again") }.await)
+            })
         })
         .await
         .expect("replay");
@@ -286,11 +297,14 @@ async fn dropped_during_work(engine: MysqlIdempotency, orders: Arc<str>) {
                     let (orders, key, inserted, token) =
                         (orders.clone(), k.clone(), inserted.clone(), token.clone());
                     Box::pin(async move {
-                        insert_order(tx, &orders, &key, "dropped").await?;
-                        token.store(ctx.token.0, Ordering::SeqCst);
-                        inserted.notify_one();
-                        std::future::pending::<()>().await;
-                        Ok::<u64, String>(0)
+                        Ok(async move {
+                            insert_order(tx, &orders, &key, "dropped").await?;
+                            token.store(ctx.token.0, Ordering::SeqCst);
+                            inserted.notify_one();
+                            std::future::pending::<()>().await;
+                            Ok::<u64, String>(0)
+                        }
+                        .await)
                     })
                 })
                 .await
@@ -370,12 +384,15 @@ async fn panic_and_error(level: Isolation) {
                 .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, ctx| {
                     let (orders, key, token) = (orders.clone(), k.clone(), token.clone());
                     Box::pin(async move {
-                        insert_order(tx, &orders, &key, "panicked").await?;
-                        token.store(ctx.token.0, Ordering::SeqCst);
-                        if ctx.token.0 > 0 {
-                            panic!("the work panics after its insert");
+                        Ok(async move {
+                            insert_order(tx, &orders, &key, "panicked").await?;
+                            token.store(ctx.token.0, Ordering::SeqCst);
+                            if ctx.token.0 > 0 {
+                                panic!("the work panics after its insert");
+                            }
+                            Ok::<u64, String>(0)
                         }
-                        Ok::<u64, String>(0)
+                        .await)
                     })
                 })
                 .await
@@ -393,9 +410,12 @@ async fn panic_and_error(level: Isolation) {
         .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, ctx| {
             let (orders, key, token) = (o.clone(), k.clone(), t.clone());
             Box::pin(async move {
-                insert_order(tx, &orders, &key, "failed").await?;
-                token.store(ctx.token.0, Ordering::SeqCst);
-                Err::<u64, String>("out of stock".to_owned())
+                Ok(async move {
+                    insert_order(tx, &orders, &key, "failed").await?;
+                    token.store(ctx.token.0, Ordering::SeqCst);
+                    Err::<u64, String>("out of stock".to_owned())
+                }
+                .await)
             })
         })
         .await
@@ -452,10 +472,13 @@ async fn concurrent_duplicates(level: Isolation) {
                             let (orders, key, executions) =
                                 (orders.clone(), k.clone(), executions.clone());
                             Box::pin(async move {
-                                executions.fetch_add(1, Ordering::SeqCst);
-                                insert_order(tx, &orders, &key, &format!("task-{i}")).await?;
-                                tokio::time::sleep(Duration::from_millis(20)).await;
-                                Ok::<usize, String>(i)
+                                Ok(async move {
+                                    executions.fetch_add(1, Ordering::SeqCst);
+                                    insert_order(tx, &orders, &key, &format!("task-{i}")).await?;
+                                    tokio::time::sleep(Duration::from_millis(20)).await;
+                                    Ok::<usize, String>(i)
+                                }
+                                .await)
                             })
                         })
                         .await
@@ -540,17 +563,22 @@ async fn deadlock_reruns(level: Isolation) {
                         record_locked.clone(),
                     );
                     Box::pin(async move {
-                        let attempt = attempts.fetch_add(1, Ordering::SeqCst) + 1;
-                        sqlx::query(&format!("UPDATE {stock} SET sold = sold + 1 WHERE id = 1"))
+                        Ok(async move {
+                            let attempt = attempts.fetch_add(1, Ordering::SeqCst) + 1;
+                            sqlx::query(&format!(
+                                "UPDATE {stock} SET sold = sold + 1 WHERE id = 1"
+                            ))
                             .execute(&mut *tx)
                             .await
                             .map_err(|e| e.to_string())?;
-                        insert_order(tx, &orders, &key, "holder").await?;
-                        if attempt == 1 {
-                            stock_locked.notify_one();
-                            record_locked.notified().await;
+                            insert_order(tx, &orders, &key, "holder").await?;
+                            if attempt == 1 {
+                                stock_locked.notify_one();
+                                record_locked.notified().await;
+                            }
+                            Ok::<usize, String>(attempt)
                         }
-                        Ok::<usize, String>(attempt)
+                        .await)
                     })
                 })
                 .await
@@ -665,16 +693,20 @@ async fn long_work(level: Isolation) {
                 .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, ctx| {
                     let (orders, key, started) = (orders.clone(), k.clone(), started.clone());
                     Box::pin(async move {
-                        // Take the snapshot (REPEATABLE READ) before any heartbeat.
-                        let _: i64 =
-                            sqlx::query_scalar("SELECT COUNT(*) FROM information_schema.TABLES")
-                                .fetch_one(&mut *tx)
-                                .await
-                                .map_err(|e| e.to_string())?;
-                        insert_order(tx, &orders, &key, "long").await?;
-                        started.notify_one();
-                        tokio::time::sleep(Duration::from_millis(3500)).await;
-                        Ok::<u64, String>(ctx.token.0)
+                        Ok(async move {
+                            // Take the snapshot (REPEATABLE READ) before any heartbeat.
+                            let _: i64 = sqlx::query_scalar(
+                                "SELECT COUNT(*) FROM information_schema.TABLES",
+                            )
+                            .fetch_one(&mut *tx)
+                            .await
+                            .map_err(|e| e.to_string())?;
+                            insert_order(tx, &orders, &key, "long").await?;
+                            started.notify_one();
+                            tokio::time::sleep(Duration::from_millis(3500)).await;
+                            Ok::<u64, String>(ctx.token.0)
+                        }
+                        .await)
                     })
                 })
                 .await
@@ -688,7 +720,7 @@ async fn long_work(level: Isolation) {
     while Instant::now() < until {
         let dup = engine
             .run_in_transaction(&key, &scope(), &fingerprint(), |_tx, _ctx| {
-                Box::pin(async { Ok::<u64, String>(0) })
+                Box::pin(async { Ok(async move { Ok::<u64, String>(0) }.await) })
             })
             .await;
         assert!(
@@ -768,8 +800,11 @@ async fn lost_at_commit(level: Isolation, committed: bool) {
         .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, ctx| {
             let (orders, key) = (o.clone(), k.clone());
             Box::pin(async move {
-                insert_order(tx, &orders, &key, "holder").await?;
-                Ok::<u64, String>(ctx.token.0)
+                Ok(async move {
+                    insert_order(tx, &orders, &key, "holder").await?;
+                    Ok::<u64, String>(ctx.token.0)
+                }
+                .await)
             })
         })
         .await;
@@ -787,7 +822,9 @@ async fn lost_at_commit(level: Isolation, committed: bool) {
         );
         let replay = engine
             .run_in_transaction(&key, &scope(), &fingerprint(), |_tx, _ctx| {
-                Box::pin(async { panic!("a completed key must not run again") })
+                Box::pin(async {
+                    Ok(async move { panic!("a completed key must not run again") }.await)
+                })
             })
             .await
             .unwrap();
@@ -805,8 +842,11 @@ async fn lost_at_commit(level: Isolation, committed: bool) {
         .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, ctx| {
             let (orders, key) = (o.clone(), k.clone());
             Box::pin(async move {
-                insert_order(tx, &orders, &key, "too early").await?;
-                Ok::<u64, String>(ctx.token.0)
+                Ok(async move {
+                    insert_order(tx, &orders, &key, "too early").await?;
+                    Ok::<u64, String>(ctx.token.0)
+                }
+                .await)
             })
         })
         .await;
@@ -822,8 +862,11 @@ async fn lost_at_commit(level: Isolation, committed: bool) {
             .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, ctx| {
                 let (orders, key) = (o.clone(), k.clone());
                 Box::pin(async move {
-                    insert_order(tx, &orders, &key, "retry").await?;
-                    Ok::<u64, String>(ctx.token.0)
+                    Ok(async move {
+                        insert_order(tx, &orders, &key, "retry").await?;
+                        Ok::<u64, String>(ctx.token.0)
+                    }
+                    .await)
                 })
             })
             .await
@@ -878,20 +921,24 @@ async fn nested_begin_in_the_work_is_a_savepoint() {
             move |tx, _ctx| {
                 let orders = orders.clone();
                 Box::pin(async move {
-                    let insert = format!("INSERT INTO {orders} (ref, placed_by) VALUES (?, 'w')");
-                    sqlx::query(&insert)
-                        .bind("kept")
-                        .execute(&mut *tx)
-                        .await
-                        .unwrap();
-                    let mut inner = tx.begin().await.unwrap();
-                    sqlx::query(&insert)
-                        .bind("undone")
-                        .execute(&mut *inner)
-                        .await
-                        .unwrap();
-                    inner.rollback().await.unwrap();
-                    Ok::<u64, String>(1)
+                    Ok(async move {
+                        let insert =
+                            format!("INSERT INTO {orders} (ref, placed_by) VALUES (?, 'w')");
+                        sqlx::query(&insert)
+                            .bind("kept")
+                            .execute(&mut *tx)
+                            .await
+                            .unwrap();
+                        let mut inner = tx.begin().await.unwrap();
+                        sqlx::query(&insert)
+                            .bind("undone")
+                            .execute(&mut *inner)
+                            .await
+                            .unwrap();
+                        inner.rollback().await.unwrap();
+                        Ok::<u64, String>(1)
+                    }
+                    .await)
                 })
             },
         )
@@ -912,4 +959,281 @@ async fn nested_begin_in_the_work_is_a_savepoint() {
         .unwrap()
         .unwrap();
     assert_eq!(record.status, RecordStatus::Completed);
+}
+
+// ---------------------------------------------------------------------------------------------
+// A deadlock in the work's own statements: the work locks stock row 1, then waits for row 2,
+// which a heavier transaction holds while it waits for row 1. InnoDB rolls the work's
+// transaction back (1213); the whole transaction runs again, as after a deadlock in the
+// completion, and the error is never returned as the work's answer.
+
+async fn the_works_own_deadlock(level: Isolation) {
+    let rig = setup(level, 6).await;
+    let stock_guard = TableGuard::new();
+    let stock: Arc<str> = format!("`{}`", stock_guard.table).into();
+    common::exec(&format!(
+        "CREATE TABLE {stock} (id INT PRIMARY KEY, sold INT NOT NULL, touched INT NOT NULL,
+             pad VARCHAR(64) NULL) ENGINE = InnoDB"
+    ))
+    .await;
+    common::exec(&format!(
+        "INSERT INTO {stock} VALUES (1, 0, 0, NULL), (2, 0, 0, NULL)"
+    ))
+    .await;
+    let policy = Policy::default()
+        .lease(Duration::from_secs(30))
+        .heartbeat(None);
+    let engine = MysqlIdempotency::new(rig.store.clone(), policy).unwrap();
+    let key = IdempotencyKey::random();
+    let attempts = Arc::new(AtomicUsize::new(0));
+    let row1_locked = Arc::new(Notify::new());
+    let row2_locked = Arc::new(Notify::new());
+    let holder = {
+        let (engine, key, attempts, stock, row1_locked, row2_locked) = (
+            engine.clone(),
+            key.clone(),
+            attempts.clone(),
+            stock.clone(),
+            row1_locked.clone(),
+            row2_locked.clone(),
+        );
+        tokio::spawn(async move {
+            engine
+                .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, _ctx| {
+                    let (attempts, stock, row1_locked, row2_locked) = (
+                        attempts.clone(),
+                        stock.clone(),
+                        row1_locked.clone(),
+                        row2_locked.clone(),
+                    );
+                    Box::pin(async move {
+                        let attempt = attempts.fetch_add(1, Ordering::SeqCst) + 1;
+                        let sell = |row: i32| {
+                            format!("UPDATE {stock} SET sold = sold + 1 WHERE id = {row}")
+                        };
+                        sqlx::query(&sell(1)).execute(&mut *tx).await?;
+                        if attempt == 1 {
+                            row1_locked.notify_one();
+                            row2_locked.notified().await;
+                        }
+                        sqlx::query(&sell(2)).execute(&mut *tx).await?;
+                        Ok(Ok::<usize, String>(attempt))
+                    })
+                })
+                .await
+        })
+    };
+    row1_locked.notified().await;
+    // The other transaction: heavy (200 rows written), then row 2, then row 1.
+    let mut other = common::admin().await;
+    other
+        .execute(format!("SET SESSION TRANSACTION ISOLATION LEVEL {}", level.sql()).as_str())
+        .await
+        .unwrap();
+    let mut tx = other.begin().await.unwrap();
+    for i in 0..200 {
+        sqlx::query(&format!("INSERT INTO {stock} VALUES (?, 0, 0, 'padding')"))
+            .bind(1000 + i)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+    }
+    sqlx::query(&format!(
+        "UPDATE {stock} SET touched = touched + 1 WHERE id = 2"
+    ))
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    row2_locked.notify_one();
+    sqlx::query(&format!(
+        "UPDATE {stock} SET touched = touched + 1 WHERE id = 1"
+    ))
+    .execute(&mut *tx)
+    .await
+    .expect("InnoDB picks the lighter transaction, the work's, as the victim");
+    tx.commit().await.unwrap();
+    let _ = other.close().await;
+    let outcome = holder
+        .await
+        .expect("task")
+        .expect("the work's deadlock is not an error of the call");
+    assert_eq!(
+        outcome,
+        Outcome::Fresh(Ok(2)),
+        "{level:?}: the work's deadlock ran the transaction again"
+    );
+    assert_eq!(attempts.load(Ordering::SeqCst), 2, "{level:?}");
+    let mut conn = common::admin().await;
+    let rows: Vec<(i32, i32)> = sqlx::query_as(&format!(
+        "SELECT sold, touched FROM {stock} WHERE id IN (1, 2) ORDER BY id"
+    ))
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(
+        rows,
+        vec![(1, 1), (1, 1)],
+        "{level:?}: each transaction's effect landed once"
+    );
+    drop(stock_guard);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_works_own_deadlock_runs_the_transaction_again() {
+    for level in [
+        Isolation::ReadCommitted,
+        Isolation::RepeatableRead,
+        Isolation::Serializable,
+    ] {
+        the_works_own_deadlock(level).await;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// MariaDB's snapshot isolation (`innodb_snapshot_isolation`, on by default from 11.8): at
+// REPEATABLE READ a write to a row another transaction changed after this one's snapshot
+// fails with 1020 ("Record has changed since last read").
+
+/// A store whose sessions run at REPEATABLE READ with `innodb_snapshot_isolation` on.
+async fn snapshot_store() -> (MysqlStore, TableGuard) {
+    let guard = TableGuard::new();
+    let pool = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(6)
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                conn.execute("SET SESSION TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+                    .await?;
+                conn.execute("SET SESSION innodb_snapshot_isolation = ON")
+                    .await?;
+                Ok(())
+            })
+        })
+        .connect_with(common::options())
+        .await
+        .unwrap();
+    let store = MysqlStore::builder()
+        .table(&guard.table)
+        .build(pool)
+        .unwrap();
+    store.migrate().await.unwrap();
+    (store, guard)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_works_own_snapshot_conflict_runs_the_transaction_again() {
+    let (store, _records) = snapshot_store().await;
+    let accounts_guard = TableGuard::new();
+    let accounts: Arc<str> = format!("`{}`", accounts_guard.table).into();
+    common::exec(&format!(
+        "CREATE TABLE {accounts} (id INT PRIMARY KEY, balance BIGINT NOT NULL) ENGINE = InnoDB"
+    ))
+    .await;
+    common::exec(&format!("INSERT INTO {accounts} VALUES (1, 100)")).await;
+    let engine = MysqlIdempotency::new(store.clone(), Policy::default()).unwrap();
+    let (read, paid) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    // A concurrent payment of 1 that commits between the work's first read and its write.
+    let payer = {
+        let (accounts, read, paid) = (accounts.clone(), read.clone(), paid.clone());
+        tokio::spawn(async move {
+            read.notified().await;
+            let mut conn = common::admin().await;
+            let pay = format!("UPDATE {accounts} SET balance = balance - 1 WHERE id = 1");
+            sqlx::query(&pay).execute(&mut conn).await.unwrap();
+            paid.notify_one();
+        })
+    };
+    let runs = Arc::new(AtomicUsize::new(0));
+    let key = IdempotencyKey::random();
+    let outcome = engine
+        .run_in_transaction(&key, &scope(), &fingerprint(), |tx, _ctx| {
+            let (accounts, runs, read, paid) =
+                (accounts.clone(), runs.clone(), read.clone(), paid.clone());
+            Box::pin(async move {
+                let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                let select = format!("SELECT balance FROM {accounts} WHERE id = 1");
+                let row = sqlx::query(&select).fetch_one(&mut *tx).await?;
+                let balance: i64 = sqlx::Row::try_get(&row, 0)?;
+                if run == 1 {
+                    read.notify_one();
+                    paid.notified().await;
+                }
+                let write = format!("UPDATE {accounts} SET balance = ? WHERE id = 1");
+                sqlx::query(&write)
+                    .bind(balance - 10)
+                    .execute(&mut *tx)
+                    .await?;
+                Ok(Ok::<i64, String>(balance - 10))
+            })
+        })
+        .await
+        .expect("the work's conflict is not an error of the call");
+    payer.await.unwrap();
+    assert_eq!(outcome, Outcome::Fresh(Ok(89)));
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "runs of the work");
+    let mut conn = common::admin().await;
+    let balance: i64 = sqlx::query_scalar(&format!("SELECT balance FROM {accounts} WHERE id = 1"))
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(balance, 89, "both payments land, once each");
+    drop(accounts_guard);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_work_under_snapshot_isolation_is_refused_with_a_typed_error() {
+    let (store, _records) = snapshot_store().await;
+    let rig_orders = TableGuard::new();
+    let orders: Arc<str> = format!("`{}`", rig_orders.table).into();
+    common::exec(&format!(
+        "CREATE TABLE {orders} (id BIGINT AUTO_INCREMENT PRIMARY KEY, ref VARCHAR(255) NOT NULL,
+             placed_by VARCHAR(64) NOT NULL) ENGINE = InnoDB"
+    ))
+    .await;
+    let policy = Policy::default().lease(Duration::from_millis(400));
+    let engine = MysqlIdempotency::new(store.clone(), policy).unwrap();
+    let key = IdempotencyKey::random();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let outcome = engine
+        .run_in_transaction(&key, &scope(), &fingerprint(), |tx, _ctx| {
+            let (orders, key, runs) = (orders.clone(), key.clone(), runs.clone());
+            Box::pin(async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                // A read first: the transaction's snapshot is taken here.
+                let count = format!("SELECT COUNT(*) FROM {orders}");
+                sqlx::query(&count).fetch_one(&mut *tx).await?;
+                // Work for several leases: the heartbeat extends the record meanwhile.
+                tokio::time::sleep(Duration::from_millis(1_500)).await;
+                let insert = format!("INSERT INTO {orders} (ref, placed_by) VALUES (?, 'long')");
+                sqlx::query(&insert)
+                    .bind(key.as_str())
+                    .execute(&mut *tx)
+                    .await?;
+                Ok(Ok::<u32, String>(1))
+            })
+        })
+        .await;
+    // The heartbeat extended the record after the work's first read: the completion is
+    // refused with a typed error that says what to change, at once (not after running the
+    // work again), nothing commits and the key is released for a retry.
+    let error = outcome.expect_err("the completion cannot be written under snapshot isolation");
+    assert!(
+        matches!(
+            MysqlError::find(&error),
+            Some(MysqlError::SnapshotIsolation { .. })
+        ),
+        "{error:?}"
+    );
+    assert!(!error.is_retryable(), "{error:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "runs of the work");
+    assert!(
+        orders_for(&orders, &key).await.is_empty(),
+        "nothing commits"
+    );
+    let record = store
+        .get(&RecordId::new(scope(), key.clone()))
+        .await
+        .unwrap()
+        .expect("the record");
+    assert_eq!(record.status, RecordStatus::Failed, "released: {record:?}");
+    drop(rig_orders);
 }

@@ -110,8 +110,11 @@ async fn a_partition_during_an_exactly_once_transaction_hangs_nothing() {
         engine.run_in_transaction(&key, &scope, &fp, move |_tx, _ctx| {
             let cutter = cutter.clone();
             Box::pin(async move {
-                cutter.hold_replies();
-                Ok::<_, String>(7u32)
+                Ok(async move {
+                    cutter.hold_replies();
+                    Ok::<_, String>(7u32)
+                }
+                .await)
             })
         }),
     )
@@ -170,12 +173,15 @@ async fn a_partition_at_the_commit_keeps_the_order_and_the_completion_together()
                     .run_in_transaction(&key, &scope, &fingerprint, move |tx, ctx| {
                         let (orders, k) = (orders.clone(), k.clone());
                         Box::pin(async move {
-                            sqlx::query(&format!("INSERT INTO {orders} (ref) VALUES (?)"))
-                                .bind(k.as_str())
-                                .execute(&mut *tx)
-                                .await
-                                .map_err(|e| e.to_string())?;
-                            Ok::<u64, String>(ctx.token.0)
+                            Ok(async move {
+                                sqlx::query(&format!("INSERT INTO {orders} (ref) VALUES (?)"))
+                                    .bind(k.as_str())
+                                    .execute(&mut *tx)
+                                    .await
+                                    .map_err(|e| e.to_string())?;
+                                Ok::<u64, String>(ctx.token.0)
+                            }
+                            .await)
                         })
                     })
                     .await

@@ -269,15 +269,13 @@ fn insert_work(
 ) -> impl for<'c> FnMut(
     &'c mut sqlx::MySqlConnection,
     WorkContext,
-) -> BoxFuture<'c, Result<i32, String>>
+) -> BoxFuture<'c, Result<Result<i32, String>, sqlx::Error>>
        + Send {
     move |tx, _ctx| {
         let insert = insert.clone();
         Box::pin(async move {
-            tx.execute(sqlx::query(&insert))
-                .await
-                .map_err(|e| e.to_string())?;
-            Ok(1)
+            tx.execute(sqlx::query(&insert)).await?;
+            Ok(Ok(1))
         })
     }
 }

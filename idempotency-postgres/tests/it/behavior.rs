@@ -292,14 +292,17 @@ async fn transactional_engine_releases_on_error() {
             .run_in_transaction(&key, &scope, &fp, move |tx, ctx| {
                 let insert = insert.clone();
                 Box::pin(async move {
-                    tx.execute(insert.as_str())
-                        .await
-                        .map_err(|e| e.to_string())?;
-                    if fails {
-                        Err("card declined".to_owned())
-                    } else {
-                        Ok(ctx.token.0)
+                    Ok(async move {
+                        tx.execute(insert.as_str())
+                            .await
+                            .map_err(|e| e.to_string())?;
+                        if fails {
+                            Err("card declined".to_owned())
+                        } else {
+                            Ok(ctx.token.0)
+                        }
                     }
+                    .await)
                 })
             })
             .await

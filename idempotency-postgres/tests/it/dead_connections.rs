@@ -173,12 +173,15 @@ async fn transaction_after_restart(keep: bool) {
         .run_in_transaction(&key, &scope, &Fingerprint::from_bytes(b"x"), |tx, _ctx| {
             let (insert, key) = (insert.clone(), key.clone());
             Box::pin(async move {
-                sqlx::query(&insert)
-                    .bind(key.as_str())
-                    .execute(&mut *tx)
-                    .await
-                    .map(|_| 1u8)
-                    .map_err(|e| e.to_string())
+                Ok(async move {
+                    sqlx::query(&insert)
+                        .bind(key.as_str())
+                        .execute(&mut *tx)
+                        .await
+                        .map(|_| 1u8)
+                        .map_err(|e| e.to_string())
+                }
+                .await)
             })
         })
         .await;

@@ -118,12 +118,15 @@ async fn takeover_pair(engine: PostgresIdempotency, orders: Arc<str>) {
                         stale_token.clone(),
                     );
                     Box::pin(async move {
-                        insert_order(tx, &orders, &key, "stale").await?;
-                        stale_token.store(ctx.token.0, Ordering::SeqCst);
-                        started.notify_one();
-                        // Stall well past the 300 ms lease, transaction open.
-                        tokio::time::sleep(Duration::from_millis(800)).await;
-                        Ok::<u64, String>(ctx.token.0)
+                        Ok(async move {
+                            insert_order(tx, &orders, &key, "stale").await?;
+                            stale_token.store(ctx.token.0, Ordering::SeqCst);
+                            started.notify_one();
+                            // Stall well past the 300 ms lease, transaction open.
+                            tokio::time::sleep(Duration::from_millis(800)).await;
+                            Ok::<u64, String>(ctx.token.0)
+                        }
+                        .await)
                     })
                 })
                 .await
@@ -138,8 +141,11 @@ async fn takeover_pair(engine: PostgresIdempotency, orders: Arc<str>) {
         .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, ctx| {
             let (orders, key) = (o.clone(), k.clone());
             Box::pin(async move {
-                insert_order(tx, &orders, &key, "retry").await?;
-                Ok::<u64, String>(ctx.token.0)
+                Ok(async move {
+                    insert_order(tx, &orders, &key, "retry").await?;
+                    Ok::<u64, String>(ctx.token.0)
+                }
+                .await)
             })
         })
         .await
@@ -169,7 +175,9 @@ async fn takeover_pair(engine: PostgresIdempotency, orders: Arc<str>) {
     assert_eq!(record.token, stale_token.next());
     let replay = engine
         .run_in_transaction(&key, &scope(), &fingerprint(), |_tx, _ctx| {
-            Box::pin(async { panic!("a completed key must not run again") })
+            Box::pin(async {
+                Ok(async move { panic!("a completed key must not run again") }.await)
+            })
         })
         .await
         .expect("replay");
@@ -243,11 +251,14 @@ async fn dropped_during_work(engine: PostgresIdempotency, orders: Arc<str>) {
                     let (orders, key, inserted, token) =
                         (orders.clone(), k.clone(), inserted.clone(), token.clone());
                     Box::pin(async move {
-                        insert_order(tx, &orders, &key, "dropped").await?;
-                        token.store(ctx.token.0, Ordering::SeqCst);
-                        inserted.notify_one();
-                        std::future::pending::<()>().await;
-                        Ok::<u64, String>(0)
+                        Ok(async move {
+                            insert_order(tx, &orders, &key, "dropped").await?;
+                            token.store(ctx.token.0, Ordering::SeqCst);
+                            inserted.notify_one();
+                            std::future::pending::<()>().await;
+                            Ok::<u64, String>(0)
+                        }
+                        .await)
                     })
                 })
                 .await
@@ -314,8 +325,11 @@ async fn retry_runs_once(
         .run_in_transaction(key, &scope(), &fingerprint(), move |tx, ctx| {
             let (orders, key) = (o.clone(), k.clone());
             Box::pin(async move {
-                insert_order(tx, &orders, &key, "retry").await?;
-                Ok::<u64, String>(ctx.token.0)
+                Ok(async move {
+                    insert_order(tx, &orders, &key, "retry").await?;
+                    Ok::<u64, String>(ctx.token.0)
+                }
+                .await)
             })
         })
         .await
@@ -608,21 +622,24 @@ async fn killed_connection_through_engine_helper() {
             .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, _ctx| {
                 let (orders, key) = (o.clone(), k.clone());
                 Box::pin(async move {
-                    insert_order(tx, &orders, &key, "killed").await?;
-                    // Kill our own backend from a second connection while the transaction
-                    // holds the insert.
-                    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
-                        .fetch_one(&mut *tx)
-                        .await
-                        .map_err(|e| e.to_string())?;
-                    let mut admin = common::admin().await;
-                    let _: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
-                        .bind(pid)
-                        .fetch_one(&mut admin)
-                        .await
-                        .map_err(|e| e.to_string())?;
-                    insert_order(tx, &orders, &key, "killed").await?;
-                    Ok::<u64, String>(0)
+                    Ok(async move {
+                        insert_order(tx, &orders, &key, "killed").await?;
+                        // Kill our own backend from a second connection while the transaction
+                        // holds the insert.
+                        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+                            .fetch_one(&mut *tx)
+                            .await
+                            .map_err(|e| e.to_string())?;
+                        let mut admin = common::admin().await;
+                        let _: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+                            .bind(pid)
+                            .fetch_one(&mut admin)
+                            .await
+                            .map_err(|e| e.to_string())?;
+                        insert_order(tx, &orders, &key, "killed").await?;
+                        Ok::<u64, String>(0)
+                    }
+                    .await)
                 })
             })
             .await;
@@ -681,12 +698,15 @@ async fn long_work(level: Isolation) {
                         inserted.clone(),
                     );
                     Box::pin(async move {
-                        runs.fetch_add(1, Ordering::SeqCst);
-                        insert_order(tx, &orders, &key, "long").await?;
-                        token.store(ctx.token.0, Ordering::SeqCst);
-                        inserted.notify_one();
-                        tokio::time::sleep(LONG_WORK).await;
-                        Ok::<u64, String>(ctx.token.0)
+                        Ok(async move {
+                            runs.fetch_add(1, Ordering::SeqCst);
+                            insert_order(tx, &orders, &key, "long").await?;
+                            token.store(ctx.token.0, Ordering::SeqCst);
+                            inserted.notify_one();
+                            tokio::time::sleep(LONG_WORK).await;
+                            Ok::<u64, String>(ctx.token.0)
+                        }
+                        .await)
                     })
                 })
                 .await
@@ -717,8 +737,11 @@ async fn long_work(level: Isolation) {
                 .run_in_transaction(&key, &scope(), &fingerprint(), move |_tx, _ctx| {
                     let runs = runs.clone();
                     Box::pin(async move {
-                        runs.fetch_add(1, Ordering::SeqCst);
-                        Ok::<u64, String>(0)
+                        Ok(async move {
+                            runs.fetch_add(1, Ordering::SeqCst);
+                            Ok::<u64, String>(0)
+                        }
+                        .await)
                     })
                 })
                 .await
@@ -785,10 +808,13 @@ async fn long_work_short_ttl(level: Isolation) {
             .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, _ctx| {
                 let (orders, key, runs) = (orders.clone(), k.clone(), runs.clone());
                 Box::pin(async move {
-                    runs.fetch_add(1, Ordering::SeqCst);
-                    tokio::time::sleep(Duration::from_secs(3)).await;
-                    insert_order(tx, &orders, &key, "slow").await?;
-                    Ok::<u8, String>(7)
+                    Ok(async move {
+                        runs.fetch_add(1, Ordering::SeqCst);
+                        tokio::time::sleep(Duration::from_secs(3)).await;
+                        insert_order(tx, &orders, &key, "slow").await?;
+                        Ok::<u8, String>(7)
+                    }
+                    .await)
                 })
             })
             .await
@@ -867,17 +893,20 @@ async fn duplicates_of_a_held_key(level: Isolation) {
                         finish.clone(),
                     );
                     Box::pin(async move {
-                        insert_order(tx, &orders, &key, "holder").await?;
-                        token.store(ctx.token.0, Ordering::SeqCst);
-                        inserted.notify_one();
-                        // Works until the duplicates have all been answered.
-                        for _ in 0..6_000 {
-                            if finish.load(Ordering::SeqCst) {
-                                break;
+                        Ok(async move {
+                            insert_order(tx, &orders, &key, "holder").await?;
+                            token.store(ctx.token.0, Ordering::SeqCst);
+                            inserted.notify_one();
+                            // Works until the duplicates have all been answered.
+                            for _ in 0..6_000 {
+                                if finish.load(Ordering::SeqCst) {
+                                    break;
+                                }
+                                tokio::time::sleep(Duration::from_millis(10)).await;
                             }
-                            tokio::time::sleep(Duration::from_millis(10)).await;
+                            Ok::<u64, String>(ctx.token.0)
                         }
-                        Ok::<u64, String>(ctx.token.0)
+                        .await)
                     })
                 })
                 .await
@@ -896,8 +925,11 @@ async fn duplicates_of_a_held_key(level: Isolation) {
                 engine.run_in_transaction(&key, &scope(), &fingerprint(), move |_tx, _ctx| {
                     let runs = runs.clone();
                     Box::pin(async move {
-                        runs.fetch_add(1, Ordering::SeqCst);
-                        Ok::<u64, String>(0)
+                        Ok(async move {
+                            runs.fetch_add(1, Ordering::SeqCst);
+                            Ok::<u64, String>(0)
+                        }
+                        .await)
                     })
                 }),
             )
@@ -1266,14 +1298,17 @@ fn counted_insert(
 ) -> impl for<'c> FnMut(
     &'c mut PgConnection,
     idempotency_core::WorkContext,
-) -> futures::future::BoxFuture<'c, Result<u64, String>>
+) -> futures::future::BoxFuture<'c, Result<Result<u64, String>, sqlx::Error>>
        + Send {
     move |tx, ctx| {
         let (orders, key, runs) = (orders.clone(), key.clone(), runs.clone());
         Box::pin(async move {
             runs.fetch_add(1, Ordering::SeqCst);
-            insert_order(tx, &orders, &key, placed_by).await?;
-            Ok::<u64, String>(ctx.token.0)
+            Ok(async move {
+                insert_order(tx, &orders, &key, placed_by).await?;
+                Ok::<u64, String>(ctx.token.0)
+            }
+            .await)
         })
     }
 }
@@ -1290,7 +1325,7 @@ fn insert_ref(
 ) -> impl for<'c> FnMut(
     &'c mut PgConnection,
     idempotency_core::WorkContext,
-) -> futures::future::BoxFuture<'c, Result<(), String>>
+) -> futures::future::BoxFuture<'c, Result<Result<(), String>, sqlx::Error>>
        + Send {
     move |tx, _ctx| {
         let refs = refs.clone();
@@ -1298,9 +1333,8 @@ fn insert_ref(
             sqlx::query(&format!("INSERT INTO {refs} (ref) VALUES ($1)"))
                 .bind(value)
                 .execute(tx)
-                .await
-                .map(|_| ())
-                .map_err(|e| e.to_string())
+                .await?;
+            Ok(Ok(()))
         })
     }
 }
@@ -1350,4 +1384,146 @@ async fn a_deferred_constraint_at_commit_releases_the_key() {
     ] {
         deferred_violation_at_commit(level).await;
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The work's own serialization failure (its UPDATE of a row a concurrent transaction changed
+// after the transaction's snapshot) runs the whole transaction again, as a conflict in the
+// completion or the commit does: it is never returned as the work's answer, and the effect
+// lands once, computed from what the second run read.
+
+/// A work that reads account 1's balance and writes it back less 10, returning the new
+/// balance. On its first run it says it has `read` and waits until told it was `paid`.
+fn pay_ten(
+    accounts: Arc<str>,
+    runs: Arc<AtomicUsize>,
+    read: Arc<Notify>,
+    paid: Arc<Notify>,
+) -> impl for<'c> FnMut(
+    &'c mut PgConnection,
+    idempotency_core::WorkContext,
+) -> futures::future::BoxFuture<'c, Result<Result<i64, String>, sqlx::Error>>
+       + Send {
+    move |tx, _ctx| {
+        let (accounts, runs) = (accounts.clone(), runs.clone());
+        let (read, paid) = (read.clone(), paid.clone());
+        Box::pin(async move {
+            let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
+            let select = format!("SELECT balance FROM {accounts} WHERE id = 1");
+            let row = sqlx::query(&select).fetch_one(&mut *tx).await?;
+            let balance: i64 = sqlx::Row::try_get(&row, 0)?;
+            if run == 1 {
+                // A concurrent payment commits between the work's read and its write.
+                read.notify_one();
+                paid.notified().await;
+            }
+            let write = format!("UPDATE {accounts} SET balance = $1 WHERE id = 1");
+            sqlx::query(&write)
+                .bind(balance - 10)
+                .execute(&mut *tx)
+                .await?;
+            Ok(Ok(balance - 10))
+        })
+    }
+}
+
+async fn the_works_own_conflict(level: Isolation) {
+    let (store, guard, _orders) = setup(level, 4).await;
+    let accounts: Arc<str> = format!(r#""{}".accounts"#, guard.schema).into();
+    common::exec(&format!(
+        "CREATE TABLE {accounts} (id int PRIMARY KEY, balance bigint NOT NULL)"
+    ))
+    .await;
+    common::exec(&format!("INSERT INTO {accounts} VALUES (1, 100)")).await;
+    let engine = PostgresIdempotency::new(store.clone(), Policy::default()).unwrap();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let key = IdempotencyKey::random();
+    let (read, paid) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    // A concurrent payment of 1 that commits between the work's first read and its write.
+    let payer = {
+        let (accounts, read, paid) = (accounts.clone(), read.clone(), paid.clone());
+        tokio::spawn(async move {
+            read.notified().await;
+            let mut conn = common::admin().await;
+            let pay = format!("UPDATE {accounts} SET balance = balance - 1 WHERE id = 1");
+            sqlx::query(&pay).execute(&mut conn).await.unwrap();
+            paid.notify_one();
+        })
+    };
+    let work = pay_ten(accounts.clone(), runs.clone(), read, paid);
+    let outcome = engine
+        .run_in_transaction(&key, &scope(), &fingerprint(), work)
+        .await
+        .expect("the work's conflict is not an error of the call");
+    payer.await.unwrap();
+    assert_eq!(
+        outcome,
+        Outcome::Fresh(Ok(89)),
+        "{level:?}: the work's serialization failure was not run again"
+    );
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        2,
+        "{level:?}: runs of the work"
+    );
+    let mut conn = common::admin().await;
+    let balance: i64 = sqlx::query_scalar(&format!("SELECT balance FROM {accounts} WHERE id = 1"))
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(balance, 89, "{level:?}: both payments land, once each");
+    let replay = engine
+        .run_in_transaction(&key, &scope(), &fingerprint(), |_tx, _ctx| {
+            Box::pin(async { Ok(async move { Ok::<i64, String>(0) }.await) })
+        })
+        .await
+        .unwrap();
+    assert_eq!(replay, Outcome::Replayed(Ok(89)), "{level:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_works_own_serialization_failure_runs_the_transaction_again() {
+    // At READ COMMITTED the write reads the committed row and nothing fails to serialize.
+    for level in [Isolation::RepeatableRead, Isolation::Serializable] {
+        the_works_own_conflict(level).await;
+    }
+}
+
+// Any other database error of the work's own statements (a unique key it breaks) ends the
+// transaction without running it again: nothing committed, so the key is released, and the
+// caller gets the driver's error as the source of `Error::Backend`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_works_own_database_error_releases_the_key_and_is_returned() {
+    let (store, guard, _orders) = setup(Isolation::ReadCommitted, 4).await;
+    let refs = format!(r#""{}".refs"#, guard.schema);
+    common::exec(&format!("CREATE TABLE {refs} (ref text UNIQUE)")).await;
+    common::exec(&format!("INSERT INTO {refs} (ref) VALUES ('taken')")).await;
+    let engine = PostgresIdempotency::new(store.clone(), Policy::default()).unwrap();
+    let key = IdempotencyKey::random();
+    let refs: Arc<str> = refs.into();
+    let error = engine
+        .run_in_transaction(
+            &key,
+            &scope(),
+            &fingerprint(),
+            insert_ref(refs.clone(), "taken"),
+        )
+        .await
+        .expect_err("a unique violation in the work is the call's error");
+    let source = error.find_source::<sqlx::Error>();
+    assert!(
+        matches!(source, Some(sqlx::Error::Database(db)) if db.code().as_deref() == Some("23505")),
+        "{error:?}"
+    );
+    let record = store
+        .get(&RecordId::new(scope(), key.clone()))
+        .await
+        .unwrap()
+        .expect("the record");
+    assert_eq!(record.status, RecordStatus::Failed, "released: {record:?}");
+    let retried = engine
+        .run_in_transaction(&key, &scope(), &fingerprint(), insert_ref(refs, "free"))
+        .await
+        .expect("the retry runs");
+    assert_eq!(retried, Outcome::Fresh(Ok(())));
 }

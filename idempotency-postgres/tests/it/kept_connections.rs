@@ -319,11 +319,14 @@ async fn transactions_get_connections_the_store_keeps() {
                     .run_in_transaction(&key, scope, fp, move |tx, _ctx| {
                         let insert = insert.clone();
                         Box::pin(async move {
-                            sqlx::query(&insert)
-                                .execute(&mut *tx)
-                                .await
-                                .map_err(|e| e.to_string())?;
-                            Ok::<_, String>(1)
+                            Ok(async move {
+                                sqlx::query(&insert)
+                                    .execute(&mut *tx)
+                                    .await
+                                    .map_err(|e| e.to_string())?;
+                                Ok::<_, String>(1)
+                            }
+                            .await)
                         })
                     })
                     .await

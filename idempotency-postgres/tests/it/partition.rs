@@ -97,12 +97,15 @@ async fn a_partition_at_the_commit_keeps_the_order_and_the_completion_together()
                     .run_in_transaction(&key, &scope, &fingerprint, move |tx, ctx| {
                         let (orders, k) = (orders.clone(), k.clone());
                         Box::pin(async move {
-                            sqlx::query(&format!("INSERT INTO {orders} (ref) VALUES ($1)"))
-                                .bind(k.as_str())
-                                .execute(&mut *tx)
-                                .await
-                                .map_err(|e| e.to_string())?;
-                            Ok::<u64, String>(ctx.token.0)
+                            Ok(async move {
+                                sqlx::query(&format!("INSERT INTO {orders} (ref) VALUES ($1)"))
+                                    .bind(k.as_str())
+                                    .execute(&mut *tx)
+                                    .await
+                                    .map_err(|e| e.to_string())?;
+                                Ok::<u64, String>(ctx.token.0)
+                            }
+                            .await)
                         })
                     })
                     .await

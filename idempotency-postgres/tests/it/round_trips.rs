@@ -378,15 +378,16 @@ async fn round_trips(kind: PoolKind) {
 /// Work that inserts one row through the transaction it is given.
 fn insert_work(
     insert: Arc<str>,
-) -> impl for<'c> FnMut(&'c mut sqlx::PgConnection, WorkContext) -> BoxFuture<'c, Result<i32, String>>
+) -> impl for<'c> FnMut(
+    &'c mut sqlx::PgConnection,
+    WorkContext,
+) -> BoxFuture<'c, Result<Result<i32, String>, sqlx::Error>>
        + Send {
     move |tx, _ctx| {
         let insert = insert.clone();
         Box::pin(async move {
-            tx.execute(sqlx::query(&insert))
-                .await
-                .map_err(|e| e.to_string())?;
-            Ok(1)
+            tx.execute(sqlx::query(&insert)).await?;
+            Ok(Ok(1))
         })
     }
 }

@@ -331,7 +331,7 @@ async fn extreme_durations_clamp() {
             );
             let out = engine
                 .run_in_transaction(&key, &scope, &fp, |_tx, _ctx| {
-                    Box::pin(async { Ok::<_, String>(7) })
+                    Box::pin(async { Ok(async move { Ok::<_, String>(7) }.await) })
                 })
                 .await
                 .unwrap();

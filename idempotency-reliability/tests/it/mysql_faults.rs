@@ -292,19 +292,22 @@ async fn killed_during_exactly_once_never_lost_never_twice() {
                 .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, ctx| {
                     let (effects, k) = (effects.clone(), k.clone());
                     Box::pin(async move {
-                        sqlx::query(&format!(
-                            "INSERT INTO {effects} (`key`, token) VALUES (?, ?)"
-                        ))
-                        .bind(k.as_str())
-                        .bind(i64::try_from(ctx.token.0).map_err(|e| e.to_string())?)
-                        .execute(&mut *tx)
-                        .await
-                        .map_err(|e| e.to_string())?;
-                        sqlx::query("DO SLEEP(0.02)")
+                        Ok(async move {
+                            sqlx::query(&format!(
+                                "INSERT INTO {effects} (`key`, token) VALUES (?, ?)"
+                            ))
+                            .bind(k.as_str())
+                            .bind(i64::try_from(ctx.token.0).map_err(|e| e.to_string())?)
                             .execute(&mut *tx)
                             .await
                             .map_err(|e| e.to_string())?;
-                        Ok::<u64, String>(ctx.token.0)
+                            sqlx::query("DO SLEEP(0.02)")
+                                .execute(&mut *tx)
+                                .await
+                                .map_err(|e| e.to_string())?;
+                            Ok::<u64, String>(ctx.token.0)
+                        }
+                        .await)
                     })
                 })
                 .await

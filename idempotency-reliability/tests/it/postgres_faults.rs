@@ -248,15 +248,18 @@ async fn kill_commit_once(schema: &str, effects: Arc<str>, lease: Duration) -> S
                 .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, ctx| {
                     let (effects, k) = (effects.clone(), k.clone());
                     Box::pin(async move {
-                        sqlx::query(&format!(
-                            "INSERT INTO {effects} (key, token) VALUES ($1, $2)"
-                        ))
-                        .bind(k.as_str())
-                        .bind(i64::try_from(ctx.token.0).expect("small token"))
-                        .execute(&mut *tx)
-                        .await
-                        .map_err(|e| e.to_string())?;
-                        Ok::<u64, String>(ctx.token.0)
+                        Ok(async move {
+                            sqlx::query(&format!(
+                                "INSERT INTO {effects} (key, token) VALUES ($1, $2)"
+                            ))
+                            .bind(k.as_str())
+                            .bind(i64::try_from(ctx.token.0).expect("small token"))
+                            .execute(&mut *tx)
+                            .await
+                            .map_err(|e| e.to_string())?;
+                            Ok::<u64, String>(ctx.token.0)
+                        }
+                        .await)
                     })
                 })
                 .await
@@ -461,7 +464,7 @@ async fn cancelled_begin_leaves_no_transaction_open() {
         let _ = tokio::time::timeout(
             deadline,
             engine.run_in_transaction(&key, &scope(), &fingerprint(), move |_tx, _ctx| {
-                Box::pin(async move { Ok::<u64, String>(i) })
+                Box::pin(async move { Ok(async move { Ok::<u64, String>(i) }.await) })
             }),
         )
         .await;

@@ -69,17 +69,20 @@ impl Runner for MysqlTransactionalRunner {
                     let (work, effects, s, k) =
                         (work.clone(), effects.clone(), s.clone(), k.clone());
                     Box::pin(async move {
-                        let value = i64::try_from(work.value).map_err(|e| e.to_string())?;
-                        sqlx::query(&format!(
-                            "INSERT INTO {effects} (scope, `key`, value) VALUES (?, ?, ?)"
-                        ))
-                        .bind(s)
-                        .bind(k)
-                        .bind(value)
-                        .execute(&mut *tx)
-                        .await
-                        .map_err(|e| format!("{BUSINESS_WRITE_FAILED}: {e}"))?;
-                        work.perform().await
+                        Ok(async move {
+                            let value = i64::try_from(work.value).map_err(|e| e.to_string())?;
+                            sqlx::query(&format!(
+                                "INSERT INTO {effects} (scope, `key`, value) VALUES (?, ?, ?)"
+                            ))
+                            .bind(s)
+                            .bind(k)
+                            .bind(value)
+                            .execute(&mut *tx)
+                            .await
+                            .map_err(|e| format!("{BUSINESS_WRITE_FAILED}: {e}"))?;
+                            work.perform().await
+                        }
+                        .await)
                     })
                 })
                 .await
