@@ -51,10 +51,11 @@ impl Insert<idempotency_postgres::PostgresStore> for PostgresInsert {
     ) -> BoxFuture<'t, Result<Result<(), String>, Error>> {
         let sql = self.0.clone();
         Box::pin(async move {
-            let done = idempotency_postgres::sqlx::query(&sql)
+            idempotency_postgres::sqlx::query(&sql)
                 .execute(tx.connection())
-                .await;
-            Ok(done.map(|_| ()).map_err(|e| e.to_string()))
+                .await
+                .map_err(idempotency_postgres::database_error)?;
+            Ok(Ok(()))
         })
     }
 }
@@ -69,10 +70,11 @@ impl Insert<idempotency_mysql::MysqlStore> for MysqlInsert {
     ) -> BoxFuture<'t, Result<Result<(), String>, Error>> {
         let sql = self.0.clone();
         Box::pin(async move {
-            let done = idempotency_mysql::sqlx::query(&sql)
+            idempotency_mysql::sqlx::query(&sql)
                 .execute(tx.connection())
-                .await;
-            Ok(done.map(|_| ()).map_err(|e| e.to_string()))
+                .await
+                .map_err(idempotency_mysql::database_error)?;
+            Ok(Ok(()))
         })
     }
 }

@@ -380,10 +380,13 @@ where
 {
     /// A phase that writes through the store's transaction: `run` gets the transaction,
     /// the value of the phase before and the phase's context, and returns its value (or
-    /// `Err(error)` when the transaction broke under it). Its writes commit with the
-    /// recovery point (or, for the last phase, the completion), or not at all. Like the
-    /// work of [`Idempotency::run_in_transaction`], it runs again after a conflict with a
-    /// concurrent transaction, so it acts only through the transaction it is given.
+    /// `Err(error)` for a database error of its statements, or a transaction that broke
+    /// under it). Its writes commit with the recovery point (or, for the last phase, the
+    /// completion), or not at all. Like the work of [`Idempotency::run_in_transaction`], it
+    /// runs again after a conflict with a concurrent transaction
+    /// ([`TransactionalStore::is_conflict`] of its `Err`), so it acts only through the
+    /// transaction it is given and returns its database errors as `Err` (the SQL stores give
+    /// a `database_error` function that turns the driver's error into one).
     pub fn phase<N, F>(self, name: impl Into<String>, mut run: F) -> Phases<S, N, E>
     where
         N: Serialize + 'static,

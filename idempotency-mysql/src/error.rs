@@ -62,16 +62,19 @@ pub enum MysqlError {
         after: std::time::Duration,
     },
     /// MariaDB's snapshot isolation (`innodb_snapshot_isolation`, on by default from 11.8, at
-    /// REPEATABLE READ and SERIALIZABLE) refused to complete the record inside the work's
-    /// transaction (error 1020): the heartbeat extended the record's lease after the
-    /// transaction read its first row, so the work ran longer than one heartbeat interval.
-    /// Nothing committed and the key is released. Run the store's sessions at READ COMMITTED,
-    /// or with `innodb_snapshot_isolation` off (both in the pool's `after_connect`), to run
-    /// long work in a transaction.
+    /// REPEATABLE READ and SERIALIZABLE) refused to write the record inside the work's
+    /// transaction (error 1020): another session changed it after the transaction read its
+    /// first row, while it was still this holder's. The heartbeat extends it when the work runs
+    /// longer than one heartbeat interval, and with [`Policy::count_hits`](idempotency_core::Policy::count_hits)
+    /// every duplicate request counts a hit on it. Nothing committed and the key is released,
+    /// so a retry may succeed (it is retryable); for long work, or with hits counted, run the
+    /// store's sessions at READ COMMITTED, or with `innodb_snapshot_isolation` off (both in the
+    /// pool's `after_connect`).
     #[error(
-        "MariaDB's snapshot isolation refused to complete the record in {table}, which the \
-         heartbeat extended during the work's transaction (error 1020); run the store's \
-         sessions at READ COMMITTED or with innodb_snapshot_isolation off for long work"
+        "MariaDB's snapshot isolation refused to write the record in {table}, which changed \
+         during the work's transaction (error 1020: the heartbeat extended it, or a duplicate \
+         counted a hit); nothing committed; for long work run the store's sessions at READ \
+         COMMITTED or with innodb_snapshot_isolation off"
     )]
     SnapshotIsolation {
         /// The table name.
@@ -94,12 +97,11 @@ impl MysqlError {
     pub fn is_retryable(&self) -> bool {
         match self {
             Self::Connect { source } | Self::Database { source } => sqlx_retryable(source),
-            Self::NoAnswer { .. } => true,
+            Self::NoAnswer { .. } | Self::SnapshotIsolation { .. } => true,
             Self::InvalidName { .. }
             | Self::InvalidUrl { .. }
             | Self::MissingTable { .. }
-            | Self::TableShape { .. }
-            | Self::SnapshotIsolation { .. } => false,
+            | Self::TableShape { .. } => false,
         }
     }
 
@@ -202,12 +204,16 @@ pub(crate) enum Effect {
     Write,
 }
 
-/// A database error from the work's own statements inside an exactly-once transaction, as
-/// core sees it: [`Error::Backend`] with the sqlx error as its source, so that a conflict is
-/// told apart ([`is_conflict`](idempotency_core::TransactionalStore::is_conflict)) and the
-/// transaction runs again. Unlike [`map_sqlx`] it never blames the store's table: the
-/// statement was the work's, on its own tables.
-pub(crate) fn work_error(e: sqlx::Error) -> Error {
+/// A database error of the work's own statements inside an exactly-once transaction, as
+/// core takes it: [`Error::Backend`] with the sqlx error as its source, so that a conflict (a
+/// serialization failure, a deadlock) is told apart
+/// ([`is_conflict`](idempotency_core::TransactionalStore::is_conflict)) and the transaction
+/// runs again, and any other error releases the key. The MySQL engine's `run_in_transaction`
+/// applies it to its work's outer `Err`; a phase of a multi-step operation
+/// ([`Phases::phase`](idempotency_core::Phases::phase)) returns its database errors through
+/// it: `.await.map_err(database_error)?`. It never blames the store's table: the statement
+/// was the work's, on its own tables.
+pub fn database_error(e: sqlx::Error) -> Error {
     Error::Backend {
         retryable: sqlx_retryable(&e),
         source: Box::new(e),

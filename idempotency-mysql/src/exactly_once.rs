@@ -80,7 +80,9 @@ impl TransactionalStore for MysqlStore {
     /// extension committed from another connection while the work runs neither hides the
     /// record from the completion nor makes it fail: no row lock has to be held for the
     /// whole work, and a duplicate request is told at once that the key is in progress
-    /// instead of waiting on a lock (up to `innodb_lock_wait_timeout`).
+    /// instead of waiting on a lock (up to `innodb_lock_wait_timeout`). Under MariaDB's
+    /// snapshot isolation the completion is refused instead once the heartbeat has extended
+    /// the record ([`MysqlError::SnapshotIsolation`]).
     async fn begin(&self, _lease: &Lease) -> Result<Begun<MysqlTransaction>, Error> {
         Ok(Begun::Open(self.begin_live().await?))
     }
@@ -126,8 +128,8 @@ impl TransactionalStore for MysqlStore {
 
     /// Deadlocks (1213, InnoDB rolled the transaction back), lock wait timeouts (1205, the
     /// statement was rolled back; core rolls the rest back before running it again) and rows
-    /// changed since the snapshot (1020), in the work's statements or the store's. A record
-    /// the heartbeat changed under snapshot isolation
+    /// changed since the snapshot (1020). A record the heartbeat changed under snapshot
+    /// isolation
     /// ([`MysqlError::SnapshotIsolation`]) is not one: it would happen again.
     fn is_conflict(&self, e: &Error) -> bool {
         matches!(e, Error::Backend { .. })

@@ -1,7 +1,7 @@
 //! The exactly-once engine: an [`Idempotency`] engine over one [`MysqlStore`], whose
 //! work writes in the transaction that completes its record.
 
-use crate::error::work_error;
+use crate::error::database_error;
 use crate::MysqlStore;
 use futures::future::BoxFuture;
 use futures::FutureExt;
@@ -87,8 +87,9 @@ impl MysqlIdempotency {
     ///   the key is released for a retry) and returned as `Fresh(Err(e))`.
     /// - `Err(database_error)`, what `?` on a failed sqlx call returns: the transaction rolls
     ///   back. A deadlock (1213), a lock wait timeout (1205) or a row changed since the
-    ///   snapshot (1020), in the work's own statements as in the completion or the commit,
-    ///   runs the whole transaction again, `work` included (at most
+    ///   snapshot (1020) in the work's own statements, or a deadlock or lock wait timeout in
+    ///   the completion or the commit, runs the whole transaction again, `work` included (at
+    ///   most
     ///   [`MAX_TRANSACTION_ATTEMPTS`](idempotency_core::MAX_TRANSACTION_ATTEMPTS) runs in all),
     ///   so `work` must only act through the connection it is given. Any other database error
     ///   (or a conflict on the last run) releases the key, since nothing committed, and is
@@ -115,7 +116,15 @@ impl MysqlIdempotency {
     /// sees the extended lease, and no row lock is held while the work runs. A duplicate
     /// request is told at once that the key is in progress; a holder that stalls past its
     /// lease can be taken over, and its completion is then fenced and everything it wrote
-    /// rolls back.
+    /// rolls back. Under MariaDB's snapshot isolation (`innodb_snapshot_isolation`, on by
+    /// default from 11.8) a record the heartbeat extended after the work's first read cannot
+    /// be completed in its transaction: the call ends with [`MysqlError::SnapshotIsolation`]
+    /// and the key is released; run long work at READ COMMITTED or with it off.
+    ///
+    /// `work` must never commit (no `COMMIT`, no statement that commits implicitly, such as
+    /// DDL or `LOCK TABLES`) and must return a database error it meets rather than swallow
+    /// it: after a deadlock InnoDB has rolled its writes back, and only the error tells the
+    /// engine to run it all again.
     ///
     /// A work that never returns holds the key as long as the heartbeat runs.
     pub async fn run_in_transaction<T, E, F>(
@@ -138,7 +147,7 @@ impl MysqlIdempotency {
         engine
             .run_in_transaction(&self.store, key, scope, fingerprint, |tx, ctx| {
                 work(tx.connection(), ctx)
-                    .map(|ran| ran.map_err(work_error))
+                    .map(|ran| ran.map_err(database_error))
                     .boxed()
             })
             .await

@@ -13,7 +13,7 @@ mod sql;
 mod store;
 
 pub use builder::{MysqlStoreBuilder, DEFAULT_RESPONSE_TIMEOUT};
-pub use error::MysqlError;
+pub use error::{database_error, MysqlError};
 pub use exactly_once::MysqlTransaction;
 pub use idempotency::MysqlIdempotency;
 pub use names::{TableName, MAX_TABLE_NAME_LEN};

@@ -10,7 +10,7 @@ use async_trait::async_trait;
 use futures::future::BoxFuture;
 use idempotency_core::{
     claim_retention, duration_millis, Cas, Claim, ClaimRequest, Error, Failure, FencingToken,
-    Fingerprint, IdempotencyStore, Reclaim, Record, RecordId, Timestamp,
+    Fingerprint, IdempotencyStore, Reclaim, Record, RecordId, RecordStatus, Timestamp,
 };
 use rand::Rng;
 use sqlx::mysql::{MySqlArguments, MySqlQueryResult, MySqlRow};
@@ -147,7 +147,9 @@ impl MysqlStore {
     /// [`Error::LeaseLost`] and the caller must roll back, so the business writes of a holder
     /// that lost its lease never commit. An InnoDB `UPDATE` reads the latest committed row
     /// whatever the isolation level, so a heartbeat committed meanwhile from another
-    /// connection does not make it miss. The row stays locked until the transaction ends.
+    /// connection does not make it miss (except under MariaDB's snapshot isolation, where it
+    /// is refused: [`MysqlError::SnapshotIsolation`]). The row stays locked until the
+    /// transaction ends.
     /// [`crate::MysqlIdempotency`] does all of this for you.
     ///
     /// Unanswered within the response timeout, the statement ends with a retryable error
@@ -176,8 +178,11 @@ impl MysqlStore {
             .await
             // Nothing commits until the caller commits: a statement without an answer, or a
             // lost connection, applied nothing.
-            .map_err(|_| self.no_answer(Effect::None))?
-            .map_err(|e| self.in_transaction_error(e))?;
+            .map_err(|_| self.no_answer(Effect::None))?;
+        let done = match done {
+            Ok(done) => done,
+            Err(e) => return Err(self.in_transaction_error(e, id, token).await),
+        };
         match done.rows_affected() {
             0 => Err(Error::LeaseLost { token }),
             _ => Ok(()),
@@ -214,8 +219,11 @@ impl MysqlStore {
             .await
             // Nothing commits until the caller commits: a statement without an answer, or a
             // lost connection, applied nothing.
-            .map_err(|_| self.no_answer(Effect::None))?
-            .map_err(|e| self.in_transaction_error(e))?;
+            .map_err(|_| self.no_answer(Effect::None))?;
+        let done = match done {
+            Ok(done) => done,
+            Err(e) => return Err(self.in_transaction_error(e, id, token).await),
+        };
         match done.rows_affected() {
             0 => Err(Error::LeaseLost { token }),
             _ => Ok(()),
@@ -223,18 +231,37 @@ impl MysqlStore {
     }
 
     /// The error of a write to the record inside the work's transaction. Under MariaDB's
-    /// snapshot isolation a record the heartbeat extended after the transaction's snapshot
-    /// cannot be written in it (1020): running the transaction again would meet the next
-    /// heartbeat the same way, so it is [`MysqlError::SnapshotIsolation`], not a conflict.
-    fn in_transaction_error(&self, e: sqlx::Error) -> Error {
-        if error_number(&e) == Some(1020) {
-            return MysqlError::SnapshotIsolation {
+    /// snapshot isolation a record changed by another session after the transaction's
+    /// snapshot cannot be written in it (1020): if the record is no longer this holder's
+    /// (taken over), the lease was lost; else the heartbeat extended it during a long work
+    /// (or a duplicate counted a hit), which running the transaction again would likely
+    /// meet the same way, so it is [`MysqlError::SnapshotIsolation`], not a conflict.
+    async fn in_transaction_error(
+        &self,
+        e: sqlx::Error,
+        id: &RecordId,
+        token: FencingToken,
+    ) -> Error {
+        if error_number(&e) != Some(1020) {
+            return map_sqlx(e, &self.quoted, Effect::None);
+        }
+        match IdempotencyStore::get(self, id).await {
+            Ok(Some(record)) if record.token == token && record.status == RecordStatus::Pending => {
+                MysqlError::SnapshotIsolation {
+                    table: self.quoted.to_string(),
+                    source: e,
+                }
+                .into()
+            }
+            // Taken over, settled or gone: no longer this holder's to write.
+            Ok(_) => Error::LeaseLost { token },
+            // Unknown: the conservative answer, the record kept (nothing here committed).
+            Err(_) => MysqlError::SnapshotIsolation {
                 table: self.quoted.to_string(),
                 source: e,
             }
-            .into();
+            .into(),
         }
-        map_sqlx(e, &self.quoted, Effect::None)
     }
 
     /// The live operations whose holder is gone that `query` asks for (see

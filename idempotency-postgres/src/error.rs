@@ -224,12 +224,16 @@ pub(crate) enum Effect {
     Write,
 }
 
-/// A database error from the work's own statements inside an exactly-once transaction, as
-/// core sees it: [`Error::Backend`] with the sqlx error as its source, so that a conflict is
-/// told apart ([`is_conflict`](idempotency_core::TransactionalStore::is_conflict)) and the
-/// transaction runs again. Unlike [`map_sqlx`] it never blames the store's table: the
-/// statement was the work's, on its own tables.
-pub(crate) fn work_error(e: sqlx::Error) -> Error {
+/// A database error of the work's own statements inside an exactly-once transaction, as
+/// core takes it: [`Error::Backend`] with the sqlx error as its source, so that a conflict (a
+/// serialization failure, a deadlock) is told apart
+/// ([`is_conflict`](idempotency_core::TransactionalStore::is_conflict)) and the transaction
+/// runs again, and any other error releases the key. The Postgres engine's `run_in_transaction`
+/// applies it to its work's outer `Err`; a phase of a multi-step operation
+/// ([`Phases::phase`](idempotency_core::Phases::phase)) returns its database errors through
+/// it: `.await.map_err(database_error)?`. It never blames the store's table: the statement
+/// was the work's, on its own tables.
+pub fn database_error(e: sqlx::Error) -> Error {
     Error::Backend {
         retryable: sqlx_retryable(&e),
         source: Box::new(e),

@@ -1,7 +1,7 @@
 //! The exactly-once engine: an [`Idempotency`] engine over one [`PostgresStore`], whose
 //! work writes in the transaction that completes its record.
 
-use crate::error::work_error;
+use crate::error::database_error;
 use crate::PostgresStore;
 use futures::future::BoxFuture;
 use futures::FutureExt;
@@ -140,6 +140,10 @@ impl PostgresIdempotency {
     ///   over if the work outlived the lease, and then the re-run is fenced (nothing was
     ///   committed).
     ///
+    /// `work` must never commit (no `COMMIT` through its connection) and must return a
+    /// database error it meets rather than swallow it: after an error the transaction is
+    /// aborted, and only the error tells the engine to run it again after a conflict.
+    ///
     /// A work that never returns holds the key as long as the heartbeat runs, at every level
     /// (and at REPEATABLE READ and SERIALIZABLE keeps the row locked).
     pub async fn run_in_transaction<T, E, F>(
@@ -162,7 +166,7 @@ impl PostgresIdempotency {
         engine
             .run_in_transaction(&self.store, key, scope, fingerprint, |tx, ctx| {
                 work(tx.connection(), ctx)
-                    .map(|ran| ran.map_err(work_error))
+                    .map(|ran| ran.map_err(database_error))
                     .boxed()
             })
             .await

@@ -14,7 +14,7 @@ mod sql;
 mod store;
 
 pub use builder::{PostgresStoreBuilder, DEFAULT_RESPONSE_TIMEOUT};
-pub use error::PostgresError;
+pub use error::{database_error, PostgresError};
 pub use exactly_once::PostgresTransaction;
 #[allow(deprecated)]
 pub use idempotency::PgIdempotency;

@@ -143,7 +143,10 @@ where
                 lease_left,
             }) => (transaction, Some(later(Instant::now(), lease_left))),
             Err(Error::LeaseLost { .. }) => return TransactionEnd::LeaseLost,
-            Err(e) if again && store.is_conflict(&e) => continue,
+            Err(e) if again && store.is_conflict(&e) => {
+                back_off(attempt).await;
+                continue;
+            }
             // Nothing of this attempt ran, and no earlier attempt committed.
             Err(e) => return TransactionEnd::RolledBack(e),
         };
@@ -166,6 +169,7 @@ where
                 // The work's own statement conflicted with a concurrent transaction (a
                 // serialization failure, a deadlock): run it all again, as for the completion.
                 if again && store.is_conflict(&e) {
+                    back_off(attempt).await;
                     continue;
                 }
                 return TransactionEnd::RolledBack(e);
@@ -191,7 +195,10 @@ where
             store.rollback(tx).await;
             return match e {
                 Error::LeaseLost { .. } => TransactionEnd::LeaseLost,
-                e if again && store.is_conflict(&e) => continue,
+                e if again && store.is_conflict(&e) => {
+                    back_off(attempt).await;
+                    continue;
+                }
                 // Nothing committed (the transaction never got to its commit).
                 e => TransactionEnd::RolledBack(e),
             };
@@ -202,7 +209,10 @@ where
             Err(CommitError::NotCommitted(Error::LeaseLost { .. })) => {
                 return TransactionEnd::LeaseLost
             }
-            Err(CommitError::NotCommitted(e)) if again && store.is_conflict(&e) => continue,
+            Err(CommitError::NotCommitted(e)) if again && store.is_conflict(&e) => {
+                back_off(attempt).await;
+                continue;
+            }
             Err(CommitError::NotCommitted(e)) => return TransactionEnd::RolledBack(e),
             // The commit may have applied: the key holds until its lease passes; a retry
             // then finds the Completed record (and replays it) or, if nothing committed,
@@ -231,6 +241,16 @@ pub(crate) async fn renew_kept<T, E>(
         Ok(Cas::Fenced) => Err(TransactionEnd::LeaseLost),
         Err(e) => Err(TransactionEnd::Unknown(e)),
     }
+}
+
+/// A short random pause before a transaction runs again after its `attempt`th run
+/// conflicted: up to 2^attempt ms (at most 128 ms), so that transactions that conflicted with
+/// each other do not meet again at once.
+async fn back_off(attempt: u32) {
+    let ceiling_micros = 1_000u64 << attempt.min(7);
+    // Any randomness will do: a v4 UUID's bits.
+    let random = uuid::Uuid::new_v4().as_u64_pair().0;
+    tokio::time::sleep(Duration::from_micros(random % (ceiling_micros + 1))).await;
 }
 
 /// `now + d`, saturating far in the future instead of overflowing.

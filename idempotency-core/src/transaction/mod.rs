@@ -20,9 +20,9 @@
 //! | the transaction… | [`TransactionEnd`] | the key | the caller gets |
 //! |---|---|---|---|
 //! | committed the work's writes and the completion | `Committed(v)` | completed (by the commit) | `Fresh(Ok(v))` |
-//! | rolled back because the work returned `Err(e)` | `WorkFailed(e)` | per [`Policy::errors`](crate::Policy::errors): released, or `Err(e)` stored | `Fresh(Err(e))` |
+//! | rolled back because the work answered `Ok(Err(e))`, its own refusal | `WorkFailed(e)` | per [`Policy::errors`](crate::Policy::errors): released, or `Err(e)` stored | `Fresh(Err(e))` |
 //! | rolled back because the completion was fenced, or the lease kept in the process passed | `LeaseLost` | another holder's, or left to be reclaimed: untouched | [`Error::LeaseLost`] |
-//! | rolled back before its commit (a failed `BEGIN`, statement or encoding, a refused commit) | `RolledBack(e)` | released at once (nothing took effect) | `e` |
+//! | rolled back before its commit (a failed `BEGIN`, a database error of the work, its outer `Err`, or of the completion, an encoding error, a refused commit), when it was not a conflict or was one on the last run | `RolledBack(e)` | released at once (nothing took effect) | `e` |
 //! | ended with a commit whose outcome is unknown | `Unknown(e)` | held until its lease passes | `e` |
 //! | panicked (its transaction rolled back) | the panic | released at once | the panic, resumed |
 
@@ -42,9 +42,11 @@ use std::fmt::Display;
 #[must_use = "a transaction's end must be settled: Lease::settle_transaction"]
 #[non_exhaustive]
 pub enum TransactionEnd<T, E> {
-    /// The work returned `Ok(value)`, and its writes committed with the record's completion.
+    /// The work answered `Ok(Ok(value))`, and its writes committed with the record's
+    /// completion.
     Committed(T),
-    /// The work returned `Err(e)`, and its transaction rolled back: nothing of it took effect.
+    /// The work answered `Ok(Err(e))`, its own refusal, and its transaction rolled back:
+    /// nothing of it took effect.
     WorkFailed(E),
     /// The completion inside the transaction was fenced (the lease had passed and another
     /// holder took the key over), and the transaction rolled back.

@@ -66,7 +66,8 @@ pub trait TransactionalStore: Send + Sync {
     /// `Err`), from [`complete_in`](TransactionalStore::complete_in) or a
     /// [`CommitError::NotCommitted`]) is a conflict with a concurrent transaction (a
     /// serialization failure, a deadlock) that rolled this one back, after which the whole
-    /// transaction, work included, runs again (at most [`MAX_TRANSACTION_ATTEMPTS`] times).
+    /// transaction, work included, runs again after a short random pause (up to 2^n ms after
+    /// the nth run, at most 128 ms; at most [`MAX_TRANSACTION_ATTEMPTS`] runs).
     /// By default nothing is.
     fn is_conflict(&self, error: &Error) -> bool {
         let _ = error;

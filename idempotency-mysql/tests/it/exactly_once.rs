@@ -128,10 +128,20 @@ async fn lease_takeover(level: Isolation) {
     let policy = Policy::default()
         .lease(Duration::from_millis(300))
         .heartbeat(None);
-    let engine = MysqlIdempotency::new(rig.store.clone(), policy).unwrap();
+    let engine = MysqlIdempotency::new(rig.store.clone(), policy.clone()).unwrap();
+    // The retry waits while the key is in progress (a loaded machine may be slow to let the
+    // stalled holder's lease pass in the table), then takes it over.
+    let retry_policy = policy.in_flight(InFlight::wait(Duration::from_secs(30)));
+    let retry = MysqlIdempotency::new(rig.store.clone(), retry_policy).unwrap();
     for _ in 0..TAKEOVER_ROUNDS {
         let pairs: Vec<_> = (0..TAKEOVER_PAIRS)
-            .map(|_| tokio::spawn(takeover_pair(engine.clone(), rig.orders.clone())))
+            .map(|_| {
+                tokio::spawn(takeover_pair(
+                    engine.clone(),
+                    retry.clone(),
+                    rig.orders.clone(),
+                ))
+            })
             .collect();
         for pair in pairs {
             pair.await.expect("pair");
@@ -139,37 +149,41 @@ async fn lease_takeover(level: Isolation) {
     }
 }
 
-async fn takeover_pair(engine: MysqlIdempotency, orders: Arc<str>) {
+async fn takeover_pair(engine: MysqlIdempotency, retry: MysqlIdempotency, orders: Arc<str>) {
     let key = IdempotencyKey::random();
     let started = Arc::new(Notify::new());
+    let retry_started = Arc::new(Notify::new());
     let stale_token = Arc::new(AtomicU64::new(0));
     let stale = {
-        let (engine, orders, key, started, stale_token) = (
+        let (engine, orders, key, started, stale_token, retry_started) = (
             engine.clone(),
             orders.clone(),
             key.clone(),
             started.clone(),
             stale_token.clone(),
+            retry_started.clone(),
         );
         tokio::spawn(async move {
             let k = key.clone();
             engine
                 .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, ctx| {
-                    let (orders, key, started, stale_token) = (
+                    let (orders, key, started, stale_token, retry_started) = (
                         orders.clone(),
                         k.clone(),
                         started.clone(),
                         stale_token.clone(),
+                        retry_started.clone(),
                     );
                     Box::pin(async move {
                         Ok(async move {
                             insert_order(tx, &orders, &key, "stale").await?;
                             stale_token.store(ctx.token.0, Ordering::SeqCst);
                             started.notify_one();
-                            // Stall well past the 300 ms lease, transaction open, and long after
-                            // the retry starts (it has 1.5 s to take the key over, however slow
-                            // a loaded machine's commits are).
-                            tokio::time::sleep(Duration::from_millis(2000)).await;
+                            // Stall past the 300 ms lease, transaction open, until the
+                            // retry has taken the key over (its work runs only then),
+                            // however slow a loaded machine is.
+                            let taken_over = retry_started.notified();
+                            let _ = tokio::time::timeout(Duration::from_secs(30), taken_over).await;
                             Ok::<u64, String>(ctx.token.0)
                         }
                         .await)
@@ -182,10 +196,11 @@ async fn takeover_pair(engine: MysqlIdempotency, orders: Arc<str>) {
     let stale_token = FencingToken(stale_token.load(Ordering::SeqCst));
     tokio::time::sleep(Duration::from_millis(450)).await;
     let (k, o) = (key.clone(), orders.clone());
-    let fresh = engine
+    let fresh = retry
         .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, ctx| {
-            let (orders, key) = (o.clone(), k.clone());
+            let (orders, key, retry_started) = (o.clone(), k.clone(), retry_started.clone());
             Box::pin(async move {
+                retry_started.notify_one();
                 Ok(async move {
                     insert_order(tx, &orders, &key, "retry").await?;
                     Ok::<u64, String>(ctx.token.0)
@@ -1223,7 +1238,7 @@ async fn long_work_under_snapshot_isolation_is_refused_with_a_typed_error() {
         ),
         "{error:?}"
     );
-    assert!(!error.is_retryable(), "{error:?}");
+    assert!(error.is_retryable(), "the key is released: {error:?}");
     assert_eq!(runs.load(Ordering::SeqCst), 1, "runs of the work");
     assert!(
         orders_for(&orders, &key).await.is_empty(),
@@ -1236,4 +1251,68 @@ async fn long_work_under_snapshot_isolation_is_refused_with_a_typed_error() {
         .expect("the record");
     assert_eq!(record.status, RecordStatus::Failed, "released: {record:?}");
     drop(rig_orders);
+}
+
+// Any other database error of the work's own statements (a unique key it breaks) ends the
+// transaction without running it again: nothing committed, so the key is released, and the
+// caller gets the driver's error as the source of `Error::Backend`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_works_own_database_error_releases_the_key_and_is_returned() {
+    let rig = setup(Isolation::RepeatableRead, 4).await;
+    let refs_guard = TableGuard::new();
+    let refs: Arc<str> = format!("`{}`", refs_guard.table).into();
+    common::exec(&format!(
+        "CREATE TABLE {refs} (ref VARCHAR(64) PRIMARY KEY) ENGINE = InnoDB"
+    ))
+    .await;
+    common::exec(&format!("INSERT INTO {refs} VALUES ('taken')")).await;
+    let engine = MysqlIdempotency::new(rig.store.clone(), Policy::default()).unwrap();
+    let key = IdempotencyKey::random();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let insert = |value: &'static str| insert_ref(refs.clone(), runs.clone(), value);
+    let error = engine
+        .run_in_transaction(&key, &scope(), &fingerprint(), insert("taken"))
+        .await
+        .expect_err("a duplicate key in the work is the call's error");
+    assert!(
+        matches!(error.find_source::<sqlx::Error>(), Some(sqlx::Error::Database(db))
+            if db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+                .is_some_and(|e| e.number() == 1062)),
+        "{error:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "not a conflict: run once");
+    let record = rig
+        .store
+        .get(&RecordId::new(scope(), key.clone()))
+        .await
+        .unwrap()
+        .expect("the record");
+    assert_eq!(record.status, RecordStatus::Failed, "released: {record:?}");
+    let retried = engine
+        .run_in_transaction(&key, &scope(), &fingerprint(), insert("free"))
+        .await
+        .expect("the retry runs");
+    assert_eq!(retried, Outcome::Fresh(Ok(())));
+    drop(refs_guard);
+}
+
+/// A work that counts its runs and inserts `value` into `refs`.
+fn insert_ref(
+    refs: Arc<str>,
+    runs: Arc<AtomicUsize>,
+    value: &'static str,
+) -> impl for<'c> FnMut(
+    &'c mut MySqlConnection,
+    idempotency_core::WorkContext,
+) -> futures::future::BoxFuture<'c, Result<Result<(), String>, sqlx::Error>>
+       + Send {
+    move |tx, _ctx| {
+        let (refs, runs) = (refs.clone(), runs.clone());
+        Box::pin(async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            let sql = format!("INSERT INTO {refs} VALUES (?)");
+            sqlx::query(&sql).bind(value).execute(&mut *tx).await?;
+            Ok(Ok(()))
+        })
+    }
 }

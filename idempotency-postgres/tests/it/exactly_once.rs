@@ -84,10 +84,14 @@ async fn lease_takeover(level: Isolation) {
     let policy = Policy::default()
         .lease(Duration::from_millis(300))
         .heartbeat(None);
-    let engine = PostgresIdempotency::new(store.clone(), policy).unwrap();
+    let engine = PostgresIdempotency::new(store.clone(), policy.clone()).unwrap();
+    // The retry waits while the key is in progress (a loaded machine may still be rolling the
+    // stalled holder back when the retry comes), then takes it over.
+    let retry_policy = policy.in_flight(InFlight::wait(Duration::from_secs(30)));
+    let retry = PostgresIdempotency::new(store.clone(), retry_policy).unwrap();
     for _ in 0..TAKEOVER_ROUNDS {
         let pairs: Vec<_> = (0..TAKEOVER_PAIRS)
-            .map(|_| tokio::spawn(takeover_pair(engine.clone(), orders.clone())))
+            .map(|_| tokio::spawn(takeover_pair(engine.clone(), retry.clone(), orders.clone())))
             .collect();
         for pair in pairs {
             pair.await.expect("pair");
@@ -95,52 +99,77 @@ async fn lease_takeover(level: Isolation) {
     }
 }
 
-async fn takeover_pair(engine: PostgresIdempotency, orders: Arc<str>) {
-    let key = IdempotencyKey::random();
-    let started = Arc::new(Notify::new());
-    let stale_token = Arc::new(AtomicU64::new(0));
-    let stale = {
-        let (engine, orders, key, started, stale_token) = (
-            engine.clone(),
-            orders.clone(),
-            key.clone(),
-            started.clone(),
-            stale_token.clone(),
-        );
-        tokio::spawn(async move {
-            let k = key.clone();
-            engine
-                .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, ctx| {
-                    let (orders, key, started, stale_token) = (
-                        orders.clone(),
-                        k.clone(),
-                        started.clone(),
-                        stale_token.clone(),
-                    );
-                    Box::pin(async move {
-                        Ok(async move {
-                            insert_order(tx, &orders, &key, "stale").await?;
-                            stale_token.store(ctx.token.0, Ordering::SeqCst);
-                            started.notify_one();
-                            // Stall well past the 300 ms lease, transaction open.
-                            tokio::time::sleep(Duration::from_millis(800)).await;
-                            Ok::<u64, String>(ctx.token.0)
-                        }
-                        .await)
+async fn takeover_pair(engine: PostgresIdempotency, retry: PostgresIdempotency, orders: Arc<str>) {
+    // A loaded machine can be so slow that the holder's lease passes before its transaction
+    // begins (at REPEATABLE READ and SERIALIZABLE it is then refused, `LeaseLost`, and its
+    // work never starts): then the pair starts again on a new key, up to 20 times.
+    let mut tries = 0;
+    let (key, stale, stale_token, retry_started) = loop {
+        tries += 1;
+        let key = IdempotencyKey::random();
+        let started = Arc::new(Notify::new());
+        let retry_started = Arc::new(Notify::new());
+        let stale_token = Arc::new(AtomicU64::new(0));
+        let mut stale = {
+            let (engine, orders, key, started, stale_token, retry_started) = (
+                engine.clone(),
+                orders.clone(),
+                key.clone(),
+                started.clone(),
+                stale_token.clone(),
+                retry_started.clone(),
+            );
+            tokio::spawn(async move {
+                let k = key.clone();
+                engine
+                    .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, ctx| {
+                        let (orders, key, started, stale_token, retry_started) = (
+                            orders.clone(),
+                            k.clone(),
+                            started.clone(),
+                            stale_token.clone(),
+                            retry_started.clone(),
+                        );
+                        Box::pin(async move {
+                            Ok(async move {
+                                insert_order(tx, &orders, &key, "stale").await?;
+                                stale_token.store(ctx.token.0, Ordering::SeqCst);
+                                started.notify_one();
+                                // Stall past the 300 ms lease, transaction open, until the
+                                // retry has taken the key over (its work runs only then),
+                                // however slow a loaded machine is.
+                                let taken_over = retry_started.notified();
+                                let _ =
+                                    tokio::time::timeout(Duration::from_secs(30), taken_over).await;
+                                Ok::<u64, String>(ctx.token.0)
+                            }
+                            .await)
+                        })
                     })
-                })
-                .await
-        })
+                    .await
+            })
+        };
+        tokio::select! {
+            () = started.notified() => {
+                break (key, stale, FencingToken(stale_token.load(Ordering::SeqCst)), retry_started);
+            }
+            ended = &mut stale => {
+                let ended = ended.expect("task");
+                assert!(
+                    matches!(ended, Err(Error::LeaseLost { .. })) && tries < 20,
+                    "the holder's work never started ({tries} tries): {ended:?}"
+                );
+            }
+        }
     };
-    started.notified().await;
-    let stale_token = FencingToken(stale_token.load(Ordering::SeqCst));
     tokio::time::sleep(Duration::from_millis(450)).await;
     let k = key.clone();
     let o = orders.clone();
-    let fresh = engine
+    let fresh = retry
         .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, ctx| {
-            let (orders, key) = (o.clone(), k.clone());
+            let (orders, key, retry_started) = (o.clone(), k.clone(), retry_started.clone());
             Box::pin(async move {
+                retry_started.notify_one();
                 Ok(async move {
                     insert_order(tx, &orders, &key, "retry").await?;
                     Ok::<u64, String>(ctx.token.0)
@@ -607,7 +636,8 @@ async fn killed_connection_never_two_never_lost() {
 }
 
 // Kill with the engine helper: the work's pooled connection is terminated mid-transaction;
-// the helper reports an error, and a retry through the engine leaves exactly one order.
+// the work's next statement fails, its database error (the outer `Err`, through `?`) releases
+// the key and is the call's error, and a retry through the engine leaves exactly one order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn killed_connection_through_engine_helper() {
     let (store, _guard, orders) = setup(Isolation::ReadCommitted, 8).await;
@@ -622,39 +652,43 @@ async fn killed_connection_through_engine_helper() {
             .run_in_transaction(&key, &scope(), &fingerprint(), move |tx, _ctx| {
                 let (orders, key) = (o.clone(), k.clone());
                 Box::pin(async move {
-                    Ok(async move {
-                        insert_order(tx, &orders, &key, "killed").await?;
-                        // Kill our own backend from a second connection while the transaction
-                        // holds the insert.
-                        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
-                            .fetch_one(&mut *tx)
-                            .await
-                            .map_err(|e| e.to_string())?;
-                        let mut admin = common::admin().await;
-                        let _: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
-                            .bind(pid)
-                            .fetch_one(&mut admin)
-                            .await
-                            .map_err(|e| e.to_string())?;
-                        insert_order(tx, &orders, &key, "killed").await?;
-                        Ok::<u64, String>(0)
-                    }
-                    .await)
+                    let insert =
+                        format!("INSERT INTO {orders} (ref, placed_by) VALUES ($1, 'killed')");
+                    sqlx::query(&insert)
+                        .bind(key.as_str())
+                        .execute(&mut *tx)
+                        .await?;
+                    // Kill our own backend from a second connection while the transaction
+                    // holds the insert.
+                    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+                        .fetch_one(&mut *tx)
+                        .await?;
+                    let mut admin = common::admin().await;
+                    let _: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+                        .bind(pid)
+                        .fetch_one(&mut admin)
+                        .await?;
+                    sqlx::query(&insert)
+                        .bind(key.as_str())
+                        .execute(&mut *tx)
+                        .await?;
+                    Ok(Ok::<u64, String>(0))
                 })
             })
             .await;
-        // The work saw its connection die: a fresh error outcome, released for a retry.
-        assert!(
-            matches!(first, Ok(Outcome::Fresh(Err(_)))),
-            "expected the work's error, got {first:?}"
-        );
+        // The work saw its connection die: the driver's error, the key released for a retry.
+        match &first {
+            Err(e @ Error::Backend { .. }) if e.find_source::<sqlx::Error>().is_some() => {}
+            other => panic!("expected the work's database error, got {other:?}"),
+        }
         assert!(orders_for(&store, &orders, &key).await.is_empty());
-        let token = store
+        let record = store
             .get(&RecordId::new(scope(), key.clone()))
             .await
             .unwrap()
-            .expect("the released record")
-            .token;
+            .expect("the released record");
+        assert_eq!(record.status, RecordStatus::Failed, "released: {record:?}");
+        let token = record.token;
         retry_runs_once(&engine, &orders, &key, token).await;
     }
 }
@@ -1393,10 +1427,12 @@ async fn a_deferred_constraint_at_commit_releases_the_key() {
 // lands once, computed from what the second run read.
 
 /// A work that reads account 1's balance and writes it back less 10, returning the new
-/// balance. On its first run it says it has `read` and waits until told it was `paid`.
+/// balance. On each of its first `conflicting` runs it says it has `read` and waits until
+/// told it was `paid`.
 fn pay_ten(
     accounts: Arc<str>,
     runs: Arc<AtomicUsize>,
+    conflicting: usize,
     read: Arc<Notify>,
     paid: Arc<Notify>,
 ) -> impl for<'c> FnMut(
@@ -1412,7 +1448,7 @@ fn pay_ten(
             let select = format!("SELECT balance FROM {accounts} WHERE id = 1");
             let row = sqlx::query(&select).fetch_one(&mut *tx).await?;
             let balance: i64 = sqlx::Row::try_get(&row, 0)?;
-            if run == 1 {
+            if run <= conflicting {
                 // A concurrent payment commits between the work's read and its write.
                 read.notify_one();
                 paid.notified().await;
@@ -1427,35 +1463,55 @@ fn pay_ten(
     }
 }
 
-async fn the_works_own_conflict(level: Isolation) {
-    let (store, guard, _orders) = setup(level, 4).await;
-    let accounts: Arc<str> = format!(r#""{}".accounts"#, guard.schema).into();
+/// A concurrent payment of 1 that commits between the work's read and its write, `times`
+/// times: each time the work says it has `read`, the payer pays and says it was `paid`.
+struct Payer {
+    read: Arc<Notify>,
+    paid: Arc<Notify>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+fn concurrent_payer(accounts: Arc<str>, times: usize) -> Payer {
+    let (read, paid) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let task = {
+        let (read, paid) = (read.clone(), paid.clone());
+        tokio::spawn(async move {
+            let mut conn = common::admin().await;
+            let pay = format!("UPDATE {accounts} SET balance = balance - 1 WHERE id = 1");
+            for _ in 0..times {
+                read.notified().await;
+                sqlx::query(&pay).execute(&mut conn).await.unwrap();
+                paid.notify_one();
+            }
+        })
+    };
+    Payer { read, paid, task }
+}
+
+/// A table `accounts` in the store's schema, holding account 1 with a balance of 100.
+async fn accounts(schema: &str) -> Arc<str> {
+    let accounts: Arc<str> = format!(r#""{schema}".accounts"#).into();
     common::exec(&format!(
         "CREATE TABLE {accounts} (id int PRIMARY KEY, balance bigint NOT NULL)"
     ))
     .await;
     common::exec(&format!("INSERT INTO {accounts} VALUES (1, 100)")).await;
+    accounts
+}
+
+async fn the_works_own_conflict(level: Isolation) {
+    let (store, guard, _orders) = setup(level, 4).await;
+    let accounts = accounts(&guard.schema).await;
     let engine = PostgresIdempotency::new(store.clone(), Policy::default()).unwrap();
     let runs = Arc::new(AtomicUsize::new(0));
     let key = IdempotencyKey::random();
-    let (read, paid) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
-    // A concurrent payment of 1 that commits between the work's first read and its write.
-    let payer = {
-        let (accounts, read, paid) = (accounts.clone(), read.clone(), paid.clone());
-        tokio::spawn(async move {
-            read.notified().await;
-            let mut conn = common::admin().await;
-            let pay = format!("UPDATE {accounts} SET balance = balance - 1 WHERE id = 1");
-            sqlx::query(&pay).execute(&mut conn).await.unwrap();
-            paid.notify_one();
-        })
-    };
-    let work = pay_ten(accounts.clone(), runs.clone(), read, paid);
+    let payer = concurrent_payer(accounts.clone(), 1);
+    let work = pay_ten(accounts.clone(), runs.clone(), 1, payer.read, payer.paid);
     let outcome = engine
         .run_in_transaction(&key, &scope(), &fingerprint(), work)
         .await
         .expect("the work's conflict is not an error of the call");
-    payer.await.unwrap();
+    payer.task.await.unwrap();
     assert_eq!(
         outcome,
         Outcome::Fresh(Ok(89)),
@@ -1526,4 +1582,54 @@ async fn the_works_own_database_error_releases_the_key_and_is_returned() {
         .await
         .expect("the retry runs");
     assert_eq!(retried, Outcome::Fresh(Ok(())));
+}
+
+// A work that conflicts on every run: the transaction runs `MAX_TRANSACTION_ATTEMPTS` times,
+// then the last conflict is the call's error (retryable), nothing of the work committed and
+// the key is released for a later retry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_work_that_conflicts_on_every_run_gives_up_and_releases_the_key() {
+    let attempts = usize::try_from(idempotency_core::MAX_TRANSACTION_ATTEMPTS).unwrap();
+    let (store, guard, _orders) = setup(Isolation::RepeatableRead, 4).await;
+    let accounts = accounts(&guard.schema).await;
+    let engine = PostgresIdempotency::new(store.clone(), Policy::default()).unwrap();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let key = IdempotencyKey::random();
+    let payer = concurrent_payer(accounts.clone(), attempts);
+    let work = pay_ten(
+        accounts.clone(),
+        runs.clone(),
+        attempts,
+        payer.read,
+        payer.paid,
+    );
+    let error = engine
+        .run_in_transaction(&key, &scope(), &fingerprint(), work)
+        .await
+        .expect_err("every run conflicted");
+    payer.task.await.unwrap();
+    assert!(
+        matches!(error.find_source::<sqlx::Error>(), Some(sqlx::Error::Database(db))
+            if db.code().as_deref() == Some("40001")),
+        "{error:?}"
+    );
+    assert!(error.is_retryable(), "{error:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), attempts, "runs of the work");
+    let mut conn = common::admin().await;
+    let balance: i64 = sqlx::query_scalar(&format!("SELECT balance FROM {accounts} WHERE id = 1"))
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    let paid_by_others = i64::try_from(attempts).unwrap();
+    assert_eq!(
+        balance,
+        100 - paid_by_others,
+        "none of the work's runs committed"
+    );
+    let record = store
+        .get(&RecordId::new(scope(), key.clone()))
+        .await
+        .unwrap()
+        .expect("the record");
+    assert_eq!(record.status, RecordStatus::Failed, "released: {record:?}");
 }

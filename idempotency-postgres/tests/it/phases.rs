@@ -12,7 +12,7 @@ use idempotency_core::{
     Error, Fingerprint, Idempotency, IdempotencyKey, Outcome, PhaseContext, Phases, Policy, Scope,
 };
 use idempotency_postgres::sqlx;
-use idempotency_postgres::{PostgresStore, PostgresTransaction};
+use idempotency_postgres::{database_error, PostgresStore, PostgresTransaction};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -61,9 +61,11 @@ fn flow(
             move |tx: &mut PostgresTransaction, (): (), _: PhaseContext| {
                 let sql = format!("INSERT INTO {rides} (route) VALUES ('A to B') RETURNING id");
                 Box::pin(async move {
-                    let id: Result<i64, _> =
-                        sqlx::query_scalar(&sql).fetch_one(tx.connection()).await;
-                    Ok(id.map_err(|e| e.to_string()))
+                    let id: i64 = sqlx::query_scalar(&sql)
+                        .fetch_one(tx.connection())
+                        .await
+                        .map_err(database_error)?;
+                    Ok(Ok(id))
                 })
             },
         )
@@ -76,12 +78,13 @@ fn flow(
             move |tx: &mut PostgresTransaction, (ride, charge): (i64, i64), _: PhaseContext| {
                 let sql = format!("INSERT INTO {receipts} (ride, charge) VALUES ($1, $2)");
                 Box::pin(async move {
-                    let written = sqlx::query(&sql)
+                    sqlx::query(&sql)
                         .bind(ride)
                         .bind(charge)
                         .execute(tx.connection())
-                        .await;
-                    Ok(written.map(|_| (ride, charge)).map_err(|e| e.to_string()))
+                        .await
+                        .map_err(database_error)?;
+                    Ok(Ok((ride, charge)))
                 })
             },
         )
