@@ -118,7 +118,8 @@ impl MysqlIdempotency {
     /// lease can be taken over, and its completion is then fenced and everything it wrote
     /// rolls back. Under MariaDB's snapshot isolation (`innodb_snapshot_isolation`, on by
     /// default from 11.8) a record the heartbeat extended after the work's first read cannot
-    /// be completed in its transaction: the call ends with [`MysqlError::SnapshotIsolation`]
+    /// be completed in its transaction: the call ends with
+    /// [`MysqlError::SnapshotIsolation`](crate::MysqlError::SnapshotIsolation)
     /// and the key is released; run long work at READ COMMITTED or with it off.
     ///
     /// `work` must never commit (no `COMMIT`, no statement that commits implicitly, such as

@@ -3,7 +3,7 @@
 //! answers run in `tests/it/soak.rs`, `soak_dynamodb_flaky_network`.)
 
 use idempotency_core::SystemClock;
-use idempotency_reliability::soak::{soak, EngineRunner, Report, Runner, SoakConfig};
+use idempotency_reliability::soak::{soak, EngineRunner, Report, Runner, SoakConfig, OPS_VAR};
 use idempotency_testing::dynamodb::{free_port, store_at, MotoServer};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -12,9 +12,13 @@ use std::time::{Duration, Instant};
 /// journal first).
 const START: Duration = Duration::from_secs(60);
 
-/// A full soak (at least 10,000 calls) against a stand-in the test starts with a journal
-/// (every acknowledged write synced before its answer, replayed at start, as DynamoDB keeps
-/// what it acknowledged); at 1.5 s it is SIGKILLed and started again on the same port and
+/// The calls of one run: several times what the crash, the restart and the 500 calls
+/// answered after it take on a loaded machine.
+const RESTART_OPS: usize = 3_000;
+
+/// A soak of [`RESTART_OPS`] calls (or `IDEMPOTENCY_SOAK_OPS`, if more) against a stand-in the
+/// test starts with a journal (every acknowledged write synced before its answer, replayed at
+/// start, as DynamoDB keeps what it acknowledged); at 1.5 s it is SIGKILLed and started again on the same port and
 /// journal. No call may fail before the crash, none later than 10 s after the restart, and
 /// the whole history, across the restart, must be linearizable with no double effect. A run
 /// whose crash came after the soak proves nothing about it and is run again (at most five
@@ -41,8 +45,14 @@ async fn restart_mid_soak_once() -> bool {
         .await
         .expect("a table on the test's stand-in");
     let mut config = SoakConfig::from_env("dynamodb-restart");
-    // Long enough to outlast the crash and restart, whatever the soak length.
-    config.ops = config.ops.max(10_000);
+    // Long enough to outlast the crash at 1.5 s and the restart, then answer 500 calls (a run
+    // that did not is run again, below), unless `IDEMPOTENCY_SOAK_OPS` asks for a longer one.
+    // On one stand-in that syncs every write to its journal the default soak length took
+    // four minutes, most of it after the restart had been proved.
+    config.ops = match std::env::var(OPS_VAR) {
+        Ok(_) => config.ops.max(RESTART_OPS),
+        Err(_) => RESTART_OPS,
+    };
     let runner: Arc<dyn Runner> = Arc::new(EngineRunner::new(Arc::new(store), config.lease));
     let chaos = tokio::spawn(async move {
         tokio::time::sleep(Duration::from_millis(1_500)).await;
