@@ -308,8 +308,13 @@ async fn transactions_get_connections_the_store_keeps() {
         PostgresIdempotency::new(store.clone(), Policy::default().heartbeat(None)).unwrap();
     let scope = Scope::new("kept").unwrap();
     let fp = Fingerprint::from_bytes(b"tx");
+    // A BEGIN left waiting for a kept connection until the store hands it back unused (100 ms)
+    // shows in every round; without, a round takes some 20 ms, but a loaded machine can slow
+    // any few rounds past 90 ms: rounds go on (at least 5, at most 60) until one is fast.
     let mut fastest = Duration::MAX;
-    for round in 0..5 {
+    let mut round = 0;
+    while round < 5 || (fastest >= Duration::from_millis(90) && round < 60) {
+        round += 1;
         let started = Instant::now();
         let runs = join_all((0..16).map(|_| {
             let (engine, insert, scope, fp) = (&engine, insert.clone(), &scope, &fp);
@@ -340,15 +345,13 @@ async fn transactions_get_connections_the_store_keeps() {
         eprintln!("round {round}: 16 transactions on 2 connections in {took:?}");
         fastest = fastest.min(took);
     }
-    // A BEGIN left waiting for a kept connection until the store hands it back unused (100 ms)
-    // shows in every round; without, a round takes some 20 ms.
     assert!(
         fastest < Duration::from_millis(90),
-        "the fastest round took {fastest:?}"
+        "the fastest of {round} rounds took {fastest:?}"
     );
     let placed: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {orders}"))
         .fetch_one(store.pool())
         .await
         .unwrap();
-    assert_eq!(placed, 80);
+    assert_eq!(placed, 16 * i64::from(round), "one order per transaction");
 }
