@@ -65,8 +65,9 @@ pub enum MysqlError {
     /// REPEATABLE READ and SERIALIZABLE) refused to write the record inside the work's
     /// transaction (error 1020): another session changed it after the transaction read its
     /// first row, while it was still this holder's. The heartbeat extends it when the work runs
-    /// longer than one heartbeat interval, and with [`Policy::count_hits`](idempotency_core::Policy::count_hits)
-    /// every duplicate request counts a hit on it. Nothing committed and the key is released,
+    /// longer than one heartbeat interval, and with
+    /// [`Policy::count_hits`](idempotency_core::Policy::count_hits) every duplicate request
+    /// counts a hit on it. Nothing committed and the key is released,
     /// so a retry may succeed (it is retryable); for long work, or with hits counted, run the
     /// store's sessions at READ COMMITTED, or with `innodb_snapshot_isolation` off (both in the
     /// pool's `after_connect`).
@@ -158,8 +159,9 @@ pub(crate) fn is_connection_loss(e: &sqlx::Error) -> bool {
 fn sqlx_retryable(e: &sqlx::Error) -> bool {
     match e {
         sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::WorkerCrashed => true,
-        // Deadlock, lock wait timeout, row changed since the snapshot, server shutdown, too many connections, connection
-        // killed, query interrupted, read-only (a replica until failover finishes).
+        // Deadlock, lock wait timeout, row changed since the snapshot, server shutdown, too
+        // many connections, connection killed, query interrupted, read-only (a replica until
+        // failover finishes).
         _ => matches!(
             error_number(e),
             Some(1213 | 1205 | 1020 | 1053 | 1040 | 1927 | 4031 | 1317 | 1290 | 1836 | 2006 | 2013)

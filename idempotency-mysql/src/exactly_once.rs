@@ -129,8 +129,7 @@ impl TransactionalStore for MysqlStore {
     /// Deadlocks (1213, InnoDB rolled the transaction back), lock wait timeouts (1205, the
     /// statement was rolled back; core rolls the rest back before running it again) and rows
     /// changed since the snapshot (1020). A record the heartbeat changed under snapshot
-    /// isolation
-    /// ([`MysqlError::SnapshotIsolation`]) is not one: it would happen again.
+    /// isolation ([`MysqlError::SnapshotIsolation`]) is not one: it would happen again.
     fn is_conflict(&self, e: &Error) -> bool {
         matches!(e, Error::Backend { .. })
             && e.find_source::<sqlx::Error>().is_some_and(is_conflict)

@@ -245,18 +245,12 @@ impl MysqlStore {
         if error_number(&e) != Some(1020) {
             return map_sqlx(e, &self.quoted, Effect::None);
         }
+        let ours = |r: &Record| r.token == token && r.status == RecordStatus::Pending;
         match IdempotencyStore::get(self, id).await {
-            Ok(Some(record)) if record.token == token && record.status == RecordStatus::Pending => {
-                MysqlError::SnapshotIsolation {
-                    table: self.quoted.to_string(),
-                    source: e,
-                }
-                .into()
-            }
             // Taken over, settled or gone: no longer this holder's to write.
-            Ok(_) => Error::LeaseLost { token },
-            // Unknown: the conservative answer, the record kept (nothing here committed).
-            Err(_) => MysqlError::SnapshotIsolation {
+            Ok(record) if !record.as_ref().is_some_and(ours) => Error::LeaseLost { token },
+            // Still this holder's, or not known (nothing here committed either way).
+            _ => MysqlError::SnapshotIsolation {
                 table: self.quoted.to_string(),
                 source: e,
             }

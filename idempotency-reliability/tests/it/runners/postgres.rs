@@ -69,6 +69,8 @@ impl Runner for PgTransactionalRunner {
                     let (work, effects, s, k) =
                         (work.clone(), effects.clone(), s.clone(), k.clone());
                     Box::pin(async move {
+                        // A failed business write is the work's refusal (`Ok(Err(..))`,
+                        // `BUSINESS_WRITE_FAILED`), released by the policy, as the soak expects.
                         Ok(async move {
                             let value = i64::try_from(work.value).map_err(|e| e.to_string())?;
                             sqlx::query(&format!(
