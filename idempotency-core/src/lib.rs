@@ -9,6 +9,7 @@ mod fingerprint;
 #[cfg(feature = "http")]
 pub mod http;
 mod key;
+mod maintenance;
 mod observe;
 pub mod phases;
 mod policy;
@@ -21,14 +22,17 @@ pub mod transaction;
 pub use completer::{Completer, CompleterRound, CompleterStats};
 pub use decision::{decide, Decision, DecisionOptions};
 pub use engine::{
-    decode_replay, BatchMessage, BatchReport, Begin, Disposition, Idempotency, Lease,
-    MessageOutcome, MessageReport, Outcome, Proceed, WorkContext,
+    decode_replay, BatchMessage, BatchReport, Begin, Disposition, Idempotency, IdempotencyBuilder,
+    Lease, MessageOutcome, MessageReport, Outcome, Proceed, WorkContext,
 };
 pub use error::{BoxError, Error, Operation, StoreCall};
 pub use fingerprint::{
     canonical_json, canonical_json_slice, is_json_media_type, Fingerprint, FingerprintBuilder,
 };
 pub use key::{IdempotencyKey, KeyError};
+pub use maintenance::{
+    Maintain, Maintenance, PurgeStats, DEFAULT_PURGE_BATCH, DEFAULT_PURGE_EVERY,
+};
 pub use observe::{loggable_key, Event};
 pub use phases::{
     phase_key, Abandoned, AbandonedQuery, PhaseContext, Phases, RecoveryPoint, RecoveryPoints,

@@ -234,7 +234,9 @@ impl Policy {
             return Err(Error::Config("lease must be greater than zero".into()));
         }
         if self.ttl.is_zero() {
-            return Err(Error::Config("ttl must be greater than zero".into()));
+            return Err(Error::Config(
+                "retention (ttl) must be greater than zero".into(),
+            ));
         }
         if let Some(f) = self.heartbeat {
             if !(f > 0.0 && f < 1.0) {

@@ -12,7 +12,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, MethodRouter};
 use axum::Router;
 use book::{validate, Book, Issue};
-use idempotency_core::{is_json_media_type, Idempotency, IdempotencyStore, Policy};
+use idempotency_core::{is_json_media_type, Idempotency, IdempotencyStore, Maintenance, Policy};
 use idempotency_tower::{ClaimedKey, IdempotencyLayer, NothingDone};
 use repo::{BookRepo, RepoError, Update};
 use serde_json::{json, Value};
@@ -208,8 +208,8 @@ pub struct AppState {
     pub books: BookRepo,
     /// How long idempotency keys are kept, as the service publishes it.
     pub key_retention: Duration,
-    /// The idempotency store.
-    pub records: Arc<dyn IdempotencyStore>,
+    /// The idempotency engine (and its store).
+    pub engine: Idempotency,
 }
 
 /// A wrapper for the create handler's method router, applied under the idempotency layer:
@@ -397,11 +397,13 @@ pub async fn build_with(
     wrap_create: WrapCreate,
 ) -> Result<(Router, Arc<AppState>), BuildError> {
     let (store, books) = stores(config).await?;
-    let engine = Idempotency::new(store.clone(), config.policy.clone())?;
+    let engine = Idempotency::builder(store)
+        .policy(config.policy.clone())
+        .build()?;
     let state = Arc::new(AppState {
         books,
         key_retention: config.policy.ttl,
-        records: store,
+        engine: engine.clone(),
     });
     let caller = |req: &http::request::Parts| req.extensions.get::<Caller>().map(|c| c.0.clone());
     let create_layer = IdempotencyLayer::new(engine.clone())
@@ -822,36 +824,7 @@ pub struct Running {
     /// The server task.
     pub task: tokio::task::JoinHandle<std::io::Result<()>>,
     /// The task purging expired idempotency records every [`Config::purge_every`].
-    pub purge: tokio::task::JoinHandle<()>,
-}
-
-/// Purges expired idempotency records every `every`, in batches, for as long as it runs.
-/// Every backend also ignores expired records on its own, so a missed round costs only space.
-pub async fn purge_expired_keys(store: Arc<dyn IdempotencyStore>, every: Duration) {
-    const BATCH: usize = 1000;
-    let mut tick = tokio::time::interval(every);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-        let mut purged = 0u64;
-        loop {
-            match store.purge_expired(BATCH).await {
-                Ok(n) => {
-                    purged += n;
-                    if n < BATCH as u64 {
-                        break;
-                    }
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "purging expired idempotency keys failed; trying again next round");
-                    break;
-                }
-            }
-        }
-        if purged > 0 {
-            tracing::info!(purged, "purged expired idempotency keys");
-        }
-    }
+    pub maintenance: Maintenance,
 }
 
 /// Builds the service and serves it on `127.0.0.1:port` (0 for an ephemeral port).
@@ -869,14 +842,15 @@ pub async fn start_with(
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
     let url = format!("http://{}", listener.local_addr()?);
     let task = tokio::spawn(async move { axum::serve(listener, router).await });
-    let purge = tokio::spawn(purge_expired_keys(
-        state.records.clone(),
-        config.purge_every,
-    ));
+    let maintenance = state
+        .engine
+        .maintain()
+        .purge_every(config.purge_every)
+        .spawn();
     Ok(Running {
         url,
         state,
         task,
-        purge,
+        maintenance,
     })
 }

@@ -340,6 +340,18 @@ impl Ledger {
             .jetstream
             .get_consumer_from_stream(CONSUMER, &self.config.stream)
             .await?;
+        // Expired keys are purged in the background for as long as the consumer runs.
+        let maintenance = self.idempotency.engine().maintain().spawn();
+        let consumed = self.consume_until(&consumer, stop).await;
+        maintenance.shutdown().await;
+        consumed
+    }
+
+    async fn consume_until(
+        &self,
+        consumer: &jetstream::consumer::PullConsumer,
+        stop: impl std::future::Future<Output = ()>,
+    ) -> Result<(), BoxError> {
         let mut stop = std::pin::pin!(stop);
         loop {
             let fetch = consumer

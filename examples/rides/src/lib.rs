@@ -54,14 +54,24 @@ pub struct Running {
     pub url: String,
     /// Serves until the process ends; its error if serving failed.
     pub task: tokio::task::JoinHandle<std::io::Result<()>>,
+    /// The purge of expired keys (and the completer, where one runs), stopped when dropped.
+    pub maintenance: idempotency_core::Maintenance,
 }
 
-/// Serves `router` on 127.0.0.1:`port` (0: an ephemeral port).
-pub(crate) async fn serve(router: axum::Router, port: u16) -> std::io::Result<Running> {
+/// Serves `router` on 127.0.0.1:`port` (0: an ephemeral port), with its maintenance tasks.
+pub(crate) async fn serve(
+    router: axum::Router,
+    port: u16,
+    maintenance: idempotency_core::Maintain,
+) -> std::io::Result<Running> {
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
     let url = format!("http://{}", listener.local_addr()?);
     let task = tokio::spawn(async move { axum::serve(listener, router).await });
-    Ok(Running { url, task })
+    Ok(Running {
+        url,
+        task,
+        maintenance: maintenance.spawn(),
+    })
 }
 
 /// Opens the SQLite store of `path` (creating the file and its records table) and creates the

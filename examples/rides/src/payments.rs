@@ -9,13 +9,12 @@ use axum::routing::post;
 use axum::Router;
 use bytes::Bytes;
 use http::StatusCode;
-use idempotency_core::{Idempotency, Policy};
+use idempotency_core::Idempotency;
 use idempotency_sqlite::rusqlite::{params, TransactionBehavior};
 use idempotency_sqlite::SqliteStore;
 use idempotency_tower::{ClaimedKey, IdempotencyLayer};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Duration;
 
 const TABLES: &str = "CREATE TABLE IF NOT EXISTS charges (
@@ -48,12 +47,11 @@ pub async fn start(
     lease: Duration,
 ) -> Result<Running, Box<dyn std::error::Error>> {
     let store = open_store(db, TABLES).await?;
-    let engine = Idempotency::new(
-        Arc::new(store.clone()),
-        Policy::default()
-            .lease(lease)
-            .ttl(Duration::from_secs(24 * 3600)),
-    )?;
+    let engine = Idempotency::builder(store.clone())
+        .lease(lease)
+        .retention(Duration::from_secs(24 * 3600))
+        .build()?;
+    let maintenance = engine.maintain();
     let layer = IdempotencyLayer::new(engine)
         .required(true)
         .methods([http::Method::POST])
@@ -62,7 +60,7 @@ pub async fn start(
     let router = Router::new()
         .route("/charges", post(charge).route_layer(layer))
         .with_state(store);
-    Ok(serve(router, port).await?)
+    Ok(serve(router, port, maintenance).await?)
 }
 
 /// `POST /charges`: the charge row and the key's completion in one transaction.

@@ -12,7 +12,7 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
 use idempotency_core::{
     Completer, Error, Fingerprint, Idempotency, IdempotencyKey, Outcome, PhaseContext, Phases,
-    Policy, Scope,
+    Scope,
 };
 use idempotency_reqwest::{IdempotencyMiddleware, IdempotentRequestExt, RetryPolicy};
 use idempotency_sqlite::rusqlite::params;
@@ -277,13 +277,12 @@ struct App {
 /// configuration says so.
 pub async fn start(config: &Config, port: u16) -> Result<Running, Box<dyn std::error::Error>> {
     let store = open_store(&config.db, TABLES).await?;
-    let engine = Idempotency::new(
-        Arc::new(store.clone()),
-        Policy::default()
-            .lease(config.lease)
-            .ttl(Duration::from_secs(24 * 3600)),
-    )?;
+    let engine = Idempotency::builder(store.clone())
+        .lease(config.lease)
+        .retention(Duration::from_secs(24 * 3600))
+        .build()?;
     let payments = Payments::new(config.payments.clone());
+    let mut maintenance = engine.maintain();
     if config.completer {
         let (payments, crash) = (payments.clone(), config.crash.clone());
         let completer = Completer::new(engine.clone(), Arc::new(store.clone()))
@@ -291,11 +290,7 @@ pub async fn start(config: &Config, port: u16) -> Result<Running, Box<dyn std::e
                 booking(None, payments.clone(), crash.clone())
             })
             .retry_failed_after(Duration::from_secs(1));
-        tokio::spawn(async move {
-            completer
-                .run(Duration::from_millis(200), std::future::pending())
-                .await
-        });
+        maintenance = maintenance.complete(completer, Duration::from_millis(200));
     }
     let app = Arc::new(App {
         store,
@@ -304,7 +299,7 @@ pub async fn start(config: &Config, port: u16) -> Result<Running, Box<dyn std::e
         crash: config.crash.clone(),
     });
     let router = Router::new().route("/rides", post(book)).with_state(app);
-    Ok(serve(router, port).await?)
+    Ok(serve(router, port, maintenance).await?)
 }
 
 /// The rider making the request, from `Authorization: Bearer <token>`, as the key space of

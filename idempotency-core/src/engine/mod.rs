@@ -1,11 +1,13 @@
 //! The engine: claim, run the work once, store and replay its outcome.
 
 mod batch;
+mod builder;
 mod lease;
 #[cfg(test)]
 mod tests;
 
 pub use batch::{BatchMessage, BatchReport, MessageOutcome, MessageReport};
+pub use builder::IdempotencyBuilder;
 pub(crate) use lease::Acted;
 pub use lease::Lease;
 

@@ -96,6 +96,28 @@ impl Fingerprint {
             .ok_or_else(|| not_canonicalisable(bytes))
     }
 
+    /// The fingerprint of a request value: the SHA-256 of the canonical JSON of what serde
+    /// writes for it, so two values that serialize to the same JSON (whatever the order of a
+    /// map's entries) share a fingerprint, and a changed field changes it.
+    ///
+    /// Fails only when `value` cannot be written as JSON (a map whose keys are not strings, a
+    /// `Serialize` impl that returns an error), as [`crate::Error::Codec`].
+    ///
+    /// ```
+    /// use idempotency_core::Fingerprint;
+    /// #[derive(serde::Serialize)]
+    /// struct Charge { amount: u64, currency: &'static str }
+    ///
+    /// let a = Fingerprint::of(&Charge { amount: 1200, currency: "EUR" })?;
+    /// assert_eq!(a, Fingerprint::from_json(&serde_json::json!({"currency": "EUR", "amount": 1200})));
+    /// assert_ne!(a, Fingerprint::of(&Charge { amount: 1300, currency: "EUR" })?);
+    /// # Ok::<(), idempotency_core::Error>(())
+    /// ```
+    pub fn of<T: serde::Serialize + ?Sized>(value: &T) -> Result<Self, crate::Error> {
+        let text = serde_json::to_vec(value).map_err(|source| crate::Error::Codec { source })?;
+        Self::from_json_slice(&text).map_err(|source| crate::Error::Codec { source })
+    }
+
     /// Starts a fingerprint over method, path, query, content type and body.
     pub fn builder<'a>() -> FingerprintBuilder<'a> {
         FingerprintBuilder::default()

@@ -8,8 +8,8 @@ use crate::common;
 
 use idempotency_conformance::recovery::ForeignService;
 use idempotency_core::{
-    Clock, Error, Fingerprint, Idempotency, IdempotencyKey, ManualClock, Outcome, PhaseContext,
-    Phases, Policy, Scope,
+    Clock, Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, ManualClock, Outcome,
+    PhaseContext, Phases, Policy, Scope,
 };
 use idempotency_sqlite::rusqlite::{self, params};
 use idempotency_sqlite::{ConnectionMode, SqliteStore, SqliteTransaction};
@@ -426,6 +426,57 @@ async fn the_completer_runs_until_shut_down() {
         .expect("it stopped")
         .unwrap();
     assert_eq!(w.counts().await, (1, 1, 1));
+}
+
+/// `Idempotency::maintain` runs the completer and the purge in the background until it is
+/// shut down: the abandoned operation is finished, the expired key is deleted, and shutdown
+/// returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn maintenance_completes_and_purges_until_shut_down() {
+    let w = World::new(ConnectionMode::DedicatedThread).await;
+    let plain = IdempotencyKey::new("plain-1").unwrap();
+    let scope = Scope::new("plain").unwrap();
+    let first = w
+        .engine
+        .run(&plain, &scope, &Fingerprint::from_bytes(b"p"), |_| async {
+            Ok::<_, String>(1)
+        })
+        .await
+        .unwrap();
+    assert!(!first.is_replayed());
+    w.clock.advance(Duration::from_secs(3601));
+    w.run_and_die_after_charge().await;
+    w.clock.advance(LEASE + Duration::from_secs(1));
+
+    let maintenance = w
+        .engine
+        .maintain()
+        .purge_every(Duration::from_millis(10))
+        .complete(completer(&w), Duration::from_millis(10))
+        .spawn();
+    let started = std::time::Instant::now();
+    while maintenance.completer_stats()[0].completed() == 0
+        || maintenance.purge_stats().purged() == 0
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "completed {}, purged {}",
+            maintenance.completer_stats()[0].completed(),
+            maintenance.purge_stats().purged()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::timeout(Duration::from_secs(60), maintenance.shutdown())
+        .await
+        .expect("shutdown returned");
+    assert_eq!(w.counts().await, (1, 1, 1), "resumed at the charge, once");
+    let gone = w
+        .store
+        .get(&idempotency_core::RecordId::new(scope, plain))
+        .await
+        .unwrap();
+    assert!(gone.is_none(), "the expired key is still stored: {gone:?}");
+    assert!(w.run().await.unwrap().is_replayed());
 }
 
 /// Starts the operation `name` for `key` (one database phase, then a foreign call that never

@@ -1,0 +1,111 @@
+//! [`Idempotency::builder`]: an engine built from the store it owns.
+
+use super::Idempotency;
+use crate::{Error, ErrorOutcomes, IdempotencyStore, InFlight, Policy, SettleRetry};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Builds an [`Idempotency`] engine over the store it owns, from [`Idempotency::builder`].
+///
+/// Every setting starts at [`Policy::default`]; [`IdempotencyBuilder::build`] checks them
+/// together ([`Policy::validate`]) and names the one that is wrong.
+///
+/// ```
+/// use idempotency_core::{Idempotency, InFlight};
+/// use std::time::Duration;
+/// # fn store() -> std::sync::Arc<dyn idempotency_core::IdempotencyStore> { unimplemented!() }
+/// # fn example() -> Result<(), idempotency_core::Error> {
+/// let engine = Idempotency::builder(store())
+///     .lease(Duration::from_secs(10))
+///     .retention(Duration::from_secs(24 * 3600))
+///     .in_flight(InFlight::wait(Duration::from_secs(5)))
+///     .build()?;
+/// assert_eq!(engine.policy().ttl, Duration::from_secs(24 * 3600));
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+#[must_use = "a builder does nothing until `build` is called"]
+pub struct IdempotencyBuilder {
+    store: Arc<dyn IdempotencyStore>,
+    policy: Policy,
+}
+
+impl Idempotency {
+    /// Starts an engine that owns `store` (any store, or an `Arc` of one already shared).
+    pub fn builder(store: impl IdempotencyStore + 'static) -> IdempotencyBuilder {
+        IdempotencyBuilder {
+            store: Arc::new(store),
+            policy: Policy::default(),
+        }
+    }
+}
+
+impl IdempotencyBuilder {
+    /// How long a holder may run before another caller may take the key over. Default 30 s.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.policy.lease = lease;
+        self
+    }
+
+    /// How long a settled key is kept, and its outcome replayed. Default 24 hours.
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.policy.ttl = retention;
+        self
+    }
+
+    /// What happens to a work's `Err`. Default: recorded as a retryable failure that releases
+    /// the key.
+    pub fn errors(mut self, errors: ErrorOutcomes) -> Self {
+        self.policy.errors = errors;
+        self
+    }
+
+    /// What a duplicate does while the first attempt runs. Default: answered at once as in
+    /// progress.
+    pub fn in_flight(mut self, in_flight: InFlight) -> Self {
+        self.policy.in_flight = in_flight;
+        self
+    }
+
+    /// Extends the lease every `fraction × lease` while the work runs; `None` turns the
+    /// heartbeat off. Default `Some(1/3)`.
+    pub fn heartbeat(mut self, fraction: Option<f64>) -> Self {
+        self.policy.heartbeat = fraction;
+        self
+    }
+
+    /// The longest a work is kept leased by the heartbeat. Default 10 minutes.
+    pub fn max_work_time(mut self, max: Duration) -> Self {
+        self.policy.max_work_time = max;
+        self
+    }
+
+    /// How a failed completion is tried again. Default: [`SettleRetry::default`].
+    pub fn settle_retry(mut self, retry: SettleRetry) -> Self {
+        self.policy.settle_retry = retry;
+        self
+    }
+
+    /// Whether replays and duplicates are counted in the record's `hits`. Default off.
+    pub fn count_hits(mut self, count: bool) -> Self {
+        self.policy.count_hits = count;
+        self
+    }
+
+    /// Whether keys are logged as a short hash instead of in clear. Default off.
+    pub fn hash_keys_in_logs(mut self, hash: bool) -> Self {
+        self.policy.hash_keys_in_logs = hash;
+        self
+    }
+
+    /// Replaces every setting with `policy`'s (for a policy shared between engines).
+    pub fn policy(mut self, policy: Policy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// The engine, or [`Error::Config`] naming the setting that is out of range.
+    pub fn build(self) -> Result<Idempotency, Error> {
+        Idempotency::new(self.store, self.policy)
+    }
+}
