@@ -121,19 +121,17 @@ fn tower_layer(c: &mut Criterion) {
     let engine = Idempotency::new(Arc::new(MemoryStore::new()), Policy::default()).expect("engine");
     let layered = Router::new()
         .route("/orders", post(create_order))
-        .layer(IdempotencyLayer::new(engine.clone()).shared_scope());
+        .layer(IdempotencyLayer::shared(engine.clone()));
     // The same layer fingerprinting the body as raw bytes (SHA-256, no canonical JSON): what
     // the layer costs besides the canonicaliser.
     let raw_fingerprint = Router::new().route("/orders", post(create_order)).layer(
-        IdempotencyLayer::new(engine)
-            .shared_scope()
-            .fingerprint_with(|input| {
-                Fingerprint::builder()
-                    .method(input.parts().method.as_str())
-                    .path(input.parts().uri.path())
-                    .body(input.body())
-                    .finish()
-            }),
+        IdempotencyLayer::shared(engine).fingerprint_with(|input| {
+            Fingerprint::builder()
+                .method(input.parts().method.as_str())
+                .path(input.parts().uri.path())
+                .body(input.body())
+                .finish()
+        }),
     );
     let n = AtomicU64::new(0);
     let fresh_key = || format!("k-{}", n.fetch_add(1, Ordering::Relaxed));

@@ -125,7 +125,7 @@ pub(crate) async fn measure(store: Arc<dyn IdempotencyStore>, run: &str) -> Resu
     let layered = Server::start(
         Router::new()
             .route("/orders", post(create_order))
-            .layer(IdempotencyLayer::new(engine).shared_scope()),
+            .layer(IdempotencyLayer::shared(engine)),
     )
     .await?;
     let (mut to_plain, mut to_layered) = (plain.connect().await?, layered.connect().await?);

@@ -167,7 +167,7 @@ fn http_loop(
     use idempotency_tower::IdempotencyLayer;
 
     let route = || Router::new().route("/orders", post(create_order));
-    let layer = IdempotencyLayer::new(engine).shared_scope();
+    let layer = IdempotencyLayer::shared(engine);
     let app = match workload {
         "plain" => route(),
         "first" | "replay" => route().layer(layer),

@@ -13,7 +13,7 @@ use idempotency_core::{
     Cas, Claim, ClaimRequest, Error, Failure, FencingToken, Fingerprint, Idempotency,
     IdempotencyStore, Policy, Reclaim, Record, RecordId,
 };
-use idempotency_tower::IdempotencyLayer;
+use idempotency_tower::{IdempotencyLayer, RoutePart};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -74,7 +74,7 @@ impl TestServer {
         let state = Arc::new(AppState::default());
         let app = Router::new()
             .route("/items", post(handler).put(handler).get(handler))
-            .route("/items/:id", post(handler).patch(handler))
+            .route("/items/{id}", post(handler).patch(handler))
             .with_state(state.clone())
             // Inside the idempotency layer: a timeout that cuts the handler off.
             .layer(axum::middleware::from_fn(inner_timeout))
@@ -105,8 +105,25 @@ impl TestServer {
         configure: impl FnOnce(IdempotencyLayer) -> IdempotencyLayer,
     ) -> Self {
         let engine = Idempotency::new(store, policy).expect("a valid policy");
-        // One key space unless the case sets a scope function.
-        Self::start(configure(IdempotencyLayer::new(engine).shared_scope())).await
+        // One key space, scoped by route template.
+        Self::start(configure(
+            IdempotencyLayer::shared(engine).route(RoutePart::Template),
+        ))
+        .await
+    }
+
+    /// [`TestServer::with_store`] with a key space per caller: the [`Principal`] an earlier
+    /// layer put in the extensions (from the [`control::PRINCIPAL`] header).
+    pub async fn per_principal(
+        store: Arc<dyn IdempotencyStore>,
+        policy: Policy,
+        configure: impl FnOnce(IdempotencyLayer) -> IdempotencyLayer,
+    ) -> Self {
+        let engine = Idempotency::new(store, policy).expect("a valid policy");
+        let layer = IdempotencyLayer::per_caller(engine, |req| {
+            req.extensions.get::<Principal>().map(|p| p.0.clone())
+        });
+        Self::start(configure(layer.route(RoutePart::Template))).await
     }
 
     /// The URL of `path`.

@@ -63,7 +63,7 @@ impl Server {
         let router = Router::new()
             .route("/orders", post(create).get(create))
             .with_state(app.clone())
-            .layer(IdempotencyLayer::new(engine).required(true).shared_scope());
+            .layer(IdempotencyLayer::shared(engine).required(true));
         let (base, task) = serve(router).await;
         Self {
             base: format!("{base}/orders"),

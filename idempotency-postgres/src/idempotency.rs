@@ -49,10 +49,6 @@ pub struct PostgresIdempotency {
     store: PostgresStore,
 }
 
-/// The former name of [`PostgresIdempotency`], after the pattern of `SqliteIdempotency`.
-#[deprecated(since = "0.1.0", note = "renamed to PostgresIdempotency")]
-pub type PgIdempotency = PostgresIdempotency;
-
 impl PostgresIdempotency {
     /// An engine over `store` with `policy`.
     pub fn new(store: PostgresStore, policy: Policy) -> Result<Self, Error> {

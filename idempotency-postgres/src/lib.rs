@@ -16,8 +16,6 @@ mod store;
 pub use builder::{PostgresStoreBuilder, DEFAULT_RESPONSE_TIMEOUT};
 pub use error::{database_error, PostgresError};
 pub use exactly_once::PostgresTransaction;
-#[allow(deprecated)]
-pub use idempotency::PgIdempotency;
 pub use idempotency::PostgresIdempotency;
 pub use names::{TableName, MAX_SCHEMA_NAME_LEN, MAX_TABLE_NAME_LEN};
 pub use store::PostgresStore;

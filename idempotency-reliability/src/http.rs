@@ -49,9 +49,8 @@ impl HttpPath {
     pub fn new(engine: Idempotency, rig: Arc<FaultRig>, caller: &str) -> Self {
         let scope = http_scope(caller, &http::Method::POST, ROUTE).expect("valid scope");
         let caller = caller.to_owned();
-        let layer = IdempotencyLayer::new(engine)
-            .required(true)
-            .scope(move |_| Some(caller.clone()));
+        let layer =
+            IdempotencyLayer::per_caller(engine, move |_| Some(caller.clone())).required(true);
         Self {
             layer,
             state: Arc::new(HandlerState { rig, scope }),

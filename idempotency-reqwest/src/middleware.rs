@@ -108,15 +108,6 @@ impl IdempotencyMiddleware {
         self
     }
 
-    /// The former name of [`IdempotencyMiddleware::replay_marker`].
-    #[deprecated(
-        since = "0.1.0",
-        note = "renamed to replay_marker, as the server layer's"
-    )]
-    pub fn replayed_header(self, name: HeaderName) -> Self {
-        self.replay_marker(name)
-    }
-
     /// Whether logs and spans show a key's SHA-256 prefix (the default) or the key itself.
     pub fn hash_keys_in_logs(mut self, hash: bool) -> Self {
         self.hash_keys_in_logs = hash;

@@ -264,7 +264,7 @@ pub enum PrepareError {
 mod extract {
     use super::ClaimedKey;
     use crate::problem::{ProblemJson, Refusal, RefusalResponder};
-    use axum::extract::FromRequestParts;
+    use axum::extract::{FromRequestParts, OptionalFromRequestParts};
     use axum::response::{IntoResponse, Response};
     use http::request::Parts;
 
@@ -286,12 +286,24 @@ mod extract {
         }
     }
 
-    #[axum::async_trait]
     impl<S: Send + Sync> FromRequestParts<S> for ClaimedKey {
         type Rejection = NoClaim;
 
         async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, NoClaim> {
             parts.extensions.get::<ClaimedKey>().cloned().ok_or(NoClaim)
+        }
+    }
+
+    /// `Option<ClaimedKey>`: `None` where the request runs without a claim (no key on a route
+    /// where the key is optional).
+    impl<S: Send + Sync> OptionalFromRequestParts<S> for ClaimedKey {
+        type Rejection = std::convert::Infallible;
+
+        async fn from_request_parts(
+            parts: &mut Parts,
+            _state: &S,
+        ) -> Result<Option<Self>, Self::Rejection> {
+            Ok(parts.extensions.get::<ClaimedKey>().cloned())
         }
     }
 }

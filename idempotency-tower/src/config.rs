@@ -39,10 +39,6 @@ pub enum OnUnreplayable {
     Release,
 }
 
-/// The former name of [`OnUnreplayable`].
-#[deprecated(since = "0.1.0", note = "renamed to OnUnreplayable")]
-pub type Unreplayable = OnUnreplayable;
-
 /// What the layer does with the key when the handler answered with a status the layer was told
 /// not to store ([`IdempotencyLayer::store_status`]; by default every status is stored) or
 /// returned an error (a `Service` error, not a response).
@@ -100,20 +96,19 @@ pub(crate) struct Config {
     pub(crate) key_validator: Option<Arc<KeyValidatorFn>>,
     pub(crate) replayed_marker: Option<(HeaderName, HeaderValue)>,
     pub(crate) response_hook: Option<Arc<ResponseHookFn>>,
-    pub(crate) scope_set: bool,
 }
 
 impl Config {
-    /// The defaults documented on [`IdempotencyLayer::new`].
-    pub(crate) fn new(engine: Idempotency) -> Self {
+    /// The defaults documented on [`IdempotencyLayer::per_caller`], for `scope`.
+    pub(crate) fn new(engine: Idempotency, scope: Arc<ScopeFn>) -> Self {
         Self {
             engine,
             methods: vec![Method::POST, Method::PATCH],
             required: false,
             body_limit: IdempotencyLayer::DEFAULT_LIMIT,
             response_limit: IdempotencyLayer::DEFAULT_LIMIT,
-            scope: Arc::new(|_| Some("anonymous".to_owned())),
-            route: Arc::new(default_route),
+            scope,
+            route: RoutePart::Path.into_fn(),
             store_status: Arc::new(default_store_status),
             replayed: DEFAULT_REPLAYED.to_vec(),
             fail_open: false,
@@ -129,7 +124,6 @@ impl Config {
             key_validator: None,
             replayed_marker: Some((IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"))),
             response_hook: None,
-            scope_set: false,
         }
     }
 
@@ -178,14 +172,46 @@ pub fn default_store_status(_status: StatusCode) -> bool {
     true
 }
 
-fn default_route(parts: &Parts) -> String {
+/// The route part of every record's scope, beside the caller and the method: set with
+/// [`IdempotencyLayer::route`]. It is part of each record's identity, so changing it
+/// later makes every key in flight new again: choose it once.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RoutePart {
+    /// The request path (the default): `/orders/17` and `/orders/18` are two key spaces.
+    #[default]
+    Path,
+    /// axum's matched route template (`/orders/{id}`): the same key sent to two paths of one
+    /// route is a mismatch (422). It needs the layer inside the router (`Router::route_layer`
+    /// or `Router::layer`); a request that reaches it without a matched route is scoped by
+    /// its path, and the first such request is logged as a warning.
     #[cfg(feature = "axum")]
+    Template,
+}
+
+impl RoutePart {
+    pub(crate) fn into_fn(self) -> Arc<RouteFn> {
+        match self {
+            RoutePart::Path => Arc::new(|parts: &Parts| parts.uri.path().to_owned()),
+            #[cfg(feature = "axum")]
+            RoutePart::Template => Arc::new(template_route),
+        }
+    }
+}
+
+#[cfg(feature = "axum")]
+fn template_route(parts: &Parts) -> String {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static WARNED: AtomicBool = AtomicBool::new(false);
     if let Some(matched) = parts.extensions.get::<axum::extract::MatchedPath>() {
         return matched.as_str().to_owned();
     }
+    if !WARNED.swap(true, Ordering::Relaxed) {
+        tracing::warn!(
+            path = parts.uri.path(),
+            "the idempotency layer scopes by route template but runs outside an axum router: \
+             requests are scoped by their path"
+        );
+    }
     parts.uri.path().to_owned()
 }
-
-/// The former name of [`OnUnstored`].
-#[deprecated(since = "0.1.0", note = "renamed to OnUnstored")]
-pub type Unstored = OnUnstored;

@@ -1,6 +1,6 @@
 //! The layer: a builder over the shared configuration.
 
-use crate::config::{Config, OnUnreplayable, OnUnstored};
+use crate::config::{Config, OnUnreplayable, OnUnstored, RoutePart};
 use crate::fingerprint::FingerprintInput;
 use crate::hooks::ResponseContext;
 use crate::problem::{ProblemJson, RefusalResponder};
@@ -15,31 +15,37 @@ use std::time::Duration;
 /// A tower [`Layer`](tower_layer::Layer) that gives the services it wraps the HTTP behaviour
 /// of the IETF `Idempotency-Key` draft. See the crate documentation for the behaviour table.
 ///
+/// A layer is built with its key space chosen: [`IdempotencyLayer::per_caller`] (each caller
+/// its own) or [`IdempotencyLayer::shared`] (one for every caller, on purpose).
+///
 /// ```
-/// use idempotency_core::{Idempotency, Policy};
+/// use idempotency_core::Idempotency;
 /// use idempotency_memory::MemoryStore;
 /// use idempotency_tower::IdempotencyLayer;
 /// use http::Method;
-/// use std::sync::Arc;
 ///
 /// #[derive(Clone)]
 /// struct ApiKey(String);
 ///
-/// let engine = Idempotency::new(Arc::new(MemoryStore::new()), Policy::default()).unwrap();
-/// let layer = IdempotencyLayer::new(engine)
-///     .required(true)
-///     .methods([Method::POST, Method::PATCH, Method::PUT])
-///     .body_limit(256 * 1024)
-///     // Each API key gets its own key space.
-///     .scope(|req| req.extensions.get::<ApiKey>().map(|k| k.0.clone()));
+/// let engine = Idempotency::builder(MemoryStore::new()).build().unwrap();
+/// // Each API key gets its own key space.
+/// let layer = IdempotencyLayer::per_caller(engine, |req| {
+///     req.extensions.get::<ApiKey>().map(|k| k.0.clone())
+/// })
+/// .required(true)
+/// .methods([Method::POST, Method::PATCH, Method::PUT])
+/// .body_limit(256 * 1024);
 /// ```
 ///
-/// # Panics
+/// A layer without the choice does not compile:
 ///
-/// Wrapping a service ([`tower_layer::Layer::layer`]) panics when the layer has neither a
-/// scope function ([`IdempotencyLayer::scope`]) nor the explicit choice of one key space for
-/// every caller ([`IdempotencyLayer::shared_scope`]): without a choice, a client could get
-/// another client's stored response by reusing its key, so the layer refuses to be built.
+/// ```compile_fail
+/// # use idempotency_core::Idempotency;
+/// # use idempotency_memory::MemoryStore;
+/// # use idempotency_tower::IdempotencyLayer;
+/// # let engine = Idempotency::builder(MemoryStore::new()).build().unwrap();
+/// let layer = IdempotencyLayer::new(engine);
+/// ```
 #[derive(Clone)]
 pub struct IdempotencyLayer {
     config: Arc<Config>,
@@ -77,16 +83,40 @@ impl IdempotencyLayer {
     /// The default `Retry-After` of a 503 (the store is unavailable).
     pub const DEFAULT_UNAVAILABLE_RETRY_AFTER: Duration = Duration::from_secs(1);
 
-    /// A layer over `engine` (its store and policy: lease, retention, in-flight behaviour,
-    /// key hashing in logs) with the defaults: POST and PATCH covered, key optional, 1 MiB
-    /// limits, every status stored and replayed (5xx, 408 and 429 included), fail
+    /// A layer over `engine` in which each caller has its own key space: `caller` says who
+    /// sent the request (typically a principal an authentication layer put in the
+    /// extensions), and the method and route are added to it to form each record's scope.
+    /// `None` answers 401: a request that should carry an identity and does not is never put
+    /// in a shared key space.
+    ///
+    /// The other settings start at their defaults: POST and PATCH covered, key optional,
+    /// 1 MiB limits, every status stored and replayed (5xx, 408 and 429 included), fail
     /// closed, problem+json refusals, preconditions fingerprinted, unreplayable responses
-    /// recorded. There is no default scope: choose one with [`IdempotencyLayer::scope`] (the
-    /// caller's identity) or [`IdempotencyLayer::shared_scope`] before the layer wraps a
-    /// service.
-    pub fn new(engine: Idempotency) -> Self {
+    /// recorded, the route part of the scope the request path ([`RoutePart::Path`]). The
+    /// engine brings the store and the policy (lease, retention, in-flight behaviour, key
+    /// hashing in logs).
+    pub fn per_caller<F>(engine: Idempotency, caller: F) -> Self
+    where
+        F: Fn(&Parts) -> Option<String> + Send + Sync + 'static,
+    {
         Self {
-            config: Arc::new(Config::new(engine)),
+            config: Arc::new(Config::new(engine, Arc::new(caller))),
+        }
+    }
+
+    /// A layer over `engine` in which every caller shares one key space: two clients that
+    /// pick the same key for the same route get each other's responses (the stored status,
+    /// headers and body are replayed to whoever sends the key and the same request), and a
+    /// client can probe for keys others used. Choose it only when there is one client, or
+    /// when callers are not told apart and responses hold nothing of one caller's that
+    /// another may not see; otherwise use [`IdempotencyLayer::per_caller`]. The defaults are
+    /// those of [`IdempotencyLayer::per_caller`].
+    pub fn shared(engine: Idempotency) -> Self {
+        Self {
+            config: Arc::new(Config::new(
+                engine,
+                Arc::new(|_: &Parts| Some("anonymous".to_owned())),
+            )),
         }
     }
 
@@ -123,40 +153,18 @@ impl IdempotencyLayer {
         self.edit(|c| c.response_limit = bytes)
     }
 
-    /// Who the caller is, from the request (typically a principal an authentication layer put
-    /// in the extensions). Method and route are added to it to form the scope. `None` answers
-    /// 401: a request that should carry an identity and does not is never put in a shared
-    /// scope.
-    ///
-    /// A layer needs this or [`IdempotencyLayer::shared_scope`]; the last one called wins.
-    pub fn scope<F>(self, f: F) -> Self
-    where
-        F: Fn(&Parts) -> Option<String> + Send + Sync + 'static,
-    {
-        self.edit(|c| {
-            c.scope = Arc::new(f);
-            c.scope_set = true;
-        })
+    /// The route part of the scope: the request path (the default) or, with the `axum`
+    /// feature, the matched route template ([`RoutePart`]). With a template, the same key
+    /// sent to two paths of one route is a mismatch (422); with the path, they are two
+    /// independent keys. It is part of every record's identity: choose it once.
+    pub fn route(self, route: RoutePart) -> Self {
+        self.edit(|c| c.route = route.into_fn())
     }
 
-    /// Every caller shares one key space: two clients that pick the same key for the same
-    /// route get each other's responses (the stored status, headers and body are replayed to
-    /// whoever sends the key and the same request), and a client can probe for keys others
-    /// used. Choose it only when there is one client, or when callers are not told apart
-    /// and responses hold nothing of one caller's that another may not see. Otherwise set
-    /// [`IdempotencyLayer::scope`] to the caller's identity.
-    pub fn shared_scope(self) -> Self {
-        self.edit(|c| {
-            c.scope = Arc::new(|_| Some("anonymous".to_owned()));
-            c.scope_set = true;
-        })
-    }
-
-    /// The route part of the scope (default: the request path; with the `axum` feature, the
-    /// matched route template when the layer runs inside the router, as with
-    /// `Router::route_layer`). With a template, the same key sent to two paths of one route
-    /// is a mismatch (422); with the path, they are two independent keys.
-    pub fn route<F>(self, f: F) -> Self
+    /// The route part of the scope, computed by `f` from the request (a route name your
+    /// router puts in the extensions, say). Part of every record's identity, like
+    /// [`IdempotencyLayer::route`].
+    pub fn route_with<F>(self, f: F) -> Self
     where
         F: Fn(&Parts) -> String + Send + Sync + 'static,
     {
@@ -220,12 +228,12 @@ impl IdempotencyLayer {
     /// `422`, never the stored `412`. Send a new key with the new precondition.
     ///
     /// ```
-    /// # use idempotency_core::{Idempotency, Policy};
+    /// # use idempotency_core::Idempotency;
     /// # use idempotency_memory::MemoryStore;
     /// # use idempotency_tower::IdempotencyLayer;
     /// # use http::HeaderName;
-    /// # let engine = Idempotency::new(std::sync::Arc::new(MemoryStore::new()), Policy::default()).unwrap();
-    /// let layer = IdempotencyLayer::new(engine).fingerprint_headers([
+    /// # let engine = Idempotency::builder(MemoryStore::new()).build().unwrap();
+    /// let layer = IdempotencyLayer::shared(engine).fingerprint_headers([
     ///     HeaderName::from_static("if-match"),
     ///     HeaderName::from_static("x-tenant"),
     /// ]);
@@ -246,9 +254,9 @@ impl IdempotencyLayer {
     /// # use idempotency_core::{canonical_json, Idempotency, Policy};
     /// # use idempotency_memory::MemoryStore;
     /// # use idempotency_tower::{FingerprintInput, IdempotencyLayer};
-    /// # let engine = Idempotency::new(std::sync::Arc::new(MemoryStore::new()), Policy::default()).unwrap();
+    /// # let engine = Idempotency::builder(MemoryStore::new()).build().unwrap();
     /// // Clients stamp each attempt with `sent_at`: leave it out of the comparison.
-    /// let layer = IdempotencyLayer::new(engine).fingerprint_with(|req: &FingerprintInput<'_>| {
+    /// let layer = IdempotencyLayer::shared(engine).fingerprint_with(|req: &FingerprintInput<'_>| {
     ///     match serde_json::from_slice::<serde_json::Value>(req.body()) {
     ///         Ok(mut doc) => {
     ///             if let Some(members) = doc.as_object_mut() {
@@ -291,12 +299,12 @@ impl IdempotencyLayer {
     /// responder that sets the header itself wins.
     ///
     /// ```
-    /// # use idempotency_core::{Idempotency, Policy};
+    /// # use idempotency_core::Idempotency;
     /// # use idempotency_memory::MemoryStore;
     /// # use idempotency_tower::IdempotencyLayer;
     /// # use http::HeaderValue;
-    /// # let engine = Idempotency::new(std::sync::Arc::new(MemoryStore::new()), Policy::default()).unwrap();
-    /// let layer = IdempotencyLayer::new(engine)
+    /// # let engine = Idempotency::builder(MemoryStore::new()).build().unwrap();
+    /// let layer = IdempotencyLayer::shared(engine)
     ///     .unidentified_challenge(HeaderValue::from_static("Bearer realm=\"api\""));
     /// ```
     pub fn unidentified_challenge(self, challenge: HeaderValue) -> Self {
@@ -310,12 +318,12 @@ impl IdempotencyLayer {
     /// what is left of the lease after the wait.
     ///
     /// ```
-    /// # use idempotency_core::{Idempotency, Policy};
+    /// # use idempotency_core::Idempotency;
     /// # use idempotency_memory::MemoryStore;
     /// # use idempotency_tower::IdempotencyLayer;
     /// # use std::time::Duration;
-    /// # let engine = Idempotency::new(std::sync::Arc::new(MemoryStore::new()), Policy::default()).unwrap();
-    /// let layer = IdempotencyLayer::new(engine).max_retry_after(Duration::from_secs(2));
+    /// # let engine = Idempotency::builder(MemoryStore::new()).build().unwrap();
+    /// let layer = IdempotencyLayer::shared(engine).max_retry_after(Duration::from_secs(2));
     /// ```
     pub fn max_retry_after(self, cap: Duration) -> Self {
         self.edit(|c| c.max_retry_after = cap)
@@ -325,12 +333,12 @@ impl IdempotencyLayer {
     /// seconds, at least 1).
     ///
     /// ```
-    /// # use idempotency_core::{Idempotency, Policy};
+    /// # use idempotency_core::Idempotency;
     /// # use idempotency_memory::MemoryStore;
     /// # use idempotency_tower::IdempotencyLayer;
     /// # use std::time::Duration;
-    /// # let engine = Idempotency::new(std::sync::Arc::new(MemoryStore::new()), Policy::default()).unwrap();
-    /// let layer = IdempotencyLayer::new(engine).unavailable_retry_after(Duration::from_secs(3));
+    /// # let engine = Idempotency::builder(MemoryStore::new()).build().unwrap();
+    /// let layer = IdempotencyLayer::shared(engine).unavailable_retry_after(Duration::from_secs(3));
     /// ```
     pub fn unavailable_retry_after(self, after: Duration) -> Self {
         self.edit(|c| c.unavailable_retry_after = after)
@@ -340,12 +348,12 @@ impl IdempotencyLayer {
     /// `Idempotency-Key`).
     ///
     /// ```
-    /// # use idempotency_core::{Idempotency, Policy};
+    /// # use idempotency_core::Idempotency;
     /// # use idempotency_memory::MemoryStore;
     /// # use idempotency_tower::IdempotencyLayer;
     /// # use http::HeaderName;
-    /// # let engine = Idempotency::new(std::sync::Arc::new(MemoryStore::new()), Policy::default()).unwrap();
-    /// let layer = IdempotencyLayer::new(engine).key_header(HeaderName::from_static("x-idempotency-key"));
+    /// # let engine = Idempotency::builder(MemoryStore::new()).build().unwrap();
+    /// let layer = IdempotencyLayer::shared(engine).key_header(HeaderName::from_static("x-idempotency-key"));
     /// ```
     pub fn key_header(self, name: HeaderName) -> Self {
         self.edit(|c| c.key_header = name)
@@ -357,12 +365,12 @@ impl IdempotencyLayer {
     /// handler does not run.
     ///
     /// ```
-    /// # use idempotency_core::{Idempotency, Policy};
+    /// # use idempotency_core::Idempotency;
     /// # use idempotency_memory::MemoryStore;
     /// # use idempotency_tower::IdempotencyLayer;
-    /// # let engine = Idempotency::new(std::sync::Arc::new(MemoryStore::new()), Policy::default()).unwrap();
+    /// # let engine = Idempotency::builder(MemoryStore::new()).build().unwrap();
     /// // Keys are UUIDs (8-4-4-4-12 hexadecimal digits).
-    /// let layer = IdempotencyLayer::new(engine).validate_key(|key| {
+    /// let layer = IdempotencyLayer::shared(engine).validate_key(|key| {
     ///     let groups: Vec<&str> = key.as_str().split('-').collect();
     ///     let lengths: Vec<usize> = groups.iter().map(|g| g.len()).collect();
     ///     let hex = groups.iter().all(|g| g.bytes().all(|b| b.is_ascii_hexdigit()));
@@ -388,48 +396,18 @@ impl IdempotencyLayer {
     /// retries it until its deadline, each retry answered with the same replay.
     ///
     /// ```
-    /// # use idempotency_core::{Idempotency, Policy};
+    /// # use idempotency_core::Idempotency;
     /// # use idempotency_memory::MemoryStore;
     /// # use idempotency_tower::IdempotencyLayer;
     /// # use http::{HeaderName, HeaderValue};
-    /// # let engine = Idempotency::new(std::sync::Arc::new(MemoryStore::new()), Policy::default()).unwrap();
-    /// let layer = IdempotencyLayer::new(engine).replay_marker(Some((
+    /// # let engine = Idempotency::builder(MemoryStore::new()).build().unwrap();
+    /// let layer = IdempotencyLayer::shared(engine).replay_marker(Some((
     ///     HeaderName::from_static("x-cache"),
     ///     HeaderValue::from_static("replay"),
     /// )));
     /// ```
     pub fn replay_marker(self, marker: Option<(HeaderName, HeaderValue)>) -> Self {
         self.edit(|c| c.replayed_marker = marker)
-    }
-
-    /// The former name of [`IdempotencyLayer::store_header`].
-    #[deprecated(since = "0.1.0", note = "renamed to store_header")]
-    pub fn replay_header(self, name: HeaderName) -> Self {
-        self.store_header(name)
-    }
-
-    /// The former name of [`IdempotencyLayer::store_headers`].
-    #[deprecated(since = "0.1.0", note = "renamed to store_headers")]
-    pub fn replay_headers(self, names: impl IntoIterator<Item = HeaderName>) -> Self {
-        self.store_headers(names)
-    }
-
-    /// The former name of [`IdempotencyLayer::replay_marker`].
-    #[deprecated(since = "0.1.0", note = "renamed to replay_marker")]
-    pub fn replayed_header(self, marker: Option<(HeaderName, HeaderValue)>) -> Self {
-        self.replay_marker(marker)
-    }
-
-    /// The former name of [`IdempotencyLayer::on_unreplayable`].
-    #[deprecated(since = "0.1.0", note = "renamed to on_unreplayable")]
-    pub fn unreplayable(self, unreplayable: OnUnreplayable) -> Self {
-        self.on_unreplayable(unreplayable)
-    }
-
-    /// The former name of [`IdempotencyLayer::on_unstored`].
-    #[deprecated(since = "0.1.0", note = "renamed to on_unstored")]
-    pub fn unstored(self, unstored: OnUnstored) -> Self {
-        self.on_unstored(unstored)
     }
 
     /// Called on every response to a request whose key was claimed (the handler's, once
@@ -439,13 +417,13 @@ impl IdempotencyLayer {
     /// pass through (no key, fail-open) do not reach it.
     ///
     /// ```
-    /// # use idempotency_core::{Idempotency, Policy};
+    /// # use idempotency_core::Idempotency;
     /// # use idempotency_memory::MemoryStore;
     /// # use idempotency_tower::IdempotencyLayer;
     /// # use http::HeaderValue;
     /// # use std::time::UNIX_EPOCH;
-    /// # let engine = Idempotency::new(std::sync::Arc::new(MemoryStore::new()), Policy::default()).unwrap();
-    /// let layer = IdempotencyLayer::new(engine).on_response(|ctx, headers| {
+    /// # let engine = Idempotency::builder(MemoryStore::new()).build().unwrap();
+    /// let layer = IdempotencyLayer::shared(engine).on_response(|ctx, headers| {
     ///     // When the key can be reused, in seconds since the epoch.
     ///     if let Some(at) = ctx.expires_at().and_then(|t| t.duration_since(UNIX_EPOCH).ok()) {
     ///         headers.insert("idempotency-key-expires", HeaderValue::from(at.as_secs()));
@@ -467,13 +445,6 @@ impl<S> tower_layer::Layer<S> for IdempotencyLayer {
     type Service = IdempotencyService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        let c = &self.config;
-        assert!(
-            c.scope_set,
-            "the idempotency layer has no scope: set `.scope(|parts| ...)` to the caller's \
-             identity, or call `.shared_scope()` if every caller may share one key space (a \
-             client could then get another client's stored response by reusing its key)"
-        );
         IdempotencyService::new(inner, self.config.clone())
     }
 }

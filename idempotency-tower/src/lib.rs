@@ -19,9 +19,7 @@ pub use body::{RequestBody, ResponseBody};
 #[cfg(feature = "axum")]
 pub use claim::NoClaim;
 pub use claim::{ClaimedKey, NothingDone, PrepareError, Prepared};
-pub use config::{default_store_status, OnUnreplayable, OnUnstored};
-#[allow(deprecated)]
-pub use config::{Unreplayable, Unstored};
+pub use config::{default_store_status, OnUnreplayable, OnUnstored, RoutePart};
 pub use fingerprint::{normalize_media_type, FingerprintInput};
 pub use future::ResponseFuture;
 pub use headers::{

@@ -10,15 +10,15 @@ use crate::hooks::ResponseContext;
 use crate::observe::{record_decision, record_outcome, HttpDecision, HttpOutcome};
 use crate::problem::Refusal;
 use crate::stored::{NotReplayable, StoredResponse};
-use crate::{read_key_header, IdempotencyLayer, KeyHeaderError, RequestBody, ResponseBody};
+use crate::{read_key_header, KeyHeaderError, RequestBody, ResponseBody};
 use bytes::Bytes;
 use futures::FutureExt;
 use http::{HeaderName, HeaderValue, Request, Response, Version};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use idempotency_core::{
-    loggable_key, Begin, Error, Failure, Fingerprint, Idempotency, IdempotencyKey, Lease, RecordId,
-    Scope, ScopeError,
+    loggable_key, Begin, Error, Failure, Fingerprint, IdempotencyKey, Lease, RecordId, Scope,
+    ScopeError,
 };
 use std::fmt;
 use std::panic::AssertUnwindSafe;
@@ -30,7 +30,7 @@ use tracing::Instrument;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// The service built by [`IdempotencyLayer`]: a covered request with a key runs the wrapped
+/// The service built by [`IdempotencyLayer`](crate::IdempotencyLayer): a covered request with a key runs the wrapped
 /// service once, and its retries get the stored response (or a refusal); other requests pass
 /// through to the wrapped service untouched.
 #[derive(Clone)]
@@ -50,12 +50,6 @@ impl<S: fmt::Debug> fmt::Debug for IdempotencyService<S> {
 impl<S> IdempotencyService<S> {
     pub(crate) fn new(inner: S, config: Arc<Config>) -> Self {
         Self { inner, config }
-    }
-
-    /// A layer over `engine` that wraps services in `IdempotencyService`; the same as
-    /// [`IdempotencyLayer::new`] (name the service type: `IdempotencyService::<S>::layer`).
-    pub fn layer(engine: Idempotency) -> IdempotencyLayer {
-        IdempotencyLayer::new(engine)
     }
 
     /// The wrapped service.

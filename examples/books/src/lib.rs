@@ -13,7 +13,7 @@ use axum::routing::{get, post, MethodRouter};
 use axum::Router;
 use book::{validate, Book, Issue};
 use idempotency_core::{is_json_media_type, Idempotency, IdempotencyStore, Maintenance, Policy};
-use idempotency_tower::{ClaimedKey, IdempotencyLayer, NothingDone};
+use idempotency_tower::{ClaimedKey, IdempotencyLayer, NothingDone, RoutePart};
 use repo::{BookRepo, RepoError, Update};
 use serde_json::{json, Value};
 use std::path::PathBuf;
@@ -406,15 +406,15 @@ pub async fn build_with(
         engine: engine.clone(),
     });
     let caller = |req: &http::request::Parts| req.extensions.get::<Caller>().map(|c| c.0.clone());
-    let create_layer = IdempotencyLayer::new(engine.clone())
+    let create_layer = IdempotencyLayer::per_caller(engine.clone(), caller)
         .required(true)
         .methods([http::Method::POST])
         .problem_type_base(PROBLEM_BASE)
-        .scope(caller);
-    let patch_layer = IdempotencyLayer::new(engine)
+        .route(RoutePart::Template);
+    let patch_layer = IdempotencyLayer::per_caller(engine, caller)
         .methods([http::Method::PATCH])
         .problem_type_base(PROBLEM_BASE)
-        .scope(caller);
+        .route(RoutePart::Template);
     let router = Router::new()
         .route("/", get(describe))
         .route(
@@ -424,7 +424,7 @@ pub async fn build_with(
                 .get(list),
         )
         .route(
-            "/books/:id",
+            "/books/{id}",
             get(show).patch(update).route_layer(patch_layer),
         )
         .with_state(state.clone())

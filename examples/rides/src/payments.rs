@@ -52,11 +52,10 @@ pub async fn start(
         .retention(Duration::from_secs(24 * 3600))
         .build()?;
     let maintenance = engine.maintain();
-    let layer = IdempotencyLayer::new(engine)
+    let layer = IdempotencyLayer::shared(engine)
         .required(true)
         .methods([http::Method::POST])
-        .problem_type_base(crate::PROBLEM_BASE)
-        .shared_scope();
+        .problem_type_base(crate::PROBLEM_BASE);
     let router = Router::new()
         .route("/charges", post(charge).route_layer(layer))
         .with_state(store);

@@ -181,10 +181,7 @@ pub async fn uncovered_methods_pass_through(store: TestStore) {
 /// Records never cross scopes: two callers using the same key run separately; a caller the
 /// scope function cannot identify gets 401.
 pub async fn scopes_isolate_callers(store: TestStore) {
-    let s = TestServer::with_store(store.store.clone(), Policy::default(), |l| {
-        l.scope(|req| req.extensions.get::<Principal>().map(|p| p.0.clone()))
-    })
-    .await;
+    let s = TestServer::per_principal(store.store.clone(), Policy::default(), |l| l).await;
     let c = client();
     let body = json!({"s": 1});
     let alice =
@@ -294,16 +291,13 @@ pub async fn structured_field_key_parameters_are_read(store: TestStore) {
 /// A caller the scope function cannot identify gets 401 with a `WWW-Authenticate` challenge
 /// (`Bearer` by default, configurable).
 pub async fn unidentified_caller_gets_a_challenge(store: TestStore) {
-    let scoped = |l: idempotency_tower::IdempotencyLayer| {
-        l.scope(|req| req.extensions.get::<Principal>().map(|p| p.0.clone()))
-    };
-    let s = TestServer::with_store(store.store.clone(), Policy::default(), scoped).await;
+    let s = TestServer::per_principal(store.store.clone(), Policy::default(), |l| l).await;
     let c = client();
     let r = send(post(&c, &s, "/items", "who", &json!({}))).await;
     assert_problem(&r, 401, Refusal::CallerUnidentified.slug());
     assert_eq!(r.header("www-authenticate"), Some("Bearer"));
-    let custom = TestServer::with_store(store.store.clone(), Policy::default(), |l| {
-        scoped(l).unidentified_challenge(http::HeaderValue::from_static("Basic realm=\"api\""))
+    let custom = TestServer::per_principal(store.store.clone(), Policy::default(), |l| {
+        l.unidentified_challenge(http::HeaderValue::from_static("Basic realm=\"api\""))
     })
     .await;
     let r = send(post(&c, &custom, "/items", "who", &json!({}))).await;

@@ -1,7 +1,7 @@
 //! The cases. Each one starts its own server over the given store and talks to it with a real
 //! HTTP client.
 
-use crate::server::{control, Outage, Principal, TestServer};
+use crate::server::{control, Outage, TestServer};
 use bytes::Bytes;
 use http::{HeaderName, Method, StatusCode};
 use idempotency_conformance::{Fault, FlakyOp, FlakyStore, TestStore};

@@ -213,7 +213,7 @@ pub async fn unreplayable_responses_are_recorded_or_released(store: TestStore) {
 /// left as it is.
 pub async fn corrupt_stored_response_is_500(store: TestStore) {
     let s = TestServer::with_store(store.store.clone(), Policy::default(), |l| {
-        l.route(|p| p.uri.path().to_owned())
+        l.route(idempotency_tower::RoutePart::Path)
     })
     .await;
     let body = json!({"corrupt": 1});
@@ -350,7 +350,7 @@ pub async fn preconditions_are_part_of_the_request(store: TestStore) {
         .finish();
     let id = RecordId::new(
         // The layer's route is axum's matched template (the suite enables the `axum` feature).
-        http_scope("anonymous", &Method::PATCH, "/items/:id").expect("scope"),
+        http_scope("anonymous", &Method::PATCH, "/items/{id}").expect("scope"),
         IdempotencyKey::new("stored-before").expect("key"),
     );
     seed(

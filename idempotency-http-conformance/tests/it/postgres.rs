@@ -40,8 +40,11 @@ async fn unreachable_server_fails_closed() {
         .connect_lazy_with(options);
     let store = PostgresStore::builder().build(pool).expect("valid names");
     let engine = Idempotency::new(Arc::new(store), Policy::default()).expect("policy");
-    let s =
-        TestServer::start(idempotency_tower::IdempotencyLayer::new(engine).shared_scope()).await;
+    let s = TestServer::start(
+        idempotency_tower::IdempotencyLayer::shared(engine)
+            .route(idempotency_tower::RoutePart::Template),
+    )
+    .await;
     let client = reqwest::Client::builder()
         .no_proxy()
         .build()

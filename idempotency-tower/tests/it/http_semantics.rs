@@ -1,27 +1,22 @@
 //! Behaviour that a real client cannot see over the wire: the `Connection` header of a 413 per
-//! HTTP version (hyper strips `Connection` from HTTP/2 responses), a layer without a scope
-//! choice, and a handler error (which an axum handler cannot return).
+//! HTTP version (hyper strips `Connection` from HTTP/2 responses) and a handler error (which an
+//! axum handler cannot return).
 #![allow(clippy::unwrap_used)]
 
 use bytes::Bytes;
 use http::{Request, Response, Version};
 use http_body_util::{BodyExt, Full};
-use idempotency_core::{Idempotency, Policy};
+use idempotency_core::Idempotency;
 use idempotency_memory::MemoryStore;
 use idempotency_tower::{IdempotencyLayer, RequestBody};
 use std::convert::Infallible;
 use std::sync::Arc;
 use tower::{Layer, Service, ServiceExt};
 
-/// A layer without a scope choice (refused when it wraps a service).
-fn unscoped_layer() -> IdempotencyLayer {
-    let engine = Idempotency::new(Arc::new(MemoryStore::new()), Policy::default()).unwrap();
-    IdempotencyLayer::new(engine)
-}
-
 /// A layer with a scope function.
 fn layer() -> IdempotencyLayer {
-    unscoped_layer().scope(|_| Some("caller".into()))
+    let engine = Idempotency::builder(MemoryStore::new()).build().unwrap();
+    IdempotencyLayer::per_caller(engine, |_| Some("caller".into()))
 }
 
 async fn handle(
@@ -64,32 +59,6 @@ async fn connection_close_on_413_only_for_http1() {
             resp.headers()
         );
     }
-}
-
-/// A layer that has neither a scope function nor the explicit shared scope is refused when it
-/// wraps a service, required keys or not, with a message that says why; either choice is
-/// accepted.
-#[test]
-fn a_layer_without_a_scope_choice_is_refused() {
-    for required in [true, false] {
-        let refused = std::panic::catch_unwind(|| {
-            let _ = unscoped_layer().required(required).layer(handler!());
-        });
-        let panic = refused.expect_err("a layer without a scope choice was built");
-        let message = panic
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
-            .unwrap_or_default();
-        assert!(
-            message.contains("has no scope") && message.contains(".shared_scope()"),
-            "{message}"
-        );
-    }
-    let _scoped = unscoped_layer()
-        .scope(|_| Some("caller".into()))
-        .layer(handler!());
-    let _shared = unscoped_layer().shared_scope().layer(handler!());
 }
 
 /// A service that counts its calls and fails with an error after it acted.

@@ -6,4 +6,5 @@ mod http_semantics;
 mod metrics;
 mod observability;
 mod plain_hyper;
+mod route_part;
 mod service_shape;

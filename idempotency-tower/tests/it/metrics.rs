@@ -46,7 +46,7 @@ fn a_panicking_handler_is_counted_once() {
         rt.block_on(async {
             let engine = Idempotency::new(Arc::new(MemoryStore::new()), Policy::default()).unwrap();
             let mut svc = ServiceBuilder::new()
-                .layer(IdempotencyLayer::new(engine).shared_scope())
+                .layer(IdempotencyLayer::shared(engine))
                 .service_fn(|_req: Request<RequestBody<Full<Bytes>>>| async {
                     if true {
                         panic!("deliberate panic in the handler (metrics test)");
@@ -87,7 +87,7 @@ fn a_handler_error_the_store_cannot_settle_is_counted_as_held() {
         rt.block_on(async {
             let engine = Idempotency::new(store.clone(), Policy::default()).unwrap();
             let mut svc = ServiceBuilder::new()
-                .layer(IdempotencyLayer::new(engine).shared_scope())
+                .layer(IdempotencyLayer::shared(engine))
                 .service_fn(|_req: Request<RequestBody<Full<Bytes>>>| async {
                     Err::<Response<Full<Bytes>>, _>(std::io::Error::other("handler failed"))
                 });

@@ -103,7 +103,7 @@ fn service(
     let policy = Policy::default().hash_keys_in_logs(hash);
     let engine = Idempotency::new(Arc::new(MemoryStore::new()), policy).unwrap();
     ServiceBuilder::new()
-        .layer(IdempotencyLayer::new(engine).shared_scope())
+        .layer(IdempotencyLayer::shared(engine))
         .service_fn(|_req: Request<RequestBody<Full<Bytes>>>| async {
             Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"done"))))
         })

@@ -19,7 +19,7 @@ use tower::ServiceBuilder;
 async fn serve(runs: Arc<AtomicU64>) -> String {
     let engine = Idempotency::new(Arc::new(MemoryStore::new()), Policy::default()).unwrap();
     let service = ServiceBuilder::new()
-        .layer(IdempotencyLayer::new(engine).required(true).shared_scope())
+        .layer(IdempotencyLayer::shared(engine).required(true))
         .service_fn(move |req: Request<RequestBody<Incoming>>| {
             let runs = runs.clone();
             async move {

@@ -6,12 +6,13 @@ use bytes::Bytes;
 use http::{Request, Response};
 use http_body::Body;
 use http_body_util::{BodyExt, Full};
-use idempotency_core::{Idempotency, Policy};
+use idempotency_core::Idempotency;
 use idempotency_memory::MemoryStore;
-use idempotency_tower::{IdempotencyService, RequestBody, ResponseBody, ResponseFuture};
+use idempotency_tower::{
+    IdempotencyLayer, IdempotencyService, RequestBody, ResponseBody, ResponseFuture,
+};
 use std::convert::Infallible;
 use std::future::{ready, Ready};
-use std::sync::Arc;
 use std::task::{Context, Poll};
 use tower::{Layer, Service, ServiceExt};
 
@@ -43,10 +44,8 @@ impl Service<Request<RequestBody<Full<Bytes>>>> for Echo {
 }
 
 fn service() -> IdempotencyService<Echo> {
-    let engine = Idempotency::new(Arc::new(MemoryStore::new()), Policy::default()).unwrap();
-    IdempotencyService::<Echo>::layer(engine)
-        .shared_scope()
-        .layer(Echo::default())
+    let engine = Idempotency::builder(MemoryStore::new()).build().unwrap();
+    IdempotencyLayer::shared(engine).layer(Echo::default())
 }
 
 async fn text(resp: Response<ResponseBody<Full<Bytes>>>) -> String {
