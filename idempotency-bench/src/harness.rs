@@ -4,8 +4,8 @@ use crate::stats::Summary;
 use async_trait::async_trait;
 use futures::future::BoxFuture;
 use idempotency_core::{
-    BoxError, Claim, ClaimRequest, Error, Fingerprint, Idempotency, IdempotencyKey,
-    IdempotencyStore, Policy, RecordId, Scope,
+    Answer, BoxError, Claim, ClaimRequest, Error, Fingerprint, Idempotency, IdempotencyKey,
+    IdempotencyStore, Policy, RecordId, Refusal, Scope,
 };
 use serde::{Deserialize, Serialize};
 use std::any::Any;
@@ -285,7 +285,7 @@ pub(crate) async fn engine_replay(
             Err::<Receipt, _>(String::from("must not run"))
         })
         .await?;
-    if !out.is_replayed() || out.get().is_err() {
+    if !matches!(out, Answer::Replayed(Ok(_))) {
         return Err("a completed key ran its work again".into());
     }
     Ok(())
@@ -376,9 +376,9 @@ pub(crate) async fn same_key_race(engine: &Idempotency, run: &str) -> RaceReport
     let mut report = RaceReport::default();
     for t in tasks {
         match t.await {
-            Ok(Ok(o)) if o.is_replayed() => report.replayed += 1,
-            Ok(Ok(_)) => report.fresh += 1,
-            Ok(Err(Error::InProgress { .. })) => report.in_progress += 1,
+            Ok(Ok(Answer::Replayed(_))) => report.replayed += 1,
+            Ok(Ok(Answer::Executed(_))) => report.fresh += 1,
+            Ok(Ok(Answer::Refused(Refusal::InProgress { .. }))) => report.in_progress += 1,
             _ => report.other_errors += 1,
         }
     }

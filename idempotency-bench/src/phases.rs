@@ -126,7 +126,7 @@ where
                                 })
                             })
                             .await?;
-                        out.into_inner()?;
+                        out.into_result()??;
                     }
                     _ => {
                         let phases = if w == 2 { 1 } else { 3 };
@@ -143,7 +143,7 @@ where
                         let out = engine
                             .run_phases(&store, &key, &scope, &fingerprint, op)
                             .await?;
-                        out.into_inner()?;
+                        out.into_result()??;
                     }
                 }
                 if round > 0 {

@@ -1,7 +1,7 @@
 //! The completer: finishes multi-step operations whose holder died mid-way.
 
 use crate::phases::{Abandoned, AbandonedQuery, Phases, RecoveryPoints, Resumed};
-use crate::{Error, Idempotency, Outcome};
+use crate::{Answer, Error, Idempotency};
 use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
 use serde::{de::DeserializeOwned, Serialize};
@@ -281,18 +281,16 @@ impl<S: RecoveryPoints + 'static> Completer<S> {
                     Ok(Resumed::NotStarted) => Finished::Skipped,
                     Ok(Resumed::TakenElsewhere) => Finished::TakenElsewhere,
                     Ok(Resumed::Ran(ran)) => match ran {
-                        Outcome::Fresh(Ok(_)) => Finished::Completed,
+                        Answer::Executed(Ok(_)) => Finished::Completed,
                         // Stored (the policy stores errors) or recorded as a failure: which one
                         // is the policy's; a recorded one is listed again.
-                        Outcome::Fresh(Err(_)) => match engine.policy().errors {
+                        Answer::Executed(Err(_)) => match engine.policy().errors {
                             crate::ErrorOutcomes::Store => Finished::Completed,
                             crate::ErrorOutcomes::RecordFailure => Finished::Failed,
                         },
-                        Outcome::Replayed(_) => Finished::TakenElsewhere,
+                        Answer::Replayed(_) | Answer::Refused(_) => Finished::TakenElsewhere,
                     },
-                    Err(Error::InProgress { .. } | Error::LeaseLost { .. }) => {
-                        Finished::TakenElsewhere
-                    }
+                    Err(Error::LeaseLost { .. }) => Finished::TakenElsewhere,
                     Err(_) => Finished::Error,
                 }
             }

@@ -2,17 +2,17 @@
 
 use crate::{FencingToken, KeyError, ScopeError};
 use std::fmt;
-use std::time::Duration;
 
 /// A boxed error source, kept so callers can walk the chain.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
-/// Everything that can go wrong between a caller, the engine and a store.
+/// What broke between a caller, the engine and a store.
 ///
-/// Expected races that a store reports (a claim that found a live record, a CAS that was
-/// fenced) are values ([`crate::Claim`], [`crate::Cas`]); the engine turns the ones the caller
-/// must act on into [`Error::Mismatch`], [`Error::InProgress`] and [`Error::LeaseLost`].
-/// [`Error::is_retryable`] tells whether sending the same request again may succeed.
+/// Expected answers are not errors: a duplicate in flight, a key reused with another request,
+/// a permanent failure and a lost outcome are [`crate::Refusal`]s inside an
+/// [`crate::Answer`]; the races a store reports (a claim that found a live record, a CAS that
+/// was fenced) are values too ([`crate::Claim`], [`crate::Cas`]). [`Error::is_retryable`]
+/// tells whether making the same call again may succeed.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -22,31 +22,12 @@ pub enum Error {
     /// The scope broke a rule.
     #[error("invalid scope: {0}")]
     InvalidScope(#[from] ScopeError),
-    /// The key was already used with a different request fingerprint.
-    #[error("idempotency key was already used with a different request payload")]
-    Mismatch,
-    /// Another attempt holds a live lease on the key.
-    #[error(
-        "a request with this idempotency key is still in progress; retry after {retry_after:?}"
-    )]
-    InProgress {
-        /// How long until that attempt's lease passes.
-        retry_after: Duration,
-    },
     /// The caller's lease was lost: its token was fenced by a newer holder, or the record
     /// completed or expired. Nothing the caller tried to record was written.
     #[error("lease lost: fencing token {token} is no longer the holder of this key")]
     LeaseLost {
         /// The token that was refused.
         token: FencingToken,
-    },
-    /// The last attempt with this key and payload failed permanently (a failure recorded with
-    /// `retryable = false`), so the work is not run again while the record is kept. A
-    /// corrected request (another payload) may still run, per the policy.
-    #[error("the request with this idempotency key failed permanently: {message}")]
-    FailedPermanently {
-        /// The failure's message, for operators (not meant for clients).
-        message: String,
     },
     /// A stored record could not be decoded.
     #[error("corrupt stored record: {reason}")]
@@ -77,11 +58,11 @@ pub enum Error {
     /// The store may or may not have applied a write: the connection died after the request
     /// was sent, or the work ran and its outcome could not be stored after the retries of
     /// [`crate::Policy::settle_retry`]. The key is not released: a lease whose completion
-    /// failed records a permanent failure in the outcome's place (retries are told
-    /// [`Error::FailedPermanently`]), or, if the store refuses that too, the record stays
-    /// Pending until its lease passes and retries are told [`Error::InProgress`] until then.
-    /// No retry is given an outcome that was not stored. Read the record again before
-    /// assuming anything.
+    /// failed records the lost outcome in its place (retries are refused with
+    /// [`crate::Refusal::OutcomeLost`]), or, if the store refuses that too, the record stays
+    /// Pending until its lease passes and retries are refused with
+    /// [`crate::Refusal::InProgress`] until then. No retry is given an outcome that was not
+    /// stored. Read the record again before assuming anything.
     #[error("outcome unknown: the store may or may not have applied the write: {source}")]
     OutcomeUnknown {
         /// The transport error.
@@ -271,16 +252,15 @@ impl Error {
 
     /// Whether sending the same request again (same key, same payload) may succeed.
     ///
-    /// True for [`Error::InProgress`], [`Error::LeaseLost`] (the retry sees the current
-    /// holder's result), [`Error::OutcomeUnknown`] and retryable backend errors.
+    /// True for [`Error::LeaseLost`] (the retry sees the current holder's result),
+    /// [`Error::OutcomeUnknown`] (the retry sees what was stored) and retryable backend
+    /// errors.
     pub fn is_retryable(&self) -> bool {
         match self {
-            Self::InProgress { .. } | Self::LeaseLost { .. } | Self::OutcomeUnknown { .. } => true,
+            Self::LeaseLost { .. } | Self::OutcomeUnknown { .. } => true,
             Self::Backend { retryable, .. } => *retryable,
             Self::InvalidKey(_)
             | Self::InvalidScope(_)
-            | Self::Mismatch
-            | Self::FailedPermanently { .. }
             | Self::CorruptRecord { .. }
             | Self::Codec { .. }
             | Self::Config(_) => false,
@@ -294,11 +274,10 @@ mod tests {
 
     #[test]
     fn retryability() {
-        assert!(Error::InProgress {
-            retry_after: Duration::from_secs(1)
+        assert!(Error::OutcomeUnknown {
+            source: "reset".into()
         }
         .is_retryable());
-        assert!(!Error::Mismatch.is_retryable());
         assert!(Error::backend(true, "x").is_retryable());
         assert!(!Error::backend(false, "x").is_retryable());
         assert!(!Error::corrupt("bad").is_retryable());

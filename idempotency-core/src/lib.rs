@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 #![cfg_attr(docsrs, feature(doc_auto_cfg))]
 
+mod answer;
 mod completer;
 mod decision;
 mod engine;
@@ -19,11 +20,12 @@ mod store;
 mod time;
 pub mod transaction;
 
+pub use answer::{Answer, Refusal};
 pub use completer::{Completer, CompleterRound, CompleterStats};
 pub use decision::{decide, Decision, DecisionOptions};
 pub use engine::{
     decode_replay, BatchMessage, BatchReport, Begin, Disposition, Idempotency, IdempotencyBuilder,
-    Lease, MessageOutcome, MessageReport, Outcome, Proceed, WorkContext,
+    Lease, MessageOutcome, MessageReport, WorkContext,
 };
 pub use error::{BoxError, Error, Operation, StoreCall};
 pub use fingerprint::{

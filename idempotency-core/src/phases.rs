@@ -37,8 +37,8 @@
 use crate::transaction::driver::{renew_kept, transaction, Complete, Seal};
 use crate::transaction::{TransactionEnd, TransactionalStore};
 use crate::{
-    decode_replay, Error, Failure, Fingerprint, Idempotency, IdempotencyKey, Lease, Operation,
-    Outcome, Proceed, Reclaim, RecordId, RecordStatus, Scope,
+    decode_replay, Answer, Begin, Error, Failure, Fingerprint, Idempotency, IdempotencyKey, Lease,
+    Operation, Reclaim, RecordId, RecordStatus, Scope,
 };
 use async_trait::async_trait;
 use futures::future::BoxFuture;
@@ -545,7 +545,7 @@ impl Idempotency {
         scope: &Scope,
         fingerprint: &Fingerprint,
         phases: Phases<S, T, E>,
-    ) -> Result<Outcome<Result<T, E>>, Error>
+    ) -> Result<Answer<Result<T, E>>, Error>
     where
         S: RecoveryPoints,
         T: Serialize + DeserializeOwned + Send + 'static,
@@ -569,9 +569,10 @@ impl Idempotency {
         } else {
             self
         };
-        let lease = match engine.begin(&id, fingerprint).await?.proceed()? {
-            Proceed::Replay(record) => return decode_replay(&record).map(Outcome::Replayed),
-            Proceed::Execute(lease) => lease,
+        let lease = match engine.begin(&id, fingerprint).await? {
+            Begin::Replay(record) => return decode_replay(&record).map(Answer::Replayed),
+            Begin::Refused(refusal) => return Ok(Answer::Refused(refusal)),
+            Begin::Execute(lease) => lease,
         };
         let point = match store.recovery_point(&lease).await {
             Ok(point) => point,
@@ -596,7 +597,7 @@ impl Idempotency {
         id: &RecordId,
         fingerprint: &Fingerprint,
         phases: Phases<S, T, E>,
-    ) -> Result<Resumed<Outcome<Result<T, E>>>, Error>
+    ) -> Result<Resumed<Answer<Result<T, E>>>, Error>
     where
         S: RecoveryPoints,
         T: Serialize + DeserializeOwned + Send + 'static,
@@ -672,7 +673,7 @@ impl Idempotency {
         point: Option<RecoveryPoint>,
         mut phases: Phases<S, T, E>,
         count: u16,
-    ) -> Result<Outcome<Result<T, E>>, Error>
+    ) -> Result<Answer<Result<T, E>>, Error>
     where
         S: RecoveryPoints,
         T: Serialize + DeserializeOwned + Send + 'static,

@@ -20,11 +20,11 @@ pub enum ErrorOutcomes {
 /// What a request does while another attempt holds a live lease on its key.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
 pub enum InFlight {
-    /// Refuse at once with [`Error::InProgress`] and a retry-after (the default; HTTP 409).
+    /// Refuse at once with [`Refusal::InProgress`](crate::Refusal::InProgress) and a retry-after (the default; HTTP 409).
     #[default]
     Reject,
     /// Poll with exponential backoff until the other attempt settles, then replay its outcome
-    /// (or take the key over if it failed); give up with [`Error::InProgress`] after
+    /// (or take the key over if it failed); give up with [`Refusal::InProgress`](crate::Refusal::InProgress) after
     /// `max_wait`.
     Wait {
         /// The longest the caller is kept waiting.

@@ -1,5 +1,5 @@
 use idempotency_core::{Begun, CommitError, Idempotency, IdempotencyKey, Lease, Policy, Scope};
-use idempotency_core::{Outcome, TransactionalStore};
+use idempotency_core::{Answer, TransactionalStore};
 use std::sync::Arc;
 
 /// The toy store with a "business table" beside it: a ledger of lines.
@@ -80,7 +80,7 @@ async fn main() -> Result<(), Error> {
                 })
             })
             .await?;
-        assert!(matches!(outcome, Outcome::Fresh(Ok(1)) | Outcome::Replayed(Ok(1))));
+        assert!(matches!(outcome, Answer::Executed(Ok(1)) | Answer::Replayed(Ok(1))));
     }
     // Two calls, one write: the second replayed the first's outcome.
     assert_eq!(bank.ledger.lock().unwrap_or_else(|e| e.into_inner()).len(), 1);

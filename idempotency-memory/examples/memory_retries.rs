@@ -1,6 +1,6 @@
 //! Fires concurrent retries of one payment and shows that the work runs once.
 
-use idempotency_core::{Error, Fingerprint, Idempotency, IdempotencyKey, Policy, Scope};
+use idempotency_core::{Answer, Error, Fingerprint, Idempotency, IdempotencyKey, Policy, Scope};
 use idempotency_memory::MemoryStore;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -32,10 +32,9 @@ async fn main() -> Result<(), Error> {
                 })
                 .await;
             match result {
-                Ok(outcome) if outcome.is_replayed() => {
-                    println!("attempt {n}: replayed {:?}", outcome.into_inner())
-                }
-                Ok(outcome) => println!("attempt {n}: ran the work -> {:?}", outcome.into_inner()),
+                Ok(Answer::Replayed(result)) => println!("attempt {n}: replayed {result:?}"),
+                Ok(Answer::Executed(result)) => println!("attempt {n}: ran the work -> {result:?}"),
+                Ok(Answer::Refused(refusal)) => println!("attempt {n}: refused: {refusal}"),
                 Err(e) => println!("attempt {n}: {e} (retryable: {})", e.is_retryable()),
             }
         }

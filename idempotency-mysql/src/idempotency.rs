@@ -6,7 +6,7 @@ use crate::MysqlStore;
 use futures::future::BoxFuture;
 use futures::FutureExt;
 use idempotency_core::{
-    Error, Fingerprint, Idempotency, IdempotencyKey, Outcome, Policy, Scope, WorkContext,
+    Answer, Error, Fingerprint, Idempotency, IdempotencyKey, Policy, Scope, WorkContext,
 };
 use serde::{de::DeserializeOwned, Serialize};
 use sqlx::MySqlConnection;
@@ -18,7 +18,7 @@ use std::sync::Arc;
 /// same database.
 ///
 /// ```no_run
-/// use idempotency_core::{Fingerprint, IdempotencyKey, Policy, Scope};
+/// use idempotency_core::{Answer, Fingerprint, IdempotencyKey, Policy, Scope};
 /// use idempotency_mysql::{MysqlIdempotency, MysqlStore};
 ///
 /// # async fn f() -> Result<(), Box<dyn std::error::Error>> {
@@ -40,7 +40,11 @@ use std::sync::Arc;
 ///         })
 ///     })
 ///     .await?;
-/// println!("order {:?}, replayed: {}", outcome.get(), outcome.is_replayed());
+/// match outcome {
+///     Answer::Executed(order) => println!("order {order:?} written now"),
+///     Answer::Replayed(order) => println!("order {order:?} written before"),
+///     Answer::Refused(refusal) => println!("not written: {refusal}"),
+/// }
 /// # Ok(()) }
 /// ```
 #[derive(Clone, Debug)]
@@ -84,7 +88,7 @@ impl MysqlIdempotency {
     ///   [`Error::LeaseLost`].
     /// - `Ok(Err(e))`, the work's own refusal (a declined payment, an invalid request): the
     ///   transaction rolls back, then the error is handled per [`Policy::errors`] (by default
-    ///   the key is released for a retry) and returned as `Fresh(Err(e))`.
+    ///   the key is released for a retry) and returned as `Executed(Err(e))`.
     /// - `Err(database_error)`, what `?` on a failed sqlx call returns: the transaction rolls
     ///   back. A deadlock (1213), a lock wait timeout (1205) or a row changed since the
     ///   snapshot (1020) in the work's own statements, or a deadlock or lock wait timeout in
@@ -134,7 +138,7 @@ impl MysqlIdempotency {
         scope: &Scope,
         fingerprint: &Fingerprint,
         mut work: F,
-    ) -> Result<Outcome<Result<T, E>>, Error>
+    ) -> Result<Answer<Result<T, E>>, Error>
     where
         T: Serialize + DeserializeOwned + Send + 'static,
         E: Serialize + DeserializeOwned + Display + Send + 'static,

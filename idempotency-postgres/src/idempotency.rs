@@ -6,7 +6,7 @@ use crate::PostgresStore;
 use futures::future::BoxFuture;
 use futures::FutureExt;
 use idempotency_core::{
-    Error, Fingerprint, Idempotency, IdempotencyKey, Outcome, Policy, Scope, WorkContext,
+    Answer, Error, Fingerprint, Idempotency, IdempotencyKey, Policy, Scope, WorkContext,
 };
 use serde::{de::DeserializeOwned, Serialize};
 use sqlx::PgConnection;
@@ -18,7 +18,7 @@ use std::sync::Arc;
 /// same database.
 ///
 /// ```no_run
-/// use idempotency_core::{Fingerprint, IdempotencyKey, Policy, Scope};
+/// use idempotency_core::{Answer, Fingerprint, IdempotencyKey, Policy, Scope};
 /// use idempotency_postgres::{PostgresIdempotency, PostgresStore};
 ///
 /// # async fn f() -> Result<(), Box<dyn std::error::Error>> {
@@ -40,7 +40,11 @@ use std::sync::Arc;
 ///         })
 ///     })
 ///     .await?;
-/// println!("order {:?}, replayed: {}", outcome.get(), outcome.is_replayed());
+/// match outcome {
+///     Answer::Executed(order) => println!("order {order:?} written now"),
+///     Answer::Replayed(order) => println!("order {order:?} written before"),
+///     Answer::Refused(refusal) => println!("not written: {refusal}"),
+/// }
 /// # Ok(()) }
 /// ```
 #[derive(Clone, Debug)]
@@ -84,7 +88,7 @@ impl PostgresIdempotency {
     ///   [`Error::LeaseLost`].
     /// - `Ok(Err(e))`, the work's own refusal (a declined payment, an invalid request): the
     ///   transaction rolls back, then the error is handled per [`Policy::errors`] (by default
-    ///   the key is released for a retry) and returned as `Fresh(Err(e))`.
+    ///   the key is released for a retry) and returned as `Executed(Err(e))`.
     /// - `Err(database_error)`, what `?` on a failed sqlx call returns: the transaction rolls
     ///   back. A serialization failure or deadlock (SQLSTATE 40001, 40P01), in the work's own
     ///   statements as in the completion or the commit, runs the whole transaction again,
@@ -123,7 +127,7 @@ impl PostgresIdempotency {
     ///   Pending with this holder's token and its lease has not passed) and holds it until
     ///   the commit. Nobody else can change the record meanwhile, and duplicates do not wait
     ///   for it: a duplicate request's claim and reclaim skip a live row a holder has locked,
-    ///   so the duplicate gets [`Error::InProgress`] at once (even once the lease in the
+    ///   so the duplicate gets [`Refusal::InProgress`](idempotency_core::Refusal::InProgress) at once (even once the lease in the
     ///   table has passed: the lock says the holder's transaction is open), a purge skips the
     ///   row, and after the commit a duplicate finds the record Completed (a replay) or,
     ///   after a rollback, as it was. (A record whose retention passed while the work runs is
@@ -148,7 +152,7 @@ impl PostgresIdempotency {
         scope: &Scope,
         fingerprint: &Fingerprint,
         mut work: F,
-    ) -> Result<Outcome<Result<T, E>>, Error>
+    ) -> Result<Answer<Result<T, E>>, Error>
     where
         T: Serialize + DeserializeOwned + Send + 'static,
         E: Serialize + DeserializeOwned + Display + Send + 'static,

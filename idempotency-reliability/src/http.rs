@@ -131,9 +131,7 @@ impl HttpPath {
                 ),
             },
             StatusCode::CONFLICT => (R::InProgress, None, false),
-            StatusCode::UNPROCESSABLE_ENTITY
-                if text.contains("idempotency-key-failed-permanently") =>
-            {
+            StatusCode::UNPROCESSABLE_ENTITY if text.contains("idempotency-key-outcome-lost") => {
                 (R::FailedPermanently, None, false)
             }
             StatusCode::SERVICE_UNAVAILABLE => (R::Unknown, Some(format!("503: {text}")), true),

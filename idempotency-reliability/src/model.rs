@@ -29,9 +29,9 @@ pub enum Call {
 /// What it answered.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Response {
-    /// `Outcome::Fresh(Ok(v))`: this call's execution committed `v`.
+    /// `Answer::Executed(Ok(v))`: this call's execution committed `v`.
     Fresh(u64),
-    /// `Outcome::Replayed(Ok(v))`: the key holds `v`.
+    /// `Answer::Replayed(Ok(v))`: the key holds `v`.
     Replayed(u64),
     /// The work ran and failed with an error that released the key: no effect.
     Released,
@@ -39,7 +39,7 @@ pub enum Response {
     /// with a permanent failure in the outcome's place ([`LOST`]), or, if the store refused
     /// that write, left Pending (open once its lease passes).
     Panicked,
-    /// `Error::InProgress` (HTTP 409): another attempt held a live lease.
+    /// `Refusal::InProgress` (HTTP 409): another attempt held a live lease.
     InProgress,
     /// The work ran in this call (`v` is the call's own value) and the call was answered,
     /// but whether its completion committed is not known: the HTTP layer delivers a fresh
@@ -55,8 +55,8 @@ pub enum Response {
     /// No answer (cancelled, timed out, a backend error): the call may or may not have taken
     /// effect, now or later.
     Unknown,
-    /// `Error::FailedPermanently` (HTTP 422 `idempotency-key-failed-permanently`): the key is
-    /// closed by a work whose outcome could not be stored.
+    /// `Refusal::OutcomeLost` (HTTP 422 `idempotency-key-outcome-lost`): the key is closed by
+    /// a work whose outcome could not be stored.
     FailedPermanently,
     /// A read found the record Failed for good (not retryable).
     ReadFailed,

@@ -3,7 +3,7 @@
 //! all succeed.
 
 use crate::soak::{RunResult, Runner, Work, WorkFault};
-use idempotency_core::{Error, Fingerprint, IdempotencyKey, Outcome, Scope};
+use idempotency_core::{Answer, Error, Fingerprint, IdempotencyKey, Scope};
 use rand::Rng;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -34,7 +34,7 @@ fn fingerprint(key: &IdempotencyKey) -> Fingerprint {
 
 fn unexpected(result: &RunResult) -> Option<String> {
     match result {
-        Ok(_) | Err(Error::InProgress { .. } | Error::LeaseLost { .. }) => None,
+        Ok(_) | Err(Error::LeaseLost { .. }) => None,
         Err(e) => Some(format!("{e:?}")),
     }
 }
@@ -158,7 +158,7 @@ pub async fn cancellation_storm(
 }
 
 /// `n` calls on fresh keys, `concurrency` at a time, with no timeout: every one must run its
-/// work and answer `Fresh(Ok)` with its own value. Returns the failures.
+/// work and answer `Executed(Ok)` with its own value. Returns the failures.
 pub async fn next_calls_succeed(
     runner: Arc<dyn Runner>,
     scope: &Scope,
@@ -183,7 +183,7 @@ pub async fn next_calls_succeed(
                         .run(key.clone(), scope.clone(), fingerprint(&key), work)
                         .await
                     {
-                        Ok(Outcome::Fresh(Ok(v))) if v == value => {}
+                        Ok(Answer::Executed(Ok(v))) if v == value => {}
                         other => failures.push(format!("{key}: {other:?}")),
                     }
                 }
@@ -208,7 +208,7 @@ pub async fn storm_keys_settle(runner: Arc<dyn Runner>, scope: &Scope, keys: usi
             .run(key.clone(), scope.clone(), fingerprint(&key), work)
             .await
         {
-            Ok(Outcome::Fresh(Ok(_)) | Outcome::Replayed(Ok(_))) => {}
+            Ok(Answer::Executed(Ok(_)) | Answer::Replayed(Ok(_))) => {}
             other => failures.push(format!("{key}: {other:?}")),
         }
     }

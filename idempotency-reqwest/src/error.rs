@@ -96,6 +96,22 @@ pub enum Error {
         /// The server's problem document, when it sent one.
         problem: Option<Problem>,
     },
+    /// `422`: the first request with this key ran, but the server could not keep its answer:
+    /// it may have taken effect, and is not run again under the key. Not retried; find out
+    /// whether it took effect before sending the operation again under a new key.
+    #[error(
+        "the server refused the request (422): the first request with this key ran, but its \
+         answer was not kept; it may have taken effect{}",
+        detail(problem)
+    )]
+    OutcomeLost {
+        /// The key that was sent.
+        key: IdempotencyKey,
+        /// Attempts made (the refused one included).
+        attempts: u32,
+        /// The server's problem document, when it sent one.
+        problem: Option<Problem>,
+    },
     /// Another `4xx` (`400`, `401`, `404`, a validation `422`, a `409` that is the handler's
     /// own conflict rather than the server's in-progress refusal…), or any `4xx` the server
     /// replayed (`Idempotent-Replayed: true`, the stored answer of an earlier attempt): the
@@ -164,6 +180,7 @@ impl Error {
         match self {
             Self::KeyReused { key, .. }
             | Self::FailedPermanently { key, .. }
+            | Self::OutcomeLost { key, .. }
             | Self::Rejected { key, .. }
             | Self::GaveUp { key, .. }
             | Self::Send { key, .. } => Some(key),
@@ -178,6 +195,7 @@ impl Error {
         match self {
             Self::KeyReused { attempts, .. }
             | Self::FailedPermanently { attempts, .. }
+            | Self::OutcomeLost { attempts, .. }
             | Self::Rejected { attempts, .. }
             | Self::GaveUp { attempts, .. }
             | Self::Send { attempts, .. } => *attempts,
@@ -190,7 +208,7 @@ impl Error {
     /// The status of the answer that ended the operation, if it ended with one.
     pub fn status(&self) -> Option<StatusCode> {
         match self {
-            Self::KeyReused { .. } | Self::FailedPermanently { .. } => {
+            Self::KeyReused { .. } | Self::FailedPermanently { .. } | Self::OutcomeLost { .. } => {
                 Some(StatusCode::UNPROCESSABLE_ENTITY)
             }
             Self::Rejected { status, .. } => Some(*status),
@@ -207,6 +225,7 @@ impl Error {
         match self {
             Self::KeyReused { problem, .. }
             | Self::FailedPermanently { problem, .. }
+            | Self::OutcomeLost { problem, .. }
             | Self::Rejected { problem, .. }
             | Self::GaveUp {
                 last: LastFailure::Status { problem, .. },
@@ -333,6 +352,10 @@ pub(crate) fn refusal_kind(problem: Option<&Problem>) -> Option<RefusalKind> {
         || code == Some("IDEMPOTENCY_KEY_FAILED_PERMANENTLY")
     {
         Some(RefusalKind::FailedPermanently)
+    } else if p.has_slug("idempotency-key-outcome-lost")
+        || code == Some("IDEMPOTENCY_KEY_OUTCOME_LOST")
+    {
+        Some(RefusalKind::OutcomeLost)
     } else {
         None
     }
@@ -342,6 +365,7 @@ pub(crate) fn refusal_kind(problem: Option<&Problem>) -> Option<RefusalKind> {
 pub(crate) enum RefusalKind {
     KeyReused,
     FailedPermanently,
+    OutcomeLost,
 }
 
 /// The problem type slugs and codes of the `409`s that say another attempt holds the key:
@@ -420,6 +444,35 @@ mod tests {
         );
         assert_eq!(Problem::parse(&HeaderMap::new(), body), None);
         assert_eq!(Problem::parse(&json("application/json"), b"\xff{"), None);
+    }
+
+    /// A failure and a lost outcome are told apart, by slug or by code, as the tower layer
+    /// sends them.
+    #[test]
+    fn a_lost_outcome_is_not_a_permanent_failure() {
+        let kind = |body: &[u8]| {
+            refusal_kind(Problem::parse(&json("application/problem+json"), body).as_ref())
+        };
+        assert_eq!(
+            kind(br#"{"type":"urn:x:problem:idempotency-key-outcome-lost"}"#),
+            Some(RefusalKind::OutcomeLost)
+        );
+        assert_eq!(
+            kind(br#"{"type":"about:blank","code":"IDEMPOTENCY_KEY_OUTCOME_LOST"}"#),
+            Some(RefusalKind::OutcomeLost)
+        );
+        assert_eq!(
+            kind(br#"{"type":"urn:x:problem:idempotency-key-failed-permanently"}"#),
+            Some(RefusalKind::FailedPermanently)
+        );
+        let lost = Error::OutcomeLost {
+            key: IdempotencyKey::new("k").unwrap(),
+            attempts: 1,
+            problem: None,
+        };
+        assert!(lost.to_string().contains("may have taken effect"), "{lost}");
+        assert_eq!(lost.status(), Some(StatusCode::UNPROCESSABLE_ENTITY));
+        assert!(!lost.is_retryable());
     }
 
     #[test]

@@ -434,6 +434,11 @@ fn refusal(
             attempts,
             problem,
         },
+        Some(RefusalKind::OutcomeLost) => Error::OutcomeLost {
+            key,
+            attempts,
+            problem,
+        },
         None => Error::Rejected {
             key,
             attempts,

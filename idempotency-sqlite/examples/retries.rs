@@ -115,12 +115,17 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
-fn report(n: usize, result: Result<idempotency_core::Outcome<Result<String, String>>, Error>) {
+fn report(n: usize, result: Result<idempotency_core::Answer<Result<String, String>>, Error>) {
     match result {
-        Ok(outcome) if outcome.is_replayed() => {
-            println!("attempt {n}: replayed {:?}", outcome.into_inner())
+        Ok(idempotency_core::Answer::Replayed(result)) => {
+            println!("attempt {n}: replayed {result:?}")
         }
-        Ok(outcome) => println!("attempt {n}: ran the work -> {:?}", outcome.into_inner()),
+        Ok(idempotency_core::Answer::Executed(result)) => {
+            println!("attempt {n}: ran the work -> {result:?}")
+        }
+        Ok(idempotency_core::Answer::Refused(refusal)) => {
+            println!("attempt {n}: refused: {refusal}")
+        }
         Err(e) => println!("attempt {n}: {e} (retryable: {})", e.is_retryable()),
     }
 }

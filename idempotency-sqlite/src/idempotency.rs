@@ -4,7 +4,7 @@
 use crate::exactly_once::closed;
 use crate::SqliteStore;
 use idempotency_core::{
-    Error, Fingerprint, Idempotency, IdempotencyKey, Outcome, Policy, Scope, WorkContext,
+    Answer, Error, Fingerprint, Idempotency, IdempotencyKey, Policy, Scope, WorkContext,
 };
 use rusqlite::Transaction;
 use serde::{de::DeserializeOwned, Serialize};
@@ -17,7 +17,7 @@ use std::sync::Arc;
 ///
 /// ```no_run
 /// # async fn demo(store: idempotency_sqlite::SqliteStore) -> Result<(), idempotency_core::Error> {
-/// use idempotency_core::{Fingerprint, IdempotencyKey, Policy, Scope};
+/// use idempotency_core::{Answer, Fingerprint, IdempotencyKey, Policy, Scope};
 /// use idempotency_sqlite::{rusqlite::params, SqliteIdempotency};
 ///
 /// let engine = SqliteIdempotency::new(store, Policy::default())?;
@@ -30,7 +30,11 @@ use std::sync::Arc;
 ///         Ok::<_, String>(tx.last_insert_rowid())
 ///     })
 ///     .await?;
-/// println!("order {:?}, replayed: {}", outcome.get(), outcome.is_replayed());
+/// match outcome {
+///     Answer::Executed(order) => println!("order {order:?} written now"),
+///     Answer::Replayed(order) => println!("order {order:?} written before"),
+///     Answer::Refused(refusal) => println!("not written: {refusal}"),
+/// }
 /// # Ok(()) }
 /// ```
 #[derive(Clone, Debug)]
@@ -80,7 +84,7 @@ impl SqliteIdempotency {
     ///
     /// When `work` returns `Err`, its writes roll back and the error follows the engine's
     /// [`Policy::errors`] (released for a retry by default) and is returned as
-    /// `Fresh(Err(e))`. `work` runs on the connection's thread: keep slow calls to other
+    /// `Executed(Err(e))`. `work` runs on the connection's thread: keep slow calls to other
     /// systems out of it, since it holds the database's write lock. Holding that lock from
     /// its `BEGIN IMMEDIATE`, the transaction cannot conflict with another (no deadlock, no
     /// busy error midway), so unlike the Postgres and MySQL engines nothing here is run again.
@@ -90,7 +94,7 @@ impl SqliteIdempotency {
         scope: &Scope,
         fingerprint: &Fingerprint,
         work: F,
-    ) -> Result<Outcome<Result<T, E>>, Error>
+    ) -> Result<Answer<Result<T, E>>, Error>
     where
         T: Serialize + DeserializeOwned + Send + 'static,
         E: Serialize + DeserializeOwned + std::fmt::Display + Send + 'static,

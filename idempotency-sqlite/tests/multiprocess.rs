@@ -13,8 +13,8 @@
 #![allow(clippy::unwrap_used)]
 
 use idempotency_core::{
-    Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, InFlight, Outcome, Policy,
-    RecordId, RecordStatus, Scope,
+    Answer, Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, InFlight, Policy,
+    RecordId, RecordStatus, Refusal, Scope,
 };
 use idempotency_sqlite::rusqlite::{params, TransactionBehavior};
 use idempotency_sqlite::{ConnectionMode, SqliteIdempotency, SqliteStore};
@@ -308,7 +308,7 @@ async fn child_race() {
 fn record(
     report: &mut Report,
     key: &IdempotencyKey,
-    result: Result<Outcome<Result<String, String>>, Error>,
+    result: Result<Answer<Result<String, String>>, Error>,
 ) {
     match result {
         Ok(outcome) => {
@@ -317,7 +317,7 @@ fn record(
             } else {
                 report.fresh += 1;
             }
-            match outcome.into_inner() {
+            match outcome.into_result().unwrap() {
                 Ok(v) => {
                     report.seen.entry(key.to_string()).or_default().insert(v);
                 }
@@ -399,7 +399,10 @@ async fn parent_crash() {
                 },
             )
             .await;
-        assert!(matches!(early, Err(Error::InProgress { .. })), "{early:?}");
+        assert!(
+            matches!(early, Ok(Answer::Refused(Refusal::InProgress { .. }))),
+            "{early:?}"
+        );
 
         tokio::time::sleep(
             CRASH_LEASE.saturating_sub(crashed_at.elapsed()) + Duration::from_millis(50),
@@ -427,7 +430,7 @@ async fn parent_crash() {
             })
             .await
             .unwrap();
-        assert!(matches!(retry, Outcome::Fresh(Ok(_))), "{retry:?}");
+        assert!(matches!(retry, Answer::Executed(Ok(_))), "{retry:?}");
         let again = SqliteIdempotency::with_engine(store.clone(), engine.clone())
             .run_in_transaction(
                 &k,
@@ -437,7 +440,7 @@ async fn parent_crash() {
             )
             .await
             .unwrap();
-        assert_eq!(again, Outcome::Replayed(retry.into_inner()));
+        assert_eq!(again, Answer::Replayed(retry.into_result().unwrap()));
         assert_eq!(count(k.to_string()).await, 1, "exactly one order");
     }
     println!(

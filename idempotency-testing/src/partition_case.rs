@@ -4,8 +4,8 @@
 
 use crate::partition::PartitionProxy;
 use idempotency_core::{
-    Cas, Claim, ClaimRequest, Error, Failure, FencingToken, Fingerprint, IdempotencyKey,
-    IdempotencyStore, Outcome, Record, RecordId, RecordStatus, Scope,
+    Answer, Cas, Claim, ClaimRequest, Error, Failure, FencingToken, Fingerprint, IdempotencyKey,
+    IdempotencyStore, Record, RecordId, RecordStatus, Scope,
 };
 use std::future::Future;
 use std::pin::Pin;
@@ -304,7 +304,7 @@ pub type Boxed<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 /// A run through a store's transactional helper: the work inserts one business row for the
 /// key in the transaction that completes the record, and succeeds with its fencing token.
 pub type TransactionalRun<'a> =
-    dyn Fn(IdempotencyKey) -> Boxed<'a, Result<Outcome<Result<u64, String>>, Error>> + Sync + 'a;
+    dyn Fn(IdempotencyKey) -> Boxed<'a, Result<Answer<Result<u64, String>>, Error>> + Sync + 'a;
 
 /// The record's status (`None` when there is no record) and the key's business rows, read
 /// in one snapshot on a connection that does not cross the proxy.
@@ -450,8 +450,8 @@ impl CommitCase<'_> {
             .await
             .unwrap_or_else(|e| panic!("{how:?}: the retry: {e:?}"));
         match (how, retry) {
-            (AtCommit::CutThenSevered, Outcome::Fresh(Ok(_))) => {}
-            (AtCommit::CutThenHealed | AtCommit::AnswerHeld, Outcome::Replayed(Ok(_))) => {}
+            (AtCommit::CutThenSevered, Answer::Executed(Ok(_))) => {}
+            (AtCommit::CutThenHealed | AtCommit::AnswerHeld, Answer::Replayed(Ok(_))) => {}
             (how, other) => panic!("{how:?}: the retry answered {other:?}"),
         }
         assert!(

@@ -56,7 +56,7 @@ pub enum OnUnstored {
     /// Settle the key for good (the default): an answer is recorded without its body (its
     /// status and replayed headers; a retry is told the handler ran, with that status, and
     /// [`NotReplayable::StatusNotStored`](crate::NotReplayable::StatusNotStored)), an error as
-    /// a permanent failure (a retry is told `422` `idempotency-key-failed-permanently`). No
+    /// a lost outcome (a retry is told `422` `idempotency-key-outcome-lost`). No
     /// retry runs the handler again while the key is kept.
     #[default]
     Settle,

@@ -39,9 +39,12 @@ pub enum Refusal {
         retry_after: Duration,
     },
     /// The key was used before with a different request. 422.
-    Mismatch,
+    KeyReused,
     /// The earlier request with this key failed permanently and is not run again. 422.
     FailedPermanently,
+    /// The earlier request with this key ran, but its response could not be stored (or its
+    /// handler panicked): it may have taken effect, and is not run again. 422.
+    OutcomeLost,
     /// The idempotency store could not be reached or failed. 503 (fail closed).
     StoreUnavailable(String),
     /// The stored response for this key could not be decoded. 500.
@@ -74,7 +77,9 @@ impl Refusal {
             Self::CallerUnidentified => StatusCode::UNAUTHORIZED,
             Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::InProgress { .. } | Self::LeaseLost => StatusCode::CONFLICT,
-            Self::Mismatch | Self::FailedPermanently => StatusCode::UNPROCESSABLE_ENTITY,
+            Self::KeyReused | Self::FailedPermanently | Self::OutcomeLost => {
+                StatusCode::UNPROCESSABLE_ENTITY
+            }
             Self::StoreUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             Self::NotReplayable { status, .. } => *status,
             Self::StoredResponseUnreadable(_) | Self::HandlerFailed => {
@@ -93,8 +98,9 @@ impl Refusal {
             Self::BodyTooLarge { .. } => "request-body-too-large",
             Self::BodyUnreadable(_) => "request-body-unreadable",
             Self::InProgress { .. } => "idempotency-key-in-progress",
-            Self::Mismatch => "idempotency-key-reused",
+            Self::KeyReused => "idempotency-key-reused",
             Self::FailedPermanently => "idempotency-key-failed-permanently",
+            Self::OutcomeLost => "idempotency-key-outcome-lost",
             Self::StoreUnavailable(_) => "idempotency-store-unavailable",
             Self::StoredResponseUnreadable(_) => "idempotency-stored-response-unreadable",
             Self::NotReplayable { .. } => "idempotency-response-not-replayable",
@@ -113,8 +119,9 @@ impl Refusal {
             Self::BodyTooLarge { .. } => "REQUEST_BODY_TOO_LARGE",
             Self::BodyUnreadable(_) => "REQUEST_BODY_UNREADABLE",
             Self::InProgress { .. } => "IDEMPOTENCY_KEY_IN_PROGRESS",
-            Self::Mismatch => "IDEMPOTENCY_KEY_REUSED_WITH_DIFFERENT_PAYLOAD",
+            Self::KeyReused => "IDEMPOTENCY_KEY_REUSED_WITH_DIFFERENT_PAYLOAD",
             Self::FailedPermanently => "IDEMPOTENCY_KEY_FAILED_PERMANENTLY",
+            Self::OutcomeLost => "IDEMPOTENCY_KEY_OUTCOME_LOST",
             Self::StoreUnavailable(_) => "IDEMPOTENCY_STORE_UNAVAILABLE",
             Self::StoredResponseUnreadable(_) => "IDEMPOTENCY_STORED_RESPONSE_UNREADABLE",
             Self::NotReplayable { .. } => "IDEMPOTENCY_RESPONSE_NOT_REPLAYABLE",
@@ -133,8 +140,11 @@ impl Refusal {
             Self::BodyTooLarge { .. } => "The request body is too large",
             Self::BodyUnreadable(_) => "The request body could not be read",
             Self::InProgress { .. } => "A request with this Idempotency-Key is still in progress",
-            Self::Mismatch => "This Idempotency-Key was used with a different request",
+            Self::KeyReused => "This Idempotency-Key was used with a different request",
             Self::FailedPermanently => "The request with this Idempotency-Key failed permanently",
+            Self::OutcomeLost => {
+                "The request with this Idempotency-Key ran, but its response was not kept"
+            }
             Self::StoreUnavailable(_) => "The idempotency store is unavailable",
             Self::StoredResponseUnreadable(_) => "The stored response could not be read",
             Self::NotReplayable { .. } => "The request ran, but its response was not kept",
@@ -164,8 +174,9 @@ impl Refusal {
                  held until its lease passes; retry after {} s",
                 retry_after_secs(*retry_after)
             ),
-            Self::Mismatch => "the key was already used with a different method, path, query, content type or body; use a new key for a new operation".into(),
-            Self::FailedPermanently => "the first request with this key failed in a way that retrying will not fix, or ran but its response could not be stored; it is not run again under this key".into(),
+            Self::KeyReused => "the key was already used with a different method, path, query, content type or body; use a new key for a new operation".into(),
+            Self::FailedPermanently => "the first request with this key failed in a way that retrying will not fix; it is not run again under this key".into(),
+            Self::OutcomeLost => "the first request with this key ran, but its response could not be stored; it may have taken effect and is not run again under this key: check its effect before sending a new request with a new key".into(),
             Self::StoreUnavailable(_) => "the request was not run because its key could not be recorded; retry later".into(),
             Self::StoredResponseUnreadable(_) => "the outcome stored for this key cannot be replayed".into(),
             Self::NotReplayable { status, reason } => {
@@ -233,7 +244,7 @@ where
 /// ```
 /// use idempotency_tower::{ProblemJson, Refusal, RefusalResponder};
 ///
-/// let r = ProblemJson::new("https://api.example.com/problems/").respond(&Refusal::Mismatch);
+/// let r = ProblemJson::new("https://api.example.com/problems/").respond(&Refusal::KeyReused);
 /// assert_eq!(r.status(), 422);
 /// let doc: serde_json::Value = serde_json::from_slice(r.body()).unwrap();
 /// assert_eq!(doc["type"], "https://api.example.com/problems/idempotency-key-reused");
@@ -316,7 +327,7 @@ mod tests {
             Refusal::InProgress {
                 retry_after: Duration::from_millis(1500),
             },
-            Refusal::Mismatch,
+            Refusal::KeyReused,
             Refusal::StoreUnavailable("internal-42".into()),
             Refusal::StoredResponseUnreadable("internal-42".into()),
             Refusal::NotReplayable {

@@ -16,6 +16,7 @@ use futures::FutureExt;
 use http::{HeaderName, HeaderValue, Request, Response, Version};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
+use idempotency_core::Refusal as EngineRefusal;
 use idempotency_core::{
     loggable_key, Begin, Error, Failure, Fingerprint, IdempotencyKey, Lease, RecordId, Scope,
     ScopeError,
@@ -309,19 +310,26 @@ where
                 }
             }
         }
-        Ok(Begin::Mismatch) => {
-            record_decision(HttpDecision::Mismatch);
-            Ok(refuse(&config, Refusal::Mismatch))
-        }
-        Ok(Begin::InProgress { retry_after }) => {
-            record_decision(HttpDecision::InProgress);
-            let retry_after = in_progress_retry_after(&config, retry_after, began);
-            Ok(refuse(&config, Refusal::InProgress { retry_after }))
-        }
-        Ok(Begin::FailedPermanently { .. }) => {
-            record_decision(HttpDecision::Refused);
-            Ok(refuse(&config, Refusal::FailedPermanently))
-        }
+        Ok(Begin::Refused(refusal)) => match refusal {
+            EngineRefusal::InProgress { retry_after } => {
+                record_decision(HttpDecision::InProgress);
+                let retry_after = in_progress_retry_after(&config, retry_after, began);
+                Ok(refuse(&config, Refusal::InProgress { retry_after }))
+            }
+            EngineRefusal::KeyReused => {
+                record_decision(HttpDecision::Mismatch);
+                Ok(refuse(&config, Refusal::KeyReused))
+            }
+            EngineRefusal::OutcomeLost { .. } => {
+                record_decision(HttpDecision::Refused);
+                Ok(refuse(&config, Refusal::OutcomeLost))
+            }
+            // A permanent failure, and any refusal a later engine adds: not run again.
+            _ => {
+                record_decision(HttpDecision::Refused);
+                Ok(refuse(&config, Refusal::FailedPermanently))
+            }
+        },
         Err(e @ (Error::CorruptRecord { .. } | Error::Codec { .. })) => {
             record_decision(HttpDecision::Unreadable);
             tracing::error!(error = %e, "stored record cannot be decoded");

@@ -13,7 +13,7 @@
 
 use async_nats::jetstream::{self, consumer::pull, AckKind};
 use futures::{FutureExt, StreamExt};
-use idempotency_core::{Error, Fingerprint, IdempotencyKey, Outcome, Policy, Scope};
+use idempotency_core::{Answer, Fingerprint, IdempotencyKey, Policy, Refusal, Scope};
 use idempotency_postgres::sqlx::{self, PgConnection};
 use idempotency_postgres::{PostgresIdempotency, PostgresStore};
 use serde::{Deserialize, Serialize};
@@ -452,16 +452,17 @@ impl Ledger {
             })
             .await;
         match run {
-            Ok(Outcome::Fresh(Ok(_))) => Handled::Applied,
-            Ok(Outcome::Replayed(Ok(_))) => Handled::Replayed,
-            Ok(Outcome::Fresh(Err(e)) | Outcome::Replayed(Err(e))) => {
+            Ok(Answer::Executed(Ok(_))) => Handled::Applied,
+            Ok(Answer::Replayed(Ok(_))) => Handled::Replayed,
+            Ok(Answer::Executed(Err(e)) | Answer::Replayed(Err(e))) => {
                 tracing::warn!(error = %e, id = %transfer.id, "transfer rolled back");
                 Handled::Retry
             }
-            Err(Error::InProgress { retry_after }) => Handled::InProgress(retry_after),
-            Err(e @ (Error::Mismatch | Error::FailedPermanently { .. })) => {
-                Handled::Rejected(e.to_string())
+            Ok(Answer::Refused(Refusal::InProgress { retry_after })) => {
+                Handled::InProgress(retry_after)
             }
+            // A key reused, failed for good, or its outcome lost: never applied again.
+            Ok(Answer::Refused(refusal)) => Handled::Rejected(refusal.to_string()),
             Err(e) => {
                 tracing::warn!(error = %e, id = %transfer.id, "transfer not applied");
                 Handled::Retry

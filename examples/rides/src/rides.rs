@@ -11,8 +11,8 @@ use axum::Router;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
 use idempotency_core::{
-    Completer, Error, Fingerprint, Idempotency, IdempotencyKey, Outcome, PhaseContext, Phases,
-    Scope,
+    Answer, Completer, Error, Fingerprint, Idempotency, IdempotencyKey, PhaseContext, Phases,
+    Refusal, Scope,
 };
 use idempotency_reqwest::{IdempotencyMiddleware, IdempotentRequestExt, RetryPolicy};
 use idempotency_sqlite::rusqlite::params;
@@ -377,9 +377,9 @@ async fn book(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> R
         .run_phases(&app.store, &key, &scope, &fingerprint, phases)
         .await;
     let (replayed, ended) = match ran {
-        Ok(Outcome::Fresh(ended)) => (false, ended),
-        Ok(Outcome::Replayed(ended)) => (true, ended),
-        Err(Error::InProgress { .. }) => {
+        Ok(Answer::Executed(ended)) => (false, ended),
+        Ok(Answer::Replayed(ended)) => (true, ended),
+        Ok(Answer::Refused(Refusal::InProgress { .. })) => {
             return retry_later(
                 StatusCode::CONFLICT,
                 "idempotency-key-in-progress",
@@ -393,11 +393,19 @@ async fn book(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> R
                 "another attempt took this booking over; send it again",
             )
         }
-        Err(Error::Mismatch) => {
+        Ok(Answer::Refused(Refusal::KeyReused)) => {
             return problem(
                 StatusCode::UNPROCESSABLE_ENTITY,
                 "idempotency-key-reused",
                 "this key was used for another booking",
+            )
+        }
+        // Failed for good, or its outcome lost: never booked again under this key.
+        Ok(Answer::Refused(refusal)) => {
+            return problem(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "idempotency-key-refused",
+                refusal.to_string(),
             )
         }
         Err(e) if e.is_retryable() => {

@@ -5,9 +5,9 @@
 
 use idempotency_cache::ReplayCache;
 use idempotency_core::{
-    async_trait, Cas, Claim, ClaimRequest, Clock, Error, Failure, FencingToken, Fingerprint,
-    Idempotency, IdempotencyKey, IdempotencyStore, ManualClock, Policy, Reclaim, Record, RecordId,
-    RecordStatus, Scope, Settle, Settlement,
+    async_trait, Answer, Cas, Claim, ClaimRequest, Clock, Error, Failure, FencingToken,
+    Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, ManualClock, Policy, Reclaim,
+    Record, RecordId, RecordStatus, Refusal, Scope, Settle, Settlement,
 };
 use idempotency_memory::MemoryStore;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -404,7 +404,7 @@ async fn engine_replays_from_memory() {
             .await
             .unwrap();
         assert_eq!(outcome.is_replayed(), i > 0);
-        assert_eq!(outcome.into_inner(), Ok(42));
+        assert_eq!(outcome.into_result().unwrap(), Ok(42));
     }
     assert_eq!(runs.load(Ordering::SeqCst), 1);
     // The first call's claim, and the first replay's, which filled the cache.
@@ -418,8 +418,11 @@ async fn engine_replays_from_memory() {
             |_| async { Ok::<u64, String>(0) },
         )
         .await
-        .unwrap_err();
-    assert!(matches!(err, Error::Mismatch), "{err:?}");
+        .unwrap();
+    assert!(
+        matches!(err, Answer::Refused(Refusal::KeyReused)),
+        "{err:?}"
+    );
 }
 
 /// The application host's wall clock stepped back (an NTP step) while the store's did not:

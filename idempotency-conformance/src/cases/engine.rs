@@ -3,15 +3,15 @@
 use super::{fp, present};
 use crate::TestStore;
 use idempotency_core::{
-    Begin, Error, Failure, Fingerprint, Idempotency, IdempotencyKey, InFlight, Outcome, Policy,
-    RecordId, RecordStatus, Scope,
+    Answer, Begin, Error, Failure, Fingerprint, Idempotency, IdempotencyKey, InFlight, Policy,
+    RecordId, RecordStatus, Refusal, Scope,
 };
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{oneshot, Barrier};
 
-type Run = Result<Outcome<Result<String, String>>, Error>;
+type Run = Result<Answer<Result<String, String>>, Error>;
 
 fn engine(t: &TestStore, policy: Policy) -> Idempotency {
     Idempotency::new(t.store.clone(), policy).expect("valid policy")
@@ -72,9 +72,9 @@ pub async fn engine_concurrent_runs_execute_once(t: TestStore) {
         let (mut fresh, mut replayed, mut in_progress) = (0, 0, 0);
         for task in tasks {
             match task.await.expect("run task") {
-                Ok(Outcome::Fresh(Ok(v))) if v == "receipt" => fresh += 1,
-                Ok(Outcome::Replayed(Ok(v))) if v == "receipt" => replayed += 1,
-                Err(Error::InProgress { .. }) => in_progress += 1,
+                Ok(Answer::Executed(Ok(v))) if v == "receipt" => fresh += 1,
+                Ok(Answer::Replayed(Ok(v))) if v == "receipt" => replayed += 1,
+                Ok(Answer::Refused(Refusal::InProgress { .. })) => in_progress += 1,
                 other => panic!("round {round}: unexpected answer {other:?}"),
             }
         }
@@ -87,7 +87,7 @@ pub async fn engine_concurrent_runs_execute_once(t: TestStore) {
         assert_eq!(fresh, 1, "round {round}: {fresh} fresh outcomes");
         assert_eq!(fresh + replayed + in_progress, 64);
         match counted(&e, &key, &scope, &fp("order"), &runs, "again").await {
-            Ok(Outcome::Replayed(Ok(v))) => assert_eq!(v, "receipt"),
+            Ok(Answer::Replayed(Ok(v))) => assert_eq!(v, "receipt"),
             other => panic!("round {round}: a later retry got {other:?}, expected a replay"),
         }
         assert_eq!(runs.load(Ordering::SeqCst), 1);
@@ -97,8 +97,8 @@ pub async fn engine_concurrent_runs_execute_once(t: TestStore) {
 /// A work that panics may have acted before it panicked (charged, then failed to build its
 /// answer): the key is settled for good, with a permanent failure in the outcome's place
 /// ([`idempotency_core::Failure::outcome_not_stored`]). The panic goes on to the caller; a
-/// retry is told [`Error::FailedPermanently`], also after the lease has passed, another
-/// payload [`Error::Mismatch`], and neither runs the work.
+/// retry is refused with [`Refusal::OutcomeLost`], also after the lease has passed, another
+/// payload with [`Refusal::KeyReused`], and neither runs the work.
 pub async fn engine_panic_holds_key(t: TestStore) {
     let e = engine(
         &t,
@@ -134,15 +134,15 @@ pub async fn engine_panic_holds_key(t: TestStore) {
     let runs = Arc::new(AtomicUsize::new(0));
     for when in ["at once", "after the lease"] {
         match counted(&e, &key, &scope, &fp("p"), &runs, "after panic").await {
-            Err(Error::FailedPermanently { .. }) => {}
+            Ok(Answer::Refused(Refusal::OutcomeLost { .. })) => {}
             other => {
-                panic!("a retry {when} after a panic got {other:?}, expected FailedPermanently")
+                panic!("a retry {when} after a panic got {other:?}, expected OutcomeLost")
             }
         }
         match counted(&e, &key, &scope, &fp("other"), &runs, "other").await {
-            Err(Error::Mismatch) => {}
+            Ok(Answer::Refused(Refusal::KeyReused)) => {}
             other => {
-                panic!("another payload {when} after a panic got {other:?}, expected Mismatch")
+                panic!("another payload {when} after a panic got {other:?}, expected KeyReused")
             }
         }
         t.advance(t.short_lease()).await;
@@ -169,7 +169,7 @@ pub async fn engine_error_not_stored(t: TestStore) {
         .await
     };
     match first {
-        Ok(Outcome::Fresh(Err(msg))) => assert_eq!(msg, "transient failure"),
+        Ok(Answer::Executed(Err(msg))) => assert_eq!(msg, "transient failure"),
         other => panic!("the failing work returned {other:?}"),
     }
     let r = present(&t, &RecordId::new(scope.clone(), key.clone())).await;
@@ -180,11 +180,11 @@ pub async fn engine_error_not_stored(t: TestStore) {
     );
     assert_eq!(r.outcome, None, "an Err outcome was stored");
     match counted(&e, &key, &scope, &fp("e"), &runs, "second try").await {
-        Ok(Outcome::Fresh(Ok(v))) => assert_eq!(v, "second try"),
+        Ok(Answer::Executed(Ok(v))) => assert_eq!(v, "second try"),
         other => panic!("the retry after an error got {other:?}, expected a fresh run"),
     }
     match counted(&e, &key, &scope, &fp("e"), &runs, "third").await {
-        Ok(Outcome::Replayed(Ok(v))) => assert_eq!(v, "second try"),
+        Ok(Answer::Replayed(Ok(v))) => assert_eq!(v, "second try"),
         other => panic!("a call after the success got {other:?}, expected its replay"),
     }
     assert_eq!(runs.load(Ordering::SeqCst), 2);
@@ -207,7 +207,7 @@ pub async fn engine_long_failure_messages_are_bounded(t: TestStore) {
         .await
     };
     match first {
-        Ok(Outcome::Fresh(Err(returned))) => {
+        Ok(Answer::Executed(Err(returned))) => {
             assert!(
                 returned == message,
                 "the caller did not get the whole error"
@@ -235,7 +235,7 @@ pub async fn engine_long_failure_messages_are_bounded(t: TestStore) {
     );
     let runs = Arc::new(AtomicUsize::new(0));
     match counted(&e, &key, &scope, &fp("f"), &runs, "second try").await {
-        Ok(Outcome::Fresh(Ok(v))) => assert_eq!(v, "second try"),
+        Ok(Answer::Executed(Ok(v))) => assert_eq!(v, "second try"),
         other => panic!("the retry after a long error got {other:?}, expected a fresh run"),
     }
 }
@@ -275,19 +275,19 @@ pub async fn engine_wait_policy_replays(t: TestStore) {
     tokio::time::sleep(Duration::from_millis(150)).await;
     release_tx.send(()).expect("the first work is waiting");
     match first.await.expect("first task") {
-        Ok(Outcome::Fresh(Ok(v))) => assert_eq!(v, "first outcome"),
+        Ok(Answer::Executed(Ok(v))) => assert_eq!(v, "first outcome"),
         other => panic!("the first call got {other:?}"),
     }
     for w in waiters {
         match w.await.expect("waiter task") {
-            Ok(Outcome::Replayed(Ok(v))) => assert_eq!(v, "first outcome"),
+            Ok(Answer::Replayed(Ok(v))) => assert_eq!(v, "first outcome"),
             other => panic!("a waiter got {other:?}, expected the first outcome replayed"),
         }
     }
     assert_eq!(runs.load(Ordering::SeqCst), 0, "a waiter's work ran");
 }
 
-/// A key reused with a different fingerprint gets `Error::Mismatch`, while the first attempt
+/// A key reused with a different fingerprint is refused with `Refusal::KeyReused`, while the first attempt
 /// runs and after it completed; the mismatching work never runs and the record keeps the
 /// first outcome.
 pub async fn engine_mismatch(t: TestStore) {
@@ -300,7 +300,7 @@ pub async fn engine_mismatch(t: TestStore) {
         panic!("the first begin replayed");
     };
     match counted(&e, &key, &scope, &fp("different"), &runs, "x").await {
-        Err(Error::Mismatch) => {}
+        Ok(Answer::Refused(Refusal::KeyReused)) => {}
         other => panic!("a different payload while in flight got {other:?}, expected Mismatch"),
     }
     lease
@@ -309,12 +309,12 @@ pub async fn engine_mismatch(t: TestStore) {
         .expect("fail");
 
     match counted(&e, &key, &scope, &fp("original"), &runs, "first").await {
-        Ok(Outcome::Fresh(Ok(v))) => assert_eq!(v, "first"),
+        Ok(Answer::Executed(Ok(v))) => assert_eq!(v, "first"),
         other => panic!("the original payload got {other:?}"),
     }
     let before = present(&t, &id).await;
     match counted(&e, &key, &scope, &fp("different"), &runs, "second").await {
-        Err(Error::Mismatch) => {}
+        Ok(Answer::Refused(Refusal::KeyReused)) => {}
         other => panic!("a different payload after completion got {other:?}, expected Mismatch"),
     }
     let after = present(&t, &id).await;
@@ -364,7 +364,7 @@ pub async fn engine_heartbeat_keeps_long_work_leased(t: TestStore) {
         }
     }
     match counted(&e, &key, &scope, &fp("hb"), &runs, "retry").await {
-        Err(Error::InProgress { .. }) => {}
+        Ok(Answer::Refused(Refusal::InProgress { .. })) => {}
         other => panic!(
             "a retry while a heartbeating work runs got {other:?}, expected InProgress (the \
              lease was not extended)"
@@ -372,11 +372,11 @@ pub async fn engine_heartbeat_keeps_long_work_leased(t: TestStore) {
     }
     release_tx.send(()).expect("the work is waiting");
     match first.await.expect("first task") {
-        Ok(Outcome::Fresh(Ok(v))) => assert_eq!(v, "long work"),
+        Ok(Answer::Executed(Ok(v))) => assert_eq!(v, "long work"),
         other => panic!("the long work got {other:?}, expected its fresh outcome"),
     }
     match counted(&e, &key, &scope, &fp("hb"), &runs, "retry").await {
-        Ok(Outcome::Replayed(Ok(v))) => assert_eq!(v, "long work"),
+        Ok(Answer::Replayed(Ok(v))) => assert_eq!(v, "long work"),
         other => panic!("a retry after the long work got {other:?}, expected a replay"),
     }
     assert_eq!(runs.load(Ordering::SeqCst), 0, "a retry's work ran");

@@ -5,7 +5,7 @@ use super::fp;
 use crate::{Fault, FlakyOp, FlakyStore, TestStore};
 use idempotency_core::{
     BatchMessage, BatchReport, Begin, Error, Failure, Idempotency, IdempotencyKey, MessageOutcome,
-    Policy, RecordId, Scope,
+    Policy, RecordId, Refusal, Scope,
 };
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -90,7 +90,7 @@ async fn consume(
 
 fn ran(outcome: &MessageOutcome<Result<String, String>>) -> Option<&Result<String, String>> {
     match outcome {
-        MessageOutcome::Ran(r) => Some(r),
+        MessageOutcome::Executed(r) => Some(r),
         _ => None,
     }
 }
@@ -180,7 +180,7 @@ pub async fn engine_batch_runs_each_message_once(t: TestStore) {
     );
     assert!(!m[1].redeliver);
     assert!(
-        matches!(m[3].outcome, MessageOutcome::Refused(Error::Mismatch)),
+        matches!(m[3].outcome, MessageOutcome::Refused(Refusal::KeyReused)),
         "{:?}",
         m[3]
     );
@@ -191,7 +191,7 @@ pub async fn engine_batch_runs_each_message_once(t: TestStore) {
     assert!(
         matches!(
             m[5].outcome,
-            MessageOutcome::Refused(Error::InProgress { .. })
+            MessageOutcome::Refused(Refusal::InProgress { .. })
         ),
         "a held message is not waited for: {:?}",
         m[5]
@@ -200,7 +200,7 @@ pub async fn engine_batch_runs_each_message_once(t: TestStore) {
     assert!(
         matches!(
             m[6].outcome,
-            MessageOutcome::Refused(Error::InProgress { .. })
+            MessageOutcome::Refused(Refusal::InProgress { .. })
         ),
         "a message named again in the batch finds the first one's claim: {:?}",
         m[6]
@@ -251,7 +251,7 @@ pub async fn engine_batch_runs_each_message_once(t: TestStore) {
     assert!(
         matches!(
             m[10].outcome,
-            MessageOutcome::Refused(Error::FailedPermanently { .. })
+            MessageOutcome::Refused(Refusal::OutcomeLost { .. })
         ),
         "a panicked message is never run again: {:?}",
         m[10]
@@ -309,12 +309,12 @@ pub async fn engine_concurrent_batches_run_each_message_once(t: TestStore) {
             let (order, report) = consumer.await.expect("consumer task");
             for ((id, ..), m) in order.iter().zip(&report.messages) {
                 match &m.outcome {
-                    MessageOutcome::Ran(Ok(v)) => {
+                    MessageOutcome::Executed(Ok(v)) => {
                         assert_eq!(v, &format!("done {id}"));
                         *fresh.entry(id.clone()).or_insert(0) += 1;
                     }
                     MessageOutcome::Replayed(Ok(v)) => assert_eq!(v, &format!("done {id}")),
-                    MessageOutcome::Refused(Error::InProgress { .. }) => assert!(m.redeliver),
+                    MessageOutcome::Refused(Refusal::InProgress { .. }) => assert!(m.redeliver),
                     other => panic!("round {round}: {id}: {other:?}"),
                 }
             }
@@ -414,18 +414,18 @@ pub async fn engine_batch_settlement_failure_is_retried_alone(t: TestStore) {
                 }
                 // A lost answer: the batch applied, and no try could say so; the record, read
                 // back once the stand-in is fenced by it, shows the outcome stored.
-                (MessageOutcome::Ran(Ok(_)), Fault::AckLost) => {
+                (MessageOutcome::Executed(Ok(_)), Fault::AckLost) => {
                     assert!(!m.redeliver, "{fault:?}: {m:?}");
                 }
                 (other, _) => panic!("{fault:?}: {other:?}"),
             }
         }
-        // A redelivery finds the permanent failure recorded in the outcome's place (nothing
+        // A redelivery finds the lost outcome recorded in the outcome's place (nothing
         // stored), or the stored outcome.
         let again = consume(&e, &scope, &batch, 4, &ledger).await;
         for m in &again.messages {
             match (&m.outcome, fault) {
-                (MessageOutcome::Refused(Error::FailedPermanently { .. }), Fault::Refused) => {}
+                (MessageOutcome::Refused(Refusal::OutcomeLost { .. }), Fault::Refused) => {}
                 (MessageOutcome::Replayed(Ok(_)), Fault::AckLost) => {}
                 (other, _) => panic!("{fault:?}: a redelivery got {other:?}"),
             }
@@ -523,7 +523,7 @@ pub async fn engine_batch_keeps_every_message_leased_until_settled(t: TestStore)
         other => panic!("another consumer of the fast message got {other:?}, expected a replay"),
     }
     match e.begin(&address(2), &fp("queued")).await.expect("begin") {
-        Begin::InProgress { .. } => {}
+        Begin::Refused(Refusal::InProgress { .. }) => {}
         other => panic!(
             "another consumer of the message waiting for a slot got {other:?}, expected it in \
              progress (its lease passed while its consumer was alive)"
@@ -619,7 +619,7 @@ pub async fn engine_batch_panics_never_abandon_other_messages(t: TestStore) {
     for (i, m) in report.messages.iter().enumerate() {
         if labels[i].starts_with("ok") {
             assert!(
-                matches!(&m.outcome, MessageOutcome::Ran(Ok(Explosive(false)))),
+                matches!(&m.outcome, MessageOutcome::Executed(Ok(Explosive(false)))),
                 "message {i} ({}): {m:?}",
                 labels[i]
             );
@@ -647,7 +647,7 @@ pub async fn engine_batch_panics_never_abandon_other_messages(t: TestStore) {
         } else {
             matches!(
                 m.outcome,
-                MessageOutcome::Refused(Error::FailedPermanently { .. })
+                MessageOutcome::Refused(Refusal::OutcomeLost { .. })
             )
         };
         assert!(

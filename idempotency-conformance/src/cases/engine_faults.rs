@@ -5,15 +5,15 @@
 use super::{fp, present};
 use crate::{Fault, FlakyOp, FlakyStore, TestStore, TimeControl};
 use idempotency_core::{
-    Begin, Error, Failure, Idempotency, IdempotencyKey, IdempotencyStore, InFlight, Outcome,
-    Policy, Reclaim, RecordId, RecordStatus, Scope,
+    Answer, Begin, Error, Failure, Idempotency, IdempotencyKey, IdempotencyStore, InFlight, Policy,
+    Reclaim, RecordId, RecordStatus, Refusal, Scope,
 };
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{oneshot, Barrier};
 
-type Run = Result<Outcome<Result<String, String>>, Error>;
+type Run = Result<Answer<Result<String, String>>, Error>;
 
 fn address(label: &str) -> (IdempotencyKey, Scope, RecordId) {
     let key = IdempotencyKey::random();
@@ -46,7 +46,7 @@ async fn counted(
 /// transient error is retried and the outcome stored; a lost answer (the write applied) is
 /// recognised; a completion refused through every try (an outcome over the store's item
 /// limit) gets `OutcomeUnknown` and a permanent failure recorded in the outcome's place, so
-/// retries are told `FailedPermanently`, now and after the lease, and another payload is a
+/// retries are refused with `OutcomeLost`, now and after the lease, and another payload is a
 /// `Mismatch`; a store that refuses that
 /// write too leaves the record Pending, and a retry 100 ms later is told `InProgress`
 /// (one-hour lease), not given the key.
@@ -60,7 +60,7 @@ pub async fn engine_failed_completion_holds_key(t: TestStore) {
         let runs = Arc::new(AtomicUsize::new(0));
         flaky.inject(FlakyOp::Complete, 1);
         match counted(&e, &key, &scope, &runs, "paid").await {
-            Ok(Outcome::Fresh(Ok(v))) => assert_eq!(v, "paid"),
+            Ok(Answer::Executed(Ok(v))) => assert_eq!(v, "paid"),
             other => panic!(
                 "{fault:?}: one failed completion must be retried and the outcome stored, got \
                  {other:?}"
@@ -70,7 +70,7 @@ pub async fn engine_failed_completion_holds_key(t: TestStore) {
         let r = present(&t, &id).await;
         assert_eq!(r.status, RecordStatus::Completed, "{fault:?}: {r:?}");
         match counted(&e, &key, &scope, &runs, "again").await {
-            Ok(Outcome::Replayed(Ok(v))) => assert_eq!(v, "paid"),
+            Ok(Answer::Replayed(Ok(v))) => assert_eq!(v, "paid"),
             other => panic!("{fault:?}: the retry got {other:?}, expected the replay"),
         }
         assert_eq!(
@@ -102,13 +102,13 @@ pub async fn engine_failed_completion_holds_key(t: TestStore) {
     );
     for _ in 0..2 {
         match counted(&e, &key, &scope, &runs, "second charge").await {
-            Err(Error::FailedPermanently { .. }) => {}
+            Ok(Answer::Refused(Refusal::OutcomeLost { .. })) => {}
             other => panic!("a retry after an unstorable outcome got {other:?}"),
         }
     }
     flaky.heal(FlakyOp::Complete);
     match counted(&e, &key, &scope, &runs, "second charge").await {
-        Err(Error::FailedPermanently { .. }) => {}
+        Ok(Answer::Refused(Refusal::OutcomeLost { .. })) => {}
         other => panic!("a retry once the store keeps outcomes again got {other:?}"),
     }
     // Another payload under the key is a mismatch, as against a stored outcome.
@@ -121,7 +121,7 @@ pub async fn engine_failed_completion_holds_key(t: TestStore) {
         .await
     };
     assert!(
-        matches!(other, Err(Error::Mismatch)),
+        matches!(other, Ok(Answer::Refused(Refusal::KeyReused))),
         "another payload under a key whose outcome was lost got {other:?}"
     );
     assert_eq!(runs.load(Ordering::SeqCst), 1, "the work ran twice");
@@ -150,7 +150,7 @@ pub async fn engine_failed_completion_holds_key(t: TestStore) {
         "after the work ran, a failed completion released the key: {r:?}"
     );
     match counted(&e, &key, &scope, &runs, "second charge").await {
-        Err(Error::InProgress { .. }) => {}
+        Ok(Answer::Refused(Refusal::InProgress { .. })) => {}
         other => panic!(
             "a retry 100 ms after a failed completion got {other:?}: it must wait for the \
              lease, not run the work again"
@@ -275,7 +275,7 @@ pub async fn engine_wait_policy_takes_over_and_gives_up(t: TestStore) {
         .await
         .expect("fail");
     match waiter.await.expect("waiter task") {
-        Ok(Outcome::Fresh(Ok(v))) => assert_eq!(v, "waiter ran"),
+        Ok(Answer::Executed(Ok(v))) => assert_eq!(v, "waiter ran"),
         other => panic!("a waiter whose holder failed got {other:?}, expected to run"),
     }
     assert_eq!(runs.load(Ordering::SeqCst), 1);
@@ -291,7 +291,7 @@ pub async fn engine_wait_policy_takes_over_and_gives_up(t: TestStore) {
     };
     let started = Instant::now();
     match counted(&e, &key, &scope, &runs, "never").await {
-        Err(Error::InProgress { retry_after }) => {
+        Ok(Answer::Refused(Refusal::InProgress { retry_after })) => {
             assert!(
                 !retry_after.is_zero(),
                 "retry_after of a live lease is zero"
@@ -365,8 +365,8 @@ pub async fn engine_each_request_counts_one_hit(t: TestStore) {
         .collect();
     for task in tasks {
         match task.await.expect("task") {
-            Ok(Outcome::Fresh(Ok(_)) | Outcome::Replayed(Ok(_)))
-            | Err(Error::InProgress { .. }) => {}
+            Ok(Answer::Executed(Ok(_)) | Answer::Replayed(Ok(_)))
+            | Ok(Answer::Refused(Refusal::InProgress { .. })) => {}
             other => panic!("a concurrent taker got {other:?}"),
         }
     }
@@ -519,13 +519,13 @@ async fn held_then_runs(
         "{what} released the key at once (it may have acted): {r:?}"
     );
     match counted(e, key, scope, runs, "retry").await {
-        Err(Error::InProgress { .. }) => {}
-        Ok(Outcome::Fresh(Ok(_))) if claimed.elapsed() >= e.policy().lease => return false,
+        Ok(Answer::Refused(Refusal::InProgress { .. })) => {}
+        Ok(Answer::Executed(Ok(_))) if claimed.elapsed() >= e.policy().lease => return false,
         other => panic!("a retry right after {what} got {other:?}, expected InProgress"),
     }
     t.advance(e.policy().lease).await;
     match counted(e, key, scope, runs, "retry").await {
-        Ok(Outcome::Fresh(Ok(v))) => assert_eq!(v, "retry"),
+        Ok(Answer::Executed(Ok(v))) => assert_eq!(v, "retry"),
         other => panic!("a retry after the lease of {what} passed got {other:?}"),
     }
     assert_eq!(runs.load(Ordering::SeqCst), before + 1);
@@ -559,7 +559,7 @@ pub async fn engine_permanent_failure_is_final(t: TestStore) {
         .await
     };
     assert!(
-        matches!(first, Ok(Outcome::Fresh(Err(_)))),
+        matches!(first, Ok(Answer::Executed(Err(_)))),
         "the failing work: {first:?}"
     );
     let r = present(&t, &id).await;
@@ -570,7 +570,9 @@ pub async fn engine_permanent_failure_is_final(t: TestStore) {
         "the permanent failure was not stored as such: {r:?}"
     );
     match counted(&e, &key, &scope, &runs, "again").await {
-        Err(Error::FailedPermanently { message }) => assert_eq!(message, "card declined"),
+        Ok(Answer::Refused(Refusal::FailedPermanently { message })) => {
+            assert_eq!(message, "card declined")
+        }
         other => panic!("the same request after a permanent failure got {other:?}"),
     }
     assert_eq!(
@@ -584,7 +586,7 @@ pub async fn engine_permanent_failure_is_final(t: TestStore) {
         })
         .await;
     assert!(
-        matches!(&corrected, Ok(Outcome::Fresh(Ok(v))) if v == "fixed"),
+        matches!(&corrected, Ok(Answer::Executed(Ok(v))) if v == "fixed"),
         "a corrected request after a permanent failure got {corrected:?}"
     );
 }
@@ -624,7 +626,7 @@ pub async fn engine_hung_work_stops_being_extended(t: TestStore) {
     }
     let runs = Arc::new(AtomicUsize::new(0));
     match counted(&e, &key, &scope, &runs, "retry").await {
-        Ok(Outcome::Fresh(Ok(v))) => assert_eq!(v, "retry"),
+        Ok(Answer::Executed(Ok(v))) => assert_eq!(v, "retry"),
         other => panic!(
             "a retry after the hung work's max_work_time and lease got {other:?}: the heartbeat \
              kept extending the lease"

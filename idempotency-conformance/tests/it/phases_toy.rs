@@ -8,8 +8,8 @@ include!("../../../idempotency-core/src/toy_store.rs");
 
 use idempotency_conformance::recovery::{recovery_case, recovery_cases, RecoveryCase, RecoveryKit};
 use idempotency_core::{
-    Begun, CommitError, ErrorOutcomes, Idempotency, IdempotencyKey, Lease, Outcome, PhaseContext,
-    Phases, Policy, RecoveryPoint, RecoveryPoints, Scope, TransactionalStore,
+    Answer, Begun, CommitError, ErrorOutcomes, Idempotency, IdempotencyKey, Lease, PhaseContext,
+    Phases, Policy, RecoveryPoint, RecoveryPoints, Refusal, Scope, TransactionalStore,
 };
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -361,7 +361,7 @@ impl World {
         )
     }
 
-    async fn run(&self) -> Result<Outcome<Result<Receipt, String>>, Error> {
+    async fn run(&self) -> Result<Answer<Result<Receipt, String>>, Error> {
         self.engine
             .run_phases(
                 &*self.bank,
@@ -407,12 +407,12 @@ fn short_lease() -> Policy {
 async fn three_phases_run_once_and_a_retry_replays_the_outcome() {
     let w = World::new(Policy::default());
     let first = w.run().await.expect("runs");
-    let Outcome::Fresh(Ok(receipt)) = first else {
+    let Answer::Executed(Ok(receipt)) = first else {
         panic!("not a fresh success: {first:?}");
     };
     assert_eq!(receipt.ride, "ride-1");
     let again = w.run().await.expect("replays");
-    assert_eq!(again, Outcome::Replayed(Ok(receipt)));
+    assert_eq!(again, Answer::Replayed(Ok(receipt)));
     assert_eq!(w.counts(), (1, 1, 1), "(rides, charges, receipts)");
     assert_eq!(w.keys().len(), 1);
     assert_eq!(w.keys()[0].len(), 64);
@@ -424,7 +424,7 @@ async fn a_holder_that_dies_after_the_charge_is_resumed_at_the_charge_with_the_s
     w.run_and_die_after_charge().await;
     assert_eq!(w.counts(), (1, 1, 0), "the ride and the charge happened");
     tokio::time::sleep(Duration::from_millis(400)).await;
-    let Outcome::Fresh(Ok(receipt)) = w.run().await.expect("resumes") else {
+    let Answer::Executed(Ok(receipt)) = w.run().await.expect("resumes") else {
         panic!("not resumed to a fresh success");
     };
     assert_eq!(w.counts(), (1, 1, 1), "the ride was not written again");
@@ -437,7 +437,7 @@ async fn a_holder_that_dies_after_the_charge_is_resumed_at_the_charge_with_the_s
     let calls = w.payments.calls.lock().expect("lock").clone();
     assert_eq!(calls, keys);
     assert_eq!(receipt.charge, 1042);
-    assert_eq!(w.run().await.expect("runs"), Outcome::Replayed(Ok(receipt)));
+    assert_eq!(w.run().await.expect("runs"), Answer::Replayed(Ok(receipt)));
 }
 
 #[tokio::test]
@@ -446,12 +446,12 @@ async fn a_failed_phase_is_recorded_and_a_retry_resumes_at_it() {
     w.receipt_fails.store(1, Ordering::SeqCst);
     let first = w.run().await.expect("ends");
     assert!(
-        matches!(&first, Outcome::Fresh(Err(e)) if e.contains("paper")),
+        matches!(&first, Answer::Executed(Err(e)) if e.contains("paper")),
         "{first:?}"
     );
     assert_eq!(w.counts(), (1, 1, 0));
     // The failure released the key at once: the retry resumes at the receipt.
-    let Outcome::Fresh(Ok(receipt)) = w.run().await.expect("resumes") else {
+    let Answer::Executed(Ok(receipt)) = w.run().await.expect("resumes") else {
         panic!("not resumed");
     };
     assert_eq!(
@@ -468,10 +468,10 @@ async fn a_stored_failure_ends_the_operation_and_is_replayed() {
     let w = World::new(Policy::default().errors(ErrorOutcomes::Store));
     w.receipt_fails.store(1, Ordering::SeqCst);
     let first = w.run().await.expect("ends");
-    let Outcome::Fresh(Err(e)) = first else {
+    let Answer::Executed(Err(e)) = first else {
         panic!("{first:?}")
     };
-    assert_eq!(w.run().await.expect("runs"), Outcome::Replayed(Err(e)));
+    assert_eq!(w.run().await.expect("runs"), Answer::Replayed(Err(e)));
     assert_eq!(w.counts(), (1, 1, 0));
 }
 
@@ -491,7 +491,7 @@ async fn a_holder_that_lost_its_lease_cannot_commit_a_phase() {
     };
     charged.await;
     tokio::time::sleep(Duration::from_millis(400)).await;
-    let Outcome::Fresh(Ok(receipt)) = w.run().await.expect("takes over") else {
+    let Answer::Executed(Ok(receipt)) = w.run().await.expect("takes over") else {
         panic!("not taken over");
     };
     assert_eq!(w.counts(), (1, 1, 1));
@@ -501,7 +501,7 @@ async fn a_holder_that_lost_its_lease_cannot_commit_a_phase() {
         matches!(stale, Err(Error::LeaseLost { .. })),
         "the stale holder's recovery point committed: {stale:?}"
     );
-    assert_eq!(w.run().await.expect("runs"), Outcome::Replayed(Ok(receipt)));
+    assert_eq!(w.run().await.expect("runs"), Answer::Replayed(Ok(receipt)));
     assert_eq!(w.counts(), (1, 1, 1), "nothing ran twice");
 }
 
@@ -560,7 +560,7 @@ async fn a_first_phase_that_calls_out_gets_one_key_for_every_holder() {
         .run_phases(&*w.bank, &w.key, &w.scope, &w.fingerprint, flow())
         .await
         .expect("resumes");
-    assert_eq!(done, Outcome::Fresh(Ok(1007)));
+    assert_eq!(done, Answer::Executed(Ok(1007)));
     let keys = w.keys();
     assert_eq!(keys.len(), 2);
     assert_eq!(keys[0], keys[1]);
@@ -624,7 +624,7 @@ async fn a_stale_holder_at_the_same_recovery_point_is_fenced_by_its_token() {
         .await
         .expect("the second holder ends")
         .expect("finishes");
-    assert!(matches!(done, Outcome::Fresh(Ok(_))), "{done:?}");
+    assert!(matches!(done, Answer::Executed(Ok(_))), "{done:?}");
     assert_eq!(w.counts(), (1, 1, 1));
     let keys = w.keys();
     assert!(keys.len() == 2 && keys[0] == keys[1], "{keys:?}");
@@ -697,7 +697,7 @@ async fn a_failed_operation_is_not_taken_over_by_another_request() {
     assert!(w.engine.policy().reclaim_failed_with_different_fingerprint);
     w.receipt_fails.store(1, Ordering::SeqCst);
     let first = w.run().await.expect("ends");
-    assert!(matches!(first, Outcome::Fresh(Err(_))), "{first:?}");
+    assert!(matches!(first, Answer::Executed(Err(_))), "{first:?}");
     assert_eq!(w.counts(), (1, 1, 0));
     let other = w
         .engine
@@ -709,11 +709,14 @@ async fn a_failed_operation_is_not_taken_over_by_another_request() {
             w.flow(),
         )
         .await;
-    assert!(matches!(other, Err(Error::Mismatch)), "{other:?}");
+    assert!(
+        matches!(other, Ok(Answer::Refused(Refusal::KeyReused))),
+        "{other:?}"
+    );
     assert_eq!(w.counts(), (1, 1, 0), "nothing of it ran");
     assert_eq!(w.keys().len(), 1, "the charge was not sent again");
     // The request that started it still resumes it.
-    let Outcome::Fresh(Ok(_)) = w.run().await.expect("resumes") else {
+    let Answer::Executed(Ok(_)) = w.run().await.expect("resumes") else {
         panic!("not resumed");
     };
     assert_eq!(w.counts(), (1, 1, 1));

@@ -4,7 +4,7 @@
 use super::{decode_replay, loggable_record, Acted, Idempotency, Lease};
 use crate::{
     ClaimRequest, Error, ErrorOutcomes, Failure, Fingerprint, IdempotencyKey, Operation, RecordId,
-    Scope, Settle, Settlement,
+    Refusal, Scope, Settle, Settlement,
 };
 use futures::{FutureExt, StreamExt};
 use serde::{de::DeserializeOwned, Serialize};
@@ -20,7 +20,7 @@ pub struct BatchMessage<M> {
     /// The key: the message's id, or what the producer put in it for deduplication.
     pub key: IdempotencyKey,
     /// The payload's fingerprint: a redelivery carries the same one; another message under
-    /// the same id is refused with [`Error::Mismatch`].
+    /// the same id is refused with [`crate::Refusal::KeyReused`].
     pub fingerprint: Fingerprint,
     /// What the work gets for this message (its body, a handle, …).
     pub message: M,
@@ -43,11 +43,11 @@ impl<M> BatchMessage<M> {
 pub enum MessageOutcome<T> {
     /// The work ran in this batch, and its outcome was stored (or, for an outcome the
     /// policy releases, the key was released for a redelivery to run it again).
-    Ran(T),
+    Executed(T),
     /// The work ran earlier (a redelivery, a duplicate): its stored outcome. Nothing ran.
     Replayed(T),
     /// The work ran in this batch, but its outcome could not be stored
-    /// ([`Error::OutcomeUnknown`]: a permanent failure is recorded in its place where the
+    /// ([`Error::OutcomeUnknown`]: the lost outcome is recorded in its place where the
     /// store takes it, otherwise the key is held until its lease passes), or another holder
     /// took the key over meanwhile ([`Error::LeaseLost`]).
     Unsettled {
@@ -59,13 +59,16 @@ pub enum MessageOutcome<T> {
     /// The work panicked (its closure, its future, or the outcome's `Serialize` or
     /// `Display`). It may have acted first, so its key is settled for good, as an outcome
     /// that cannot be stored ([`crate::Failure::outcome_not_stored`]): a redelivery is
-    /// refused with [`Error::FailedPermanently`] and never runs it; `redeliver` is `false`
+    /// refused with [`Refusal::OutcomeLost`] and never runs it; `redeliver` is `false`
     /// (acknowledge it, or send it to a dead-letter queue).
     Panicked,
-    /// The message was not run: [`Error::InProgress`] (another consumer holds it),
-    /// [`Error::Mismatch`] (its id was used for another payload),
-    /// [`Error::FailedPermanently`], or a store error.
-    Refused(Error),
+    /// The message was not run: [`Refusal::InProgress`] (another consumer holds it; it is
+    /// redelivered), [`Refusal::KeyReused`] (its id was used for another payload),
+    /// [`Refusal::FailedPermanently`] or [`Refusal::OutcomeLost`] (those are not).
+    Refused(Refusal),
+    /// Something broke: the store failed, the record was corrupt, or the work's outcome
+    /// could not be encoded (then the work ran, and its key is settled as an outcome lost).
+    Failed(Error),
 }
 
 /// One message's report: what became of it, and whether the broker should deliver it again.
@@ -74,10 +77,12 @@ pub struct MessageReport<T> {
     /// What became of it.
     pub outcome: MessageOutcome<T>,
     /// Whether to have the message delivered again (do not acknowledge it, or `nak` it):
-    /// its work was released for a retry, is held by another consumer, or its fate is not
-    /// known yet. `false` for a stored or replayed outcome, and for a message no redelivery
-    /// can help (a mismatch, a permanent failure, an outcome that cannot be encoded):
-    /// acknowledge those, or send them to a dead-letter queue.
+    /// its work was released for a retry, is held by another consumer, did not run because
+    /// the store failed, or its fate is not known yet. `false` for a stored or replayed
+    /// outcome, and for a message no redelivery can help (a key reused, a permanent failure,
+    /// a lost outcome, a corrupt record): acknowledge those, or send them to a dead-letter
+    /// queue. A store error is redelivered even when it is not retryable as is: the message
+    /// did not run, and acknowledging it would lose it.
     pub redeliver: bool,
 }
 
@@ -102,7 +107,12 @@ impl<T> BatchReport<T> {
 
     /// How many messages ran their work in this batch.
     pub fn ran(&self) -> usize {
-        self.count(|o| matches!(o, MessageOutcome::Ran(_) | MessageOutcome::Unsettled { .. }))
+        self.count(|o| {
+            matches!(
+                o,
+                MessageOutcome::Executed(_) | MessageOutcome::Unsettled { .. }
+            )
+        })
     }
 
     /// How many messages were answered from a stored outcome (duplicates suppressed).
@@ -154,7 +164,7 @@ impl Idempotency {
     /// lease passes while this consumer is alive, so a redelivery is told it is in progress
     /// rather than taking it over. A message whose record needs a takeover (a released
     /// failure, a lease that passed) is taken over alone. A message another consumer holds is
-    /// not waited for, whatever the policy says: it is reported [`Error::InProgress`] and
+    /// not waited for, whatever the policy says: it is reported [`Refusal::InProgress`] and
     /// marked for redelivery. A message named twice in one batch runs once; the second is
     /// reported in progress (or replayed, once the first is stored).
     ///
@@ -211,12 +221,18 @@ impl Idempotency {
             .collect();
         let answers = store.claim_many(&requests).await;
         let mut to_run = Vec::new();
-        let refused = |e: Error| {
-            let redeliver = redeliverable(&e);
-            Some(MessageReport {
-                outcome: MessageOutcome::Refused(e),
-                redeliver,
-            })
+        let refused = |e: Result<Refusal, Error>| {
+            let (outcome, redeliver) = match e {
+                Ok(refusal) => {
+                    let redeliver = refusal.is_retryable();
+                    (MessageOutcome::Refused(refusal), redeliver)
+                }
+                Err(e) => {
+                    let redeliver = redeliverable(&e);
+                    (MessageOutcome::Failed(e), redeliver)
+                }
+            };
+            Some(MessageReport { outcome, redeliver })
         };
         for (index, ((message, request), answer)) in
             messages.into_iter().zip(requests).zip(answers).enumerate()
@@ -226,7 +242,7 @@ impl Idempotency {
                 Ok(claim) => self
                     .begin_after_claim(request, claim)
                     .await
-                    .and_then(Decided::from_begin),
+                    .map(Decided::from_begin),
                 Err(e) => Err(e.during(Operation::Claim, self.loggable(&id))),
             };
             match claimed {
@@ -241,10 +257,11 @@ impl Idempotency {
                             outcome: MessageOutcome::Replayed(result),
                             redeliver: false,
                         }),
-                        Err(e) => refused(e),
+                        Err(e) => refused(Err(e)),
                     };
                 }
-                Err(e) => reports[index] = refused(e),
+                Ok(Decided::Refused(refusal)) => reports[index] = refused(Ok(refusal)),
+                Err(e) => reports[index] = refused(Err(e)),
             }
         }
 
@@ -337,7 +354,7 @@ impl Idempotency {
                 .into_iter()
                 .map(|r| {
                     r.unwrap_or_else(|| MessageReport {
-                        outcome: MessageOutcome::Refused(Error::backend(
+                        outcome: MessageOutcome::Failed(Error::backend(
                             true,
                             "the message got no answer",
                         )),
@@ -384,11 +401,11 @@ impl Idempotency {
                     .map(|source| Error::Codec { source })
                     .unwrap_or_else(|| Error::backend(false, "cannot encode"));
                 let _ = lease.fail(Failure::outcome_not_stored(&e)).await;
-                return (index, MessageOutcome::Refused(e), false);
+                return (index, MessageOutcome::Failed(e), false);
             }
         };
         match stored {
-            Ok(()) => (index, MessageOutcome::Ran(result), released),
+            Ok(()) => (index, MessageOutcome::Executed(result), released),
             Err(error) => (index, MessageOutcome::Unsettled { result, error }, true),
         }
     }
@@ -398,20 +415,16 @@ impl Idempotency {
 enum Decided {
     Run(Lease),
     Replay(crate::Record),
+    Refused(Refusal),
 }
 
 impl Decided {
-    /// A message's decision, as [`Idempotency::begin`] made it; what is not run or replayed
-    /// is the error it is refused with.
-    fn from_begin(begin: super::Begin) -> Result<Self, Error> {
+    /// A message's decision, as [`Idempotency::begin`] made it.
+    fn from_begin(begin: super::Begin) -> Self {
         match begin {
-            super::Begin::Execute(lease) => Ok(Self::Run(lease)),
-            super::Begin::Replay(record) => Ok(Self::Replay(record)),
-            super::Begin::Mismatch => Err(Error::Mismatch),
-            super::Begin::InProgress { retry_after } => Err(Error::InProgress { retry_after }),
-            super::Begin::FailedPermanently { message } => {
-                Err(Error::FailedPermanently { message })
-            }
+            super::Begin::Execute(lease) => Self::Run(lease),
+            super::Begin::Replay(record) => Self::Replay(record),
+            super::Begin::Refused(refusal) => Self::Refused(refusal),
         }
     }
 }
@@ -431,16 +444,13 @@ where
     }
 }
 
-/// Whether a message refused with `e` is worth delivering again.
+/// Whether a message that failed with `e` is worth delivering again: every store error
+/// (the message did not run, or its fate is not known), never an error about the message
+/// itself.
 fn redeliverable(e: &Error) -> bool {
     match e {
-        Error::InProgress { .. }
-        | Error::Backend { .. }
-        | Error::OutcomeUnknown { .. }
-        | Error::LeaseLost { .. } => true,
-        Error::Mismatch
-        | Error::FailedPermanently { .. }
-        | Error::CorruptRecord { .. }
+        Error::Backend { .. } | Error::OutcomeUnknown { .. } | Error::LeaseLost { .. } => true,
+        Error::CorruptRecord { .. }
         | Error::Codec { .. }
         | Error::InvalidKey(_)
         | Error::InvalidScope(_)

@@ -30,12 +30,13 @@ use std::time::{Duration, Instant};
 /// - a lease dropped unsettled (the work's future was cancelled by a timeout, an abort or a
 ///   client that went away, or a caller of [`Idempotency::begin`](crate::Idempotency::begin) returned early): nothing
 ///   is written, the heartbeat stops with the future, and a retry is told
-///   [`Error::InProgress`] until the lease passes, then takes the key over;
+///   [`Refusal::InProgress`](crate::Refusal::InProgress) until the lease passes, then takes the key over;
 /// - a completion the store refused with errors through every try of
 ///   [`Policy::settle_retry`] (an outcome over a store's item limit, a store that went away):
 ///   the caller gets [`Error::OutcomeUnknown`], and the lease records a permanent failure in
 ///   the outcome's place ([`Failure::outcome_not_stored`]), so a retry is told
-///   [`Error::FailedPermanently`], another payload [`Error::Mismatch`], and none runs the work
+///   [`Refusal::OutcomeLost`](crate::Refusal::OutcomeLost), another payload
+///   [`Refusal::KeyReused`](crate::Refusal::KeyReused), and none runs the work
 ///   again. Only if the store refuses that write too does the record stay Pending
 ///   until the lease passes (a retry may then run the work again: keep the work's effects
 ///   and the completion in one transaction where that must never happen).
@@ -204,7 +205,7 @@ impl Lease {
     /// Completed record, and is a success. If every try fails the key is **not** released:
     /// the result is [`Error::OutcomeUnknown`], and a permanent failure is recorded in the
     /// outcome's place (with the same compare-and-swap, so a try that did apply is kept), so
-    /// retries are told [`Error::FailedPermanently`] rather than running the work again; if
+    /// retries are told [`Refusal::OutcomeLost`](crate::Refusal::OutcomeLost) rather than running the work again; if
     /// that write fails too, the record stays Pending until its lease passes. It is
     /// `OutcomeUnknown` too when a try is refused and the
     /// record is gone (purged, evicted, or lost by a store that restarted without its data),
@@ -510,7 +511,8 @@ impl Lease {
     /// acted (it may have charged, then panicked building its answer), so it is settled as
     /// an answer that cannot be replayed: [`Failure::outcome_not_stored`] ("the work
     /// panicked") is recorded in the outcome's place, and while the record is kept a retry is
-    /// told [`Error::FailedPermanently`], another payload [`Error::Mismatch`], and none runs
+    /// told [`Refusal::OutcomeLost`](crate::Refusal::OutcomeLost), another payload
+    ///   [`Refusal::KeyReused`](crate::Refusal::KeyReused), and none runs
     /// the work again. [`Idempotency::run`](crate::Idempotency::run), a batch and the HTTP
     /// layer settle a panic through this. If the store refuses the write, the record stays
     /// Pending until its lease passes (logged).
@@ -522,7 +524,8 @@ impl Lease {
     /// Settles the key for good after work that may have acted ended without an outcome to
     /// store (it panicked, or a service returned an error instead of an answer): `why` is
     /// recorded as [`Failure::outcome_not_stored`], and while the record is kept a retry is
-    /// told [`Error::FailedPermanently`], another payload [`Error::Mismatch`], and none runs
+    /// told [`Refusal::OutcomeLost`](crate::Refusal::OutcomeLost), another payload
+    ///   [`Refusal::KeyReused`](crate::Refusal::KeyReused), and none runs
     /// the work again. If the store refuses the write, the record stays Pending until its
     /// lease passes (logged).
     ///
@@ -587,7 +590,7 @@ impl Lease {
     }
 
     /// Holds the key without writing anything: the record stays Pending until its lease
-    /// passes (a retry is told [`Error::InProgress`] until then, and takes the key over
+    /// passes (a retry is told [`Refusal::InProgress`](crate::Refusal::InProgress) until then, and takes the key over
     /// after). For work that may have acted but whose outcome is not stored, so that a
     /// retry does not run it again at once. Dropping a lease unsettled does the same, but
     /// counts as abandoned work; this says it was meant.

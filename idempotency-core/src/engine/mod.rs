@@ -13,9 +13,9 @@ pub use lease::Lease;
 
 use crate::observe::{emit, loggable_key, Event};
 use crate::{
-    decide, Claim, ClaimRequest, Decision, Error, ErrorOutcomes, Failure, FencingToken,
+    decide, Answer, Claim, ClaimRequest, Decision, Error, ErrorOutcomes, Failure, FencingToken,
     Fingerprint, IdempotencyKey, IdempotencyStore, InFlight, Operation, Policy, Reclaim, Record,
-    RecordId, RecordStatus, Scope, Timestamp,
+    RecordId, RecordStatus, Refusal, Scope, Timestamp,
 };
 use futures::FutureExt;
 use serde::{de::DeserializeOwned, Serialize};
@@ -28,35 +28,6 @@ use tracing::Instrument;
 /// How many claim/reclaim rounds one call makes before reporting the key as in progress.
 /// Each lost round means another caller won the key, so more rounds rarely help.
 const MAX_ROUNDS: usize = 8;
-
-/// An outcome, and whether it was produced now or replayed from the store.
-#[derive(Clone, PartialEq, Eq, Debug)]
-#[must_use = "an outcome says whether the work ran or was replayed, and carries its result"]
-pub enum Outcome<T> {
-    /// The work ran in this call.
-    Fresh(T),
-    /// The work ran earlier; this is its stored outcome.
-    Replayed(T),
-}
-
-impl<T> Outcome<T> {
-    /// The outcome, fresh or replayed.
-    pub fn into_inner(self) -> T {
-        match self {
-            Self::Fresh(t) | Self::Replayed(t) => t,
-        }
-    }
-    /// A reference to the outcome.
-    pub fn get(&self) -> &T {
-        match self {
-            Self::Fresh(t) | Self::Replayed(t) => t,
-        }
-    }
-    /// Whether the outcome was replayed.
-    pub fn is_replayed(&self) -> bool {
-        matches!(self, Self::Replayed(_))
-    }
-}
 
 /// Whether an outcome is stored for replay or recorded as a failure that releases the key.
 #[derive(Clone, PartialEq, Eq, Debug)]
@@ -94,44 +65,8 @@ pub enum Begin {
     Execute(Lease),
     /// The work already ran; here is its stored outcome.
     Replay(Record),
-    /// The key was already used with a different request fingerprint.
-    Mismatch,
-    /// Another attempt holds a live lease on the key (and the policy did not wait, or waited
-    /// as long as it allows).
-    InProgress {
-        /// How long until that attempt's lease passes.
-        retry_after: Duration,
-    },
-    /// The last attempt with this key and fingerprint failed permanently; the work is not
-    /// run again while the record is kept.
-    FailedPermanently {
-        /// The failure's message, for operators (not meant for clients).
-        message: String,
-    },
-}
-
-/// The answers of [`Begin`] that let the caller go on, from [`Begin::proceed`].
-#[derive(Debug)]
-pub enum Proceed {
-    /// The caller holds the key and must run the work, then settle the lease.
-    Execute(Lease),
-    /// The work already ran; here is its stored outcome.
-    Replay(Record),
-}
-
-impl Begin {
-    /// [`Begin::Execute`] and [`Begin::Replay`] as `Ok`, and the refusals as the [`Error`]
-    /// that [`Idempotency::run`] returns for them ([`Error::Mismatch`],
-    /// [`Error::InProgress`], [`Error::FailedPermanently`]), for callers that use `?`.
-    pub fn proceed(self) -> Result<Proceed, Error> {
-        match self {
-            Begin::Execute(lease) => Ok(Proceed::Execute(lease)),
-            Begin::Replay(record) => Ok(Proceed::Replay(record)),
-            Begin::Mismatch => Err(Error::Mismatch),
-            Begin::InProgress { retry_after } => Err(Error::InProgress { retry_after }),
-            Begin::FailedPermanently { message } => Err(Error::FailedPermanently { message }),
-        }
-    }
+    /// The work is not run, and there is nothing to replay.
+    Refused(Refusal),
 }
 
 /// The idempotency engine: wraps a unit of work so that it runs once per `(scope, key)` and
@@ -144,10 +79,14 @@ impl Begin {
 /// let key = IdempotencyKey::new("charge-123")?;
 /// let scope = Scope::from_parts(["tenant-1", "charge"])?;
 /// let fp = Fingerprint::from_json(&serde_json::json!({"amount": 500}));
-/// let outcome = engine
+/// match engine
 ///     .run(&key, &scope, &fp, |_ctx| async { Ok::<_, String>("receipt-1".to_string()) })
-///     .await?;
-/// println!("replayed: {}, receipt: {:?}", outcome.is_replayed(), outcome.get());
+///     .await?
+/// {
+///     Answer::Executed(receipt) => println!("ran now: {receipt:?}"),
+///     Answer::Replayed(receipt) => println!("ran before: {receipt:?}"),
+///     Answer::Refused(refusal) => println!("not run: {refusal}"),
+/// }
 /// # Ok(()) }
 /// ```
 #[derive(Clone, Debug)]
@@ -179,16 +118,17 @@ impl Idempotency {
     /// Runs `work` once for `(scope, key)`.
     ///
     /// `Ok` outcomes are stored and replayed; `Err` outcomes follow [`Policy::errors`]: by
-    /// default they release the key for a retry and are returned as `Fresh(Err(e))`.
-    /// A duplicate while the first attempt runs gets [`Error::InProgress`] (or waits, per
-    /// [`Policy::in_flight`]); a different fingerprint gets [`Error::Mismatch`].
+    /// default they release the key for a retry and are returned as `Executed(Err(e))`.
+    /// A duplicate while the first attempt runs is refused with [`Refusal::InProgress`] (or
+    /// waits, per [`Policy::in_flight`]); a different fingerprint with
+    /// [`Refusal::KeyReused`]. `Err` means that something broke.
     pub async fn run<T, E, F, Fut>(
         &self,
         key: &IdempotencyKey,
         scope: &Scope,
         fingerprint: &Fingerprint,
         work: F,
-    ) -> Result<Outcome<Result<T, E>>, Error>
+    ) -> Result<Answer<Result<T, E>>, Error>
     where
         T: Serialize + DeserializeOwned + Send,
         E: Serialize + DeserializeOwned + std::fmt::Display + Send,
@@ -220,7 +160,7 @@ impl Idempotency {
         fingerprint: &Fingerprint,
         classify: C,
         work: F,
-    ) -> Result<Outcome<R>, Error>
+    ) -> Result<Answer<R>, Error>
     where
         R: Serialize + DeserializeOwned + Send,
         C: FnOnce(&R) -> Disposition + Send,
@@ -238,9 +178,10 @@ impl Idempotency {
             // copy of the scope and key per call.
             let request =
                 self.claim_request(RecordId::new(scope.clone(), key.clone()), fingerprint);
-            let lease = match self.begin_request(request).await?.proceed()? {
-                Proceed::Replay(record) => return decode_replay(&record).map(Outcome::Replayed),
-                Proceed::Execute(lease) => lease,
+            let lease = match self.begin_request(request).await? {
+                Begin::Replay(record) => return decode_replay(&record).map(Answer::Replayed),
+                Begin::Refused(refusal) => return Ok(Answer::Refused(refusal)),
+                Begin::Execute(lease) => lease,
             };
             let ctx = lease.context();
             let result = match lease
@@ -270,7 +211,7 @@ impl Idempotency {
                 }
                 Disposition::Release(failure) => lease.fail(failure).await?,
             }
-            Ok(Outcome::Fresh(result))
+            Ok(Answer::Executed(result))
         }
         .instrument(span)
         .await
@@ -278,8 +219,8 @@ impl Idempotency {
 
     /// Claims `id` for a request with `fingerprint`: either the caller now holds the key and
     /// gets a [`Lease`] to run the work under, or the work already ran and its record is
-    /// returned for replay, or the request is refused (a mismatch, a duplicate in flight, a
-    /// permanent failure), all as [`Begin`] values; `Err` means that something broke.
+    /// returned for replay, or the request is refused (a key reused, a duplicate in flight, a
+    /// permanent failure, a lost outcome), all as [`Begin`] values; `Err` means that something broke.
     ///
     /// This is the low-level entry point for callers that store their own outcome format (the
     /// HTTP layer) or complete inside their own database transaction.
@@ -401,13 +342,11 @@ impl Idempotency {
                 }
                 Decision::Mismatch => {
                     emit(Event::Mismatch);
-                    return Ok(Begin::Mismatch);
+                    return Ok(Begin::Refused(Refusal::KeyReused));
                 }
                 Decision::FailedPermanently => {
                     emit(Event::FailedPermanently);
-                    return Ok(Begin::FailedPermanently {
-                        message: record.failure.map(|f| f.message).unwrap_or_default(),
-                    });
+                    return Ok(Begin::Refused(Refusal::failed(record.failure)));
                 }
                 Decision::Reclaim { expected } => {
                     match store
@@ -449,7 +388,7 @@ impl Idempotency {
                         let waited = started.elapsed();
                         if waited >= max_wait {
                             emit(Event::InProgress);
-                            return Ok(Begin::InProgress { retry_after });
+                            return Ok(Begin::Refused(Refusal::InProgress { retry_after }));
                         }
                         tokio::time::sleep(backoff.min(max_wait - waited)).await;
                         backoff = backoff.saturating_mul(2).min(max_backoff);
@@ -472,9 +411,9 @@ impl Idempotency {
             }
         }
         emit(Event::InProgress);
-        Ok(Begin::InProgress {
+        Ok(Begin::Refused(Refusal::InProgress {
             retry_after: last_retry_after,
-        })
+        }))
     }
 
     /// `id` as logs and errors show it: the key hashed when the policy says so.

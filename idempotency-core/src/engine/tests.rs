@@ -147,13 +147,60 @@ fn engine(store: Arc<Scripted>, policy: Policy) -> Idempotency {
 }
 
 #[test]
-fn outcome_helpers() {
-    let fresh = Outcome::Fresh(1);
-    let replayed = Outcome::Replayed(2);
-    assert!(!fresh.is_replayed());
-    assert!(replayed.is_replayed());
-    assert_eq!((*fresh.get(), *replayed.get()), (1, 2));
-    assert_eq!((fresh.into_inner(), replayed.into_inner()), (1, 2));
+fn answer_helpers() {
+    let executed = Answer::Executed(1);
+    let replayed = Answer::Replayed(2);
+    let refused: Answer<i32> = Answer::Refused(Refusal::KeyReused);
+    assert!(executed.is_executed() && !executed.is_replayed());
+    assert!(replayed.is_replayed() && !replayed.is_executed());
+    assert!(!refused.is_executed() && !refused.is_replayed());
+    assert_eq!(
+        (executed.value(), replayed.value(), refused.value()),
+        (Some(&1), Some(&2), None)
+    );
+    assert_eq!(refused.refusal(), Some(&Refusal::KeyReused));
+    assert_eq!(executed.clone().map(|n| n * 10), Answer::Executed(10));
+    assert_eq!(
+        (
+            executed.into_result(),
+            replayed.into_result(),
+            refused.into_result()
+        ),
+        (Ok(1), Ok(2), Err(Refusal::KeyReused))
+    );
+    let in_progress = Refusal::InProgress {
+        retry_after: Duration::from_secs(2),
+    };
+    assert!(in_progress.is_retryable());
+    assert_eq!(in_progress.retry_after(), Some(Duration::from_secs(2)));
+    for final_refusal in [
+        Refusal::KeyReused,
+        Refusal::FailedPermanently {
+            message: "declined".into(),
+        },
+        Refusal::OutcomeLost {
+            message: "too large".into(),
+        },
+    ] {
+        assert!(!final_refusal.is_retryable(), "{final_refusal}");
+        assert_eq!(final_refusal.retry_after(), None);
+    }
+}
+
+/// A record failed with the lost outcome's failure is refused as an outcome lost, not as a
+/// permanent failure of the work: the work ran.
+#[test]
+fn a_lost_outcome_is_refused_apart_from_a_permanent_failure() {
+    assert!(matches!(
+        Refusal::failed(Some(Failure::outcome_not_stored("over 400 KB"))),
+        Refusal::OutcomeLost { message } if message.contains("over 400 KB")
+    ));
+    assert_eq!(
+        Refusal::failed(Some(Failure::permanent("card declined"))),
+        Refusal::FailedPermanently {
+            message: "card declined".into()
+        }
+    );
 }
 
 #[test]
@@ -193,7 +240,10 @@ async fn lost_reclaims_give_up_after_max_rounds() {
     let got = tokio::time::timeout(Duration::from_secs(5), e.begin(&id(), &fp()))
         .await
         .expect("the engine looped without bound");
-    assert!(matches!(got, Ok(Begin::InProgress { .. })), "{got:?}");
+    assert!(
+        matches!(got, Ok(Begin::Refused(Refusal::InProgress { .. }))),
+        "{got:?}"
+    );
     assert_eq!(store.reclaimed.load(Ordering::SeqCst), MAX_ROUNDS);
     assert_eq!(
         store.claimed.load(Ordering::SeqCst),
@@ -215,7 +265,10 @@ async fn a_lost_reclaim_of_an_unchanged_record_is_in_progress_at_once() {
     let got = tokio::time::timeout(Duration::from_secs(5), e.begin(&id(), &fp()))
         .await
         .expect("the engine looped without bound");
-    assert!(matches!(got, Ok(Begin::InProgress { .. })), "{got:?}");
+    assert!(
+        matches!(got, Ok(Begin::Refused(Refusal::InProgress { .. }))),
+        "{got:?}"
+    );
     assert_eq!(
         store.reclaimed.load(Ordering::SeqCst),
         1,
@@ -241,7 +294,10 @@ async fn a_lost_reclaim_of_an_unchanged_record_is_waited_for() {
     let got = tokio::time::timeout(Duration::from_secs(10), e.begin(&id(), &fp()))
         .await
         .expect("the engine looped without bound");
-    assert!(matches!(got, Ok(Begin::InProgress { .. })), "{got:?}");
+    assert!(
+        matches!(got, Ok(Begin::Refused(Refusal::InProgress { .. }))),
+        "{got:?}"
+    );
     assert!(
         started.elapsed() >= max_wait,
         "gave up after {:?}, before max_wait",
@@ -308,7 +364,10 @@ async fn waiting_never_oversleeps_max_wait() {
     let started = Instant::now();
     let got = e.begin(&id(), &fp()).await;
     let waited = started.elapsed();
-    assert!(matches!(got, Ok(Begin::InProgress { .. })), "{got:?}");
+    assert!(
+        matches!(got, Ok(Begin::Refused(Refusal::InProgress { .. }))),
+        "{got:?}"
+    );
     assert!(
         waited >= max_wait && waited < max_wait + Duration::from_millis(250),
         "gave up after {waited:?} with max_wait {max_wait:?}"
@@ -338,7 +397,10 @@ async fn waiting_polls_once_per_backoff() {
         }),
     );
     let got = e.begin(&id(), &fp()).await;
-    assert!(matches!(got, Ok(Begin::InProgress { .. })), "{got:?}");
+    assert!(
+        matches!(got, Ok(Begin::Refused(Refusal::InProgress { .. }))),
+        "{got:?}"
+    );
     let polls = store.got.load(Ordering::SeqCst);
     assert!(
         (1..=11).contains(&polls),
@@ -613,7 +675,7 @@ async fn a_lost_release_answer_then_a_reclaim_is_released() {
         })
         .await;
     assert!(
-        matches!(&got, Ok(Outcome::Fresh(Err(e))) if e == "declined"),
+        matches!(&got, Ok(Answer::Executed(Err(e))) if e == "declined"),
         "the run got {got:?}"
     );
 }

@@ -3,8 +3,8 @@
 use super::MAX_TRANSACTION_ATTEMPTS;
 use super::{encode_outcome, Begun, CommitError, TransactionEnd, TransactionalStore};
 use crate::{
-    decode_replay, Cas, Error, Fingerprint, Idempotency, IdempotencyKey, Lease, Outcome, Policy,
-    Proceed, RecordId, Scope, WorkContext,
+    decode_replay, Answer, Begin, Cas, Error, Fingerprint, Idempotency, IdempotencyKey, Lease,
+    Policy, RecordId, Scope, WorkContext,
 };
 use futures::future::BoxFuture;
 use futures::FutureExt;
@@ -43,7 +43,7 @@ impl Idempotency {
         scope: &Scope,
         fingerprint: &Fingerprint,
         mut work: F,
-    ) -> Result<Outcome<Result<T, E>>, Error>
+    ) -> Result<Answer<Result<T, E>>, Error>
     where
         S: TransactionalStore,
         T: Serialize + DeserializeOwned + Send,
@@ -55,9 +55,10 @@ impl Idempotency {
             + Send,
     {
         let id = RecordId::new(scope.clone(), key.clone());
-        let lease = match self.begin(&id, fingerprint).await?.proceed()? {
-            Proceed::Replay(record) => return decode_replay(&record).map(Outcome::Replayed),
-            Proceed::Execute(lease) => lease,
+        let lease = match self.begin(&id, fingerprint).await? {
+            Begin::Replay(record) => return decode_replay(&record).map(Answer::Replayed),
+            Begin::Refused(refusal) => return Ok(Answer::Refused(refusal)),
+            Begin::Execute(lease) => lease,
         };
         let end = AssertUnwindSafe(transaction(store, &lease, &mut work, &Complete, &mut false))
             .catch_unwind()

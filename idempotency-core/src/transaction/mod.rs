@@ -19,8 +19,8 @@
 //!
 //! | the transaction… | [`TransactionEnd`] | the key | the caller gets |
 //! |---|---|---|---|
-//! | committed the work's writes and the completion | `Committed(v)` | completed (by the commit) | `Fresh(Ok(v))` |
-//! | rolled back because the work answered `Ok(Err(e))`, its own refusal | `WorkFailed(e)` | per [`Policy::errors`](crate::Policy::errors): released, or `Err(e)` stored | `Fresh(Err(e))` |
+//! | committed the work's writes and the completion | `Committed(v)` | completed (by the commit) | `Executed(Ok(v))` |
+//! | rolled back because the work answered `Ok(Err(e))`, its own refusal | `WorkFailed(e)` | per [`Policy::errors`](crate::Policy::errors): released, or `Err(e)` stored | `Executed(Err(e))` |
 //! | rolled back because the completion was fenced, or the lease kept in the process passed | `LeaseLost` | another holder's, or left to be reclaimed: untouched | [`Error::LeaseLost`] |
 //! | rolled back before its commit (a failed `BEGIN`, a database error of the work, its outer `Err`, or of the completion, an encoding error, a refused commit), when it was not a conflict or was one on the last run | `RolledBack(e)` | released at once (nothing took effect) | `e` |
 //! | ended with a commit whose outcome is unknown | `Unknown(e)` | held until its lease passes | `e` |
@@ -31,7 +31,7 @@ mod store;
 
 pub use store::{Begun, CommitError, TransactionalStore, MAX_TRANSACTION_ATTEMPTS};
 
-use crate::{Error, ErrorOutcomes, Failure, Lease, Outcome};
+use crate::{Answer, Error, ErrorOutcomes, Failure, Lease};
 use serde::Serialize;
 use std::fmt::Display;
 
@@ -79,7 +79,7 @@ impl Lease {
     pub async fn settle_transaction<T, E>(
         self,
         end: std::thread::Result<TransactionEnd<T, E>>,
-    ) -> Result<Outcome<Result<T, E>>, Error>
+    ) -> Result<Answer<Result<T, E>>, Error>
     where
         T: Serialize,
         E: Serialize + Display,
@@ -94,7 +94,7 @@ impl Lease {
         match end {
             TransactionEnd::Committed(value) => {
                 self.settled_externally();
-                Ok(Outcome::Fresh(Ok(value)))
+                Ok(Answer::Executed(Ok(value)))
             }
             TransactionEnd::WorkFailed(e) => {
                 let result: Result<T, E> = Err(e);
@@ -118,7 +118,7 @@ impl Lease {
                         self.fail(Failure::retryable(message)).await?;
                     }
                 }
-                Ok(Outcome::Fresh(result))
+                Ok(Answer::Executed(result))
             }
             TransactionEnd::LeaseLost => {
                 // The record belongs to the holder that took it over: nothing to release.

@@ -13,8 +13,8 @@ use aws_sdk_dynamodb::config::interceptors::{
 use aws_sdk_dynamodb::config::{ConfigBag, Intercept, RuntimeComponents};
 use aws_sdk_dynamodb::types::{AttributeValue, Put, Update};
 use idempotency_core::{
-    Claim, ClaimRequest, Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore,
-    ManualClock, Outcome, Policy, RecordId, RecordStatus, Scope,
+    Answer, Claim, ClaimRequest, Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore,
+    ManualClock, Policy, RecordId, RecordStatus, Refusal, Scope,
 };
 use idempotency_dynamodb::{DynamoError, DynamoStore, MAX_TRANSACTION_WRITES};
 use idempotency_testing::dynamodb as common;
@@ -100,7 +100,7 @@ async fn run_bump(
     store: &DynamoStore,
     k: &str,
     runs: &Arc<AtomicUsize>,
-) -> Result<Outcome<Result<u32, String>>, Error> {
+) -> Result<Answer<Result<u32, String>>, Error> {
     engine
         .run_in_transaction(store, &key(k), &scope(), &fingerprint(), |tx, _| {
             let (update, runs) = (bump(store, k), runs.clone());
@@ -121,14 +121,14 @@ async fn writes_and_completion_commit_in_one_request_and_a_retry_replays() {
     let runs = Arc::new(AtomicUsize::new(0));
 
     let first = run_bump(&engine, &store, "k1", &runs).await.unwrap();
-    assert!(matches!(first, Outcome::Fresh(Ok(7))), "{first:?}");
+    assert!(matches!(first, Answer::Executed(Ok(7))), "{first:?}");
     let sent = requests.take();
     assert_eq!(sent.get("TransactWriteItems"), Some(&1), "{sent:?}");
     assert_eq!(sent.get("PutItem"), Some(&1), "the claim: {sent:?}");
     assert_eq!(sent.values().sum::<usize>(), 2, "nothing else: {sent:?}");
 
     let again = run_bump(&engine, &store, "k1", &runs).await.unwrap();
-    assert!(matches!(again, Outcome::Replayed(Ok(7))), "{again:?}");
+    assert!(matches!(again, Answer::Replayed(Ok(7))), "{again:?}");
     assert_eq!(runs.load(Ordering::SeqCst), 1);
     assert_eq!(count(&store, "k1").await, 1);
     let record = store.get(&RecordId::new(scope(), key("k1"))).await.unwrap();
@@ -141,7 +141,7 @@ async fn run_order(
     store: &DynamoStore,
     k: &str,
     name: &str,
-) -> Result<Outcome<Result<u32, String>>, Error> {
+) -> Result<Answer<Result<u32, String>>, Error> {
     let (put, update) = (order(store, name), bump(store, "cancelled"));
     engine
         .run_in_transaction(store, &key(k), &scope(), &fingerprint(), |tx, _| {
@@ -188,7 +188,7 @@ async fn a_failed_condition_cancels_every_write_says_which_and_releases_the_key(
         .unwrap();
     assert_eq!(record.status, RecordStatus::Failed);
     let retried = run_order(&engine, &store, "c", "free").await.unwrap();
-    assert!(matches!(retried, Outcome::Fresh(Ok(1))), "{retried:?}");
+    assert!(matches!(retried, Answer::Executed(Ok(1))), "{retried:?}");
     assert_eq!(count(&store, "cancelled").await, 1);
     assert!(exists(&store, "order#free").await);
 }
@@ -208,7 +208,7 @@ async fn work_that_fails_writes_nothing() {
         })
         .await
         .unwrap();
-    assert!(matches!(outcome, Outcome::Fresh(Err(ref e)) if e == "card declined"));
+    assert!(matches!(outcome, Answer::Executed(Err(ref e)) if e == "card declined"));
     assert_eq!(count(&store, "declined").await, 0);
 }
 
@@ -228,7 +228,7 @@ async fn a_fenced_completion_cancels_the_writes_of_the_holder_that_lost_its_leas
                 // The lease passes while the work runs, and another holder takes the key.
                 clock.advance(LEASE + Duration::from_secs(1));
                 let begun = taker.begin(&id, &fingerprint()).await.unwrap();
-                let idempotency_core::Proceed::Execute(lease) = begun.proceed().unwrap() else {
+                let idempotency_core::Begin::Execute(lease) = begun else {
                     panic!("the passed lease was not taken over");
                 };
                 lease.complete(b"{\"Ok\":8}").await.unwrap();
@@ -297,7 +297,7 @@ async fn at_most_99_writes_beside_the_completion_refused_before_anything_is_sent
         })
         .await
         .unwrap();
-    assert!(matches!(outcome, Outcome::Fresh(Ok(1))), "{outcome:?}");
+    assert!(matches!(outcome, Answer::Executed(Ok(1))), "{outcome:?}");
     assert_eq!(count(&store, "m98").await, 1);
 }
 
@@ -307,11 +307,11 @@ enum Fate {
     /// It applies, and its answer is lost (a 500 in its place): the SDK sends it again.
     LoseAnswer,
     /// It never reaches the table (sent as a harmless read instead), and this is the answer.
-    Divert(Answer),
+    Divert(Diverted),
 }
 
 #[derive(Clone, Copy, Debug)]
-enum Answer {
+enum Diverted {
     ServerError,
     Throttled,
     /// Cancelled for a conflict on the completion (another request was writing the record).
@@ -376,18 +376,18 @@ impl Intercept for Script {
             return Ok(());
         };
         let (status, kind, body) = match fate {
-            Fate::LoseAnswer | Fate::Divert(Answer::ServerError) => (500u16, None, String::new()),
-            Fate::Divert(Answer::Throttled) => (
+            Fate::LoseAnswer | Fate::Divert(Diverted::ServerError) => (500u16, None, String::new()),
+            Fate::Divert(Diverted::Throttled) => (
                 400,
                 Some("ThrottlingException"),
                 r#"{"__type":"com.amazonaws.dynamodb.v20120810#ThrottlingException","message":"Rate of requests exceeds the allowed throughput."}"#.to_owned(),
             ),
-            Fate::Divert(Answer::InProgress) => (
+            Fate::Divert(Diverted::InProgress) => (
                 400,
                 Some("TransactionInProgressException"),
                 r#"{"__type":"com.amazonaws.dynamodb.v20120810#TransactionInProgressException","message":"The transaction with the given request token is already in progress."}"#.to_owned(),
             ),
-            Fate::Divert(Answer::Conflict) => (
+            Fate::Divert(Diverted::Conflict) => (
                 400,
                 Some("TransactionCanceledException"),
                 r#"{"__type":"com.amazonaws.dynamodb.v20120810#TransactionCanceledException","message":"Transaction cancelled, please refer cancellation reasons for specific reasons [None, TransactionConflict]","CancellationReasons":[{"Code":"None"},{"Code":"TransactionConflict","Message":"Transaction is ongoing for the item"}]}"#.to_owned(),
@@ -421,7 +421,7 @@ async fn an_applied_transaction_whose_answer_was_lost_is_committed_once() {
     let runs = Arc::new(AtomicUsize::new(0));
     script.then(Fate::LoseAnswer, 1);
     let outcome = run_bump(&engine, &store, "lost", &runs).await.unwrap();
-    assert!(matches!(outcome, Outcome::Fresh(Ok(7))), "{outcome:?}");
+    assert!(matches!(outcome, Answer::Executed(Ok(7))), "{outcome:?}");
     assert!(
         script.sends.load(Ordering::SeqCst) >= 2,
         "the SDK sent it again"
@@ -429,7 +429,7 @@ async fn an_applied_transaction_whose_answer_was_lost_is_committed_once() {
     assert_eq!(runs.load(Ordering::SeqCst), 1);
     assert_eq!(count(&store, "lost").await, 1, "applied once");
     let replay = run_bump(&engine, &store, "lost", &runs).await.unwrap();
-    assert!(matches!(replay, Outcome::Replayed(Ok(7))), "{replay:?}");
+    assert!(matches!(replay, Answer::Replayed(Ok(7))), "{replay:?}");
 }
 
 /// The first send applies and its answer is lost; before the SDK sends it again, the
@@ -495,9 +495,9 @@ async fn an_applied_transaction_then_throttled_resends_is_committed_once() {
     let engine = engine(&store);
     let runs = Arc::new(AtomicUsize::new(0));
     script.then(Fate::LoseAnswer, 1);
-    script.then(Fate::Divert(Answer::Throttled), 10);
+    script.then(Fate::Divert(Diverted::Throttled), 10);
     let outcome = run_bump(&engine, &store, "throttled", &runs).await.unwrap();
-    assert!(matches!(outcome, Outcome::Fresh(Ok(7))), "{outcome:?}");
+    assert!(matches!(outcome, Answer::Executed(Ok(7))), "{outcome:?}");
     assert!(script.sends.load(Ordering::SeqCst) >= 2);
     assert_eq!(count(&store, "throttled").await, 1);
 }
@@ -505,7 +505,7 @@ async fn an_applied_transaction_then_throttled_resends_is_committed_once() {
 /// Every send of the transaction answered `answer` without reaching the table: the caller
 /// gets `OutcomeUnknown`, the key is held until its lease passes (a duplicate meanwhile is
 /// told the key is in progress), then a retry runs the work once.
-async fn held_until_the_lease_passes(answer: Answer, k: &str) {
+async fn held_until_the_lease_passes(answer: Diverted, k: &str) {
     let script = Script::default();
     let (store, clock, _guard) = intercepted_store(script.clone()).await;
     let engine = engine(&store);
@@ -516,13 +516,16 @@ async fn held_until_the_lease_passes(answer: Answer, k: &str) {
     assert!(matches!(e, Error::OutcomeUnknown { .. }), "{e:?}");
     assert_eq!(count(&store, k).await, 0);
 
-    let held = run_bump(&engine, &store, k, &runs).await.unwrap_err();
-    assert!(matches!(held, Error::InProgress { .. }), "{held:?}");
+    let held = run_bump(&engine, &store, k, &runs).await.unwrap();
+    assert!(
+        matches!(held, Answer::Refused(Refusal::InProgress { .. })),
+        "{held:?}"
+    );
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 
     clock.advance(LEASE + Duration::from_secs(1));
     let retried = run_bump(&engine, &store, k, &runs).await.unwrap();
-    assert!(matches!(retried, Outcome::Fresh(Ok(7))), "{retried:?}");
+    assert!(matches!(retried, Answer::Executed(Ok(7))), "{retried:?}");
     assert_eq!(runs.load(Ordering::SeqCst), 2);
     assert_eq!(count(&store, k).await, 1);
 }
@@ -530,7 +533,7 @@ async fn held_until_the_lease_passes(answer: Answer, k: &str) {
 /// Every answer a 500: whether the transaction applied is unknown to the caller.
 #[tokio::test]
 async fn a_transaction_of_unknown_outcome_holds_the_key_until_its_lease_passes() {
-    held_until_the_lease_passes(Answer::ServerError, "unknown").await;
+    held_until_the_lease_passes(Diverted::ServerError, "unknown").await;
 }
 
 /// Every answer `TransactionInProgressException` (the SDK sent it again while DynamoDB still
@@ -538,7 +541,7 @@ async fn a_transaction_of_unknown_outcome_holds_the_key_until_its_lease_passes()
 /// key is never released for the work to run again meanwhile.
 #[tokio::test]
 async fn a_transaction_still_in_progress_at_dynamodb_holds_the_key() {
-    held_until_the_lease_passes(Answer::InProgress, "in-progress").await;
+    held_until_the_lease_passes(Diverted::InProgress, "in-progress").await;
 }
 
 /// DynamoDB cancels a transaction for a conflict on one of its items when another request
@@ -550,9 +553,9 @@ async fn a_conflict_runs_the_work_again_and_its_writes_apply_once() {
     let (store, _clock, _guard) = intercepted_store(script.clone()).await;
     let engine = engine(&store);
     let runs = Arc::new(AtomicUsize::new(0));
-    script.then(Fate::Divert(Answer::Conflict), 2);
+    script.then(Fate::Divert(Diverted::Conflict), 2);
     let outcome = run_bump(&engine, &store, "conflict", &runs).await.unwrap();
-    assert!(matches!(outcome, Outcome::Fresh(Ok(7))), "{outcome:?}");
+    assert!(matches!(outcome, Answer::Executed(Ok(7))), "{outcome:?}");
     assert_eq!(runs.load(Ordering::SeqCst), 3, "two conflicts, three runs");
     assert_eq!(script.sends.load(Ordering::SeqCst), 3);
     assert_eq!(count(&store, "conflict").await, 1);
@@ -579,8 +582,8 @@ async fn concurrent_callers_of_one_key_apply_its_writes_once() {
         let mut fresh = 0;
         for caller in callers {
             match caller.await.unwrap() {
-                Ok(Outcome::Fresh(Ok(7))) => fresh += 1,
-                Ok(Outcome::Replayed(Ok(7))) | Err(Error::InProgress { .. }) => {}
+                Ok(Answer::Executed(Ok(7))) => fresh += 1,
+                Ok(Answer::Replayed(Ok(7))) | Ok(Answer::Refused(Refusal::InProgress { .. })) => {}
                 other => panic!("round {round}: {other:?}"),
             }
         }

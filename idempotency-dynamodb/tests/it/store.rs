@@ -14,9 +14,9 @@ use aws_sdk_dynamodb::config::interceptors::{
 use aws_sdk_dynamodb::config::{ConfigBag, Intercept, RuntimeComponents};
 use aws_sdk_dynamodb::types::AttributeValue;
 use idempotency_core::{
-    Cas, Claim, ClaimRequest, Clock, Error, Failure, FencingToken, Fingerprint, Idempotency,
-    IdempotencyKey, IdempotencyStore, ManualClock, Policy, Reclaim, RecordId, RecordStatus, Scope,
-    Timestamp,
+    Answer, Cas, Claim, ClaimRequest, Clock, Error, Failure, FencingToken, Fingerprint,
+    Idempotency, IdempotencyKey, IdempotencyStore, ManualClock, Policy, Reclaim, RecordId,
+    RecordStatus, Refusal, Scope, Timestamp,
 };
 use idempotency_dynamodb::{DynamoError, DynamoStore, MAX_OUTCOME_BYTES};
 use std::collections::BTreeMap;
@@ -174,7 +174,7 @@ async fn a_work_whose_outcome_is_over_the_item_limit_never_runs_twice() {
         clock.advance(later);
         let retry = run().await;
         assert!(
-            matches!(retry, Err(Error::FailedPermanently { .. })),
+            matches!(retry, Ok(Answer::Refused(Refusal::OutcomeLost { .. }))),
             "a retry {later:?} later: {retry:?}"
         );
         assert_eq!(runs.load(Ordering::SeqCst), 1, "the work ran twice");

@@ -237,7 +237,7 @@ pub async fn handler_that_did_nothing_frees_the_key(store: TestStore) {
 
 /// A handler that panics may have acted before it panicked (charged, then failed building
 /// its answer): the client gets `500`, and the key is settled for good, never run again:
-/// a retry is told `422` failed-permanently, a changed body `422` key-reused. Only under
+/// a retry is told `422` outcome-lost, a changed body `422` key-reused. Only under
 /// `OnUnstored::Release` (handlers that fail only before acting) is the key released.
 pub async fn handler_panic_settles_the_key(store: TestStore) {
     let s = server(&store).await;
@@ -247,7 +247,7 @@ pub async fn handler_panic_settles_the_key(store: TestStore) {
     assert_problem(&panicked, 500, Refusal::HandlerFailed.slug());
     // The key is settled by a background write; give it a moment on slow stores.
     let retry = retry_while_409(|| post(&c, &s, "/items", "panic", &body)).await;
-    assert_problem(&retry, 422, "idempotency-key-failed-permanently");
+    assert_problem(&retry, 422, "idempotency-key-outcome-lost");
     let other = send(post(&c, &s, "/items", "panic", &json!({"p": 2}))).await;
     assert_problem(&other, 422, "idempotency-key-reused");
     assert_eq!(s.executions(), 1, "the handler ran again after a panic");
@@ -377,7 +377,7 @@ pub async fn released_key_accepts_corrected_request(store: TestStore) {
     let replay = send(post(&c, &s, "/items", "fix", &json!({"v": 2}))).await;
     assert!(replay.replayed());
     let old = send(post(&c, &s, "/items", "fix", &json!({"v": 1}))).await;
-    assert_problem(&old, 422, Refusal::Mismatch.slug());
+    assert_problem(&old, 422, Refusal::KeyReused.slug());
     assert_eq!(s.executions(), 2);
 }
 
@@ -441,7 +441,7 @@ pub async fn handler_outliving_its_lease_runs_once(store: TestStore) {
 
 /// The handler ran but its response cannot be stored (every completion fails): the client
 /// still gets the response. The engine records a permanent failure in its place, so a retry
-/// is told `422` `idempotency-key-failed-permanently` and never runs the handler again. If
+/// is told `422` `idempotency-key-outcome-lost` and never runs the handler again. If
 /// the store refuses that write too, a retry is told `409` until the lease passes instead.
 pub async fn failed_completion_does_not_rerun_handler(store: TestStore) {
     let policy = Policy::default().lease(store.long()).ttl(store.long());
@@ -465,7 +465,7 @@ pub async fn failed_completion_does_not_rerun_handler(store: TestStore) {
             if fail_refused {
                 assert_problem(&retry, 409, "idempotency-key-in-progress");
             } else {
-                assert_problem(&retry, 422, "idempotency-key-failed-permanently");
+                assert_problem(&retry, 422, "idempotency-key-outcome-lost");
             }
         }
         if !fail_refused {

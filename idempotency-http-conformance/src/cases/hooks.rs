@@ -55,7 +55,7 @@ pub async fn response_hook_sees_fresh_and_replayed(store: TestStore) {
     }
     // Refusals do not reach the hook.
     let mismatch = send(post(&c, &s, "/items", "hooked", &json!({"h": 2}))).await;
-    assert_problem(&mismatch, 422, Refusal::Mismatch.slug());
+    assert_problem(&mismatch, 422, Refusal::KeyReused.slug());
     assert_eq!(mismatch.header("x-hook-replay"), None);
     assert_eq!(s.executions(), 1);
 }
@@ -105,8 +105,8 @@ pub async fn fingerprint_hook_selects_what_is_hashed(store: TestStore) {
         &json!({"amount": 6, "sent_at": 3}),
     ))
     .await;
-    assert_problem(&changed, 422, Refusal::Mismatch.slug());
+    assert_problem(&changed, 422, Refusal::KeyReused.slug());
     let query = send(post(&c, &s, "/items?x=1", "hook-fp", &json!({"amount": 5}))).await;
-    assert_problem(&query, 422, Refusal::Mismatch.slug());
+    assert_problem(&query, 422, Refusal::KeyReused.slug());
     assert_eq!(s.executions(), 1);
 }

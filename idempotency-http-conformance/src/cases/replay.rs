@@ -66,7 +66,7 @@ pub async fn different_request_gets_422(store: TestStore) {
     let body = json!({"amount": 500});
     let first = send(post(&c, &s, "/items", "reuse", &body)).await;
     assert_eq!(first.status, StatusCode::CREATED);
-    let slug = Refusal::Mismatch.slug();
+    let slug = Refusal::KeyReused.slug();
     let changed = send(post(&c, &s, "/items", "reuse", &json!({"amount": 501}))).await;
     assert_problem(&changed, 422, slug);
     assert_eq!(
@@ -105,7 +105,7 @@ pub async fn json_key_order_is_the_same_request(store: TestStore) {
     assert!(!first.replayed());
     assert!(again.replayed(), "{again:?}");
     let swapped = send(send_raw(r#"{"a":1,"b":{"c":2,"d":[2,1]}}"#)).await;
-    assert_problem(&swapped, 422, Refusal::Mismatch.slug());
+    assert_problem(&swapped, 422, Refusal::KeyReused.slug());
     assert_eq!(s.executions(), 1);
 }
 
@@ -297,7 +297,7 @@ pub async fn preconditions_are_part_of_the_request(store: TestStore) {
         "the same precondition is the same request: {same:?}"
     );
     let fresh = send(patch(&c, &s, "edit-1", &body).header("if-match", "\"v2\"")).await;
-    assert_problem(&fresh, 422, Refusal::Mismatch.slug());
+    assert_problem(&fresh, 422, Refusal::KeyReused.slug());
     for other in ["if-none-match", "if-unmodified-since", "if-modified-since"] {
         let r = send(
             patch(&c, &s, "edit-1", &body)
@@ -305,7 +305,7 @@ pub async fn preconditions_are_part_of_the_request(store: TestStore) {
                 .header(other, "Sun, 06 Nov 1994 08:49:37 GMT"),
         )
         .await;
-        assert_problem(&r, 422, Refusal::Mismatch.slug());
+        assert_problem(&r, 422, Refusal::KeyReused.slug());
     }
     // One If-Match line or two (as an intermediary may send them) is one request.
     let one = send(patch(&c, &s, "edit-2", &body).header("if-match", "\"v2\", \"v3\"")).await;
@@ -397,7 +397,7 @@ pub async fn equivalent_media_types_are_one_request(store: TestStore) {
         "text/json",
     ] {
         let r = send(with_type("media", "/items", other)).await;
-        assert_problem(&r, 422, Refusal::Mismatch.slug());
+        assert_problem(&r, 422, Refusal::KeyReused.slug());
     }
     let params = send(with_type("params", "/items", "text/plain; b=\"2\"; A=1")).await;
     let reordered = send(with_type("params", "/items", "text/plain;a=1;b=2")).await;
@@ -406,6 +406,6 @@ pub async fn equivalent_media_types_are_one_request(store: TestStore) {
     let query = send(with_type("query", "/items?a=1&b=2", "application/json")).await;
     let swapped = send(with_type("query", "/items?b=2&a=1", "application/json")).await;
     assert!(!query.replayed());
-    assert_problem(&swapped, 422, Refusal::Mismatch.slug());
+    assert_problem(&swapped, 422, Refusal::KeyReused.slug());
     assert_eq!(s.executions(), 3);
 }

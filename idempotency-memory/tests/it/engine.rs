@@ -4,7 +4,8 @@
 
 use idempotency_conformance::{Fault, FlakyOp, FlakyStore};
 use idempotency_core::{
-    Error, Fingerprint, Idempotency, IdempotencyKey, ManualClock, Policy, Scope, SettleRetry,
+    Answer, Error, Fingerprint, Idempotency, IdempotencyKey, ManualClock, Policy, Refusal, Scope,
+    SettleRetry,
 };
 use idempotency_memory::MemoryStore;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -18,7 +19,9 @@ fn engine(heartbeat: Option<f64>) -> Idempotency {
     Idempotency::new(Arc::new(MemoryStore::new()), policy).unwrap()
 }
 
-async fn slow_then_duplicate(engine: Idempotency) -> (Result<bool, Error>, Result<bool, Error>) {
+type Ran = Result<Answer<Result<i32, String>>, Error>;
+
+async fn slow_then_duplicate(engine: Idempotency) -> (Ran, Ran) {
     let key = IdempotencyKey::random();
     let scope = Scope::new("t|op").unwrap();
     let fp = Fingerprint::from_bytes(b"x");
@@ -29,14 +32,12 @@ async fn slow_then_duplicate(engine: Idempotency) -> (Result<bool, Error>, Resul
             Ok::<_, String>(1)
         })
         .await
-        .map(|o| o.is_replayed())
     });
     // Well past the 300 ms lease: only the heartbeat keeps the first holder in place.
     tokio::time::sleep(Duration::from_millis(700)).await;
     let dup = engine
         .run(&key, &scope, &fp, |_| async { Ok::<_, String>(2) })
-        .await
-        .map(|o| o.is_replayed());
+        .await;
     (slow.await.unwrap(), dup)
 }
 
@@ -44,11 +45,11 @@ async fn slow_then_duplicate(engine: Idempotency) -> (Result<bool, Error>, Resul
 async fn heartbeat_keeps_a_long_work_in_place() {
     let (first, dup) = slow_then_duplicate(engine(Some(0.3))).await;
     assert!(
-        matches!(first, Ok(false)),
+        matches!(first, Ok(Answer::Executed(Ok(1)))),
         "first run completes fresh: {first:?}"
     );
     assert!(
-        matches!(dup, Err(Error::InProgress { .. })),
+        matches!(dup, Ok(Answer::Refused(Refusal::InProgress { .. }))),
         "duplicate is told to retry: {dup:?}"
     );
 }
@@ -57,7 +58,7 @@ async fn heartbeat_keeps_a_long_work_in_place() {
 async fn without_heartbeat_the_stalled_holder_is_fenced() {
     let (first, dup) = slow_then_duplicate(engine(None)).await;
     assert!(
-        matches!(dup, Ok(false)),
+        matches!(dup, Ok(Answer::Executed(Ok(2)))),
         "duplicate reclaims and runs: {dup:?}"
     );
     assert!(
@@ -91,7 +92,7 @@ async fn huge_wait_backoffs_do_not_overflow() {
         .run(&key, &scope, &fp, |_| async { Ok::<_, String>(1) })
         .await;
     assert!(
-        matches!(waited, Err(Error::InProgress { .. })),
+        matches!(waited, Ok(Answer::Refused(Refusal::InProgress { .. }))),
         "the waiter got {waited:?}"
     );
     assert!(started.elapsed() >= Duration::from_millis(300));
@@ -151,7 +152,7 @@ async fn an_outcome_the_store_refuses_is_never_run_again() {
             "a retry {later:?} later ran the work again ({retry:?})"
         );
         assert!(
-            matches!(retry, Err(Error::FailedPermanently { .. })),
+            matches!(retry, Ok(Answer::Refused(Refusal::OutcomeLost { .. }))),
             "a retry {later:?} later is told the first attempt failed for good: {retry:?}"
         );
     }
@@ -162,7 +163,10 @@ async fn an_outcome_the_store_refuses_is_never_run_again() {
             Ok::<_, String>("other".to_owned())
         })
         .await;
-    assert!(matches!(other, Err(Error::Mismatch)), "{other:?}");
+    assert!(
+        matches!(other, Ok(Answer::Refused(Refusal::KeyReused))),
+        "{other:?}"
+    );
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
@@ -195,12 +199,12 @@ async fn an_outcome_that_cannot_be_serialized_is_never_run_again() {
     assert!(matches!(first, Err(Error::Codec { .. })), "{first:?}");
     let retry = run(b"x").await;
     assert!(
-        matches!(retry, Err(Error::FailedPermanently { .. })),
+        matches!(retry, Ok(Answer::Refused(Refusal::OutcomeLost { .. }))),
         "{retry:?}"
     );
     let other = run(b"y").await;
     assert!(
-        matches!(other, Err(Error::Mismatch)),
+        matches!(other, Ok(Answer::Refused(Refusal::KeyReused))),
         "another payload under the key ran: {other:?}"
     );
     assert_eq!(runs.load(Ordering::SeqCst), 1, "the work ran again");

@@ -9,8 +9,8 @@ use crate::common;
 
 use common::{Isolation, TableGuard};
 use idempotency_core::{
-    Begin, Error, FencingToken, Fingerprint, IdempotencyKey, IdempotencyStore, InFlight, Outcome,
-    Policy, RecordId, RecordStatus, Scope,
+    Answer, Begin, Error, FencingToken, Fingerprint, IdempotencyKey, IdempotencyStore, InFlight,
+    Policy, RecordId, RecordStatus, Refusal, Scope,
 };
 use idempotency_mysql::sqlx::{self, Connection, Executor, MySqlConnection};
 use idempotency_mysql::{MysqlError, MysqlIdempotency, MysqlStore};
@@ -105,7 +105,7 @@ async fn retry_runs_once(
         .expect("the retry runs");
     assert_eq!(
         retry,
-        Outcome::Fresh(Ok(first.next().0)),
+        Answer::Executed(Ok(first.next().0)),
         "the retry reclaimed the released key"
     );
     assert_eq!(
@@ -212,7 +212,7 @@ async fn takeover_pair(engine: MysqlIdempotency, retry: MysqlIdempotency, orders
         .expect("the retry runs");
     assert_eq!(
         fresh,
-        Outcome::Fresh(Ok(stale_token.next().0)),
+        Answer::Executed(Ok(stale_token.next().0)),
         "the retry reclaimed with the stale holder's token + 1"
     );
     let stale = stale.await.expect("task");
@@ -243,7 +243,7 @@ async fn takeover_pair(engine: MysqlIdempotency, retry: MysqlIdempotency, orders
         .expect("replay");
     assert_eq!(
         replay,
-        Outcome::<Result<u64, String>>::Replayed(Ok(stale_token.next().0))
+        Answer::<Result<u64, String>>::Replayed(Ok(stale_token.next().0))
     );
 }
 
@@ -435,7 +435,7 @@ async fn panic_and_error(level: Isolation) {
         })
         .await
         .expect("the work ran");
-    assert_eq!(failed, Outcome::Fresh(Err("out of stock".to_owned())));
+    assert_eq!(failed, Answer::Executed(Err("out of stock".to_owned())));
     assert!(orders_for(&rig.orders, &key).await.is_empty());
     let first = FencingToken(token.load(Ordering::SeqCst));
     retry_runs_once(&engine, &rig.orders, &key, first).await;
@@ -503,8 +503,8 @@ async fn concurrent_duplicates(level: Isolation) {
         let mut fresh = 0;
         for task in tasks {
             match task.await.expect("task") {
-                Ok(Outcome::Fresh(Ok(_))) => fresh += 1,
-                Ok(Outcome::Replayed(Ok(_))) | Err(Error::InProgress { .. }) => {}
+                Ok(Answer::Executed(Ok(_))) => fresh += 1,
+                Ok(Answer::Replayed(Ok(_))) | Ok(Answer::Refused(Refusal::InProgress { .. })) => {}
                 other => panic!("a duplicate got {other:?}"),
             }
         }
@@ -640,7 +640,7 @@ async fn deadlock_reruns(level: Isolation) {
         .expect("the holder's transaction runs again");
     assert_eq!(
         outcome,
-        Outcome::Fresh(Ok(2)),
+        Answer::Executed(Ok(2)),
         "the deadlock ran the transaction again"
     );
     assert_eq!(attempts.load(Ordering::SeqCst), 2);
@@ -739,7 +739,7 @@ async fn long_work(level: Isolation) {
             })
             .await;
         assert!(
-            matches!(dup, Err(Error::InProgress { .. })),
+            matches!(dup, Ok(Answer::Refused(Refusal::InProgress { .. }))),
             "a duplicate during the long work must be told it is in progress, got {dup:?}"
         );
         duplicates += 1;
@@ -750,7 +750,7 @@ async fn long_work(level: Isolation) {
         .await
         .expect("task")
         .expect("the long work completes");
-    assert_eq!(outcome, Outcome::Fresh(Ok(first.token.0)));
+    assert_eq!(outcome, Answer::Executed(Ok(first.token.0)));
     let record = rig.store.get(&id).await.unwrap().unwrap();
     assert_eq!(record.status, RecordStatus::Completed);
     assert_eq!(record.token, first.token, "never taken over");
@@ -843,10 +843,7 @@ async fn lost_at_commit(level: Isolation, committed: bool) {
             })
             .await
             .unwrap();
-        assert_eq!(
-            replay,
-            Outcome::<Result<u64, String>>::Replayed(Ok(token.0))
-        );
+        assert_eq!(replay, Answer::<Result<u64, String>>::Replayed(Ok(token.0)));
         return;
     }
     // Nothing committed: the key is held, not released.
@@ -866,7 +863,7 @@ async fn lost_at_commit(level: Isolation, committed: bool) {
         })
         .await;
     assert!(
-        matches!(early, Err(Error::InProgress { .. })),
+        matches!(early, Ok(Answer::Refused(Refusal::InProgress { .. }))),
         "the key must be held while the lost commit's lease lives, got {early:?}"
     );
     // Once the lease passes, a retry takes the key over and runs the work once.
@@ -886,13 +883,13 @@ async fn lost_at_commit(level: Isolation, committed: bool) {
             })
             .await
         {
-            Err(Error::InProgress { .. }) if Instant::now() < deadline => {
+            Ok(Answer::Refused(Refusal::InProgress { .. })) if Instant::now() < deadline => {
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
             other => break other,
         }
     };
-    assert_eq!(retried.unwrap(), Outcome::Fresh(Ok(token.next().0)));
+    assert_eq!(retried.unwrap(), Answer::Executed(Ok(token.next().0)));
     assert_eq!(
         orders_for(&rig.orders, &key).await,
         vec!["retry".to_owned()]
@@ -959,7 +956,7 @@ async fn nested_begin_in_the_work_is_a_savepoint() {
         )
         .await
         .unwrap();
-    assert_eq!(out, Outcome::Fresh(Ok(1)));
+    assert_eq!(out, Answer::Executed(Ok(1)));
     let mut conn = common::admin().await;
     let refs: Vec<String> =
         sqlx::query_scalar(&format!("SELECT ref FROM {} ORDER BY id", rig.orders))
@@ -1074,7 +1071,7 @@ async fn the_works_own_deadlock(level: Isolation) {
         .expect("the work's deadlock is not an error of the call");
     assert_eq!(
         outcome,
-        Outcome::Fresh(Ok(2)),
+        Answer::Executed(Ok(2)),
         "{level:?}: the work's deadlock ran the transaction again"
     );
     assert_eq!(attempts.load(Ordering::SeqCst), 2, "{level:?}");
@@ -1183,7 +1180,7 @@ async fn the_works_own_snapshot_conflict_runs_the_transaction_again() {
         .await
         .expect("the work's conflict is not an error of the call");
     payer.await.unwrap();
-    assert_eq!(outcome, Outcome::Fresh(Ok(89)));
+    assert_eq!(outcome, Answer::Executed(Ok(89)));
     assert_eq!(runs.load(Ordering::SeqCst), 2, "runs of the work");
     let mut conn = common::admin().await;
     let balance: i64 = sqlx::query_scalar(&format!("SELECT balance FROM {accounts} WHERE id = 1"))
@@ -1292,7 +1289,7 @@ async fn the_works_own_database_error_releases_the_key_and_is_returned() {
         .run_in_transaction(&key, &scope(), &fingerprint(), insert("free"))
         .await
         .expect("the retry runs");
-    assert_eq!(retried, Outcome::Fresh(Ok(())));
+    assert_eq!(retried, Answer::Executed(Ok(())));
     drop(refs_guard);
 }
 

@@ -9,7 +9,8 @@ use crate::common;
 use common::{Isolation, TableGuard};
 use idempotency_conformance::recovery::{recovery_cases, ForeignService, RecoveryKit};
 use idempotency_core::{
-    Error, Fingerprint, Idempotency, IdempotencyKey, Outcome, PhaseContext, Phases, Policy, Scope,
+    Answer, Error, Fingerprint, Idempotency, IdempotencyKey, PhaseContext, Phases, Policy, Refusal,
+    Scope,
 };
 use idempotency_mysql::sqlx;
 use idempotency_mysql::{database_error, MysqlStore, MysqlTransaction};
@@ -139,7 +140,7 @@ impl World {
         flow(self.payments.clone(), self.tables.clone())
     }
 
-    async fn run(&self) -> Result<Outcome<Result<(i64, i64), String>>, Error> {
+    async fn run(&self) -> Result<Answer<Result<(i64, i64), String>>, Error> {
         let (key, scope, fp) = Self::key();
         self.engine
             .run_phases(&self.store, &key, &scope, &fp, self.flow())
@@ -147,11 +148,13 @@ impl World {
     }
 
     /// [`World::run`] again while the key is in progress (for at most 30 s).
-    async fn run_when_free(&self) -> Outcome<Result<(i64, i64), String>> {
+    async fn run_when_free(&self) -> Answer<Result<(i64, i64), String>> {
         let started = std::time::Instant::now();
         loop {
             match self.run().await {
-                Err(Error::InProgress { .. }) if started.elapsed() < Duration::from_secs(30) => {
+                Ok(Answer::Refused(Refusal::InProgress { .. }))
+                    if started.elapsed() < Duration::from_secs(30) =>
+                {
                     tokio::time::sleep(Duration::from_millis(100)).await
                 }
                 done => return done.unwrap(),
@@ -196,14 +199,14 @@ async fn a_holder_that_died_after_the_charge_is_resumed_there_at_every_level() {
         // The dead holder's heartbeat stopped with it: its lease passes (a heartbeat that
         // was on its way when it died may still land; then the key is in progress a while).
         tokio::time::sleep(LEASE + Duration::from_millis(200)).await;
-        let Outcome::Fresh(Ok((ride, charge))) = w.run_when_free().await else {
+        let Answer::Executed(Ok((ride, charge))) = w.run_when_free().await else {
             panic!("{level:?}: not resumed");
         };
         assert_eq!((ride, charge), (1, 1), "{level:?}");
         assert_eq!(w.counts().await, (1, 1, 1), "{level:?}: nothing ran twice");
         let keys = w.payments.keys();
         assert!(keys.len() == 2 && keys[0] == keys[1], "{level:?}: {keys:?}");
-        assert_eq!(w.run().await.unwrap(), Outcome::Replayed(Ok((1, 1))));
+        assert_eq!(w.run().await.unwrap(), Answer::Replayed(Ok((1, 1))));
     }
 }
 
@@ -293,7 +296,7 @@ async fn the_completer_finishes_a_dead_holders_operation_at_every_level() {
         assert_eq!(w.counts().await, (1, 1, 1), "{level:?}: nothing ran twice");
         let keys = w.payments.keys();
         assert!(keys.len() == 2 && keys[0] == keys[1], "{level:?}: {keys:?}");
-        assert_eq!(w.run().await.unwrap(), Outcome::Replayed(Ok((1, 1))));
+        assert_eq!(w.run().await.unwrap(), Answer::Replayed(Ok((1, 1))));
         assert_eq!(completer.run_once().await.unwrap().found, 0, "{level:?}");
     }
 }

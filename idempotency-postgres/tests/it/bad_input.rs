@@ -411,7 +411,7 @@ async fn corrupt_stored_values() {
             })
             .await
             .unwrap();
-        assert_eq!(replay.into_inner(), Ok(41));
+        assert_eq!(replay.into_result().unwrap(), Ok(41));
     }
 
     // Outcome bytes that are not what the engine stored: a typed codec error on replay.

@@ -7,7 +7,7 @@ use crate::common;
 
 use common::{Isolation, SchemaGuard};
 use idempotency_core::{
-    Claim, ClaimRequest, Fingerprint, IdempotencyKey, IdempotencyStore, Outcome, Policy, RecordId,
+    Answer, Claim, ClaimRequest, Fingerprint, IdempotencyKey, IdempotencyStore, Policy, RecordId,
     RecordStatus, Scope,
 };
 use idempotency_postgres::sqlx::{self, Executor};
@@ -317,7 +317,7 @@ async fn transactional_engine_releases_on_error() {
             .unwrap()
             .unwrap();
         if fails {
-            assert_eq!(out, Outcome::Fresh(Err("card declined".to_owned())));
+            assert_eq!(out, Answer::Executed(Err("card declined".to_owned())));
             assert_eq!(
                 count, 0,
                 "attempt {attempt}: the failed work's insert rolled back"
@@ -327,7 +327,7 @@ async fn transactional_engine_releases_on_error() {
         } else {
             // The retry reclaimed the failed record: its token plus one.
             let reclaimed = failed_token.expect("the first attempt failed").next();
-            assert_eq!(out, Outcome::Fresh(Ok(reclaimed.0)));
+            assert_eq!(out, Answer::Executed(Ok(reclaimed.0)));
             assert_eq!(record.token, reclaimed);
             assert_eq!(count, 1);
             assert_eq!(record.status, RecordStatus::Completed);

@@ -186,7 +186,7 @@ async fn transaction_after_restart(keep: bool) {
         })
         .await;
     assert!(
-        matches!(out, Ok(idempotency_core::Outcome::Fresh(Ok(1)))),
+        matches!(out, Ok(idempotency_core::Answer::Executed(Ok(1)))),
         "keep {keep}: the exactly-once run after every idle connection died got {out:?}"
     );
     let mut admin = common::admin().await;

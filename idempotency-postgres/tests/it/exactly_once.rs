@@ -9,8 +9,8 @@ use crate::common;
 
 use common::{Isolation, SchemaGuard};
 use idempotency_core::{
-    Begin, Claim, ClaimRequest, Error, FencingToken, Fingerprint, IdempotencyKey, IdempotencyStore,
-    InFlight, Outcome, Policy, Reclaim, RecordId, RecordStatus, Scope,
+    Answer, Begin, Claim, ClaimRequest, Error, FencingToken, Fingerprint, IdempotencyKey,
+    IdempotencyStore, InFlight, Policy, Reclaim, RecordId, RecordStatus, Refusal, Scope,
 };
 use idempotency_postgres::sqlx::{self, Connection, PgConnection};
 use idempotency_postgres::{PostgresIdempotency, PostgresStore};
@@ -181,7 +181,7 @@ async fn takeover_pair(engine: PostgresIdempotency, retry: PostgresIdempotency, 
         .expect("the retry runs");
     assert_eq!(
         fresh,
-        Outcome::Fresh(Ok(stale_token.next().0)),
+        Answer::Executed(Ok(stale_token.next().0)),
         "the retry reclaimed with the stale holder's token + 1"
     );
     let stale = stale.await.expect("task");
@@ -212,7 +212,7 @@ async fn takeover_pair(engine: PostgresIdempotency, retry: PostgresIdempotency, 
         .expect("replay");
     assert_eq!(
         replay,
-        Outcome::<Result<u64, String>>::Replayed(Ok(stale_token.next().0))
+        Answer::<Result<u64, String>>::Replayed(Ok(stale_token.next().0))
     );
 }
 
@@ -365,7 +365,7 @@ async fn retry_runs_once(
         .expect("the retry runs");
     assert_eq!(
         retry,
-        Outcome::Fresh(Ok(first.next().0)),
+        Answer::Executed(Ok(first.next().0)),
         "the retry reclaimed the released key"
     );
     assert_eq!(
@@ -788,7 +788,7 @@ async fn long_work(level: Isolation) {
     let record = store.get(&id).await.unwrap().expect("the record");
     let runs = runs.load(Ordering::SeqCst);
     assert!(
-        matches!(&out, Ok(Outcome::Fresh(Ok(t))) if *t == token.0)
+        matches!(&out, Ok(Answer::Executed(Ok(t))) if *t == token.0)
             && runs == 1
             && placed == vec!["long".to_owned()]
             && record.status == RecordStatus::Completed
@@ -804,7 +804,7 @@ async fn long_work(level: Isolation) {
     // COMMITTED the heartbeat keeps the lease alive, at the snapshot levels the holder's row
     // lock says it is alive (the lease column has passed).
     assert!(
-        matches!(&duplicate, Err(Error::InProgress { .. })),
+        matches!(&duplicate, Ok(Answer::Refused(Refusal::InProgress { .. }))),
         "{level:?}: a duplicate while the holder works is in progress: {duplicate:?}"
     );
 }
@@ -855,7 +855,7 @@ async fn long_work_short_ttl(level: Isolation) {
     };
     let placed = orders_for(&store, &orders, &key).await;
     assert!(
-        matches!(out, Ok(Outcome::Fresh(Ok(7)))) && placed == vec!["slow".to_owned()],
+        matches!(out, Ok(Answer::Executed(Ok(7)))) && placed == vec!["slow".to_owned()],
         "{level:?}: 3 s of work with a 1 s lease and TTL got {out:?}, orders {placed:?}, \
          work runs {}",
         runs.load(Ordering::SeqCst)
@@ -996,14 +996,14 @@ async fn duplicates_of_a_held_key(level: Isolation) {
         }
         let answer = duplicate().await;
         assert!(
-            matches!(answer, Ok(Err(Error::InProgress { .. }))),
+            matches!(answer, Ok(Ok(Answer::Refused(Refusal::InProgress { .. })))),
             "{level:?}, {phase}: a duplicate through run_in_transaction is told the key is in \
              progress at once: {answer:?}"
         );
         for counts_hits in [false, true] {
             let answer = through_engine(counts_hits).await;
             assert!(
-                matches!(answer, Ok(Err(Error::InProgress { .. }))),
+                matches!(answer, Ok(Ok(Answer::Refused(Refusal::InProgress { .. })))),
                 "{level:?}, {phase}: a duplicate through the engine (counting hits: \
                  {counts_hits}) is told the key is in progress at once: {answer:?}"
             );
@@ -1055,13 +1055,13 @@ async fn duplicates_of_a_held_key(level: Isolation) {
     )
     .await;
     assert!(
-        matches!(other, Ok(Ok(Outcome::Fresh(Ok(1))))),
+        matches!(other, Ok(Ok(Answer::Executed(Ok(1))))),
         "{level:?}: after cancelled duplicates a new key runs on the pool: {other:?}"
     );
     finish.store(true, Ordering::SeqCst);
     let out = holder.await.expect("holder task");
     assert!(
-        matches!(&out, Ok(Outcome::Fresh(Ok(_)))),
+        matches!(&out, Ok(Answer::Executed(Ok(_)))),
         "{level:?}: the holder commits: {out:?}"
     );
     assert_eq!(
@@ -1076,7 +1076,7 @@ async fn duplicates_of_a_held_key(level: Isolation) {
     );
     let replay = duplicate().await;
     assert!(
-        matches!((&out, &replay), (Ok(Outcome::Fresh(Ok(t))), Ok(Ok(Outcome::Replayed(Ok(r))))) if t == r),
+        matches!((&out, &replay), (Ok(Answer::Executed(Ok(t))), Ok(Ok(Answer::Replayed(Ok(r))))) if t == r),
         "{level:?}: after the commit a duplicate replays: {replay:?}"
     );
 }
@@ -1304,11 +1304,11 @@ async fn commit_cut(level: Isolation, cut: CommitCut) {
     let runs = runs.load(Ordering::SeqCst);
     match cut {
         CommitCut::AfterCommit => {
-            assert_eq!(retry, Outcome::Replayed(Ok(holder.0)));
+            assert_eq!(retry, Answer::Replayed(Ok(holder.0)));
             assert_eq!((runs, placed), (1, vec!["first".to_owned()]));
         }
         CommitCut::InsteadOfCommit => {
-            assert_eq!(retry, Outcome::Fresh(Ok(holder.next().0)));
+            assert_eq!(retry, Answer::Executed(Ok(holder.next().0)));
             assert_eq!((runs, placed), (2, vec!["retry".to_owned()]));
         }
     }
@@ -1406,7 +1406,7 @@ async fn deferred_violation_at_commit(level: Isolation) {
         .run_in_transaction(&key, &scope(), &fingerprint(), insert("free"))
         .await
         .expect("the retry runs");
-    assert_eq!(retried, Outcome::Fresh(Ok(())), "{level:?}");
+    assert_eq!(retried, Answer::Executed(Ok(())), "{level:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1514,7 +1514,7 @@ async fn the_works_own_conflict(level: Isolation) {
     payer.task.await.unwrap();
     assert_eq!(
         outcome,
-        Outcome::Fresh(Ok(89)),
+        Answer::Executed(Ok(89)),
         "{level:?}: the work's serialization failure was not run again"
     );
     assert_eq!(
@@ -1534,7 +1534,7 @@ async fn the_works_own_conflict(level: Isolation) {
         })
         .await
         .unwrap();
-    assert_eq!(replay, Outcome::Replayed(Ok(89)), "{level:?}");
+    assert_eq!(replay, Answer::Replayed(Ok(89)), "{level:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1581,7 +1581,7 @@ async fn the_works_own_database_error_releases_the_key_and_is_returned() {
         .run_in_transaction(&key, &scope(), &fingerprint(), insert_ref(refs, "free"))
         .await
         .expect("the retry runs");
-    assert_eq!(retried, Outcome::Fresh(Ok(())));
+    assert_eq!(retried, Answer::Executed(Ok(())));
 }
 
 // A work that conflicts on every run: the transaction runs `MAX_TRANSACTION_ATTEMPTS` times,

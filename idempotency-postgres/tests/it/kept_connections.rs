@@ -340,7 +340,7 @@ async fn transactions_get_connections_the_store_keeps() {
         .await;
         let took = started.elapsed();
         for run in runs {
-            assert!(matches!(run.unwrap().into_inner(), Ok(1)));
+            assert!(matches!(run.unwrap().into_result().unwrap(), Ok(1)));
         }
         eprintln!("round {round}: 16 transactions on 2 connections in {took:?}");
         fastest = fastest.min(took);

@@ -9,7 +9,8 @@ use crate::common;
 use common::{Isolation, SchemaGuard};
 use idempotency_conformance::recovery::{recovery_cases, ForeignService, RecoveryKit};
 use idempotency_core::{
-    Error, Fingerprint, Idempotency, IdempotencyKey, Outcome, PhaseContext, Phases, Policy, Scope,
+    Answer, Error, Fingerprint, Idempotency, IdempotencyKey, PhaseContext, Phases, Policy, Refusal,
+    Scope,
 };
 use idempotency_postgres::sqlx;
 use idempotency_postgres::{database_error, PostgresStore, PostgresTransaction};
@@ -151,7 +152,7 @@ impl World {
         flow(self.payments.clone(), self.guard.schema.clone().into())
     }
 
-    async fn run(&self) -> Result<Outcome<Result<(i64, i64), String>>, Error> {
+    async fn run(&self) -> Result<Answer<Result<(i64, i64), String>>, Error> {
         let (key, scope, fp) = Self::key();
         self.engine
             .run_phases(&self.store, &key, &scope, &fp, self.flow())
@@ -159,11 +160,13 @@ impl World {
     }
 
     /// [`World::run`] again while the key is in progress (for at most 30 s).
-    async fn run_when_free(&self) -> Outcome<Result<(i64, i64), String>> {
+    async fn run_when_free(&self) -> Answer<Result<(i64, i64), String>> {
         let started = std::time::Instant::now();
         loop {
             match self.run().await {
-                Err(Error::InProgress { .. }) if started.elapsed() < Duration::from_secs(30) => {
+                Ok(Answer::Refused(Refusal::InProgress { .. }))
+                    if started.elapsed() < Duration::from_secs(30) =>
+                {
                     tokio::time::sleep(Duration::from_millis(100)).await
                 }
                 done => return done.unwrap(),
@@ -208,14 +211,14 @@ async fn a_holder_that_died_after_the_charge_is_resumed_there_at_every_level() {
         // The dead holder's heartbeat stopped with it: its lease passes (a heartbeat that
         // was on its way when it died may still land; then the key is in progress a while).
         tokio::time::sleep(LEASE + Duration::from_millis(200)).await;
-        let Outcome::Fresh(Ok((ride, charge))) = w.run_when_free().await else {
+        let Answer::Executed(Ok((ride, charge))) = w.run_when_free().await else {
             panic!("{level:?}: not resumed");
         };
         assert_eq!((ride, charge), (1, 1), "{level:?}");
         assert_eq!(w.counts().await, (1, 1, 1), "{level:?}: nothing ran twice");
         let keys = w.payments.keys();
         assert!(keys.len() == 2 && keys[0] == keys[1], "{level:?}: {keys:?}");
-        assert_eq!(w.run().await.unwrap(), Outcome::Replayed(Ok((1, 1))));
+        assert_eq!(w.run().await.unwrap(), Answer::Replayed(Ok((1, 1))));
     }
 }
 
@@ -328,7 +331,7 @@ async fn the_completer_finishes_a_dead_holders_operation_at_every_level() {
         assert_eq!(w.counts().await, (1, 1, 1), "{level:?}: nothing ran twice");
         let keys = w.payments.keys();
         assert!(keys.len() == 2 && keys[0] == keys[1], "{level:?}: {keys:?}");
-        assert_eq!(w.run().await.unwrap(), Outcome::Replayed(Ok((1, 1))));
+        assert_eq!(w.run().await.unwrap(), Answer::Replayed(Ok((1, 1))));
         assert_eq!(completer.run_once().await.unwrap().found, 0, "{level:?}");
     }
 }
@@ -338,19 +341,19 @@ async fn the_completer_finishes_a_dead_holders_operation_at_every_level() {
 /// completer finished nothing; each phase wrote its ride once.
 async fn the_holder_kept_it(
     level: Isolation,
-    holder: Result<Outcome<Result<i64, String>>, Error>,
-    duplicate: Result<Outcome<Result<i64, String>>, Error>,
+    holder: Result<Answer<Result<i64, String>>, Error>,
+    duplicate: Result<Answer<Result<i64, String>>, Error>,
     round: Result<idempotency_core::CompleterRound, Error>,
     w: &World,
 ) {
     assert!(
-        matches!(holder, Ok(Outcome::Fresh(Ok(1)))),
+        matches!(holder, Ok(Answer::Executed(Ok(1)))),
         "{level:?}: the holder: {holder:?}"
     );
     assert!(
         matches!(
             duplicate,
-            Err(Error::InProgress { .. }) | Ok(Outcome::Replayed(Ok(1)))
+            Ok(Answer::Refused(Refusal::InProgress { .. })) | Ok(Answer::Replayed(Ok(1)))
         ),
         "{level:?}: the duplicate: {duplicate:?}"
     );

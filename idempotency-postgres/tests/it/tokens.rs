@@ -6,8 +6,8 @@ use crate::common;
 
 use common::Isolation;
 use idempotency_core::{
-    Cas, Claim, ClaimRequest, Error, Failure, FencingToken, Fingerprint, IdempotencyKey,
-    IdempotencyStore, Outcome, Policy, Reclaim, Record, RecordId, RecordStatus, Scope,
+    Answer, Cas, Claim, ClaimRequest, Error, Failure, FencingToken, Fingerprint, IdempotencyKey,
+    IdempotencyStore, Policy, Reclaim, Record, RecordId, RecordStatus, Scope,
 };
 use idempotency_postgres::sqlx;
 use idempotency_postgres::{PostgresIdempotency, PostgresStore};
@@ -335,7 +335,7 @@ async fn extreme_durations_clamp() {
                 })
                 .await
                 .unwrap();
-            assert_eq!(out, Outcome::Fresh(Ok(7)));
+            assert_eq!(out, Answer::Executed(Ok(7)));
             let r = record(&store, &RecordId::new(scope, key)).await;
             far(r.expires_at.as_millis(), "engine-completed expires_at");
         }

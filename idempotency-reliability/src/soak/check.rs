@@ -136,8 +136,8 @@ fn violation(name: &str, deepest: &[usize], history: &[Event]) -> String {
 }
 
 /// Double effects of one key:
-/// - two calls answered `Fresh(Ok)` (two executions committed);
-/// - a `Fresh(Ok(v))` while the record ends holding something other than `v` (the committed
+/// - two calls answered `Executed(Ok)` (two executions committed);
+/// - an `Executed(Ok(v))` while the record ends holding something other than `v` (the committed
 ///   effect was lost or overwritten);
 /// - a replay of a value other than the one the record ends with;
 /// - with a business table: more than one row, a row without a Completed record, a Completed

@@ -11,7 +11,7 @@ use crate::model::{Call, ExpiringOnceRegister, OnceRegister, Response, Timed};
 use futures::future::BoxFuture;
 use idempotency_conformance::Fault;
 use idempotency_core::{
-    decode_replay, Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, Outcome,
+    decode_replay, Answer, Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore,
     Policy, RecordId, RecordStatus, Scope, WorkContext,
 };
 use idempotency_tower::StoredResponse;
@@ -329,7 +329,7 @@ impl Work {
 }
 
 /// The engine's answer to one run.
-pub type RunResult = Result<Outcome<Result<u64, String>>, Error>;
+pub type RunResult = Result<Answer<Result<u64, String>>, Error>;
 
 /// How a soak runs work: the plain engine, or a backend's transactional helper.
 pub trait Runner: Send + Sync + 'static {

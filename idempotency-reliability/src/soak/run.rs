@@ -3,6 +3,7 @@
 
 use super::check::{analyse, check_rig};
 use super::*;
+use idempotency_core::Refusal;
 
 fn install_panic_filter() {
     static ONCE: Once = Once::new();
@@ -24,17 +25,25 @@ fn install_panic_filter() {
 /// unexpected answer.
 fn classify(result: RunResult) -> (Response, Option<String>, bool) {
     match result {
-        Ok(Outcome::Fresh(Ok(v))) => (Response::Fresh(v), None, false),
-        Ok(Outcome::Replayed(Ok(v))) => (Response::Replayed(v), None, false),
-        Ok(Outcome::Fresh(Err(e))) => (Response::Released, Some(e), false),
-        Ok(Outcome::Replayed(Err(e))) => (
+        Ok(Answer::Executed(Ok(v))) => (Response::Fresh(v), None, false),
+        Ok(Answer::Replayed(Ok(v))) => (Response::Replayed(v), None, false),
+        Ok(Answer::Executed(Err(e))) => (Response::Released, Some(e), false),
+        Ok(Answer::Replayed(Err(e))) => (
             Response::Unknown,
             Some(format!("UNEXPECTED: a released error was replayed: {e}")),
             false,
         ),
-        Err(Error::InProgress { .. }) => (Response::InProgress, None, false),
+        Ok(Answer::Refused(Refusal::InProgress { .. })) => (Response::InProgress, None, false),
         Err(Error::LeaseLost { .. }) => (Response::LeaseLost, None, false),
-        Err(Error::FailedPermanently { .. }) => (Response::FailedPermanently, None, false),
+        // The key closed by a work whose outcome could not be stored (the model's name).
+        Ok(Answer::Refused(Refusal::OutcomeLost { .. })) => {
+            (Response::FailedPermanently, None, false)
+        }
+        Ok(Answer::Refused(refusal)) => (
+            Response::Unknown,
+            Some(format!("UNEXPECTED: refused: {refusal:?}")),
+            false,
+        ),
         Err(e @ (Error::Backend { .. } | Error::OutcomeUnknown { .. })) => {
             (Response::Unknown, Some(e.to_string()), true)
         }

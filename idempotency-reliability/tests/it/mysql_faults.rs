@@ -6,8 +6,8 @@
 use crate::runners;
 
 use idempotency_core::{
-    Claim, ClaimRequest, Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore,
-    Outcome, Policy, RecordId, RecordStatus, Scope,
+    Answer, Claim, ClaimRequest, Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore,
+    Policy, RecordId, RecordStatus, Refusal, Scope,
 };
 use idempotency_mysql::sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use idempotency_mysql::sqlx::{self, Connection, Executor, MySqlPool};
@@ -241,7 +241,7 @@ async fn killed_during_complete_is_outcome_unknown() {
         assert_eq!(record.outcome, None);
         let early = run(id.clone()).await;
         assert!(
-            matches!(early, Err(Error::InProgress { .. })),
+            matches!(early, Ok(Answer::Refused(Refusal::InProgress { .. }))),
             "the lease is live: {early:?}"
         );
         held.push((id, token));
@@ -250,9 +250,9 @@ async fn killed_during_complete_is_outcome_unknown() {
     tokio::time::sleep(LEASE + Duration::from_millis(100)).await;
     for (id, token) in &held {
         let retry = run(id.clone()).await.expect("the retry runs");
-        assert_eq!(retry, Outcome::Fresh(Ok(token.next().0)));
+        assert_eq!(retry, Answer::Executed(Ok(token.next().0)));
         let again = run(id.clone()).await.expect("replay");
-        assert_eq!(again, Outcome::Replayed(Ok(token.next().0)));
+        assert_eq!(again, Answer::Replayed(Ok(token.next().0)));
     }
     assert_eq!(runs.load(Ordering::SeqCst), KILLS, "one execution per key");
     eprintln!(
@@ -387,13 +387,13 @@ async fn killed_during_exactly_once_never_lost_never_twice() {
         let record = store.get(&id).await.expect("get");
         let found = rows(key.clone()).await;
         let verdict = match (&first, record.as_ref().map(|r| r.status)) {
-            (Ok(Outcome::Fresh(Ok(t))), Some(RecordStatus::Completed)) => {
+            (Ok(Answer::Executed(Ok(t))), Some(RecordStatus::Completed)) => {
                 assert_eq!(found, vec![*t], "a completed run has its one row");
                 "answered: completed, one row".to_owned()
             }
             // The kill met the work's own statement: the work's error is the answer, the
             // transaction rolled back, and the key is released as a retryable failure.
-            (Ok(Outcome::Fresh(Err(_))), Some(RecordStatus::Failed)) => {
+            (Ok(Answer::Executed(Err(_))), Some(RecordStatus::Failed)) => {
                 landed += 1;
                 let r = record.as_ref().expect("record");
                 assert!(
@@ -437,13 +437,15 @@ async fn killed_during_exactly_once_never_lost_never_twice() {
         tokio::time::sleep(LEASE).await;
         let retry = loop {
             match run(key.clone()).await {
+                Ok(Answer::Refused(Refusal::InProgress { .. })) => {
+                    tokio::time::sleep(LEASE / 4).await
+                }
                 Ok(outcome) => break outcome,
-                Err(Error::InProgress { .. }) => tokio::time::sleep(LEASE / 4).await,
                 Err(e) => panic!("the retry: {e:?}"),
             }
         };
         let token = match retry {
-            Outcome::Fresh(Ok(t)) | Outcome::Replayed(Ok(t)) => t,
+            Answer::Executed(Ok(t)) | Answer::Replayed(Ok(t)) => t,
             other => panic!("{other:?}"),
         };
         assert_eq!(rows(key.clone()).await, vec![token], "one row in the end");

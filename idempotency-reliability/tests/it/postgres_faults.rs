@@ -6,8 +6,8 @@
 use crate::runners;
 
 use idempotency_core::{
-    Claim, ClaimRequest, Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore,
-    Outcome, Policy, RecordId, RecordStatus, Scope,
+    Answer, Claim, ClaimRequest, Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore,
+    Policy, RecordId, RecordStatus, Refusal, Scope,
 };
 use idempotency_postgres::sqlx::{self, Connection, PgPool};
 use idempotency_postgres::{PostgresIdempotency, PostgresStore};
@@ -164,7 +164,7 @@ async fn terminated_during_complete_is_outcome_unknown() {
         // While the lease lives nobody else may run the work.
         let early = run(id.clone()).await;
         assert!(
-            matches!(early, Err(Error::InProgress { .. })),
+            matches!(early, Ok(Answer::Refused(Refusal::InProgress { .. }))),
             "the lease is live: {early:?}"
         );
         ids.push((id, token));
@@ -173,9 +173,9 @@ async fn terminated_during_complete_is_outcome_unknown() {
     tokio::time::sleep(LEASE + Duration::from_millis(100)).await;
     for (id, token) in &ids {
         let retry = run(id.clone()).await.expect("the retry runs");
-        assert_eq!(retry, Outcome::Fresh(Ok(token.next().0)));
+        assert_eq!(retry, Answer::Executed(Ok(token.next().0)));
         let again = run(id.clone()).await.expect("replay");
-        assert_eq!(again, Outcome::Replayed(Ok(token.next().0)));
+        assert_eq!(again, Answer::Replayed(Ok(token.next().0)));
     }
     assert_eq!(runs.load(Ordering::SeqCst), KILLS, "one execution per key");
     eprintln!("terminated during complete: {KILLS} kills, {KILLS} OutcomeUnknown, records Pending with the holder's token, one retry each");
@@ -291,7 +291,7 @@ async fn kill_commit_once(schema: &str, effects: Arc<str>, lease: Duration) -> S
     let outcome = match (&first, killed) {
         // The kill came too late: the commit had answered (the backend was past the point
         // where it could be interrupted, or had already replied).
-        (Ok(Outcome::Fresh(Ok(t))), _) => {
+        (Ok(Answer::Executed(Ok(t))), _) => {
             assert_eq!(
                 (record.status, record.token.0),
                 (RecordStatus::Completed, *t)
@@ -318,7 +318,7 @@ async fn kill_commit_once(schema: &str, effects: Arc<str>, lease: Duration) -> S
     tokio::time::sleep(lease).await;
     let retry = run(effects.clone(), key.clone()).await.expect("the retry");
     let token = match retry {
-        Outcome::Fresh(Ok(t)) | Outcome::Replayed(Ok(t)) => t,
+        Answer::Executed(Ok(t)) | Answer::Replayed(Ok(t)) => t,
         other => panic!("{other:?}"),
     };
     rows(Some(i64::try_from(token).expect("small"))).await;

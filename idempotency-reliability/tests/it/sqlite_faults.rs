@@ -7,8 +7,8 @@
 use crate::runners;
 
 use idempotency_core::{
-    decode_replay, Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, Outcome,
-    Policy, RecordId, RecordStatus, Scope,
+    decode_replay, Answer, Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore,
+    Policy, RecordId, RecordStatus, Refusal, Scope,
 };
 use idempotency_reliability::soak::{soak_policy, EngineRunner, Runner};
 use idempotency_reliability::storm::{
@@ -341,7 +341,7 @@ async fn run_once(
     engine: &Idempotency,
     key: &IdempotencyKey,
     value: u64,
-) -> Result<Outcome<Result<u64, String>>, Error> {
+) -> Result<Answer<Result<u64, String>>, Error> {
     let k = key.to_string();
     SqliteIdempotency::with_engine(store.clone(), engine.clone())
         .run_in_transaction(key, &scope(), &fingerprint(key), move |tx, _| {
@@ -404,7 +404,10 @@ async fn kill_9_while_holding_the_write_transaction() {
         assert_eq!((record.status, record.attempts), (RecordStatus::Pending, 1));
         let held = record.token;
         let early = run_once(&store, &engine, &key, 7).await;
-        assert!(matches!(early, Err(Error::InProgress { .. })), "{early:?}");
+        assert!(
+            matches!(early, Ok(Answer::Refused(Refusal::InProgress { .. }))),
+            "{early:?}"
+        );
         tokio::time::sleep(
             KILL_LEASE.saturating_sub(killed_at.elapsed()) + Duration::from_millis(50),
         )
@@ -412,7 +415,7 @@ async fn kill_9_while_holding_the_write_transaction() {
         let retry = run_once(&store, &engine, &key, 7)
             .await
             .expect("the retry runs");
-        assert_eq!(retry, Outcome::Fresh(Ok(7)));
+        assert_eq!(retry, Answer::Executed(Ok(7)));
         assert_eq!(
             effects(&store, &scope()).await.get(key.as_str()),
             Some(&vec![7])
@@ -528,7 +531,7 @@ async fn kill_9_under_load_no_corruption_no_double_effect() {
         let key = IdempotencyKey::new(format!("churn-{i:02}")).expect("key");
         let r = run_once(&store, &engine, &key, 9_000 + i as u64).await;
         assert!(
-            matches!(r, Ok(Outcome::Fresh(Ok(_)) | Outcome::Replayed(Ok(_)))),
+            matches!(r, Ok(Answer::Executed(Ok(_)) | Answer::Replayed(Ok(_)))),
             "{key}: {r:?}"
         );
     }

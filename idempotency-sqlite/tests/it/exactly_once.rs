@@ -7,9 +7,9 @@ use crate::common;
 
 use async_trait::async_trait;
 use idempotency_core::{
-    Begin, Cas, Claim, ClaimRequest, Error, Failure, FencingToken, Fingerprint, Idempotency,
-    IdempotencyKey, IdempotencyStore, ManualClock, Outcome, Policy, Reclaim, Record, RecordId,
-    RecordStatus, Scope,
+    Answer, Begin, Cas, Claim, ClaimRequest, Error, Failure, FencingToken, Fingerprint,
+    Idempotency, IdempotencyKey, IdempotencyStore, ManualClock, Policy, Reclaim, Record, RecordId,
+    RecordStatus, Refusal, Scope,
 };
 use idempotency_sqlite::rusqlite::{self, params, TransactionBehavior};
 use idempotency_sqlite::{ConnectionMode, SqliteIdempotency, SqliteStore};
@@ -184,7 +184,10 @@ async fn case1_lease_takeover_rolls_back_the_stale_holder() {
         let err = engine_b
             .begin(&RecordId::new(scope(), keys[0].clone()), &fp)
             .await;
-        assert!(matches!(err, Ok(Begin::InProgress { .. })), "{err:?}");
+        assert!(
+            matches!(err, Ok(Begin::Refused(Refusal::InProgress { .. }))),
+            "{err:?}"
+        );
 
         clock.advance(LEASE + Duration::from_millis(1));
         let takeovers: Vec<_> = keys
@@ -206,7 +209,7 @@ async fn case1_lease_takeover_rolls_back_the_stale_holder() {
         let mut new_ids = Vec::new();
         for t in takeovers {
             match t.await.unwrap().unwrap() {
-                Outcome::Fresh(Ok(id)) => new_ids.push(id),
+                Answer::Executed(Ok(id)) => new_ids.push(id),
                 other => panic!("the takeover must run the work: {other:?}"),
             }
         }
@@ -242,7 +245,7 @@ async fn case1_lease_takeover_rolls_back_the_stale_holder() {
                 })
                 .await
                 .unwrap();
-            assert_eq!(again, Outcome::Replayed(Ok(*new_id)));
+            assert_eq!(again, Answer::Replayed(Ok(*new_id)));
         }
         drop(dir);
     }
@@ -268,7 +271,7 @@ async fn case1_complete_in_refuses_a_stale_token_and_the_caller_rolls_back() {
             })
             .await
             .unwrap();
-        assert!(matches!(fresh, Outcome::Fresh(Ok(_))));
+        assert!(matches!(fresh, Answer::Executed(Ok(_))));
 
         let (s, ctx, ttl, k) = (store.clone(), stale.context(), stale.ttl(), key.to_string());
         let result = store
@@ -335,7 +338,10 @@ async fn case2_crash_before_commit_lets_the_retry_run_once() {
                     panic!("the lease is still live")
                 })
                 .await;
-            assert!(matches!(early, Err(Error::InProgress { .. })), "{early:?}");
+            assert!(
+                matches!(early, Ok(Answer::Refused(Refusal::InProgress { .. }))),
+                "{early:?}"
+            );
 
             clock.advance(LEASE);
             let k = key.to_string();
@@ -346,7 +352,7 @@ async fn case2_crash_before_commit_lets_the_retry_run_once() {
                 })
                 .await
                 .unwrap();
-            let Outcome::Fresh(Ok(order_id)) = retry else {
+            let Answer::Executed(Ok(order_id)) = retry else {
                 panic!("the retry must run: {retry:?}");
             };
             assert_eq!(
@@ -398,7 +404,7 @@ async fn case2_panic_after_the_business_write_rolls_back_and_releases_the_key() 
         })
         .await
         .unwrap();
-    assert!(matches!(retry, Outcome::Fresh(Ok(_))));
+    assert!(matches!(retry, Answer::Executed(Ok(_))));
     assert_eq!(orders_for(&store, key.as_str()).await.len(), 1);
 }
 
@@ -418,7 +424,7 @@ async fn a_work_error_rolls_back_and_releases_the_key() {
         })
         .await
         .unwrap();
-    assert_eq!(first, Outcome::Fresh(Err("card declined".to_string())));
+    assert_eq!(first, Answer::Executed(Err("card declined".to_string())));
     assert!(orders_for(&store, key.as_str()).await.is_empty());
     let rec = store
         .get(&RecordId::new(scope(), key.clone()))
@@ -433,7 +439,7 @@ async fn a_work_error_rolls_back_and_releases_the_key() {
         })
         .await
         .unwrap();
-    assert!(matches!(second, Outcome::Fresh(Ok(_))));
+    assert!(matches!(second, Answer::Executed(Ok(_))));
     assert_eq!(orders_for(&store, key.as_str()).await.len(), 1);
 }
 
@@ -488,7 +494,7 @@ async fn a_cancelled_call_rolls_back_and_frees_the_connection() {
         .await
         .expect("the connection must not stay with the cancelled transaction")
         .unwrap();
-        assert!(matches!(placed, Outcome::Fresh(Ok(_))), "{placed:?}");
+        assert!(matches!(placed, Answer::Executed(Ok(_))), "{placed:?}");
         assert!(orders_for(&store, key.as_str()).await.is_empty());
         // Held until the lease passes, then run once.
         let k = key.to_string();
@@ -497,7 +503,10 @@ async fn a_cancelled_call_rolls_back_and_frees_the_connection() {
                 place_order(tx, &k, "early")
             })
             .await;
-        assert!(matches!(early, Err(Error::InProgress { .. })), "{early:?}");
+        assert!(
+            matches!(early, Ok(Answer::Refused(Refusal::InProgress { .. }))),
+            "{early:?}"
+        );
         clock.advance(LEASE + Duration::from_millis(1));
         let k = key.to_string();
         let retry = exactly_once
@@ -506,7 +515,7 @@ async fn a_cancelled_call_rolls_back_and_frees_the_connection() {
             })
             .await
             .unwrap();
-        assert!(matches!(retry, Outcome::Fresh(Ok(_))), "{retry:?}");
+        assert!(matches!(retry, Answer::Executed(Ok(_))), "{retry:?}");
         let orders = orders_for(&store, key.as_str()).await;
         assert_eq!(orders.len(), 1, "{orders:?}");
         assert_eq!(orders[0].1, "retry");

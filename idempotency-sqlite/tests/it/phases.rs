@@ -8,8 +8,8 @@ use crate::common;
 
 use idempotency_conformance::recovery::ForeignService;
 use idempotency_core::{
-    Clock, Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, ManualClock, Outcome,
-    PhaseContext, Phases, Policy, Scope,
+    Answer, Clock, Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, ManualClock,
+    PhaseContext, Phases, Policy, Refusal, Scope,
 };
 use idempotency_sqlite::rusqlite::{self, params};
 use idempotency_sqlite::{ConnectionMode, SqliteStore, SqliteTransaction};
@@ -109,7 +109,7 @@ impl World {
         )
     }
 
-    async fn run(&self) -> Result<Outcome<Result<Receipt, String>>, Error> {
+    async fn run(&self) -> Result<Answer<Result<Receipt, String>>, Error> {
         let (key, scope, fp) = Self::key();
         self.engine
             .run_phases(&self.store, &key, &scope, &fp, flow(self.payments.clone()))
@@ -167,10 +167,10 @@ const MODES: [ConnectionMode; 2] = [
 async fn three_phases_commit_once_each_and_a_retry_replays() {
     for mode in MODES {
         let w = World::new(mode).await;
-        let Outcome::Fresh(Ok(receipt)) = w.run().await.unwrap() else {
+        let Answer::Executed(Ok(receipt)) = w.run().await.unwrap() else {
             panic!("{mode:?}: not a fresh success");
         };
-        assert_eq!(w.run().await.unwrap(), Outcome::Replayed(Ok(receipt)));
+        assert_eq!(w.run().await.unwrap(), Answer::Replayed(Ok(receipt)));
         assert_eq!(w.counts().await, (1, 1, 1), "{mode:?}");
     }
 }
@@ -182,9 +182,12 @@ async fn a_holder_that_died_after_the_charge_is_resumed_there() {
         w.run_and_die_after_charge().await;
         assert_eq!(w.counts().await, (1, 1, 0), "{mode:?}: the ride committed");
         // Within the dead holder's lease, a retry is told to come back.
-        assert!(matches!(w.run().await, Err(Error::InProgress { .. })));
+        assert!(matches!(
+            w.run().await,
+            Ok(Answer::Refused(Refusal::InProgress { .. }))
+        ));
         w.clock.advance(LEASE + Duration::from_secs(1));
-        let Outcome::Fresh(Ok(receipt)) = w.run().await.unwrap() else {
+        let Answer::Executed(Ok(receipt)) = w.run().await.unwrap() else {
             panic!("{mode:?}: not resumed");
         };
         assert_eq!(
@@ -198,7 +201,7 @@ async fn a_holder_that_died_after_the_charge_is_resumed_there() {
             "{mode:?}: the charge was sent again with its key: {keys:?}"
         );
         assert_eq!(receipt.charge, 1);
-        assert_eq!(w.run().await.unwrap(), Outcome::Replayed(Ok(receipt)));
+        assert_eq!(w.run().await.unwrap(), Answer::Replayed(Ok(receipt)));
     }
 }
 
@@ -210,7 +213,7 @@ async fn a_fresh_claim_after_expiry_starts_the_operation_over() {
     w.run_and_die_after_charge().await;
     w.clock.advance(Duration::from_secs(7200));
     let outcome = w.run().await.unwrap();
-    assert!(matches!(outcome, Outcome::Fresh(Ok(_))), "{outcome:?}");
+    assert!(matches!(outcome, Answer::Executed(Ok(_))), "{outcome:?}");
     assert_eq!(w.counts().await, (2, 2, 1));
     let keys = w.keys();
     assert!(keys.len() == 2 && keys[0] != keys[1], "{keys:?}");
@@ -296,7 +299,7 @@ async fn a_recovery_point_older_than_the_record_is_not_resumed() {
         .unwrap();
     w.clock.advance(LEASE + Duration::from_secs(1));
     let outcome = w.run().await.unwrap();
-    assert!(matches!(outcome, Outcome::Fresh(Ok(_))), "{outcome:?}");
+    assert!(matches!(outcome, Answer::Executed(Ok(_))), "{outcome:?}");
     assert_eq!(
         w.counts().await,
         (2, 2, 1),
@@ -541,7 +544,7 @@ async fn a_failing_operation_is_retried_after_a_pause_and_given_up() {
         .unwrap();
     // The receipt phase fails (no table): the failure is recorded, the charge kept.
     let first = w.run().await.unwrap();
-    assert!(matches!(first, Outcome::Fresh(Err(_))), "{first:?}");
+    assert!(matches!(first, Answer::Executed(Err(_))), "{first:?}");
     let completer = completer(&w)
         .retry_failed_after(Duration::from_secs(30))
         .max_attempts(3);
@@ -734,7 +737,7 @@ async fn the_completer_never_starts_an_operation() {
         )
         .await
         .unwrap();
-    assert!(matches!(fresh, Outcome::Fresh(Ok(()))), "{fresh:?}");
+    assert!(matches!(fresh, Answer::Executed(Ok(()))), "{fresh:?}");
     assert_eq!(starts.load(Ordering::SeqCst), 1);
 }
 

@@ -100,7 +100,7 @@ where
 }
 
 /// A handler that returns an error may have acted before it failed: by default the key is
-/// settled for good, so a retry gets 422 failed-permanently and the handler has run once.
+/// settled for good, so a retry gets 422 outcome-lost and the handler has run once.
 /// With `OnUnstored::Hold` a retry 100 ms later gets 409 with `Retry-After` (until the lease
 /// passes); with `OnUnstored::Release` (handlers that fail only before acting) the retry runs
 /// it again.
@@ -113,7 +113,7 @@ async fn a_handler_error_settles_the_key_unless_told_otherwise() {
     assert_eq!(retry.status(), 422, "{retry:?}");
     let body = retry.into_body().collect().await.unwrap().to_bytes();
     assert!(
-        String::from_utf8_lossy(&body).contains("idempotency-key-failed-permanently"),
+        String::from_utf8_lossy(&body).contains("idempotency-key-outcome-lost"),
         "{body:?}"
     );
     assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
