@@ -38,11 +38,22 @@ pub enum Error {
         #[source]
         source: Option<BoxError>,
     },
-    /// The outcome could not be serialized, or a stored outcome could not be deserialized into
-    /// the caller's type.
-    #[error("cannot encode or decode the stored outcome: {source}")]
+    /// A value could not be written as JSON: the work's outcome (its `Serialize` failed, or a
+    /// map has keys that are not strings) or a request value given to
+    /// [`crate::Fingerprint::of`].
+    #[error("cannot encode the outcome as JSON: {source}")]
     Codec {
         /// The serde error.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// The key's stored outcome is JSON that does not fit the caller's type: the type changed
+    /// since the outcome was stored (a deploy renamed a field, say), or another program used
+    /// the key. Nothing ran and the stored outcome is kept; decode it as the type it was
+    /// stored with, or accept both shapes (`#[serde(alias)]`, an untagged enum).
+    #[error("the stored outcome does not fit the caller's type: {source}")]
+    StoredOutcome {
+        /// The serde error, with the path and the expected shape.
         #[source]
         source: serde_json::Error,
     },
@@ -263,6 +274,7 @@ impl Error {
             | Self::InvalidScope(_)
             | Self::CorruptRecord { .. }
             | Self::Codec { .. }
+            | Self::StoredOutcome { .. }
             | Self::Config(_) => false,
         }
     }

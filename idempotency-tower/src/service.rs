@@ -330,7 +330,9 @@ where
                 Ok(refuse(&config, Refusal::FailedPermanently))
             }
         },
-        Err(e @ (Error::CorruptRecord { .. } | Error::Codec { .. })) => {
+        Err(
+            e @ (Error::CorruptRecord { .. } | Error::Codec { .. } | Error::StoredOutcome { .. }),
+        ) => {
             record_decision(HttpDecision::Unreadable);
             tracing::error!(error = %e, "stored record cannot be decoded");
             Ok(refuse(

@@ -452,6 +452,7 @@ fn redeliverable(e: &Error) -> bool {
         Error::Backend { .. } | Error::OutcomeUnknown { .. } | Error::LeaseLost { .. } => true,
         Error::CorruptRecord { .. }
         | Error::Codec { .. }
+        | Error::StoredOutcome { .. }
         | Error::InvalidKey(_)
         | Error::InvalidScope(_)
         | Error::Config(_) => false,

@@ -435,11 +435,22 @@ pub(crate) fn loggable_record(id: &RecordId, policy: &Policy) -> String {
     )
 }
 
-/// Decodes a Completed record's outcome as JSON into `R`.
+/// Decodes a Completed record's outcome as JSON into `R`: [`Error::StoredOutcome`] when it is
+/// JSON of another shape, [`Error::CorruptRecord`] when it is not JSON at all.
 pub fn decode_replay<R: DeserializeOwned>(record: &Record) -> Result<R, Error> {
     let bytes = record
         .outcome
         .as_deref()
         .ok_or_else(|| Error::corrupt(format!("completed record {} has no outcome", record.id)))?;
-    serde_json::from_slice(bytes).map_err(|source| Error::Codec { source })
+    serde_json::from_slice(bytes).map_err(|source| {
+        if source.is_data() {
+            // JSON, of another shape than the caller's type.
+            Error::StoredOutcome { source }
+        } else {
+            Error::corrupt_with(
+                format!("the stored outcome of record {} is not JSON", record.id),
+                source,
+            )
+        }
+    })
 }

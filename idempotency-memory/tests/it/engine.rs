@@ -209,3 +209,39 @@ async fn an_outcome_that_cannot_be_serialized_is_never_run_again() {
     );
     assert_eq!(runs.load(Ordering::SeqCst), 1, "the work ran again");
 }
+
+/// A stored outcome that no longer fits the caller's type (the type changed in a deploy) is
+/// its own error, apart from an outcome that cannot be encoded and from a corrupt record; the
+/// work does not run again, and the stored outcome is kept.
+#[tokio::test]
+async fn a_stored_outcome_of_another_type_is_its_own_error() {
+    let engine = Idempotency::builder(MemoryStore::new()).build().unwrap();
+    let (key, scope) = (
+        IdempotencyKey::new("typed").unwrap(),
+        Scope::new("t|op").unwrap(),
+    );
+    let fp = Fingerprint::from_bytes(b"x");
+    let first = engine
+        .run(&key, &scope, &fp, |_| async { Ok::<u64, String>(7) })
+        .await
+        .unwrap();
+    assert_eq!(first, Answer::Executed(Ok(7)));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counted = runs.clone();
+    let err = engine
+        .run(&key, &scope, &fp, move |_| async move {
+            counted.fetch_add(1, Ordering::SeqCst);
+            Ok::<Vec<String>, String>(vec![])
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::StoredOutcome { .. }), "{err:?}");
+    assert!(err.to_string().contains("does not fit"), "{err}");
+    assert!(!err.is_retryable());
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "the work ran again");
+    let again = engine
+        .run(&key, &scope, &fp, |_| async { Ok::<u64, String>(8) })
+        .await
+        .unwrap();
+    assert_eq!(again, Answer::Replayed(Ok(7)), "the stored outcome is kept");
+}

@@ -354,7 +354,8 @@ async fn corrupt_stored_values() {
         assert_eq!(replay.into_result().unwrap(), Ok(41));
     }
 
-    // Outcome bytes that are not what the engine stored: a typed codec error on replay.
+    // Outcome bytes that are not JSON: a corrupt record on replay (JSON of another shape
+    // than the caller's type is `Error::StoredOutcome`).
     let req = request();
     let _ = engine
         .run(&req.id.key, &req.id.scope, &req.fingerprint, |_| async {
@@ -373,7 +374,7 @@ async fn corrupt_stored_values() {
         })
         .await
         .unwrap_err();
-    assert!(matches!(err, Error::Codec { .. }), "{err:?}");
+    assert!(matches!(err, Error::CorruptRecord { .. }), "{err:?}");
 }
 
 /// A write whose connection could not be had was never sent: a retryable backend error, not
