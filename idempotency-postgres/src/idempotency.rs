@@ -6,7 +6,7 @@ use crate::PostgresStore;
 use futures::future::BoxFuture;
 use futures::FutureExt;
 use idempotency_core::{
-    Answer, Error, Fingerprint, Idempotency, IdempotencyKey, Policy, Scope, WorkContext,
+    Answer, Error, Fingerprint, Idempotency, IdempotencyKey, Phases, Policy, Scope, WorkContext,
 };
 use serde::{de::DeserializeOwned, Serialize};
 use sqlx::PgConnection;
@@ -76,6 +76,26 @@ impl PostgresIdempotency {
     /// The store.
     pub fn store(&self) -> &PostgresStore {
         &self.store
+    }
+
+    /// Runs the multi-step operation `phases` once for `(scope, key)` on this store, resuming
+    /// at its last recovery point after a holder died:
+    /// [`Idempotency::run_phases`](idempotency_core::Idempotency::run_phases) without passing
+    /// the store a second time.
+    pub async fn run_phases<T, E>(
+        &self,
+        key: &IdempotencyKey,
+        scope: &Scope,
+        fingerprint: &Fingerprint,
+        phases: Phases<PostgresStore, T, E>,
+    ) -> Result<Answer<Result<T, E>>, Error>
+    where
+        T: Serialize + DeserializeOwned + Send + 'static,
+        E: Serialize + DeserializeOwned + std::fmt::Display + Send + 'static,
+    {
+        self.engine
+            .run_phases(&self.store, key, scope, fingerprint, phases)
+            .await
     }
 
     /// Runs `work` once for `(scope, key)` inside a transaction on the store's pool, and

@@ -4,7 +4,7 @@
 use crate::exactly_once::closed;
 use crate::SqliteStore;
 use idempotency_core::{
-    Answer, Error, Fingerprint, Idempotency, IdempotencyKey, Policy, Scope, WorkContext,
+    Answer, Error, Fingerprint, Idempotency, IdempotencyKey, Phases, Policy, Scope, WorkContext,
 };
 use rusqlite::Transaction;
 use serde::{de::DeserializeOwned, Serialize};
@@ -66,6 +66,26 @@ impl SqliteIdempotency {
     /// The store.
     pub fn store(&self) -> &SqliteStore {
         &self.store
+    }
+
+    /// Runs the multi-step operation `phases` once for `(scope, key)` on this store, resuming
+    /// at its last recovery point after a holder died:
+    /// [`Idempotency::run_phases`](idempotency_core::Idempotency::run_phases) without passing
+    /// the store a second time.
+    pub async fn run_phases<T, E>(
+        &self,
+        key: &IdempotencyKey,
+        scope: &Scope,
+        fingerprint: &Fingerprint,
+        phases: Phases<SqliteStore, T, E>,
+    ) -> Result<Answer<Result<T, E>>, Error>
+    where
+        T: Serialize + DeserializeOwned + Send + 'static,
+        E: Serialize + DeserializeOwned + std::fmt::Display + Send + 'static,
+    {
+        self.engine
+            .run_phases(&self.store, key, scope, fingerprint, phases)
+            .await
     }
 
     /// Runs `work` once for `(scope, key)` with its database writes and the completion in

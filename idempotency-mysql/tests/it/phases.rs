@@ -142,8 +142,9 @@ impl World {
 
     async fn run(&self) -> Result<Answer<Result<(i64, i64), String>>, Error> {
         let (key, scope, fp) = Self::key();
-        self.engine
-            .run_phases(&self.store, &key, &scope, &fp, self.flow())
+        // Through the store's wrapper: the store is not passed a second time.
+        idempotency_mysql::MysqlIdempotency::with_engine(self.store.clone(), self.engine.clone())
+            .run_phases(&key, &scope, &fp, self.flow())
             .await
     }
 

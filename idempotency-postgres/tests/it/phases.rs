@@ -154,9 +154,13 @@ impl World {
 
     async fn run(&self) -> Result<Answer<Result<(i64, i64), String>>, Error> {
         let (key, scope, fp) = Self::key();
-        self.engine
-            .run_phases(&self.store, &key, &scope, &fp, self.flow())
-            .await
+        // Through the store's wrapper: the store is not passed a second time.
+        idempotency_postgres::PostgresIdempotency::with_engine(
+            self.store.clone(),
+            self.engine.clone(),
+        )
+        .run_phases(&key, &scope, &fp, self.flow())
+        .await
     }
 
     /// [`World::run`] again while the key is in progress (for at most 30 s).

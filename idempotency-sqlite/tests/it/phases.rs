@@ -111,8 +111,9 @@ impl World {
 
     async fn run(&self) -> Result<Answer<Result<Receipt, String>>, Error> {
         let (key, scope, fp) = Self::key();
-        self.engine
-            .run_phases(&self.store, &key, &scope, &fp, flow(self.payments.clone()))
+        // Through the store's wrapper: the store is not passed a second time.
+        idempotency_sqlite::SqliteIdempotency::with_engine(self.store.clone(), self.engine.clone())
+            .run_phases(&key, &scope, &fp, flow(self.payments.clone()))
             .await
     }
 
