@@ -66,6 +66,41 @@ pub enum Refusal {
     LeaseLost,
 }
 
+impl From<idempotency_core::Refusal> for Refusal {
+    /// The layer's refusal for the engine's: what a handler that runs the engine itself
+    /// (`run_phases`, a transaction) answers with, in the layer's words.
+    fn from(refusal: idempotency_core::Refusal) -> Self {
+        use idempotency_core::Refusal as Engine;
+        match refusal {
+            Engine::InProgress { retry_after } => Self::InProgress { retry_after },
+            Engine::KeyReused => Self::KeyReused,
+            Engine::OutcomeLost { .. } => Self::OutcomeLost,
+            // A permanent failure, and any refusal a later engine adds: not run again.
+            _ => Self::FailedPermanently,
+        }
+    }
+}
+
+impl From<&idempotency_core::Error> for Refusal {
+    /// The layer's answer to an engine error: the store failing (or a write of unknown
+    /// outcome) is `503` with `Retry-After`, a fenced completion `409` lease-lost, a stored
+    /// record that cannot be read `500`, and anything else the handler's failure (`500`).
+    fn from(error: &idempotency_core::Error) -> Self {
+        use idempotency_core::Error;
+        match error {
+            Error::LeaseLost { .. } => Self::LeaseLost,
+            Error::Backend { .. } | Error::OutcomeUnknown { .. } => {
+                Self::StoreUnavailable(error.to_string())
+            }
+            Error::CorruptRecord { .. } | Error::StoredOutcome { .. } => {
+                Self::StoredResponseUnreadable(error.to_string())
+            }
+            Error::InvalidScope(e) => Self::ScopeInvalid(e.to_string()),
+            _ => Self::HandlerFailed,
+        }
+    }
+}
+
 impl Refusal {
     /// The HTTP status.
     pub fn status(&self) -> StatusCode {
@@ -267,6 +302,70 @@ impl ProblemJson {
     }
 }
 
+impl ProblemJson {
+    /// The whole answer to `refusal`: the problem document with the headers its status calls
+    /// for, as the layer sends it (`Retry-After` on a `409` in progress or lease lost and on a
+    /// `503`, one second for the store's outage; `WWW-Authenticate: Bearer` on a `401`).
+    ///
+    /// ```
+    /// use idempotency_tower::{ProblemJson, Refusal};
+    /// use std::time::Duration;
+    ///
+    /// let engine = idempotency_core::Refusal::InProgress { retry_after: Duration::from_millis(1500) };
+    /// let r = ProblemJson::new("urn:rides:problem:").response(&Refusal::from(engine));
+    /// assert_eq!(r.status(), 409);
+    /// assert_eq!(r.headers()["retry-after"], "2");
+    /// ```
+    pub fn response(&self, refusal: &Refusal) -> Response<Bytes> {
+        let mut resp = self.respond(refusal);
+        add_headers(
+            &mut resp,
+            refusal,
+            crate::IdempotencyLayer::DEFAULT_UNAVAILABLE_RETRY_AFTER,
+            &HeaderValue::from_static("Bearer"),
+        );
+        resp
+    }
+}
+
+/// Adds the headers `refusal`'s status calls for, unless the responder set them itself.
+pub(crate) fn add_headers(
+    resp: &mut Response<Bytes>,
+    refusal: &Refusal,
+    unavailable_retry_after: Duration,
+    challenge: &HeaderValue,
+) {
+    use crate::headers::{RETRY_AFTER, WWW_AUTHENTICATE};
+    let (name, value) = match refusal {
+        Refusal::InProgress { retry_after } => (
+            RETRY_AFTER,
+            HeaderValue::from(retry_after_secs(*retry_after)),
+        ),
+        Refusal::StoreUnavailable(_) => (
+            RETRY_AFTER,
+            HeaderValue::from(retry_after_secs(unavailable_retry_after)),
+        ),
+        // The request that took the key over is running: its outcome is the retry's answer.
+        Refusal::LeaseLost => (RETRY_AFTER, HeaderValue::from(1u64)),
+        Refusal::CallerUnidentified => (WWW_AUTHENTICATE, challenge.clone()),
+        _ => return,
+    };
+    if !resp.headers().contains_key(&name) {
+        resp.headers_mut().insert(name, value);
+    }
+}
+
+/// With the `axum` feature a refusal is a response: the default problem document
+/// ([`ProblemJson::response`]).
+#[cfg(feature = "axum")]
+impl axum::response::IntoResponse for Refusal {
+    fn into_response(self) -> axum::response::Response {
+        ProblemJson::default()
+            .response(&self)
+            .map(axum::body::Body::from)
+    }
+}
+
 impl Default for ProblemJson {
     fn default() -> Self {
         Self::new(Self::DEFAULT_TYPE_BASE)
@@ -305,6 +404,85 @@ impl RefusalResponder for ProblemJson {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every engine refusal and error has one answer in the layer's words, with the headers
+    /// its status calls for.
+    #[test]
+    fn engine_refusals_and_errors_convert_to_the_layers_answers() {
+        use idempotency_core::{Error, Refusal as Engine};
+        let cases = [
+            (
+                Refusal::from(Engine::InProgress {
+                    retry_after: Duration::from_millis(2500),
+                }),
+                409,
+                "idempotency-key-in-progress",
+                Some("3"),
+            ),
+            (
+                Refusal::from(Engine::KeyReused),
+                422,
+                "idempotency-key-reused",
+                None,
+            ),
+            (
+                Refusal::from(Engine::FailedPermanently {
+                    message: "declined".into(),
+                }),
+                422,
+                "idempotency-key-failed-permanently",
+                None,
+            ),
+            (
+                Refusal::from(Engine::OutcomeLost {
+                    message: "too large".into(),
+                }),
+                422,
+                "idempotency-key-outcome-lost",
+                None,
+            ),
+            (
+                Refusal::from(&Error::backend(true, "connection refused")),
+                503,
+                "idempotency-store-unavailable",
+                Some("1"),
+            ),
+            (
+                Refusal::from(&Error::LeaseLost {
+                    token: idempotency_core::FencingToken(4),
+                }),
+                409,
+                "idempotency-key-lease-lost",
+                Some("1"),
+            ),
+            (
+                Refusal::from(&Error::corrupt("bad")),
+                500,
+                "idempotency-stored-response-unreadable",
+                None,
+            ),
+            (
+                Refusal::from(&Error::Config("x".into())),
+                500,
+                "handler-failed",
+                None,
+            ),
+        ];
+        for (refusal, status, slug, retry_after) in cases {
+            assert_eq!((refusal.status().as_u16(), refusal.slug()), (status, slug));
+            let resp = ProblemJson::new("urn:t:").response(&refusal);
+            assert_eq!(resp.status().as_u16(), status, "{refusal:?}");
+            assert_eq!(
+                resp.headers()
+                    .get(http::header::RETRY_AFTER)
+                    .map(|v| v.to_str().unwrap()),
+                retry_after,
+                "{refusal:?}"
+            );
+            let doc: serde_json::Value = serde_json::from_slice(resp.body()).unwrap();
+            assert_eq!(doc["type"], format!("urn:t:{slug}"));
+        }
+    }
 
     #[test]
     fn retry_after_rounds_up_to_at_least_one() {

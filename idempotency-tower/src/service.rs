@@ -5,7 +5,7 @@ use crate::config::{Config, OnUnreplayable, OnUnstored};
 use crate::detach::Detachable;
 use crate::fingerprint::FingerprintInput;
 use crate::future::ResponseFuture;
-use crate::headers::{CONNECTION, CONTENT_LENGTH, DIGEST, RETRY_AFTER, WWW_AUTHENTICATE};
+use crate::headers::{CONNECTION, CONTENT_LENGTH, DIGEST};
 use crate::hooks::ResponseContext;
 use crate::observe::{record_decision, record_outcome, HttpDecision, HttpOutcome};
 use crate::problem::Refusal;
@@ -129,26 +129,12 @@ fn refuse<B>(config: &Config, refusal: Refusal) -> Answer<B> {
         "idempotency refusal"
     );
     let mut resp = config.responder.respond(&refusal);
-    // Headers the status calls for, unless the responder set them itself.
-    let (name, value) = match &refusal {
-        Refusal::InProgress { retry_after } => (
-            RETRY_AFTER,
-            HeaderValue::from(crate::problem::retry_after_secs(*retry_after)),
-        ),
-        Refusal::StoreUnavailable(_) => (
-            RETRY_AFTER,
-            HeaderValue::from(crate::problem::retry_after_secs(
-                config.unavailable_retry_after,
-            )),
-        ),
-        // The request that took the key over is running: its outcome is the retry's answer.
-        Refusal::LeaseLost => (RETRY_AFTER, HeaderValue::from(1u64)),
-        Refusal::CallerUnidentified => (WWW_AUTHENTICATE, config.challenge.clone()),
-        _ => return resp.map(ResponseBody::full),
-    };
-    if !resp.headers().contains_key(&name) {
-        resp.headers_mut().insert(name, value);
-    }
+    crate::problem::add_headers(
+        &mut resp,
+        &refusal,
+        config.unavailable_retry_after,
+        &config.challenge,
+    );
     resp.map(ResponseBody::full)
 }
 

@@ -11,12 +11,12 @@ use axum::Router;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
 use idempotency_core::{
-    Answer, Completer, Error, Fingerprint, Idempotency, IdempotencyKey, PhaseContext, Phases,
-    Refusal, Scope,
+    Answer, Completer, Fingerprint, Idempotency, IdempotencyKey, PhaseContext, Phases, Scope,
 };
 use idempotency_reqwest::{IdempotencyMiddleware, IdempotentRequestExt, RetryPolicy};
 use idempotency_sqlite::rusqlite::params;
 use idempotency_sqlite::{SqliteStore, SqliteTransaction};
+use idempotency_tower::{read_key_header, ProblemJson, Refusal as HttpRefusal, IDEMPOTENCY_KEY};
 use reqwest_middleware::ClientWithMiddleware;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -319,45 +319,24 @@ fn rider_scope(headers: &HeaderMap) -> Option<Scope> {
     Scope::from_parts(["rides", rider]).ok()
 }
 
+/// The layer's answer to `refusal` under this service's problem types, headers included.
+fn refused(refusal: &HttpRefusal) -> Response {
+    ProblemJson::new(crate::PROBLEM_BASE)
+        .response(refusal)
+        .map(axum::body::Body::from)
+        .into_response()
+}
+
 /// `POST /rides` with an `Idempotency-Key`, by a rider named in `Authorization: Bearer`.
 async fn book(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
     let Some(scope) = rider_scope(&headers) else {
-        let mut resp = problem(
-            StatusCode::UNAUTHORIZED,
-            "rider-unidentified",
-            "send Authorization: Bearer <your rider token>",
-        );
-        resp.headers_mut().insert(
-            http::header::WWW_AUTHENTICATE,
-            HeaderValue::from_static("Bearer"),
-        );
-        return resp;
+        return refused(&HttpRefusal::CallerUnidentified);
     };
-    let key = match headers.get("idempotency-key").map(|v| v.to_str()) {
-        None => {
-            return problem(
-                StatusCode::BAD_REQUEST,
-                "idempotency-key-required",
-                "send an Idempotency-Key header",
-            )
-        }
-        Some(Ok(key)) => match IdempotencyKey::new(key) {
-            Ok(key) => key,
-            Err(e) => {
-                return problem(
-                    StatusCode::BAD_REQUEST,
-                    "idempotency-key-invalid",
-                    e.to_string(),
-                )
-            }
-        },
-        Some(Err(_)) => {
-            return problem(
-                StatusCode::BAD_REQUEST,
-                "idempotency-key-invalid",
-                "the Idempotency-Key is not visible ASCII",
-            )
-        }
+    // The layer's reader: the bare and the quoted (structured field) form, one header.
+    let key = match read_key_header(&headers, &IDEMPOTENCY_KEY) {
+        Ok(Some(key)) => key,
+        Ok(None) => return refused(&HttpRefusal::KeyRequired),
+        Err(e) => return refused(&HttpRefusal::KeyInvalid(e)),
     };
     let request: BookRide = match serde_json::from_slice(&body) {
         Ok(request) => request,
@@ -379,51 +358,12 @@ async fn book(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> R
     let (replayed, ended) = match ran {
         Ok(Answer::Executed(ended)) => (false, ended),
         Ok(Answer::Replayed(ended)) => (true, ended),
-        Ok(Answer::Refused(Refusal::InProgress { .. })) => {
-            return retry_later(
-                StatusCode::CONFLICT,
-                "idempotency-key-in-progress",
-                "this booking is being made; send it again later",
-            )
-        }
-        Err(Error::LeaseLost { .. }) => {
-            return retry_later(
-                StatusCode::CONFLICT,
-                "idempotency-key-lease-lost",
-                "another attempt took this booking over; send it again",
-            )
-        }
-        Ok(Answer::Refused(Refusal::KeyReused)) => {
-            return problem(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "idempotency-key-reused",
-                "this key was used for another booking",
-            )
-        }
-        // Failed for good, or its outcome lost: never booked again under this key.
-        Ok(Answer::Refused(refusal)) => {
-            return problem(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "idempotency-key-refused",
-                refusal.to_string(),
-            )
-        }
-        Err(e) if e.is_retryable() => {
-            return retry_later(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "unavailable",
-                e.to_string(),
-            )
-        }
-        // A record this service cannot resume (another operation's), a corrupt one: not the
-        // client's to fix by retrying.
+        // In progress, key reused, failed for good, outcome lost: the layer's answers
+        // (problem documents, `Retry-After`), not hand-written ones.
+        Ok(Answer::Refused(refusal)) => return refused(&HttpRefusal::from(refusal)),
         Err(e) => {
             tracing::error!(error = %e, "a booking failed");
-            return problem(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "booking-failed",
-                "the booking cannot be made",
-            );
+            return refused(&HttpRefusal::from(&e));
         }
     };
     let mut resp = match ended {
