@@ -48,7 +48,7 @@ pub use scope::{Scope, ScopeError};
 pub use store::{IdempotencyStore, Settle, Settlement};
 pub use time::{duration_millis, Clock, ManualClock, SystemClock, Timestamp, MAX_DURATION};
 pub use transaction::{
-    encode_outcome, Begun, CommitError, TransactionEnd, TransactionalStore,
+    encode_outcome, Begun, CommitError, SharedClaim, TransactionEnd, TransactionalStore,
     MAX_TRANSACTION_ATTEMPTS,
 };
 

@@ -2,9 +2,15 @@
 //! their own database transaction (exactly-once effects through the layer).
 
 use crate::config::Config;
+use crate::problem::{ProblemJson, Refusal};
 use bytes::Bytes;
+use futures::future::BoxFuture;
 use http::Response;
-use idempotency_core::{FencingToken, Lease, RecordId, WorkContext};
+use idempotency_core::{
+    Error, FencingToken, Lease, RecordId, SharedClaim, TransactionEnd, TransactionalStore,
+    WorkContext,
+};
+use std::convert::Infallible;
 use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -23,9 +29,13 @@ pub(crate) enum Settlement {
     /// The handler's transaction rolled back before it completed the key, and it did nothing
     /// else: the layer releases the key at once and delivers its answer unstored.
     RolledBack,
+    /// The handler's commit was sent and its outcome is unknown: the layer holds the key until
+    /// its lease passes and delivers the answer unstored.
+    Held,
 }
 
 struct Shared {
+    claim: SharedClaim,
     id: RecordId,
     token: FencingToken,
     ttl: Duration,
@@ -48,7 +58,8 @@ impl Shared {
 /// Most handlers ignore it: the layer stores their response after they return. A handler whose
 /// effect is a write to the same SQL database as the idempotency records uses it to make the
 /// write and the completion **one transaction**, so that a crash between the two cannot let a
-/// retry run the write again:
+/// retry run the write again. [`ClaimedKey::run_in_transaction`] does it in one call; by hand,
+/// the steps are:
 ///
 /// 1. build the response it will answer with, and [`ClaimedKey::prepare`] it: the bytes the
 ///    layer would store (status, the allowlisted headers and the body);
@@ -117,6 +128,7 @@ impl ClaimedKey {
     pub(crate) fn new(lease: &Lease, config: Arc<Config>) -> Self {
         Self {
             shared: Arc::new(Shared {
+                claim: lease.share(),
                 id: lease.id().clone(),
                 token: lease.token(),
                 ttl: lease.ttl(),
@@ -191,11 +203,110 @@ impl ClaimedKey {
         self.shared.set(Settlement::RolledBack);
     }
 
+    /// Runs the handler's transaction and completes the key inside it, **in one call**: begins
+    /// a transaction of `store` (the store holding the layer's records), runs `work` in it,
+    /// prepares the response `work` returns (the stored form [`ClaimedKey::prepare`] makes),
+    /// completes the key with it inside the transaction and commits; a serialization failure or
+    /// a deadlock (the store's conflicts) runs all of it again. It then settles the key with
+    /// the layer itself, and returns the response to answer with:
+    ///
+    /// | the transaction… | the key | the answer |
+    /// |---|---|---|
+    /// | committed | completed with `work`'s response; retries replay it | `work`'s response |
+    /// | was fenced (the lease passed, another request took the key over) | the other request's | `409` `idempotency-key-lease-lost` |
+    /// | rolled back (`work`'s `Err`, a refused commit, a response over the limit) | released at once: a retry runs the handler | the error's problem document (`503` for a store error) |
+    /// | sent its commit and lost the answer | held until its lease passes, then a retry finds it completed or runs it | `503` `idempotency-store-unavailable` |
+    ///
+    /// `work`'s `Err` is a database error: its transaction rolls back. Answer a refusal of
+    /// your own (a `409` business conflict, a `422` validation) as an `Ok` response: it is
+    /// committed and replayed like any other.
+    ///
+    /// The store must be the one whose records the layer's engine keeps (a
+    /// `PostgresStore`, `SqliteStore` or `MysqlStore` over the same table).
+    pub async fn run_in_transaction<S, F>(&self, store: &S, mut work: F) -> Response<Bytes>
+    where
+        S: TransactionalStore,
+        F: for<'t> FnMut(&'t mut S::Transaction) -> BoxFuture<'t, Result<Response<Bytes>, Error>>
+            + Send,
+    {
+        let end = self
+            .shared
+            .claim
+            .run_in_transaction(
+                store,
+                |prepared: &Prepared| prepared.outcome.clone(),
+                preparing(self, &mut work),
+            )
+            .await;
+        let answer = |refusal: Refusal| {
+            let config = &self.shared.config;
+            let mut resp = config.responder.respond(&refusal);
+            crate::problem::add_headers(
+                &mut resp,
+                &refusal,
+                config.unavailable_retry_after,
+                &config.challenge,
+            );
+            resp
+        };
+        match end {
+            TransactionEnd::Committed(prepared) => prepared.committed(),
+            TransactionEnd::LeaseLost => {
+                self.lease_lost();
+                answer(Refusal::LeaseLost)
+            }
+            TransactionEnd::RolledBack(e) => {
+                tracing::warn!(error = %e, "the handler's transaction rolled back; the key is released");
+                self.rolled_back();
+                answer(Refusal::from(&e))
+            }
+            TransactionEnd::Unknown(e) => {
+                tracing::warn!(error = %e, "the handler's commit may or may not have applied; the key is held");
+                self.shared.set(Settlement::Held);
+                answer(Refusal::from(&e))
+            }
+            TransactionEnd::WorkFailed(never) => match never {},
+            // Any end a later core adds: nothing is known to have committed; hold the key.
+            _ => {
+                self.shared.set(Settlement::Held);
+                ProblemJson::default().response(&Refusal::HandlerFailed)
+            }
+        }
+    }
+
     /// Tells the layer that the handler's completion was fenced and its transaction rolled
     /// back: the layer answers `409` `idempotency-key-lease-lost` in place of the handler's
     /// response, and writes nothing (the record belongs to the request that took it over).
     pub fn lease_lost(&self) {
         self.shared.set(Settlement::Lost);
+    }
+}
+
+/// `work` as core's transaction runs it: its response prepared in the stored form (a response
+/// over the limit is an error that rolls the transaction back).
+fn preparing<'w, T, F>(
+    claim: &'w ClaimedKey,
+    work: &'w mut F,
+) -> impl for<'t> FnMut(
+    &'t mut T,
+    WorkContext,
+) -> BoxFuture<'t, Result<Result<Prepared, Infallible>, Error>>
+       + Send
+       + 'w
+where
+    T: Send,
+    F: for<'t> FnMut(&'t mut T) -> BoxFuture<'t, Result<Response<Bytes>, Error>> + Send,
+{
+    move |transaction, _context| {
+        let response = work(transaction);
+        let claim = claim.clone();
+        Box::pin(async move {
+            let response = response.await?;
+            claim
+                .prepare(response)
+                .map(Ok)
+                .map_err(|e| Error::backend(false, e))
+        })
     }
 }
 

@@ -89,6 +89,10 @@ pub enum HttpOutcome {
     /// The handler committed the completion in its own transaction ([`crate::ClaimedKey`]):
     /// the layer wrote nothing, and retries replay what the handler committed.
     SettledByHandler,
+    /// The handler's transaction sent its commit and the answer was lost
+    /// ([`crate::ClaimedKey::run_in_transaction`]): its writes and the completion may have
+    /// committed, so the key is held until its lease passes and the answer is not stored.
+    CommitUnknown,
     /// The handler returned an error; the key was released
     /// ([`OnUnstored::Release`](crate::OnUnstored::Release), or its transaction rolled back).
     HandlerError,
@@ -123,6 +127,7 @@ impl HttpOutcome {
             Self::StoreFailed => "store_failed",
             Self::LeaseLost => "lease_lost",
             Self::SettledByHandler => "settled_by_handler",
+            Self::CommitUnknown => "commit_unknown",
             Self::HandlerError => "handler_error",
             Self::HandlerErrorHeld => "handler_error_held",
             Self::HandlerErrorSettled => "handler_error_settled",
@@ -226,6 +231,7 @@ mod counted {
             StoreFailed,
             LeaseLost,
             SettledByHandler,
+            CommitUnknown,
             HandlerError,
             HandlerErrorHeld,
             HandlerErrorSettled,

@@ -494,11 +494,16 @@ fn hold(lease: Lease, why: HttpOutcome) {
     lease.hold();
 }
 
-/// Settles `lease` without a write: the handler settled the key itself.
+/// Settles `lease` without a write: the handler settled the key itself (or, after a commit of
+/// unknown outcome, holds it until its lease passes).
 fn settled_by_handler(lease: Lease, settlement: Settlement) {
+    if settlement == Settlement::Held {
+        hold(lease, HttpOutcome::CommitUnknown);
+        return;
+    }
     lease.settled_externally();
     match settlement {
-        Settlement::Open | Settlement::RolledBack => {}
+        Settlement::Open | Settlement::RolledBack | Settlement::Held => {}
         Settlement::Committed => record_outcome(HttpOutcome::SettledByHandler),
         Settlement::Lost => {
             record_outcome(HttpOutcome::LeaseLost);
@@ -755,6 +760,13 @@ where
             settled_by_handler(lease, settlement);
             Ok(match settlement {
                 Settlement::Lost => refuse(&config, Refusal::LeaseLost),
+                Settlement::Held => with_hook(
+                    &config,
+                    &key,
+                    resp.map(ResponseBody::inner),
+                    Some(HttpOutcome::CommitUnknown),
+                    None,
+                ),
                 _ => with_hook(
                     &config,
                     &key,

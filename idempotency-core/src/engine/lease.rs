@@ -56,6 +56,20 @@ pub struct Lease {
 }
 
 impl Lease {
+    /// A second handle on this claim that never settles it (its drop writes nothing and
+    /// logs nothing): for work that runs elsewhere under the holder's lease.
+    pub(crate) fn companion(&self) -> Self {
+        Self {
+            store: self.store.clone(),
+            policy: self.policy.clone(),
+            id: self.id.clone(),
+            token: self.token,
+            claimed_at: self.claimed_at,
+            lost: AtomicBool::new(self.is_lost()),
+            settled: true,
+        }
+    }
+
     pub(super) fn new(
         store: Arc<dyn IdempotencyStore>,
         policy: Arc<Policy>,

@@ -27,7 +27,10 @@
 //! | panicked (its transaction rolled back) | the panic | released at once | the panic, resumed |
 
 pub(crate) mod driver;
+mod shared;
 mod store;
+
+pub use shared::SharedClaim;
 
 pub use store::{Begun, CommitError, TransactionalStore, MAX_TRANSACTION_ATTEMPTS};
 

@@ -59,3 +59,142 @@ async fn unreachable_server_fails_closed() {
     assert_problem(&r, 503, "idempotency-store-unavailable");
     assert_eq!(s.executions(), 0);
 }
+
+/// `ClaimedKey::run_in_transaction` over the real server at each isolation level: the order
+/// row and the stored answer commit in one call; concurrent duplicates and later retries of
+/// each key get the one answer (or `409` while it runs), and each key has exactly one row. The
+/// handler's transaction outlives the layer's heartbeat interval (lease 900 ms, heartbeat every
+/// 300 ms, the work 400 ms), so at REPEATABLE READ and SERIALIZABLE the heartbeat's writes meet
+/// the handler's transaction, whose conflicts run it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_call_exactly_once_at_every_isolation_level() {
+    use axum::extract::{Request, State};
+    use axum::response::IntoResponse;
+    use idempotency_postgres::{database_error, sqlx, PostgresTransaction};
+    use idempotency_tower::{ClaimedKey, IdempotencyLayer};
+
+    struct App {
+        store: PostgresStore,
+        table: String,
+    }
+
+    async fn create(State(app): State<Arc<App>>, req: Request) -> axum::response::Response {
+        let claim = req
+            .extensions()
+            .get::<ClaimedKey>()
+            .cloned()
+            .expect("claimed");
+        let key = claim.id().key.as_str().to_owned();
+        let insert = format!("INSERT INTO {} (k) VALUES ($1) RETURNING id", app.table);
+        claim
+            .run_in_transaction(&app.store, |tx: &mut PostgresTransaction| {
+                let (insert, key) = (insert.clone(), key.clone());
+                Box::pin(async move {
+                    let id: i64 = sqlx::query_scalar(&insert)
+                        .bind(&key)
+                        .fetch_one(tx.connection())
+                        .await
+                        .map_err(database_error)?;
+                    tokio::time::sleep(Duration::from_millis(400)).await;
+                    Ok(http::Response::builder()
+                        .status(201)
+                        .header("content-type", "application/json")
+                        .body(bytes::Bytes::from(format!("{{\"order\":{id}}}")))
+                        .expect("response"))
+                })
+            })
+            .await
+            .map(axum::body::Body::from)
+            .into_response()
+    }
+
+    for level in [
+        Isolation::ReadCommitted,
+        Isolation::RepeatableRead,
+        Isolation::Serializable,
+    ] {
+        let pool = pool(level, 8).await;
+        let guard = SchemaGuard::new();
+        let store = PostgresStore::builder()
+            .schema(&guard.schema)
+            .build(pool.clone())
+            .expect("valid names");
+        store.migrate().await.expect("migrate");
+        let table = format!("\"{}\".orders", guard.schema);
+        sqlx::query(&format!(
+            "CREATE TABLE {table} (id bigserial PRIMARY KEY, k text NOT NULL)"
+        ))
+        .execute(&pool)
+        .await
+        .expect("orders table");
+        let engine = Idempotency::builder(store.clone())
+            .lease(Duration::from_millis(900))
+            .build()
+            .expect("engine");
+        let app = Arc::new(App {
+            store,
+            table: table.clone(),
+        });
+        let router = axum::Router::new()
+            .route("/orders", axum::routing::post(create))
+            .layer(IdempotencyLayer::shared(engine).required(true))
+            .with_state(app);
+        let (base, task) = idempotency_http_conformance::server::serve(router).await;
+        let client = reqwest::Client::builder()
+            .no_proxy()
+            .build()
+            .expect("client");
+        let post = |key: String| {
+            let (client, url) = (client.clone(), format!("{base}/orders"));
+            async move {
+                let resp = client
+                    .post(url)
+                    .header("idempotency-key", key)
+                    .header("content-type", "application/json")
+                    .body("{}")
+                    .send()
+                    .await
+                    .expect("sent");
+                let status = resp.status().as_u16();
+                (status, resp.text().await.expect("body"))
+            }
+        };
+        for i in 0..6 {
+            let key = format!("order-{i}");
+            let sent: Vec<(u16, String)> =
+                futures::future::join_all((0..3).map(|_| post(key.clone()))).await;
+            let answers: Vec<&String> = sent
+                .iter()
+                .filter(|(status, _)| *status == 201)
+                .map(|(_, body)| body)
+                .collect();
+            assert!(
+                sent.iter()
+                    .all(|(status, _)| *status == 201 || *status == 409),
+                "{level:?} {key}: {sent:?}"
+            );
+            assert!(!answers.is_empty(), "{level:?} {key}: {sent:?}");
+            // Retries once it settled: the one answer, replayed.
+            let retry = loop {
+                let (status, body) = post(key.clone()).await;
+                if status != 409 {
+                    break (status, body);
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            };
+            assert_eq!(retry.0, 201, "{level:?} {key}: {retry:?}");
+            assert!(
+                answers.iter().all(|a| **a == retry.1),
+                "{level:?} {key}: {sent:?} then {retry:?}"
+            );
+            let rows: i64 =
+                sqlx::query_scalar(&format!("SELECT count(*) FROM {table} WHERE k = $1"))
+                    .bind(&key)
+                    .fetch_one(&pool)
+                    .await
+                    .expect("count");
+            assert_eq!(rows, 1, "{level:?} {key}: one order per key");
+        }
+        task.abort();
+    }
+}

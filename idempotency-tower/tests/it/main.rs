@@ -2,6 +2,7 @@
 //! and in one binary their tests run side by side (`cargo test -p idempotency-tower --test it MODULE`
 //! runs one module).
 
+mod exactly_once;
 mod http_semantics;
 mod metrics;
 mod observability;
