@@ -59,3 +59,142 @@ async fn unreachable_server_fails_closed() {
     assert_problem(&r, 503, "idempotency-store-unavailable");
     assert_eq!(s.executions(), 0);
 }
+
+/// `ClaimedKey::run_in_transaction` over the real server at each isolation level, as on
+/// Postgres: the order row and the stored answer commit in one call; concurrent duplicates
+/// and later retries of each key get the one answer (or `409` while it runs), and each key has
+/// exactly one row. The handler's transaction outlives the layer's heartbeat interval (lease
+/// 900 ms, heartbeat every 300 ms, the work 400 ms).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_call_exactly_once_at_every_isolation_level() {
+    use axum::extract::{Request, State};
+    use axum::response::IntoResponse;
+    use idempotency_mysql::{database_error, sqlx, MysqlTransaction};
+    use idempotency_tower::{ClaimedKey, IdempotencyLayer};
+
+    struct App {
+        store: MysqlStore,
+        table: String,
+    }
+
+    async fn create(State(app): State<Arc<App>>, req: Request) -> axum::response::Response {
+        let claim = req
+            .extensions()
+            .get::<ClaimedKey>()
+            .cloned()
+            .expect("claimed");
+        let key = claim.id().key.as_str().to_owned();
+        let (insert, last) = (
+            format!("INSERT INTO {} (k) VALUES (?)", app.table),
+            "SELECT LAST_INSERT_ID()".to_owned(),
+        );
+        claim
+            .run_in_transaction(&app.store, |tx: &mut MysqlTransaction| {
+                let (insert, last, key) = (insert.clone(), last.clone(), key.clone());
+                Box::pin(async move {
+                    sqlx::query(&insert)
+                        .bind(&key)
+                        .execute(&mut *tx.connection())
+                        .await
+                        .map_err(database_error)?;
+                    let id: u64 = sqlx::query_scalar(&last)
+                        .fetch_one(&mut *tx.connection())
+                        .await
+                        .map_err(database_error)?;
+                    tokio::time::sleep(Duration::from_millis(400)).await;
+                    Ok(http::Response::builder()
+                        .status(201)
+                        .header("content-type", "application/json")
+                        .body(bytes::Bytes::from(format!("{{\"order\":{id}}}")))
+                        .expect("response"))
+                })
+            })
+            .await
+            .map(axum::body::Body::from)
+            .into_response()
+    }
+
+    for level in Isolation::ALL {
+        let pool = pool(level, 8).await;
+        let guard = TableGuard::new();
+        let store = MysqlStore::builder()
+            .table(&guard.table)
+            .build(pool.clone())
+            .expect("valid name");
+        store.migrate().await.expect("migrate");
+        let table = format!("{}_orders", guard.table);
+        idempotency_testing::mysql::exec(&format!(
+            "CREATE TABLE {table} (id BIGINT AUTO_INCREMENT PRIMARY KEY, k VARCHAR(64) NOT NULL) ENGINE=InnoDB"
+        ))
+        .await;
+        let engine = Idempotency::builder(store.clone())
+            .lease(Duration::from_millis(900))
+            .build()
+            .expect("engine");
+        let app = Arc::new(App {
+            store,
+            table: table.clone(),
+        });
+        let router = axum::Router::new()
+            .route("/orders", axum::routing::post(create))
+            .layer(IdempotencyLayer::shared(engine).required(true))
+            .with_state(app);
+        let (base, task) = idempotency_http_conformance::server::serve(router).await;
+        let client = reqwest::Client::builder()
+            .no_proxy()
+            .build()
+            .expect("client");
+        let post = |key: String| {
+            let (client, url) = (client.clone(), format!("{base}/orders"));
+            async move {
+                let resp = client
+                    .post(url)
+                    .header("idempotency-key", key)
+                    .header("content-type", "application/json")
+                    .body("{}")
+                    .send()
+                    .await
+                    .expect("sent");
+                let status = resp.status().as_u16();
+                (status, resp.text().await.expect("body"))
+            }
+        };
+        for i in 0..6 {
+            let key = format!("order-{i}");
+            let sent: Vec<(u16, String)> =
+                futures::future::join_all((0..3).map(|_| post(key.clone()))).await;
+            assert!(
+                sent.iter()
+                    .all(|(status, _)| *status == 201 || *status == 409),
+                "{level:?} {key}: {sent:?}"
+            );
+            let answers: Vec<&String> = sent
+                .iter()
+                .filter(|(status, _)| *status == 201)
+                .map(|(_, body)| body)
+                .collect();
+            assert!(!answers.is_empty(), "{level:?} {key}: {sent:?}");
+            let retry = loop {
+                let (status, body) = post(key.clone()).await;
+                if status != 409 {
+                    break (status, body);
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            };
+            assert_eq!(retry.0, 201, "{level:?} {key}: {retry:?}");
+            assert!(
+                answers.iter().all(|a| **a == retry.1),
+                "{level:?} {key}: {sent:?} then {retry:?}"
+            );
+            let rows: i64 =
+                sqlx::query_scalar(&format!("SELECT count(*) FROM {table} WHERE k = ?"))
+                    .bind(&key)
+                    .fetch_one(&pool)
+                    .await
+                    .expect("count");
+            assert_eq!(rows, 1, "{level:?} {key}: one order per key");
+        }
+        task.abort();
+        idempotency_testing::mysql::exec(&format!("DROP TABLE IF EXISTS {table}")).await;
+    }
+}
