@@ -34,7 +34,7 @@
 //! writes what the later ones need and returns it (a completer only ever takes over an
 //! operation past it); a foreign call first would leave a completer nothing to call with.
 
-use crate::transaction::driver::{renew_kept, transaction, Complete, Seal};
+use crate::transaction::driver::{renew_kept, transaction, Seal};
 use crate::transaction::{TransactionEnd, TransactionalStore};
 use crate::{
     decode_replay, Answer, Begin, Error, Failure, Fingerprint, Idempotency, IdempotencyKey, Lease,
@@ -496,16 +496,6 @@ impl<S: TransactionalStore> Seal<S, Vec<u8>> for CompleteWithJson {
         bytes.extend_from_slice(value);
         bytes.push(b'}');
         Ok(bytes)
-    }
-
-    fn seal<'t>(
-        &'t self,
-        store: &'t S,
-        transaction: &'t mut S::Transaction,
-        lease: &'t Lease,
-        bytes: Vec<u8>,
-    ) -> BoxFuture<'t, Result<(), Error>> {
-        <Complete as Seal<S, ()>>::seal(&Complete, store, transaction, lease, bytes)
     }
 }
 

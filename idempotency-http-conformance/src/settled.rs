@@ -272,3 +272,65 @@ pub async fn handler_rolled_back_frees_the_key(store: TestStore) {
     assert_eq!(retry.body.as_ref(), b"{\"run\":2}");
     assert_eq!((s.effects(), s.completes()), (1, 0));
 }
+
+/// The check of a service whose `POST /orders` handler writes one row per key with
+/// `ClaimedKey::run_in_transaction`, served at `base`: for six keys, three concurrent
+/// duplicates each answer `201` or `409` (in progress), at least one `201`; a retry once the
+/// key settled gets the same `201` body, replayed; and `rows(key)` counts exactly one row.
+/// `label` names the run in failures (an isolation level).
+pub async fn one_answer_and_one_row_per_key<R, F>(label: &str, base: &str, rows: R)
+where
+    R: Fn(String) -> F,
+    F: std::future::Future<Output = i64>,
+{
+    let client = client();
+    let post = |key: String| {
+        let (client, url) = (client.clone(), format!("{base}/orders"));
+        async move {
+            let resp = client
+                .post(url)
+                .header("idempotency-key", key)
+                .header("content-type", "application/json")
+                .body("{}")
+                .send()
+                .await
+                .expect("sent");
+            let status = resp.status().as_u16();
+            (status, resp.text().await.expect("body"))
+        }
+    };
+    for i in 0..6 {
+        let key = format!("order-{i}");
+        let sent: Vec<(u16, String)> =
+            futures::future::join_all((0..3).map(|_| post(key.clone()))).await;
+        assert!(
+            sent.iter()
+                .all(|(status, _)| *status == 201 || *status == 409),
+            "{label} {key}: {sent:?}"
+        );
+        let answers: Vec<&String> = sent
+            .iter()
+            .filter(|(status, _)| *status == 201)
+            .map(|(_, body)| body)
+            .collect();
+        assert!(!answers.is_empty(), "{label} {key}: {sent:?}");
+        // Retries once it settled: the one answer, replayed.
+        let retry = loop {
+            let (status, body) = post(key.clone()).await;
+            if status != 409 {
+                break (status, body);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        assert_eq!(retry.0, 201, "{label} {key}: {retry:?}");
+        assert!(
+            answers.iter().all(|a| **a == retry.1),
+            "{label} {key}: {sent:?} then {retry:?}"
+        );
+        assert_eq!(
+            rows(key.clone()).await,
+            1,
+            "{label} {key}: one order per key"
+        );
+    }
+}

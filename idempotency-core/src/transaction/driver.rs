@@ -74,14 +74,16 @@ pub(crate) trait Seal<S: TransactionalStore, T>: Sync {
     fn encode(&self, value: &T) -> Result<Vec<u8>, Error>;
 
     /// Writes them inside `transaction`, fenced by `lease`'s token ([`Error::LeaseLost`]
-    /// when the record is no longer the holder's).
+    /// when the record is no longer the holder's). By default the record's completion.
     fn seal<'t>(
         &'t self,
         store: &'t S,
         transaction: &'t mut S::Transaction,
         lease: &'t Lease,
         bytes: Vec<u8>,
-    ) -> BoxFuture<'t, Result<(), Error>>;
+    ) -> BoxFuture<'t, Result<(), Error>> {
+        Box::pin(async move { store.complete_in(transaction, lease, &bytes).await })
+    }
 }
 
 /// The record's completion, with the work's value stored as `Ok(value)` of a `Result<T, E>`,
@@ -91,16 +93,6 @@ pub(crate) struct Complete;
 impl<S: TransactionalStore, T: Serialize> Seal<S, T> for Complete {
     fn encode(&self, value: &T) -> Result<Vec<u8>, Error> {
         encode_outcome(&Ok::<&T, ()>(value))
-    }
-
-    fn seal<'t>(
-        &'t self,
-        store: &'t S,
-        transaction: &'t mut S::Transaction,
-        lease: &'t Lease,
-        bytes: Vec<u8>,
-    ) -> BoxFuture<'t, Result<(), Error>> {
-        Box::pin(async move { store.complete_in(transaction, lease, &bytes).await })
     }
 }
 

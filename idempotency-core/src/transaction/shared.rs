@@ -50,16 +50,6 @@ where
     fn encode(&self, value: &T) -> Result<Vec<u8>, Error> {
         Ok((self.0)(value))
     }
-
-    fn seal<'t>(
-        &'t self,
-        store: &'t S,
-        transaction: &'t mut S::Transaction,
-        lease: &'t Lease,
-        bytes: Vec<u8>,
-    ) -> BoxFuture<'t, Result<(), Error>> {
-        Box::pin(async move { store.complete_in(transaction, lease, &bytes).await })
-    }
 }
 
 impl SharedClaim {

@@ -140,60 +140,25 @@ async fn one_call_exactly_once_at_every_isolation_level() {
             .layer(IdempotencyLayer::shared(engine).required(true))
             .with_state(app);
         let (base, task) = idempotency_http_conformance::server::serve(router).await;
-        let client = reqwest::Client::builder()
-            .no_proxy()
-            .build()
-            .expect("client");
-        let post = |key: String| {
-            let (client, url) = (client.clone(), format!("{base}/orders"));
-            async move {
-                let resp = client
-                    .post(url)
-                    .header("idempotency-key", key)
-                    .header("content-type", "application/json")
-                    .body("{}")
-                    .send()
-                    .await
-                    .expect("sent");
-                let status = resp.status().as_u16();
-                (status, resp.text().await.expect("body"))
-            }
-        };
-        for i in 0..6 {
-            let key = format!("order-{i}");
-            let sent: Vec<(u16, String)> =
-                futures::future::join_all((0..3).map(|_| post(key.clone()))).await;
-            assert!(
-                sent.iter()
-                    .all(|(status, _)| *status == 201 || *status == 409),
-                "{level:?} {key}: {sent:?}"
-            );
-            let answers: Vec<&String> = sent
-                .iter()
-                .filter(|(status, _)| *status == 201)
-                .map(|(_, body)| body)
-                .collect();
-            assert!(!answers.is_empty(), "{level:?} {key}: {sent:?}");
-            let retry = loop {
-                let (status, body) = post(key.clone()).await;
-                if status != 409 {
-                    break (status, body);
+        let label = format!("{level:?}");
+        idempotency_http_conformance::settled::one_answer_and_one_row_per_key(
+            &label,
+            &base,
+            |key| {
+                let (pool, count) = (
+                    pool.clone(),
+                    format!("SELECT count(*) FROM {table} WHERE k = ?"),
+                );
+                async move {
+                    sqlx::query_scalar::<_, i64>(&count)
+                        .bind(key)
+                        .fetch_one(&pool)
+                        .await
+                        .expect("count")
                 }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            };
-            assert_eq!(retry.0, 201, "{level:?} {key}: {retry:?}");
-            assert!(
-                answers.iter().all(|a| **a == retry.1),
-                "{level:?} {key}: {sent:?} then {retry:?}"
-            );
-            let rows: i64 =
-                sqlx::query_scalar(&format!("SELECT count(*) FROM {table} WHERE k = ?"))
-                    .bind(&key)
-                    .fetch_one(&pool)
-                    .await
-                    .expect("count");
-            assert_eq!(rows, 1, "{level:?} {key}: one order per key");
-        }
+            },
+        )
+        .await;
         task.abort();
         idempotency_testing::mysql::exec(&format!("DROP TABLE IF EXISTS {table}")).await;
     }
