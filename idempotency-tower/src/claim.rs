@@ -12,6 +12,7 @@ use idempotency_core::{
 };
 use std::convert::Infallible;
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -214,7 +215,7 @@ impl ClaimedKey {
     /// |---|---|---|
     /// | committed | completed with `work`'s response; retries replay it | `work`'s response |
     /// | was fenced (the lease passed, another request took the key over) | the other request's | `409` `idempotency-key-lease-lost` |
-    /// | rolled back (`work`'s `Err`, a refused commit, a response over the limit) | released at once: a retry runs the handler | the error's problem document (`503` for a store error) |
+    /// | rolled back (`work`'s `Err`, a refused commit, a response over the limit) | released at once: a retry runs the handler | `500` `handler-failed` for `work`'s `Err`; `503` `idempotency-store-unavailable` for the store's |
     /// | sent its commit and lost the answer | held until its lease passes, then a retry finds it completed or runs it | `503` `idempotency-store-unavailable` |
     ///
     /// `work`'s `Err` is a database error: its transaction rolls back. Answer a refusal of
@@ -229,13 +230,15 @@ impl ClaimedKey {
         F: for<'t> FnMut(&'t mut S::Transaction) -> BoxFuture<'t, Result<Response<Bytes>, Error>>
             + Send,
     {
+        // Whether the last attempt ended in `work`'s own error (not the store's).
+        let work_failed = Arc::new(AtomicBool::new(false));
         let end = self
             .shared
             .claim
             .run_in_transaction(
                 store,
                 |prepared: &Prepared| prepared.outcome.clone(),
-                preparing(self, &mut work),
+                preparing(self, &mut work, &work_failed),
             )
             .await;
         let answer = |refusal: Refusal| {
@@ -258,7 +261,12 @@ impl ClaimedKey {
             TransactionEnd::RolledBack(e) => {
                 tracing::warn!(error = %e, "the handler's transaction rolled back; the key is released");
                 self.rolled_back();
-                answer(Refusal::from(&e))
+                // The handler's own statement failed: its error, not the key store's.
+                if work_failed.load(Ordering::Relaxed) {
+                    answer(Refusal::HandlerFailed)
+                } else {
+                    answer(Refusal::from(&e))
+                }
             }
             TransactionEnd::Unknown(e) => {
                 tracing::warn!(error = %e, "the handler's commit may or may not have applied; the key is held");
@@ -287,6 +295,7 @@ impl ClaimedKey {
 fn preparing<'w, T, F>(
     claim: &'w ClaimedKey,
     work: &'w mut F,
+    work_failed: &'w Arc<AtomicBool>,
 ) -> impl for<'t> FnMut(
     &'t mut T,
     WorkContext,
@@ -299,9 +308,11 @@ where
 {
     move |transaction, _context| {
         let response = work(transaction);
-        let claim = claim.clone();
+        let (claim, work_failed) = (claim.clone(), work_failed.clone());
         Box::pin(async move {
-            let response = response.await?;
+            let response = response.await;
+            work_failed.store(response.is_err(), Ordering::Relaxed);
+            let response = response?;
             claim
                 .prepare(response)
                 .map(Ok)

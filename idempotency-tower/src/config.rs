@@ -96,6 +96,8 @@ pub(crate) struct Config {
     pub(crate) key_validator: Option<Arc<KeyValidatorFn>>,
     pub(crate) replayed_marker: Option<(HeaderName, HeaderValue)>,
     pub(crate) response_hook: Option<Arc<ResponseHookFn>>,
+    /// The handler claims the key itself ([`IdempotencyLayer::handler_claims`]).
+    pub(crate) handler_claims: bool,
 }
 
 impl Config {
@@ -124,6 +126,7 @@ impl Config {
             key_validator: None,
             replayed_marker: Some((IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"))),
             response_hook: None,
+            handler_claims: false,
         }
     }
 

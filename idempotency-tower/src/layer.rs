@@ -206,6 +206,20 @@ impl IdempotencyLayer {
         self.edit(|c| c.fail_open = fail_open)
     }
 
+    /// The handler claims the key itself, on the layer's reading of the request: the layer
+    /// parses the key, identifies the caller, buffers the body and builds the scope and the
+    /// fingerprint (refusing what it must, as on every route), then runs the handler with a
+    /// [`RequestKey`](crate::RequestKey) in the request's extensions **without claiming the
+    /// key**. The handler runs its operation under that key (`run_phases` for a multi-step
+    /// operation, `run_in_transaction` for work in its own transaction) and hands the call to
+    /// [`RequestKey::run`](crate::RequestKey::run); the layer adds the replay header to a
+    /// replayed answer, writes refusals with its responder, and runs the handler to its end if
+    /// the client disconnects. Nothing is stored by the layer: the operation's own record is
+    /// the key's, so put such routes behind a layer of their own (`route_layer`).
+    pub fn handler_claims(self) -> Self {
+        self.edit(|c| c.handler_claims = true)
+    }
+
     /// How refusals are written (default [`ProblemJson`]).
     pub fn responder(self, responder: impl RefusalResponder) -> Self {
         let responder = Arc::new(responder);

@@ -12,6 +12,7 @@ mod key;
 mod layer;
 mod observe;
 mod problem;
+mod request_key;
 mod service;
 mod stored;
 
@@ -31,6 +32,9 @@ pub use key::{read_key, read_key_header, KeyHeaderError};
 pub use layer::IdempotencyLayer;
 pub use observe::{HttpDecision, HttpOutcome};
 pub use problem::{retry_after_secs, ProblemJson, Refusal, RefusalResponder, PROBLEM_JSON};
+#[cfg(feature = "axum")]
+pub use request_key::NoRequestKey;
+pub use request_key::RequestKey;
 pub use service::{http_scope, IdempotencyService};
 pub use stored::{DecodeError, NotReplayable, StoredResponse};
 

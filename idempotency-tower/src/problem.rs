@@ -356,13 +356,17 @@ pub(crate) fn add_headers(
 }
 
 /// With the `axum` feature a refusal is a response: the default problem document
-/// ([`ProblemJson::response`]).
+/// ([`ProblemJson::response`]). The response carries the refusal in its extensions, so that
+/// behind a layer with [`handler_claims`](crate::IdempotencyLayer::handler_claims) the layer
+/// writes it with its own responder and problem types instead.
 #[cfg(feature = "axum")]
 impl axum::response::IntoResponse for Refusal {
     fn into_response(self) -> axum::response::Response {
-        ProblemJson::default()
+        let mut resp = ProblemJson::default()
             .response(&self)
-            .map(axum::body::Body::from)
+            .map(axum::body::Body::from);
+        resp.extensions_mut().insert(self);
+        resp
     }
 }
 

@@ -9,6 +9,7 @@ use crate::headers::{CONNECTION, CONTENT_LENGTH, DIGEST};
 use crate::hooks::ResponseContext;
 use crate::observe::{record_decision, record_outcome, HttpDecision, HttpOutcome};
 use crate::problem::Refusal;
+use crate::request_key::RequestKey;
 use crate::stored::{NotReplayable, StoredResponse};
 use crate::{read_key_header, KeyHeaderError, RequestBody, ResponseBody};
 use bytes::Bytes;
@@ -255,7 +256,12 @@ where
     };
     let fingerprint = fingerprint(&config, &parts, &body);
     let id = RecordId::new(scope, key);
-    let req = Request::from_parts(parts, RequestBody::buffered(body));
+    let mut req = Request::from_parts(parts, RequestBody::buffered(body));
+    if config.handler_claims {
+        let handed = RequestKey::new(id, fingerprint);
+        req.extensions_mut().insert(handed.clone());
+        return hand_over(inner, config, req, handed).await;
+    }
 
     let began = Instant::now();
     match config.engine.begin(&id, &fingerprint).await {
@@ -458,16 +464,72 @@ where
             // The handler panicked: its key was settled for good as not stored, or released
             // when its transaction rolled back or the layer releases unstored answers (and left
             // as it was when the handler settled it itself).
-            let message = panic
-                .downcast_ref::<&str>()
-                .copied()
-                .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
-                .unwrap_or("(no message)");
-            tracing::error!(panic = message, "the handler panicked");
+            tracing::error!(panic = panic_message(&panic), "the handler panicked");
             record_outcome(HttpOutcome::HandlerPanicked);
             Ok(refuse(&config, Refusal::HandlerFailed))
         }
     }
+}
+
+/// Runs the handler that claims the key itself ([`RequestKey`]), where the request is
+/// awaited and to its end if the client disconnects, as [`execute`] does; then marks a
+/// replayed answer and writes a refusal the handler returned with the layer's responder.
+async fn hand_over<S, ReqB, ResB>(
+    mut inner: S,
+    config: Arc<Config>,
+    req: Request<RequestBody<ReqB>>,
+    handed: RequestKey,
+) -> Result<Answer<ResB>, S::Error>
+where
+    S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqB: Body<Data = Bytes> + Send + 'static,
+    ResB: Body<Data = Bytes> + Send + 'static,
+    ResB::Error: Into<BoxError>,
+{
+    let work = inner.call(req).instrument(tracing::Span::current());
+    let resp = match Detachable::new(work).await {
+        Ok(resp) => resp?,
+        Err(panic) => {
+            tracing::error!(panic = panic_message(&panic), "the handler panicked");
+            record_outcome(HttpOutcome::HandlerPanicked);
+            return Ok(refuse(&config, Refusal::HandlerFailed));
+        }
+    };
+    if let Some(refusal) = resp.extensions().get::<Refusal>().cloned() {
+        record_decision(match refusal {
+            Refusal::InProgress { .. } => HttpDecision::InProgress,
+            Refusal::KeyReused => HttpDecision::Mismatch,
+            Refusal::StoreUnavailable(_) => HttpDecision::StoreUnavailable,
+            _ => HttpDecision::Refused,
+        });
+        let refusal = match refusal {
+            Refusal::InProgress { retry_after } => Refusal::InProgress {
+                retry_after: retry_after.min(config.max_retry_after),
+            },
+            other => other,
+        };
+        return Ok(refuse(&config, refusal));
+    }
+    let mut resp = resp.map(ResponseBody::inner);
+    if handed.replayed() {
+        record_decision(HttpDecision::Replayed);
+        if let Some((name, value)) = &config.replayed_marker {
+            resp.headers_mut().insert(name.clone(), value.clone());
+        }
+    } else {
+        record_decision(HttpDecision::Executed);
+    }
+    Ok(with_hook(&config, handed.key(), resp, None, None))
+}
+
+fn panic_message(panic: &crate::detach::Panic) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(no message)")
 }
 
 /// Counts `why` and releases the key: the handler did nothing, or the layer is told so.

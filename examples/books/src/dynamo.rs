@@ -10,8 +10,7 @@ use idempotency_dynamodb::aws_sdk_dynamodb::types::{
     ScalarAttributeType,
 };
 use idempotency_dynamodb::aws_sdk_dynamodb::{self, Client};
-use idempotency_dynamodb::{DynamoStore, DynamoTransaction};
-use idempotency_tower::ClaimedKey;
+use idempotency_dynamodb::DynamoStore;
 use std::collections::HashMap;
 
 type Item = HashMap<String, AttributeValue>;
@@ -85,7 +84,7 @@ impl DynamoBooks {
     }
 
     /// The conditional put of a new book: its id must be free.
-    fn put(&self, book: &Book) -> Result<Put, RepoError> {
+    pub(crate) fn put(&self, book: &Book) -> Result<Put, RepoError> {
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_millis());
@@ -118,27 +117,9 @@ impl DynamoBooks {
     }
 
     /// The book's put and the key's completion in one `TransactWriteItems`.
-    pub(crate) async fn create_completing(
-        &self,
-        book: &Book,
-        claim: &ClaimedKey,
-        outcome: &[u8],
-    ) -> Result<(), RepoError> {
-        let mut writes = DynamoTransaction::default();
-        writes.put(self.put(book)?)?;
-        match self
-            .records
-            .complete_with(writes, claim.id(), claim.token(), outcome, claim.ttl())
-            .await
-        {
-            Ok(()) => Ok(()),
-            // The transaction may have applied (an answer lost that its nonce could not
-            // settle, a server error): both writes, or neither.
-            Err(e @ idempotency_core::Error::OutcomeUnknown { .. }) => {
-                Err(RepoError::CommitUnknown(e.to_string()))
-            }
-            Err(e) => Err(e.into()),
-        }
+    /// The records' store, whose completion joins a create's transaction.
+    pub(crate) fn records(&self) -> &DynamoStore {
+        &self.records
     }
 
     pub(crate) async fn get(&self, id: &str) -> Result<Option<Versioned>, RepoError> {

@@ -591,41 +591,23 @@ async fn create(
         Err(issues) => return validation_failed(issues),
     };
     let book = Book::new(uuid::Uuid::new_v4().to_string(), input);
-    let response = created_response(&book);
     let Some(claim) = claim.filter(|_| state.books.completes_in_transaction()) else {
         return match state.books.create(&book).await {
-            Ok(()) => response.map(axum::body::Body::from).into_response(),
+            Ok(()) => created_response(&book)
+                .map(axum::body::Body::from)
+                .into_response(),
             Err(e) => internal(e),
         };
     };
-    let prepared = match claim.prepare(response) {
-        Ok(prepared) => prepared,
-        Err(e) => return internal(e),
-    };
+    // The book row and the stored 201 commit together, and the key is settled with the
+    // layer whatever the end: a retry gets the 201 replayed, or creates the book once.
     match state
         .books
-        .create_completing(&book, &claim, prepared.outcome())
+        .create_completing(&book, &claim, created_response)
         .await
     {
-        Ok(()) => prepared
-            .committed()
-            .map(axum::body::Body::from)
-            .into_response(),
-        Err(RepoError::LeaseLost) => {
-            // Rolled back: the request that took the key over creates the book. The layer
-            // answers 409 lease-lost in place of this response.
-            claim.lease_lost();
-            internal(RepoError::LeaseLost)
-        }
-        // The book and the completion may have committed: the layer stores this 500 unless
-        // the commit completed the key first (then every retry gets the 201 replayed).
-        Err(e @ RepoError::CommitUnknown(_)) => internal(e),
-        Err(e) => {
-            // Nothing was written, book or record: the key is released and the retry
-            // creates the book.
-            claim.rolled_back();
-            internal(e)
-        }
+        Ok(resp) => resp.map(axum::body::Body::from).into_response(),
+        Err(e) => internal(e),
     }
 }
 

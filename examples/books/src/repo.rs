@@ -8,12 +8,16 @@
 
 use crate::book::{Book, BookInput};
 use crate::dynamo::DynamoBooks;
+use bytes::Bytes;
+use http::Response;
+use idempotency_core::Error;
+use idempotency_dynamodb::DynamoTransaction;
 use idempotency_mysql::sqlx::mysql::MySqlRow;
 use idempotency_mysql::sqlx::{MySqlConnection, MySqlPool};
-use idempotency_mysql::{MysqlStore, TableName as MysqlTableName};
+use idempotency_mysql::{MysqlStore, MysqlTransaction, TableName as MysqlTableName};
 use idempotency_postgres::sqlx::{self, PgPool, Row as _};
-use idempotency_postgres::PostgresStore;
-use idempotency_sqlite::SqliteStore;
+use idempotency_postgres::{PostgresStore, PostgresTransaction};
+use idempotency_sqlite::{SqliteStore, SqliteTransaction};
 use idempotency_tower::ClaimedKey;
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 use std::path::Path;
@@ -39,37 +43,6 @@ pub enum RepoError {
     /// The blocking task running the statement failed.
     #[error("books database task failed: {0}")]
     Task(String),
-    /// The completion in the book's transaction was fenced: the request's lease had passed
-    /// and another request holds the key. Nothing was written.
-    #[error("the idempotency lease was lost; the book was not written")]
-    LeaseLost,
-    /// The completion in the book's transaction failed otherwise; nothing was written.
-    #[error("the idempotency completion failed: {0}")]
-    Completion(idempotency_core::Error),
-    /// The commit of the book's transaction was sent and its outcome is not known (the
-    /// connection was lost before its answer): the book and the key's completion may both
-    /// have committed, or neither. Every other error of
-    /// [`BookRepo::create_completing`] means nothing was written.
-    #[error("the commit's outcome is unknown: {0}")]
-    CommitUnknown(String),
-}
-
-/// A failed `COMMIT` over sqlx: refused by the server (it answered with an error: the
-/// transaction rolled back) or of unknown outcome (no answer).
-fn commit_error(e: sqlx::Error, refused: fn(sqlx::Error) -> RepoError) -> RepoError {
-    match e {
-        sqlx::Error::Database(_) => refused(e),
-        e => RepoError::CommitUnknown(e.to_string()),
-    }
-}
-
-impl From<idempotency_core::Error> for RepoError {
-    fn from(e: idempotency_core::Error) -> Self {
-        match e {
-            idempotency_core::Error::LeaseLost { .. } => Self::LeaseLost,
-            e => Self::Completion(e),
-        }
-    }
 }
 
 /// The result of a conditional update.
@@ -284,7 +257,7 @@ impl BookRepo {
             }
             Backend::Postgres { pool, table, .. } => {
                 let mut conn = pool.acquire().await?;
-                insert_postgres(&mut conn, table, book).await
+                Ok(insert_postgres(&mut conn, table, book).await?)
             }
             Backend::Mysql { pool, table, .. } => {
                 let mut conn = pool.acquire().await.map_err(RepoError::Mysql)?;
@@ -296,71 +269,75 @@ impl BookRepo {
         }
     }
 
-    /// Inserts `book` and completes the request's key with `outcome` in **one transaction**:
-    /// both commit or neither does. [`RepoError::LeaseLost`] if the lease had passed and
-    /// another request holds the key (the book is not written);
-    /// [`RepoError::CommitUnknown`] if the commit's answer was lost (both may have committed);
-    /// any other error: nothing was written. Needs [`BookRepo::completes_in_transaction`].
+    /// Inserts `book` and completes the request's key with the response `answer` builds, in
+    /// **one transaction** ([`ClaimedKey::run_in_transaction`]): both commit or neither does,
+    /// and the key is settled with the layer whatever the end (a conflict runs the transaction
+    /// again; a fenced completion answers `409`; a rollback releases the key). Returns the
+    /// response to send. Needs [`BookRepo::completes_in_transaction`].
     pub async fn create_completing(
         &self,
         book: &Book,
         claim: &ClaimedKey,
-        outcome: &[u8],
-    ) -> Result<(), RepoError> {
-        match &self.backend {
-            Backend::Sqlite { conn, records } => {
-                let Some(records) = records.clone() else {
+        answer: fn(&Book) -> Response<Bytes>,
+    ) -> Result<Response<Bytes>, RepoError> {
+        Ok(match &self.backend {
+            Backend::Sqlite { records, .. } => {
+                let Some(records) = records else {
                     return Err(RepoError::Task(
                         "the idempotency records are not in the books' database".into(),
                     ));
                 };
-                let (row, claim, outcome) = (book.clone(), claim.clone(), outcome.to_vec());
-                Self::sqlite(conn, move |c| {
-                    let tx = c.transaction_with_behavior(TransactionBehavior::Immediate)?;
-                    insert_sqlite(&tx, &row)?;
-                    // Fenced: `tx` is dropped on return, rolling the insert back.
-                    records.complete_in(&tx, claim.id(), claim.token(), &outcome, claim.ttl())?;
-                    tx.commit()?;
-                    Ok(())
-                })
-                .await
-            }
-            Backend::Postgres {
-                pool,
-                table,
-                records,
-            } => {
-                let mut tx = pool.begin().await?;
-                insert_postgres(&mut tx, table, book).await?;
-                // Fenced: `tx` is dropped on return, rolling the insert back.
-                records
-                    .complete_in(&mut tx, claim.id(), claim.token(), outcome, claim.ttl())
-                    .await?;
-                tx.commit()
+                claim
+                    .run_in_transaction(records, |tx: &mut SqliteTransaction| {
+                        let row = book.clone();
+                        Box::pin(async move {
+                            let written = row.clone();
+                            tx.run(move |t| insert_sqlite(t, &written))
+                                .await?
+                                .map_err(|e| Error::backend(false, e))?;
+                            Ok(answer(&row))
+                        })
+                    })
                     .await
-                    .map_err(|e| commit_error(e, RepoError::Postgres))?;
-                Ok(())
             }
-            Backend::Mysql {
-                pool,
-                table,
-                records,
-            } => {
-                let mut tx = pool.begin().await.map_err(RepoError::Mysql)?;
-                insert_mysql(&mut tx, table, book)
+            Backend::Postgres { table, records, .. } => {
+                claim
+                    .run_in_transaction(records, |tx: &mut PostgresTransaction| {
+                        let (table, row) = (table.clone(), book.clone());
+                        Box::pin(async move {
+                            insert_postgres(tx.connection(), &table, &row)
+                                .await
+                                .map_err(idempotency_postgres::database_error)?;
+                            Ok(answer(&row))
+                        })
+                    })
                     .await
-                    .map_err(RepoError::Mysql)?;
-                // Fenced: `tx` is dropped on return, rolling the insert back.
-                records
-                    .complete_in(&mut tx, claim.id(), claim.token(), outcome, claim.ttl())
-                    .await?;
-                tx.commit()
-                    .await
-                    .map_err(|e| commit_error(e, RepoError::Mysql))?;
-                Ok(())
             }
-            Backend::Dynamo(books) => books.create_completing(book, claim, outcome).await,
-        }
+            Backend::Mysql { table, records, .. } => {
+                claim
+                    .run_in_transaction(records, |tx: &mut MysqlTransaction| {
+                        let (table, row) = (table.clone(), book.clone());
+                        Box::pin(async move {
+                            insert_mysql(tx.connection(), &table, &row)
+                                .await
+                                .map_err(idempotency_mysql::database_error)?;
+                            Ok(answer(&row))
+                        })
+                    })
+                    .await
+            }
+            Backend::Dynamo(books) => {
+                claim
+                    .run_in_transaction(books.records(), |tx: &mut DynamoTransaction| {
+                        let (put, row) = (books.put(book), book.clone());
+                        Box::pin(async move {
+                            tx.put(put.map_err(|e| Error::backend(false, e))?)?;
+                            Ok(answer(&row))
+                        })
+                    })
+                    .await
+            }
+        })
     }
 
     /// One book.
@@ -541,7 +518,7 @@ async fn insert_postgres(
     conn: &mut sqlx::PgConnection,
     table: &str,
     book: &Book,
-) -> Result<(), RepoError> {
+) -> Result<(), sqlx::Error> {
     sqlx::query(&format!(
         "INSERT INTO {table} (id, title, author, year, summary) VALUES ($1, $2, $3, $4, $5)"
     ))

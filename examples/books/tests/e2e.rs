@@ -66,7 +66,7 @@ async fn a_create_whose_transaction_rolled_back_is_run_again_by_its_retry() {
         )
         .unwrap();
     let failed = s.create("rolled-back", &kindred()).send().await.unwrap();
-    problem(failed, 500, "internal").await;
+    problem(failed, 500, "handler-failed").await;
     assert_eq!(s.count().await, 0);
     books().execute_batch("DROP TRIGGER refuse_books;").unwrap();
     let retry = s.create("rolled-back", &kindred()).send().await.unwrap();

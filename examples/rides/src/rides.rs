@@ -1,5 +1,6 @@
-//! The rides service: `POST /rides` books a ride in three phases with
-//! `Idempotency::run_phases`, and a completer finishes bookings whose process died.
+//! The rides service: `POST /rides` books a ride in three phases with `run_phases`, behind the
+//! idempotency layer (which reads the key and answers refusals), and a completer finishes
+//! bookings whose process died.
 
 use crate::crash::CrashPoints;
 use crate::payments::{Charge, ChargeRequest};
@@ -9,14 +10,12 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::Router;
 use bytes::Bytes;
-use http::{HeaderMap, HeaderValue, StatusCode};
-use idempotency_core::{
-    Answer, Completer, Fingerprint, Idempotency, IdempotencyKey, PhaseContext, Phases, Scope,
-};
+use http::StatusCode;
+use idempotency_core::{Completer, IdempotencyKey, PhaseContext, Phases, Policy};
 use idempotency_reqwest::{IdempotencyMiddleware, IdempotentRequestExt, RetryPolicy};
 use idempotency_sqlite::rusqlite::params;
-use idempotency_sqlite::{SqliteStore, SqliteTransaction};
-use idempotency_tower::{read_key_header, ProblemJson, Refusal as HttpRefusal, IDEMPOTENCY_KEY};
+use idempotency_sqlite::{SqliteIdempotency, SqliteStore, SqliteTransaction};
+use idempotency_tower::{IdempotencyLayer, Refusal, RequestKey};
 use reqwest_middleware::ClientWithMiddleware;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -267,8 +266,7 @@ fn booking(
 }
 
 struct App {
-    store: SqliteStore,
-    engine: Idempotency,
+    idempotency: SqliteIdempotency,
     payments: Payments,
     crash: CrashPoints,
 }
@@ -277,10 +275,12 @@ struct App {
 /// configuration says so.
 pub async fn start(config: &Config, port: u16) -> Result<Running, Box<dyn std::error::Error>> {
     let store = open_store(&config.db, TABLES).await?;
-    let engine = Idempotency::builder(store.clone())
+    let policy = Policy::default()
         .lease(config.lease)
-        .retention(Duration::from_secs(24 * 3600))
-        .build()?;
+        .ttl(Duration::from_secs(24 * 3600));
+    // One engine over the store: the layer and the completer take its plain half.
+    let idempotency = SqliteIdempotency::new(store.clone(), policy)?;
+    let engine = idempotency.engine().clone();
     let payments = Payments::new(config.payments.clone());
     let mut maintenance = engine.maintain();
     if config.completer {
@@ -292,95 +292,79 @@ pub async fn start(config: &Config, port: u16) -> Result<Running, Box<dyn std::e
             .retry_failed_after(Duration::from_secs(1));
         maintenance = maintenance.complete(completer, Duration::from_millis(200));
     }
+    // The layer reads the key (both forms), names the rider, fingerprints the request and
+    // answers refusals; the handler runs the booking under that key itself.
+    let layer = IdempotencyLayer::per_caller(engine.clone(), rider)
+        .required(true)
+        .problem_type_base(crate::PROBLEM_BASE)
+        .handler_claims();
     let app = Arc::new(App {
-        store,
-        engine,
+        idempotency,
         payments,
         crash: config.crash.clone(),
     });
-    let router = Router::new().route("/rides", post(book)).with_state(app);
+    let router = Router::new()
+        .route("/rides", post(book))
+        .route_layer(layer)
+        .with_state(app);
     Ok(serve(router, port, maintenance).await?)
 }
 
-/// The rider making the request, from `Authorization: Bearer <token>`, as the key space of
-/// their keys: two riders who pick the same key make two bookings, and neither is ever
+/// The rider making the request, from `Authorization: Bearer <token>`: each rider's keys are
+/// their own, so two riders who pick the same key make two bookings, and neither is ever
 /// answered with the other's. (The example accepts any token; it stands for whatever your
-/// authentication establishes.)
-fn rider_scope(headers: &HeaderMap) -> Option<Scope> {
-    let rider = headers
+/// authentication establishes.) No rider: `401`.
+fn rider(parts: &http::request::Parts) -> Option<String> {
+    let rider = parts
+        .headers
         .get(http::header::AUTHORIZATION)?
         .to_str()
         .ok()?
         .strip_prefix("Bearer ")?
         .trim();
-    if rider.is_empty() {
-        return None;
-    }
-    Scope::from_parts(["rides", rider]).ok()
-}
-
-/// The layer's answer to `refusal` under this service's problem types, headers included.
-fn refused(refusal: &HttpRefusal) -> Response {
-    ProblemJson::new(crate::PROBLEM_BASE)
-        .response(refusal)
-        .map(axum::body::Body::from)
-        .into_response()
+    (!rider.is_empty()).then(|| rider.to_owned())
 }
 
 /// `POST /rides` with an `Idempotency-Key`, by a rider named in `Authorization: Bearer`.
-async fn book(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
-    let Some(scope) = rider_scope(&headers) else {
-        return refused(&HttpRefusal::CallerUnidentified);
+async fn book(
+    State(app): State<Arc<App>>,
+    request: RequestKey,
+    body: Bytes,
+) -> Result<Response, Refusal> {
+    let ride: BookRide = match serde_json::from_slice(&body) {
+        Ok(ride) => ride,
+        Err(e) => {
+            return Ok(problem(
+                StatusCode::BAD_REQUEST,
+                "bad-booking",
+                e.to_string(),
+            ))
+        }
     };
-    // The layer's reader: the bare and the quoted (structured field) form, one header.
-    let key = match read_key_header(&headers, &IDEMPOTENCY_KEY) {
-        Ok(Some(key)) => key,
-        Ok(None) => return refused(&HttpRefusal::KeyRequired),
-        Err(e) => return refused(&HttpRefusal::KeyInvalid(e)),
-    };
-    let request: BookRide = match serde_json::from_slice(&body) {
-        Ok(request) => request,
-        Err(e) => return problem(StatusCode::BAD_REQUEST, "bad-booking", e.to_string()),
-    };
-    let fingerprint = match Fingerprint::from_json_slice(&body) {
-        Ok(fingerprint) => fingerprint,
-        Err(e) => return problem(StatusCode::BAD_REQUEST, "bad-booking", e.to_string()),
-    };
+    let key = request.key();
     let phases = booking(
-        Some((key.clone(), request)),
+        Some((key.clone(), ride)),
         app.payments.clone(),
         app.crash.clone(),
     );
-    let ran = app
-        .engine
-        .run_phases(&app.store, &key, &scope, &fingerprint, phases)
-        .await;
-    let (replayed, ended) = match ran {
-        Ok(Answer::Executed(ended)) => (false, ended),
-        Ok(Answer::Replayed(ended)) => (true, ended),
-        // In progress, key reused, failed for good, outcome lost: the layer's answers
-        // (problem documents, `Retry-After`), not hand-written ones.
-        Ok(Answer::Refused(refusal)) => return refused(&HttpRefusal::from(refusal)),
-        Err(e) => {
-            tracing::error!(error = %e, "a booking failed");
-            return refused(&HttpRefusal::from(&e));
-        }
-    };
-    let mut resp = match ended {
+    let booking = app
+        .idempotency
+        .run_phases(key, request.scope(), request.fingerprint(), phases);
+    // In progress, key reused, failed for good, outcome lost: the layer's answers.
+    match request.run(booking).await? {
         Ok(booking) => {
-            if !replayed {
+            if !request.replayed() {
                 app.crash.reached("answered", key.as_str()).await;
             }
-            (StatusCode::CREATED, axum::Json(booking)).into_response()
+            Ok((StatusCode::CREATED, axum::Json(booking)).into_response())
         }
         // Recorded as a retryable failure: the same request later resumes the booking.
-        Err(e) => retry_later(StatusCode::SERVICE_UNAVAILABLE, "booking-failed", e),
-    };
-    if replayed {
-        resp.headers_mut()
-            .insert("idempotent-replayed", HeaderValue::from_static("true"));
+        Err(e) => Ok(retry_later(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "booking-failed",
+            e,
+        )),
     }
-    resp
 }
 
 #[cfg(test)]

@@ -3,6 +3,7 @@
 //! runs one module).
 
 mod exactly_once;
+mod handler_claims;
 mod http_semantics;
 mod metrics;
 mod observability;
