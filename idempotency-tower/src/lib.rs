@@ -37,10 +37,3 @@ pub use request_key::NoRequestKey;
 pub use request_key::RequestKey;
 pub use service::{http_scope, IdempotencyService};
 pub use stored::{DecodeError, NotReplayable, StoredResponse};
-
-/// The workspace README's examples (the engine quickstart and the layer in front of an axum
-/// service), compiled and run as doctests of this crate, where the quickstart ends, so that
-/// they stay true.
-#[cfg(doctest)]
-#[doc = include_str!("../../README.md")]
-pub struct WorkspaceReadme;

@@ -43,3 +43,10 @@ pub use idempotency_tower as tower;
 /// The HTTP client half (feature `reqwest`): [`reqwest::IdempotencyMiddleware`].
 #[cfg(feature = "reqwest")]
 pub use idempotency_reqwest as reqwest;
+
+/// The workspace README's examples (the quickstart and every path of "Pick your path"),
+/// compiled and run as doctests of this crate, which has every feature in its tests, so that
+/// they stay true.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+pub struct WorkspaceReadme;
