@@ -15,7 +15,7 @@ use idempotency_core::{
     RecordStatus, Scope,
 };
 use idempotency_mysql::sqlx;
-use idempotency_mysql::MysqlStore;
+use idempotency_mysql::MySqlStore;
 use libfuzzer_sys::fuzz_target;
 use std::sync::OnceLock;
 use std::time::Duration;
@@ -74,7 +74,7 @@ struct Row {
 
 struct State {
     runtime: tokio::runtime::Runtime,
-    store: MysqlStore,
+    store: MySqlStore,
     table: String,
     now_ms: i64,
 }
@@ -93,7 +93,7 @@ fn state() -> &'static State {
         let name = format!("idempotency_fuzz_{}", std::process::id());
         let table = format!("`{name}`");
         let (store, now_ms) = runtime.block_on(async {
-            let store = MysqlStore::builder()
+            let store = MySqlStore::builder()
                 .table(&name)
                 .max_connections(2)
                 .connect(&url())
@@ -181,8 +181,8 @@ impl Ms {
 fuzz_target!(|row: Row| {
     let s = state();
     let id = RecordId::new(
-        Scope::new("fuzz").expect("valid scope"),
         IdempotencyKey::new("k").expect("valid key"),
+        Scope::new("fuzz").expect("valid scope"),
     );
     let status = match &row.status {
         Status::Null => None,

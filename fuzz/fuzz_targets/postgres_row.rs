@@ -176,8 +176,8 @@ fn ts(n: usize) -> String {
 fuzz_target!(|row: Row| {
     let s = state();
     let id = RecordId::new(
-        Scope::new("fuzz").expect("valid scope"),
         IdempotencyKey::new("k").expect("valid key"),
+        Scope::new("fuzz").expect("valid scope"),
     );
     let status = match &row.status {
         Status::Null => None,

@@ -120,8 +120,8 @@ struct Input {
 
 fuzz_target!(|input: Input| {
     let id = RecordId::new(
-        Scope::new("fuzz").expect("valid scope"),
         IdempotencyKey::new("k").expect("valid key"),
+        Scope::new("fuzz").expect("valid scope"),
     );
     if let Ok(record) = __fuzz::decode_record(&id, &input.stored.bytes()) {
         assert_eq!(record.id, id);

@@ -32,8 +32,8 @@ fn text(row: &Row) -> String {
 
 fn id(key: &str) -> RecordId {
     RecordId::new(
-        Scope::new("bad-inputs").expect("scope"),
         IdempotencyKey::new(key).expect("key"),
+        Scope::new("bad-inputs").expect("scope"),
     )
 }
 
@@ -216,7 +216,7 @@ async fn check(row: &Row, dir: &Path) -> String {
         "engine policy" => {
             let policy = match row.example.as_str() {
                 "lease = 0" => Policy::default().lease(Duration::ZERO),
-                "ttl = 0" => Policy::default().ttl(Duration::ZERO),
+                "retention = 0" => Policy::default().retention(Duration::ZERO),
                 "heartbeat = 1.0" => Policy::default().heartbeat(Some(1.0)),
                 other => panic!("README line {}: unknown policy {other}", row.line),
             };

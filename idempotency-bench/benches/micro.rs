@@ -19,8 +19,8 @@ use tower::ServiceExt;
 fn record() -> Record {
     Record {
         id: RecordId::new(
-            Scope::new("tenant|POST /orders").expect("scope"),
             IdempotencyKey::new("k").expect("key"),
+            Scope::new("tenant|POST /orders").expect("scope"),
         ),
         fingerprint: Fingerprint::from_bytes(b"a"),
         status: RecordStatus::Completed,

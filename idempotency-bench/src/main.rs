@@ -335,7 +335,7 @@ async fn bench_backend(b: &Backend, args: &Args, targets: &mut Targets) -> Resul
         let ours = harness::measure(
             clients,
             budget,
-            |c, i| RecordId::new(harness::scope(), harness::key(&t, c, i)),
+            |c, i| RecordId::new(harness::key(&t, c, i), harness::scope()),
             move |id| {
                 let store = store.clone();
                 async move { harness::store_cycle(store.as_ref(), id).await }
@@ -361,7 +361,7 @@ async fn bench_backend(b: &Backend, args: &Args, targets: &mut Targets) -> Resul
         let ours = harness::measure(
             clients,
             budget,
-            |c, i| RecordId::new(harness::scope(), harness::key(&tag, 0, replay_key(c, i))),
+            |c, i| RecordId::new(harness::key(&tag, 0, replay_key(c, i)), harness::scope()),
             move |id| {
                 let store = store.clone();
                 async move { harness::store_replay(store.as_ref(), id).await }
@@ -538,8 +538,8 @@ async fn round_trips(
     let raw = counted.raw.as_ref();
     let new_id = |tag: &str, i: usize| {
         RecordId::new(
-            harness::scope(),
             harness::key(&format!("{run}-{tag}"), 0, i),
+            harness::scope(),
         )
     };
     // Warm-up: each statement prepared (Postgres) and each script cached (Redis) once, as in
@@ -723,8 +723,8 @@ async fn batches(b: &Backend, run: &str, targets: &mut Targets) -> Result<(), Bo
             (0..BATCH)
                 .map(|i| {
                     RecordId::new(
-                        harness::scope(),
                         harness::key(&format!("{run}-{tag}{turn}"), 0, i),
+                        harness::scope(),
                     )
                 })
                 .collect()

@@ -62,7 +62,7 @@ pub(crate) const KIND: Kind = Kind {
 async fn filled(n: usize) -> Result<Filled, BoxError> {
     let store = Arc::new(MemoryStore::new());
     for i in 0..n {
-        let id = RecordId::new(harness::scope(), harness::key("fill", 0, i));
+        let id = RecordId::new(harness::key("fill", 0, i), harness::scope());
         harness::store_cycle(store.as_ref(), id).await?;
     }
     Ok((store, Box::new(())))

@@ -11,7 +11,7 @@ use async_trait::async_trait;
 use idempotency_core::BoxError;
 use idempotency_mysql::sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions, MySqlSslMode};
 use idempotency_mysql::sqlx::{self, ConnectOptions, Connection, Executor, MySqlPool};
-use idempotency_mysql::MysqlStore;
+use idempotency_mysql::MySqlStore;
 use idempotency_testing::mysql_wire::CountingProxy;
 use std::str::FromStr;
 use std::sync::Arc;
@@ -80,7 +80,7 @@ pub(crate) struct PhasesTables {
 
 /// A store on a fresh table, a pool of two connections and a table of rows, for the phases
 /// table.
-pub(crate) async fn phases_store() -> Result<(MysqlStore, PhasesTables), BoxError> {
+pub(crate) async fn phases_store() -> Result<(MySqlStore, PhasesTables), BoxError> {
     let id = uuid::Uuid::new_v4().simple().to_string();
     let (records, rows) = (
         format!("idem_bench_{}", &id[..16]),
@@ -100,7 +100,7 @@ pub(crate) async fn phases_store() -> Result<(MysqlStore, PhasesTables), BoxErro
     Ok((store, tables))
 }
 
-/// A pool like the one `MysqlStoreBuilder::connect` makes (no ping before use), sized for the
+/// A pool like the one `MySqlStoreBuilder::connect` makes (no ping before use), sized for the
 /// largest client count.
 async fn pool(options: MySqlConnectOptions, size: u32) -> Result<MySqlPool, BoxError> {
     MySqlPoolOptions::new()
@@ -112,8 +112,8 @@ async fn pool(options: MySqlConnectOptions, size: u32) -> Result<MySqlPool, BoxE
         .map_err(unreachable)
 }
 
-async fn store(pool: MySqlPool, table: &str) -> Result<MysqlStore, BoxError> {
-    let store = MysqlStore::builder().table(table).build(pool)?;
+async fn store(pool: MySqlPool, table: &str) -> Result<MySqlStore, BoxError> {
+    let store = MySqlStore::builder().table(table).build(pool)?;
     store.migrate().await?;
     Ok(store)
 }
@@ -246,7 +246,7 @@ pub(crate) async fn log_syncs(n: usize, targets: &mut crate::Targets) -> Result<
     let mut admin = options.connect().await.map_err(unreachable)?;
     let scope = crate::harness::scope();
     let ids: Vec<_> = (0..n)
-        .map(|i| idempotency_core::RecordId::new(scope.clone(), crate::harness::key("syncs", 0, i)))
+        .map(|i| idempotency_core::RecordId::new(crate::harness::key("syncs", 0, i), scope.clone()))
         .collect();
 
     async fn counters(admin: &mut sqlx::MySqlConnection) -> Result<(i64, i64), BoxError> {

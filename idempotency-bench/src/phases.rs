@@ -61,12 +61,12 @@ impl Insert<idempotency_postgres::PostgresStore> for PostgresInsert {
 }
 
 #[derive(Clone)]
-struct MysqlInsert(Arc<str>);
+struct MySqlInsert(Arc<str>);
 
-impl Insert<idempotency_mysql::MysqlStore> for MysqlInsert {
+impl Insert<idempotency_mysql::MySqlStore> for MySqlInsert {
     fn insert<'t>(
         &self,
-        tx: &'t mut idempotency_mysql::MysqlTransaction,
+        tx: &'t mut idempotency_mysql::MySqlTransaction,
     ) -> BoxFuture<'t, Result<Result<(), String>, Error>> {
         let sql = self.0.clone();
         Box::pin(async move {
@@ -214,7 +214,7 @@ pub(crate) async fn run(backends: &[String], ops: usize) -> Result<(), BoxError>
             "mysql" => {
                 let (store, tables) = crate::mysql::phases_store().await?;
                 let insert =
-                    MysqlInsert(format!("INSERT INTO `{}` (n) VALUES (1)", tables.rows).into());
+                    MySqlInsert(format!("INSERT INTO `{}` (n) VALUES (1)", tables.rows).into());
                 measure("mysql", store, insert, ops).await?;
             }
             other => println!("\n{other}: no recovery points (phases run on the SQL stores)"),

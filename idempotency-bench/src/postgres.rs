@@ -228,7 +228,7 @@ pub(crate) async fn wal_syncs(n: usize, targets: &mut crate::Targets) -> Result<
     let mut admin = admin().await?;
     let scope = harness::scope();
     let ids: Vec<_> = (0..n)
-        .map(|i| idempotency_core::RecordId::new(scope.clone(), harness::key("wal", 0, i)))
+        .map(|i| idempotency_core::RecordId::new(harness::key("wal", 0, i), scope.clone()))
         .collect();
 
     // Reads the counter once the measured backend has reported its pending statistics
@@ -429,7 +429,7 @@ impl PhysicalLimit for Pgbench {
             let engine = harness::engine(Arc::new(self.store.clone()))?;
             for n in 0..PGBENCH_REPLAY_KEYS {
                 let key = IdempotencyKey::new(format!("pgb-replay-{n}"))?;
-                let id = RecordId::new(harness::scope(), key.clone());
+                let id = RecordId::new(key.clone(), harness::scope());
                 if self.store.get(&id).await?.is_none() {
                     harness::engine_cycle(&engine, &harness::scope(), &key).await?;
                 }

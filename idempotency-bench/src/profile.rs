@@ -41,7 +41,7 @@ pub(crate) fn run(workload: &str, ops: usize) -> Result<(), BoxError> {
         let raw_keys: Vec<String> = keys.iter().map(|k| k.as_str().to_owned()).collect();
         let ids: Vec<RecordId> = keys
             .iter()
-            .map(|k| RecordId::new(scope.clone(), k.clone()))
+            .map(|k| RecordId::new(k.clone(), scope.clone()))
             .collect();
         // The `http-*` workloads fill their own store (see `http_loop`).
         if workload.ends_with("replay") && !workload.starts_with("http-") {

@@ -186,8 +186,8 @@ impl TestStore {
     pub async fn calibrate(mut self) -> Self {
         if matches!(self.time, TimeControl::Real) {
             let probe = idempotency_core::RecordId::new(
-                idempotency_core::Scope::new("kit-calibration").expect("scope"),
                 idempotency_core::IdempotencyKey::random(),
+                idempotency_core::Scope::new("kit-calibration").expect("scope"),
             );
             let mut slowest = Duration::ZERO;
             for _ in 0..5 {

@@ -93,8 +93,8 @@ fn point(phase: u16, origin: u64, state: &str) -> RecoveryPoint {
 
 fn address(case: RecoveryCase) -> RecordId {
     RecordId::new(
-        Scope::from_parts(["conformance", "recovery", &format!("{case:?}")]).expect("scope"),
         IdempotencyKey::random(),
+        Scope::from_parts(["conformance", "recovery", &format!("{case:?}")]).expect("scope"),
     )
 }
 

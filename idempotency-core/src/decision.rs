@@ -16,7 +16,7 @@ pub enum Decision {
         retry_after: Duration,
     },
     /// The key was used with a different fingerprint: refuse.
-    Mismatch,
+    KeyReused,
     /// The record is Failed, or Pending with a passed lease: reclaim it by a CAS on `expected`.
     Reclaim {
         /// The token read, to compare-and-swap against.
@@ -28,7 +28,7 @@ pub enum Decision {
     /// request with another fingerprint (a corrected one) may still reclaim the key when
     /// [`DecisionOptions::reclaim_failed_with_different_fingerprint`] allows it, unless the
     /// failure stands in for an outcome that could not be stored
-    /// ([`crate::Failure::outcome_not_stored`]): that is a [`Decision::Mismatch`], as against
+    /// ([`crate::Failure::outcome_not_stored`]): that is a [`Decision::KeyReused`], as against
     /// a stored outcome.
     FailedPermanently,
 }
@@ -85,8 +85,8 @@ pub fn decide(
     let same = record.fingerprint == *fingerprint;
     match record.status {
         RecordStatus::Completed if same => Decision::Replay,
-        RecordStatus::Completed => Decision::Mismatch,
-        RecordStatus::Pending if !same => Decision::Mismatch,
+        RecordStatus::Completed => Decision::KeyReused,
+        RecordStatus::Pending if !same => Decision::KeyReused,
         RecordStatus::Pending => match record.lease_until {
             Some(until) if until > now => Decision::InProgress {
                 retry_after: until.saturating_duration_since(now),
@@ -100,7 +100,7 @@ pub fn decide(
             if same {
                 Decision::FailedPermanently
             } else {
-                Decision::Mismatch
+                Decision::KeyReused
             }
         }
         RecordStatus::Failed if same && is_permanent(record) => Decision::FailedPermanently,
@@ -109,7 +109,7 @@ pub fn decide(
                 expected: record.token,
             }
         }
-        RecordStatus::Failed => Decision::Mismatch,
+        RecordStatus::Failed => Decision::KeyReused,
     }
 }
 
@@ -151,7 +151,7 @@ mod tests {
             decide(Some(&r), &fp, now, allow),
             Decision::FailedPermanently
         );
-        assert_eq!(decide(Some(&r), &other, now, allow), Decision::Mismatch);
+        assert_eq!(decide(Some(&r), &other, now, allow), Decision::KeyReused);
         // Any other permanent failure: a corrected request takes it over.
         r.failure = Some(Failure::permanent("card declined"));
         assert!(matches!(
@@ -178,7 +178,7 @@ mod tests {
         retryable: bool,
     ) -> Record {
         Record {
-            id: RecordId::new(Scope::new("s").unwrap(), IdempotencyKey::new("k").unwrap()),
+            id: RecordId::new(IdempotencyKey::new("k").unwrap(), Scope::new("s").unwrap()),
             fingerprint: fp,
             status,
             token: FencingToken(7),
@@ -243,8 +243,8 @@ mod tests {
                             } else {
                                 match (status, same) {
                                     (RecordStatus::Completed, true) => Decision::Replay,
-                                    (RecordStatus::Completed, false) => Decision::Mismatch,
-                                    (RecordStatus::Pending, false) => Decision::Mismatch,
+                                    (RecordStatus::Completed, false) => Decision::KeyReused,
+                                    (RecordStatus::Pending, false) => Decision::KeyReused,
                                     (RecordStatus::Pending, true) if lease_live => {
                                         Decision::InProgress {
                                             retry_after: Duration::from_millis(2_500),
@@ -264,7 +264,7 @@ mod tests {
                                             expected: FencingToken(7),
                                         }
                                     }
-                                    (RecordStatus::Failed, false) => Decision::Mismatch,
+                                    (RecordStatus::Failed, false) => Decision::KeyReused,
                                 }
                             };
                             assert_eq!(got, want, "{status:?} same={same} lease_live={lease_live} expired={expired} reclaim_other={reclaim_other} retryable={retryable}");

@@ -83,6 +83,25 @@ pub enum Error {
     /// A store or engine was configured wrongly (bad table name, zero lease…).
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// A multi-step operation found a recovery point it cannot resume: written by another
+    /// operation (an operation renamed by a deploy, or the key used for another operation) or
+    /// at a phase past this operation's last (phases removed by a deploy). Nothing ran; the
+    /// key is released, and the record keeps its recovery point for the operation that
+    /// wrote it.
+    #[error(
+        "operation {operation:?} ({phases} phases) cannot resume the recovery point of \
+         operation {found:?} at phase {phase}"
+    )]
+    CannotResume {
+        /// The operation that was run.
+        operation: String,
+        /// Its number of phases.
+        phases: u16,
+        /// The operation named in the recovery point.
+        found: String,
+        /// The phase the recovery point is at.
+        phase: u16,
+    },
 }
 
 fn retry_hint(retryable: bool) -> &'static str {
@@ -275,7 +294,8 @@ impl Error {
             | Self::CorruptRecord { .. }
             | Self::Codec { .. }
             | Self::StoredOutcome { .. }
-            | Self::Config(_) => false,
+            | Self::Config(_)
+            | Self::CannotResume { .. } => false,
         }
     }
 }

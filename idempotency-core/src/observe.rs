@@ -13,7 +13,7 @@ pub enum Event {
     /// A stored outcome was replayed.
     Replay,
     /// A key was reused with a different fingerprint.
-    Mismatch,
+    KeyReused,
     /// A duplicate found the first attempt still running.
     InProgress,
     /// A failed or stalled record was taken over.
@@ -36,7 +36,7 @@ impl Event {
         match self {
             Self::Claim => "idempotency_claims_total",
             Self::Replay => "idempotency_replays_total",
-            Self::Mismatch => "idempotency_mismatches_total",
+            Self::KeyReused => "idempotency_key_reused_total",
             Self::InProgress => "idempotency_in_progress_total",
             Self::Reclaim => "idempotency_reclaims_total",
             Self::LeaseLost => "idempotency_lease_lost_total",
@@ -51,7 +51,7 @@ impl Event {
         match self {
             Self::Claim => "claim",
             Self::Replay => "replay",
-            Self::Mismatch => "mismatch",
+            Self::KeyReused => "key_reused",
             Self::InProgress => "in_progress",
             Self::Reclaim => "reclaim",
             Self::LeaseLost => "lease_lost",

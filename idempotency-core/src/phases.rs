@@ -82,8 +82,8 @@ impl Abandoned {
             source: None,
         };
         let id = RecordId::new(
-            Scope::new(scope).map_err(|e| corrupt(e.to_string()))?,
             IdempotencyKey::new(key).map_err(|e| corrupt(e.to_string()))?,
+            Scope::new(scope).map_err(|e| corrupt(e.to_string()))?,
         );
         let fingerprint = Fingerprint::from_slice(fingerprint)
             .ok_or_else(|| corrupt(format!("a fingerprint of {} bytes", fingerprint.len())))?;
@@ -525,9 +525,9 @@ impl Idempotency {
     /// taken over by a request with another fingerprint (it may have committed phases for the
     /// request that started it): that is a mismatch, whatever
     /// [`Policy::reclaim_failed_with_different_fingerprint`](crate::Policy) says. `store`
-    /// must reach the same records as this engine's store. An operation without phases, or a
-    /// record whose recovery point was written by another operation, is an
-    /// [`Error::Config`].
+    /// must reach the same records as this engine's store. An operation without phases is an
+    /// [`Error::Config`]; a record whose recovery point this operation cannot resume (another
+    /// operation's, or past its last phase) is [`Error::CannotResume`].
     pub async fn run_phases<S, T, E>(
         &self,
         store: &S,
@@ -542,7 +542,7 @@ impl Idempotency {
         E: Serialize + DeserializeOwned + Display + Send + 'static,
     {
         let count = phase_count(&phases)?;
-        let id = RecordId::new(scope.clone(), key.clone());
+        let id = RecordId::new(key.clone(), scope.clone());
         // A failed operation may have committed phases (a ride written, a card charged) for
         // the request that started it: a request with another fingerprint must not take it
         // over and resume it with that request's state. Such a retry is a mismatch here,
@@ -614,7 +614,7 @@ impl Idempotency {
                 record.token,
                 fingerprint,
                 self.policy().lease,
-                self.policy().ttl,
+                self.policy().retention,
             )
             .await
             .map_err(during(Operation::Reclaim))?
@@ -673,11 +673,12 @@ impl Idempotency {
         let operation = phases.operation.clone();
         let (mut at, origin, mut state, mut written) = match point {
             Some(p) if p.operation != operation || p.phase >= count => {
-                let e = Error::Config(format!(
-                    "the record of {id} is at phase {} of operation {:?}, which this \
-                     operation ({operation:?}, {count} phases) cannot resume",
-                    p.phase, p.operation
-                ));
+                let e = Error::CannotResume {
+                    operation: operation.clone(),
+                    phases: count,
+                    found: p.operation,
+                    phase: p.phase,
+                };
                 return lease.settle_transaction(Ok(rolled_back(e))).await;
             }
             Some(p) => (p.phase, p.origin, p.state, true),

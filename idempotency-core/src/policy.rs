@@ -96,7 +96,7 @@ impl Default for SettleRetry {
 ///
 /// let policy = Policy::default()
 ///     .lease(Duration::from_secs(10))
-///     .ttl(Duration::from_secs(24 * 3600))
+///     .retention(Duration::from_secs(24 * 3600))
 ///     .in_flight(InFlight::wait(Duration::from_secs(5)))
 ///     .heartbeat(Some(0.3));
 /// assert!(policy.validate().is_ok());
@@ -106,8 +106,8 @@ impl Default for SettleRetry {
 pub struct Policy {
     /// How long a holder may run before another caller may take the key over. Default 30 s.
     pub lease: Duration,
-    /// How long a settled record is kept (and replayed). Default 24 h.
-    pub ttl: Duration,
+    /// Retention: how long a settled record is kept (and replayed). Default 24 h.
+    pub retention: Duration,
     /// What happens to a work's `Err`. Default: recorded as a retryable failure.
     pub errors: ErrorOutcomes,
     /// Whether a Failed record may be reclaimed by a request with a different fingerprint.
@@ -147,7 +147,7 @@ impl Default for Policy {
     fn default() -> Self {
         Self {
             lease: Duration::from_secs(30),
-            ttl: Duration::from_secs(24 * 3600),
+            retention: Duration::from_secs(24 * 3600),
             errors: ErrorOutcomes::default(),
             reclaim_failed_with_different_fingerprint: true,
             in_flight: InFlight::default(),
@@ -167,8 +167,8 @@ impl Policy {
         self
     }
     /// Sets the retention of settled records.
-    pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.ttl = ttl;
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.retention = retention;
         self
     }
     /// Sets what happens to a work's `Err`.
@@ -233,10 +233,8 @@ impl Policy {
         if self.lease.is_zero() {
             return Err(Error::Config("lease must be greater than zero".into()));
         }
-        if self.ttl.is_zero() {
-            return Err(Error::Config(
-                "retention (ttl) must be greater than zero".into(),
-            ));
+        if self.retention.is_zero() {
+            return Err(Error::Config("retention must be greater than zero".into()));
         }
         if let Some(f) = self.heartbeat {
             if !(f > 0.0 && f < 1.0) {
@@ -276,7 +274,10 @@ mod tests {
     fn validation() {
         assert!(Policy::default().validate().is_ok());
         assert!(Policy::default().lease(Duration::ZERO).validate().is_err());
-        assert!(Policy::default().ttl(Duration::ZERO).validate().is_err());
+        assert!(Policy::default()
+            .retention(Duration::ZERO)
+            .validate()
+            .is_err());
         assert!(Policy::default().heartbeat(Some(1.0)).validate().is_err());
         assert!(Policy::default()
             .heartbeat(Some(f64::NAN))

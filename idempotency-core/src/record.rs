@@ -14,8 +14,9 @@ pub struct RecordId {
 }
 
 impl RecordId {
-    /// Builds a record address.
-    pub fn new(scope: Scope, key: IdempotencyKey) -> Self {
+    /// Builds a record address: the key in its scope (the argument order of every engine
+    /// call, `run(&key, &scope, …)`).
+    pub fn new(key: IdempotencyKey, scope: Scope) -> Self {
         Self { scope, key }
     }
 }
@@ -240,7 +241,7 @@ impl Record {
     ///
     /// ```
     /// # use idempotency_core::*;
-    /// # let id = RecordId::new(Scope::new("s").unwrap(), IdempotencyKey::new("k").unwrap());
+    /// # let id = RecordId::new(IdempotencyKey::new("k").unwrap(), Scope::new("s").unwrap());
     /// let now = Timestamp::from_millis(1_000);
     /// let mut record = Record {
     ///     id,
@@ -312,7 +313,7 @@ pub fn claim_retention(lease: Duration, ttl: Duration) -> Duration {
 /// use idempotency_core::{ClaimRequest, Fingerprint, IdempotencyKey, RecordId, Scope};
 /// use std::time::Duration;
 ///
-/// let id = RecordId::new(Scope::new("orders").unwrap(), IdempotencyKey::new("k-1").unwrap());
+/// let id = RecordId::new(IdempotencyKey::new("k-1").unwrap(), Scope::new("orders").unwrap());
 /// let fp = Fingerprint::from_bytes(b"body");
 /// let request = ClaimRequest::new(id, fp, Duration::from_secs(30), Duration::from_secs(3600))
 ///     .with_count_hit(false);

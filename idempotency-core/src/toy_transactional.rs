@@ -40,7 +40,7 @@ impl TransactionalStore for ToyBank {
             Some(r) if r.status == RecordStatus::Pending && r.token == token => {}
             _ => return Err(Error::LeaseLost { token }),
         }
-        tx.completion = Some((lease.id().clone(), token, outcome.to_vec(), lease.ttl()));
+        tx.completion = Some((lease.id().clone(), token, outcome.to_vec(), lease.retention()));
         Ok(())
     }
 

@@ -322,7 +322,8 @@ impl TransactionalStore for DynamoStore {
         lease: &Lease,
         outcome: &[u8],
     ) -> Result<(), Error> {
-        tx.completion = Some(self.completion(lease.id(), lease.token(), outcome, lease.ttl())?);
+        tx.completion =
+            Some(self.completion(lease.id(), lease.token(), outcome, lease.retention())?);
         Ok(())
     }
 

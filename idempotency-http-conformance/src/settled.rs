@@ -105,7 +105,12 @@ async fn create(State(app): State<Arc<App>>, claim: ClaimedKey, headers: HeaderM
     let cas = app
         .store
         .inner()
-        .complete(claim.id(), claim.token(), prepared.outcome(), claim.ttl())
+        .complete(
+            claim.id(),
+            claim.token(),
+            prepared.outcome(),
+            claim.retention(),
+        )
         .await;
     match cas {
         Ok(Cas::Applied) => {

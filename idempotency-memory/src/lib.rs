@@ -397,8 +397,8 @@ mod tests {
     fn request(i: usize, ttl: Duration) -> ClaimRequest {
         ClaimRequest::new(
             RecordId::new(
-                Scope::new("memory-tests").expect("scope"),
                 IdempotencyKey::new(format!("key-{i}")).expect("key"),
+                Scope::new("memory-tests").expect("scope"),
             ),
             Fingerprint::from_bytes(b"f"),
             ttl,

@@ -238,8 +238,8 @@ impl ProtocolModel {
         let ids = (0..world.keys())
             .map(|k| {
                 RecordId::new(
-                    Scope::new("model-check").expect("valid scope"),
                     IdempotencyKey::new(format!("key-{k}")).expect("valid key"),
+                    Scope::new("model-check").expect("valid scope"),
                 )
             })
             .collect();
@@ -261,7 +261,7 @@ impl ProtocolModel {
     }
 
     fn ttl(&self) -> Duration {
-        self.world.policy.ttl
+        self.world.policy.retention
     }
 
     fn key(&self, c: u8) -> u8 {
@@ -303,7 +303,7 @@ impl ProtocolModel {
                 }
                 Phase::Stopped
             }
-            Decision::Mismatch | Decision::FailedPermanently => Phase::Stopped,
+            Decision::KeyReused | Decision::FailedPermanently => Phase::Stopped,
             Decision::Reclaim { expected } => Phase::Reclaim { expected },
             Decision::InProgress { .. } => match spec.in_flight {
                 InFlight::Reject => Phase::Stopped,

@@ -168,7 +168,7 @@ impl World {
             mode,
             policy: Policy::default()
                 .lease(TICK * 2)
-                .ttl(TICK * 3)
+                .retention(TICK * 3)
                 .max_work_time(TICK * 3)
                 .settle_retry({
                     let retry = idempotency_core::SettleRetry::default();

@@ -5,13 +5,13 @@ use sqlx::mysql::MySqlDatabaseError;
 
 /// What can go wrong setting up or using the MySQL store.
 ///
-/// Constructors and [`crate::MysqlStore::migrate`] return it directly. Store operations
+/// Constructors and [`crate::MySqlStore::migrate`] return it directly. Store operations
 /// return [`idempotency_core::Error`]; the ones caused by the table itself (missing, wrong
-/// shape) carry a `MysqlError` as the source of [`Error::Backend`], which
-/// [`MysqlError::find`] digs out.
+/// shape) carry a `MySqlError` as the source of [`Error::Backend`], which
+/// [`MySqlError::find`] digs out.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
-pub enum MysqlError {
+pub enum MySqlError {
     /// A table name broke the identifier rules.
     #[error("invalid {what} name {name:?}: {reason}")]
     InvalidName {
@@ -38,7 +38,7 @@ pub enum MysqlError {
         source: sqlx::Error,
     },
     /// The store's table does not exist (or the connection names no database).
-    #[error("table {table} does not exist: run MysqlStore::migrate() first")]
+    #[error("table {table} does not exist: run MySqlStore::migrate() first")]
     MissingTable {
         /// The table name.
         table: String,
@@ -52,7 +52,7 @@ pub enum MysqlError {
         detail: String,
     },
     /// The server did not answer a statement within the store's response timeout
-    /// ([`crate::MysqlStoreBuilder::response_timeout`]): a network partition, a server that
+    /// ([`crate::MySqlStoreBuilder::response_timeout`]): a network partition, a server that
     /// stopped answering, or a lock held that long. The connection was closed. A write that
     /// got no answer may have applied; the core error says so
     /// ([`Error::OutcomeUnknown`]).
@@ -93,7 +93,7 @@ pub enum MysqlError {
     },
 }
 
-impl MysqlError {
+impl MySqlError {
     /// Whether trying again later may succeed (the server was unreachable, a transient error).
     pub fn is_retryable(&self) -> bool {
         match self {
@@ -106,16 +106,16 @@ impl MysqlError {
         }
     }
 
-    /// The `MysqlError` behind a core error, if there is one in its source chain.
-    pub fn find(error: &Error) -> Option<&MysqlError> {
+    /// The `MySqlError` behind a core error, if there is one in its source chain.
+    pub fn find(error: &Error) -> Option<&MySqlError> {
         error.find_source::<Self>()
     }
 }
 
-impl From<MysqlError> for Error {
-    fn from(e: MysqlError) -> Self {
+impl From<MySqlError> for Error {
+    fn from(e: MySqlError) -> Self {
         match e {
-            MysqlError::InvalidName { .. } | MysqlError::InvalidUrl { .. } => {
+            MySqlError::InvalidName { .. } | MySqlError::InvalidUrl { .. } => {
                 Error::Config(e.to_string())
             }
             other => Error::Backend {
@@ -226,13 +226,13 @@ pub fn database_error(e: sqlx::Error) -> Error {
 pub(crate) fn map_sqlx(e: sqlx::Error, table: &str, effect: Effect) -> Error {
     // No such table, no database selected, unknown database.
     if matches!(error_number(&e), Some(1146 | 1046 | 1049)) {
-        return MysqlError::MissingTable {
+        return MySqlError::MissingTable {
             table: table.to_owned(),
         }
         .into();
     }
     if let Some(detail) = shape_problem(&e) {
-        return MysqlError::TableShape {
+        return MySqlError::TableShape {
             table: table.to_owned(),
             detail,
         }

@@ -4,7 +4,7 @@
 
 use crate::abandon::CloseIfAbandoned;
 use crate::error::{is_conflict, is_connection_loss, map_sqlx, Effect};
-use crate::{MysqlError, MysqlStore};
+use crate::{MySqlError, MySqlStore};
 use idempotency_core::{
     async_trait, Begun, CommitError, Error, Lease, RecoveryPoint, RecoveryPoints,
     TransactionalStore,
@@ -17,19 +17,19 @@ type Manager = <MySql as Database>::TransactionManager;
 
 /// A transaction on one of the store's pooled connections, as
 /// [`Idempotency::run_in_transaction`](idempotency_core::Idempotency::run_in_transaction)
-/// gives it to the work: write through [`MysqlTransaction::connection`].
+/// gives it to the work: write through [`MySqlTransaction::connection`].
 ///
 /// Dropped before it committed or rolled back (the work panicked, the call was cancelled,
 /// the lease was lost mid-statement), its connection is closed rather than handed back to
 /// the pool: the server rolls the transaction back, and a connection left mid-statement,
 /// whose protocol state is unknown, never serves another caller.
 #[derive(Debug)]
-pub struct MysqlTransaction {
+pub struct MySqlTransaction {
     conn: PoolConnection<MySql>,
     open: bool,
 }
 
-impl MysqlTransaction {
+impl MySqlTransaction {
     /// The connection the transaction runs on.
     pub fn connection(&mut self) -> &mut MySqlConnection {
         &mut self.conn
@@ -62,7 +62,7 @@ enum Ended {
     NoAnswer,
 }
 
-impl Drop for MysqlTransaction {
+impl Drop for MySqlTransaction {
     fn drop(&mut self) {
         if self.open {
             self.conn.close_on_drop();
@@ -71,8 +71,8 @@ impl Drop for MysqlTransaction {
 }
 
 #[async_trait]
-impl TransactionalStore for MysqlStore {
-    type Transaction = MysqlTransaction;
+impl TransactionalStore for MySqlStore {
+    type Transaction = MySqlTransaction;
 
     /// Begins a transaction and leaves the lease to the heartbeat ([`Begun::Open`]) at every
     /// isolation level. InnoDB's `UPDATE` is a locking read of the latest committed row even
@@ -82,14 +82,14 @@ impl TransactionalStore for MysqlStore {
     /// whole work, and a duplicate request is told at once that the key is in progress
     /// instead of waiting on a lock (up to `innodb_lock_wait_timeout`). Under MariaDB's
     /// snapshot isolation the completion is refused instead once the heartbeat has extended
-    /// the record ([`MysqlError::SnapshotIsolation`]).
-    async fn begin(&self, _lease: &Lease) -> Result<Begun<MysqlTransaction>, Error> {
+    /// the record ([`MySqlError::SnapshotIsolation`]).
+    async fn begin(&self, _lease: &Lease) -> Result<Begun<MySqlTransaction>, Error> {
         Ok(Begun::Open(self.begin_live().await?))
     }
 
     async fn complete_in(
         &self,
-        tx: &mut MysqlTransaction,
+        tx: &mut MySqlTransaction,
         lease: &Lease,
         outcome: &[u8],
     ) -> Result<(), Error> {
@@ -98,12 +98,12 @@ impl TransactionalStore for MysqlStore {
             lease.id(),
             lease.token(),
             outcome,
-            lease.ttl(),
+            lease.retention(),
         )
         .await
     }
 
-    async fn commit(&self, tx: MysqlTransaction) -> Result<(), CommitError> {
+    async fn commit(&self, tx: MySqlTransaction) -> Result<(), CommitError> {
         match tx.end(true, self.response_timeout).await {
             Ok(()) => Ok(()),
             // The server rolled the transaction back: nothing of it committed.
@@ -122,30 +122,30 @@ impl TransactionalStore for MysqlStore {
         }
     }
 
-    async fn rollback(&self, tx: MysqlTransaction) {
+    async fn rollback(&self, tx: MySqlTransaction) {
         let _ = tx.end(false, self.response_timeout).await;
     }
 
     /// Deadlocks (1213, InnoDB rolled the transaction back), lock wait timeouts (1205, the
     /// statement was rolled back; core rolls the rest back before running it again) and rows
     /// changed since the snapshot (1020). A record the heartbeat changed under snapshot
-    /// isolation ([`MysqlError::SnapshotIsolation`]) is not one: it would happen again.
+    /// isolation ([`MySqlError::SnapshotIsolation`]) is not one: it would happen again.
     fn is_conflict(&self, e: &Error) -> bool {
         matches!(e, Error::Backend { .. })
             && e.find_source::<sqlx::Error>().is_some_and(is_conflict)
             && !matches!(
-                MysqlError::find(e),
-                Some(MysqlError::SnapshotIsolation { .. })
+                MySqlError::find(e),
+                Some(MySqlError::SnapshotIsolation { .. })
             )
     }
 }
 
-impl MysqlStore {
+impl MySqlStore {
     /// Begins a transaction on a live connection. A `BEGIN` whose answer never came (the
     /// call was cancelled) closes its connection, so no pooled connection is ever left
     /// inside a transaction. A dead connection (as every idle one is after a server restart)
     /// is given back and BEGIN sent on the next one.
-    async fn begin_live(&self) -> Result<MysqlTransaction, Error> {
+    async fn begin_live(&self) -> Result<MySqlTransaction, Error> {
         let max_lost = self
             .pool()
             .options()
@@ -173,7 +173,7 @@ impl MysqlStore {
                 begun
             };
             match begun {
-                Ok(_) => return Ok(MysqlTransaction { conn, open: true }),
+                Ok(_) => return Ok(MySqlTransaction { conn, open: true }),
                 Err(e) if is_connection_loss(&e) && lost < max_lost => {
                     if lost == 0 {
                         self.sweep_idle().await;
@@ -187,16 +187,16 @@ impl MysqlStore {
 }
 
 #[async_trait]
-impl RecoveryPoints for MysqlStore {
+impl RecoveryPoints for MySqlStore {
     /// One `UPDATE` in the transaction, fenced as the completion is (and by the phase).
     async fn advance_in(
         &self,
-        tx: &mut MysqlTransaction,
+        tx: &mut MySqlTransaction,
         lease: &Lease,
         from: Option<u16>,
         to: &RecoveryPoint,
     ) -> Result<(), Error> {
-        MysqlStore::advance_in(self, &mut tx.conn, lease.id(), lease.token(), from, to).await
+        MySqlStore::advance_in(self, &mut tx.conn, lease.id(), lease.token(), from, to).await
     }
 
     async fn recovery_point(&self, lease: &Lease) -> Result<Option<RecoveryPoint>, Error> {

@@ -1,8 +1,8 @@
-//! The exactly-once engine: an [`Idempotency`] engine over one [`MysqlStore`], whose
+//! The exactly-once engine: an [`Idempotency`] engine over one [`MySqlStore`], whose
 //! work writes in the transaction that completes its record.
 
 use crate::error::database_error;
-use crate::MysqlStore;
+use crate::MySqlStore;
 use futures::future::BoxFuture;
 use futures::FutureExt;
 use idempotency_core::{
@@ -13,18 +13,18 @@ use sqlx::MySqlConnection;
 use std::fmt::Display;
 use std::sync::Arc;
 
-/// An [`Idempotency`] engine over a [`MysqlStore`] that runs the work and its completion
+/// An [`Idempotency`] engine over a [`MySqlStore`] that runs the work and its completion
 /// in one database transaction: exactly-once effects for work whose effects are writes to the
 /// same database.
 ///
 /// ```no_run
 /// use idempotency_core::{Answer, Fingerprint, IdempotencyKey, Policy, Scope};
-/// use idempotency_mysql::{MysqlIdempotency, MysqlStore};
+/// use idempotency_mysql::{MySqlIdempotency, MySqlStore};
 ///
 /// # async fn f() -> Result<(), Box<dyn std::error::Error>> {
-/// let store = MysqlStore::connect("mysql://app@127.0.0.1/app").await?;
+/// let store = MySqlStore::connect("mysql://app@127.0.0.1/app").await?;
 /// store.migrate().await?;
-/// let engine = MysqlIdempotency::new(store, Policy::default())?;
+/// let engine = MySqlIdempotency::new(store, Policy::default())?;
 /// let key = IdempotencyKey::new("order-42")?;
 /// let scope = Scope::from_parts(["tenant-1", "POST /orders"])?;
 /// let fp = Fingerprint::from_json(&serde_json::json!({"sku": "A1", "qty": 2}));
@@ -48,14 +48,14 @@ use std::sync::Arc;
 /// # Ok(()) }
 /// ```
 #[derive(Clone, Debug)]
-pub struct MysqlIdempotency {
+pub struct MySqlIdempotency {
     engine: Idempotency,
-    store: MysqlStore,
+    store: MySqlStore,
 }
 
-impl MysqlIdempotency {
+impl MySqlIdempotency {
     /// An engine over `store` with `policy`.
-    pub fn new(store: MysqlStore, policy: Policy) -> Result<Self, Error> {
+    pub fn new(store: MySqlStore, policy: Policy) -> Result<Self, Error> {
         let engine = Idempotency::new(Arc::new(store.clone()), policy)?;
         Ok(Self { engine, store })
     }
@@ -63,8 +63,8 @@ impl MysqlIdempotency {
     /// An exactly-once engine from an `engine` whose store is `store` behind a decorator (one
     /// that adds metrics, tracing or injected faults to the calls): its calls must reach
     /// `store`'s table, or the completion in the work's transaction will not find the record
-    /// it claimed. Prefer [`MysqlIdempotency::new`].
-    pub fn with_engine(store: MysqlStore, engine: Idempotency) -> Self {
+    /// it claimed. Prefer [`MySqlIdempotency::new`].
+    pub fn with_engine(store: MySqlStore, engine: Idempotency) -> Self {
         Self { engine, store }
     }
 
@@ -74,7 +74,7 @@ impl MysqlIdempotency {
     }
 
     /// The store.
-    pub fn store(&self) -> &MysqlStore {
+    pub fn store(&self) -> &MySqlStore {
         &self.store
     }
 
@@ -87,7 +87,7 @@ impl MysqlIdempotency {
         key: &IdempotencyKey,
         scope: &Scope,
         fingerprint: &Fingerprint,
-        phases: Phases<MysqlStore, T, E>,
+        phases: Phases<MySqlStore, T, E>,
     ) -> Result<Answer<Result<T, E>>, Error>
     where
         T: Serialize + DeserializeOwned + Send + 'static,
@@ -143,7 +143,7 @@ impl MysqlIdempotency {
     /// rolls back. Under MariaDB's snapshot isolation (`innodb_snapshot_isolation`, on by
     /// default from 11.8) a record the heartbeat extended after the work's first read cannot
     /// be completed in its transaction: the call ends with
-    /// [`MysqlError::SnapshotIsolation`](crate::MysqlError::SnapshotIsolation)
+    /// [`MySqlError::SnapshotIsolation`](crate::MySqlError::SnapshotIsolation)
     /// and the key is released; run long work at READ COMMITTED or with it off.
     ///
     /// `work` must never commit (no `COMMIT`, no statement that commits implicitly, such as

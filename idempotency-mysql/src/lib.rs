@@ -12,12 +12,12 @@ mod schema;
 mod sql;
 mod store;
 
-pub use builder::{MysqlStoreBuilder, DEFAULT_RESPONSE_TIMEOUT};
-pub use error::{database_error, MysqlError};
-pub use exactly_once::MysqlTransaction;
-pub use idempotency::MysqlIdempotency;
+pub use builder::{MySqlStoreBuilder, DEFAULT_RESPONSE_TIMEOUT};
+pub use error::{database_error, MySqlError};
+pub use exactly_once::MySqlTransaction;
+pub use idempotency::MySqlIdempotency;
 pub use names::{TableName, MAX_TABLE_NAME_LEN};
-pub use store::MysqlStore;
+pub use store::MySqlStore;
 
 /// The driver, re-exported so your transactions and this store use the same sqlx.
 pub use sqlx;
@@ -31,13 +31,13 @@ mod send_checks {
 
     /// The store's own futures can be spawned onto a multi-threaded runtime.
     #[allow(dead_code)]
-    fn futures_are_send(store: MysqlStore, conn: &mut sqlx::MySqlConnection) {
+    fn futures_are_send(store: MySqlStore, conn: &mut sqlx::MySqlConnection) {
         assert_send(&store.migrate());
         assert_send(&store.verify());
-        assert_send(&MysqlStore::connect("mysql://x"));
+        assert_send(&MySqlStore::connect("mysql://x"));
         let id = RecordId::new(
-            Scope::new("s").expect("scope"),
             IdempotencyKey::new("k").expect("key"),
+            Scope::new("s").expect("scope"),
         );
         let ttl = std::time::Duration::from_secs(1);
         assert_send(&store.complete_in(conn, &id, FencingToken(1), b"", ttl));

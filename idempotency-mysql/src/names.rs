@@ -1,6 +1,6 @@
 //! The validated table name.
 
-use crate::MysqlError;
+use crate::MySqlError;
 use std::fmt;
 
 /// The longest table name accepted, in bytes: MySQL's and MariaDB's identifier limit.
@@ -18,7 +18,7 @@ pub const MAX_TABLE_NAME_LEN: usize = 64;
 /// let t = TableName::new("idempotency_records")?;
 /// assert_eq!(t.quoted(), "`idempotency_records`");
 /// assert!(TableName::new("records; DROP TABLE users").is_err());
-/// # Ok::<(), idempotency_mysql::MysqlError>(())
+/// # Ok::<(), idempotency_mysql::MySqlError>(())
 /// ```
 #[derive(Clone, PartialEq, Eq, Hash, Debug)]
 pub struct TableName {
@@ -30,8 +30,8 @@ impl TableName {
     pub const DEFAULT_TABLE: &'static str = "idempotency_records";
 
     /// Validates a table name.
-    pub fn new(table: &str) -> Result<Self, MysqlError> {
-        let bad = |reason: &str| MysqlError::InvalidName {
+    pub fn new(table: &str) -> Result<Self, MySqlError> {
+        let bad = |reason: &str| MySqlError::InvalidName {
             what: "table",
             name: table.to_owned(),
             reason: reason.to_owned(),

@@ -1,6 +1,6 @@
 //! Creating the table (`migrate`) and checking its shape (`verify`).
 
-use crate::{MysqlError, TableName};
+use crate::{MySqlError, TableName};
 use sqlx::{MySqlConnection, Row};
 
 /// Every column the store reads or writes, with the `DATA_TYPE` `information_schema` reports
@@ -83,17 +83,17 @@ fn create_table(name: &TableName) -> String {
 pub(crate) async fn migrate(
     conn: &mut MySqlConnection,
     name: &TableName,
-) -> Result<(), MysqlError> {
+) -> Result<(), MySqlError> {
     sqlx::query(&create_table(name))
         .execute(&mut *conn)
         .await
         .map_err(
             |source| match source.as_database_error().and_then(|d| d.code()) {
                 // No database selected.
-                Some(c) if c == "3D000" => MysqlError::MissingTable {
+                Some(c) if c == "3D000" => MySqlError::MissingTable {
                     table: name.table().to_owned(),
                 },
-                _ => MysqlError::Database { source },
+                _ => MySqlError::Database { source },
             },
         )?;
     add_recovery_point_columns(conn, name).await?;
@@ -108,7 +108,7 @@ pub(crate) async fn migrate(
 async fn add_operations_index(
     conn: &mut MySqlConnection,
     name: &TableName,
-) -> Result<(), MysqlError> {
+) -> Result<(), MySqlError> {
     let indexed: i64 = sqlx::query_scalar(
         "SELECT COUNT(*) FROM information_schema.STATISTICS
          WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ? AND COLUMN_NAME = 'op_name'
@@ -117,7 +117,7 @@ async fn add_operations_index(
     .bind(name.table())
     .fetch_one(&mut *conn)
     .await
-    .map_err(|source| MysqlError::Database { source })?;
+    .map_err(|source| MySqlError::Database { source })?;
     if indexed > 0 {
         return Ok(());
     }
@@ -138,7 +138,7 @@ async fn add_operations_index(
         {
             Ok(())
         }
-        Err(source) => Err(MysqlError::Database { source }),
+        Err(source) => Err(MySqlError::Database { source }),
     }
 }
 
@@ -148,7 +148,7 @@ async fn add_operations_index(
 async fn add_recovery_point_columns(
     conn: &mut MySqlConnection,
     name: &TableName,
-) -> Result<(), MysqlError> {
+) -> Result<(), MySqlError> {
     let present: Vec<String> = sqlx::query_scalar(
         "SELECT LOWER(CAST(COLUMN_NAME AS CHAR)) FROM information_schema.COLUMNS
          WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ?
@@ -157,7 +157,7 @@ async fn add_recovery_point_columns(
     .bind(name.table())
     .fetch_all(&mut *conn)
     .await
-    .map_err(|source| MysqlError::Database { source })?;
+    .map_err(|source| MySqlError::Database { source })?;
     if present.len() == RECOVERY_POINT_COLUMNS.len() {
         return Ok(());
     }
@@ -182,13 +182,13 @@ async fn add_recovery_point_columns(
                     .as_database_error()
                     .and_then(|d| d.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>())
                     .is_some_and(|d| d.number() == 1060) => {}
-            Err(source) => return Err(MysqlError::Database { source }),
+            Err(source) => return Err(MySqlError::Database { source }),
         }
     }
     Ok(())
 }
 
-pub(crate) async fn verify(conn: &mut MySqlConnection, name: &TableName) -> Result<(), MysqlError> {
+pub(crate) async fn verify(conn: &mut MySqlConnection, name: &TableName) -> Result<(), MySqlError> {
     verify_with(conn, name, true).await
 }
 
@@ -198,9 +198,9 @@ async fn verify_with(
     conn: &mut MySqlConnection,
     name: &TableName,
     recovery_points: bool,
-) -> Result<(), MysqlError> {
+) -> Result<(), MySqlError> {
     let table = name.table().to_owned();
-    let shape = |detail: String| MysqlError::TableShape {
+    let shape = |detail: String| MySqlError::TableShape {
         table: table.clone(),
         detail,
     };
@@ -215,14 +215,14 @@ async fn verify_with(
     .bind(name.table())
     .fetch_all(&mut *conn)
     .await
-    .map_err(|source| MysqlError::Database { source })?;
+    .map_err(|source| MySqlError::Database { source })?;
     if rows.is_empty() {
-        return Err(MysqlError::MissingTable { table });
+        return Err(MySqlError::MissingTable { table });
     }
-    let text = |row: &sqlx::mysql::MySqlRow, col: &str| -> Result<String, MysqlError> {
+    let text = |row: &sqlx::mysql::MySqlRow, col: &str| -> Result<String, MySqlError> {
         row.try_get::<Option<String>, _>(col)
             .map(Option::unwrap_or_default)
-            .map_err(|source| MysqlError::Database { source })
+            .map_err(|source| MySqlError::Database { source })
     };
     let mut found = Vec::new();
     for row in &rows {
@@ -261,7 +261,7 @@ async fn verify_with(
     .bind(name.table())
     .fetch_all(&mut *conn)
     .await
-    .map_err(|source| MysqlError::Database { source })?
+    .map_err(|source| MySqlError::Database { source })?
     .iter()
     .map(|row| text(row, "name").map(|n| n.to_ascii_lowercase()))
     .collect::<Result<_, _>>()?;
@@ -279,7 +279,7 @@ async fn verify_with(
     .bind(name.table())
     .fetch_one(&mut *conn)
     .await
-    .map_err(|source| MysqlError::Database { source })?;
+    .map_err(|source| MySqlError::Database { source })?;
     if indexed == 0 {
         return Err(shape(
             "no index starts with expires_ms (the purge needs one)".to_owned(),

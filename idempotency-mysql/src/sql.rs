@@ -177,7 +177,7 @@ ORDER BY updated_ms LIMIT ?"
 
 #[cfg(test)]
 mod plan_tests {
-    use crate::MysqlStore;
+    use crate::MySqlStore;
     use idempotency_testing::mysql::{pool, Isolation, TableGuard};
     use sqlx::Row;
 
@@ -187,7 +187,7 @@ mod plan_tests {
     async fn the_abandoned_listing_reads_its_index() {
         let guard = TableGuard::new();
         let pool = pool(Isolation::ReadCommitted, 2).await;
-        let store = MysqlStore::builder()
+        let store = MySqlStore::builder()
             .table(&guard.table)
             .build(pool.clone())
             .expect("name");

@@ -5,7 +5,7 @@ use crate::decode::{col, decode_record, get};
 use crate::error::{error_number, is_conflict, is_connection_loss, map_sqlx, Effect};
 use crate::schema;
 use crate::sql::Statements;
-use crate::{MysqlError, MysqlStoreBuilder, TableName};
+use crate::{MySqlError, MySqlStoreBuilder, TableName};
 use async_trait::async_trait;
 use futures::future::BoxFuture;
 use idempotency_core::{
@@ -19,11 +19,11 @@ use sqlx::{MySql, MySqlConnection, MySqlPool};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// How long [`MysqlStore::sweep_idle`] waits for an idle connection's ping before it takes
+/// How long [`MySqlStore::sweep_idle`] waits for an idle connection's ping before it takes
 /// the connection for dead.
 const SWEEP_PING: Duration = Duration::from_secs(1);
 
-/// What [`MysqlStore::run`] does when a statement's connection is lost after it was sent.
+/// What [`MySqlStore::run`] does when a statement's connection is lost after it was sent.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum OnLoss {
     /// Send it again on another connection: a read, a claim (a repeat observes what an
@@ -46,11 +46,11 @@ enum Attempt {
 ///
 /// Each operation is exactly one prepared statement, so one round trip. The server's clock
 /// decides leases and expiry. See the crate documentation for the exactly-once path
-/// ([`crate::MysqlIdempotency`]).
+/// ([`crate::MySqlIdempotency`]).
 ///
 /// Cloning is cheap: clones share the pool.
 #[derive(Clone, Debug)]
-pub struct MysqlStore {
+pub struct MySqlStore {
     pool: MySqlPool,
     name: TableName,
     pub(crate) quoted: Arc<str>,
@@ -59,21 +59,21 @@ pub struct MysqlStore {
     pub(crate) response_timeout: Duration,
 }
 
-impl MysqlStore {
+impl MySqlStore {
     /// A builder, to choose the table and pool settings.
-    pub fn builder() -> MysqlStoreBuilder {
-        MysqlStoreBuilder::default()
+    pub fn builder() -> MySqlStoreBuilder {
+        MySqlStoreBuilder::default()
     }
 
     /// Connects to `url` with the default table `idempotency_records` in the URL's database.
     ///
     /// ```no_run
-    /// # async fn f() -> Result<(), idempotency_mysql::MysqlError> {
-    /// let store = idempotency_mysql::MysqlStore::connect("mysql://app@127.0.0.1/app").await?;
+    /// # async fn f() -> Result<(), idempotency_mysql::MySqlError> {
+    /// let store = idempotency_mysql::MySqlStore::connect("mysql://app@127.0.0.1/app").await?;
     /// store.migrate().await?;
     /// # Ok(()) }
     /// ```
-    pub async fn connect(url: &str) -> Result<Self, MysqlError> {
+    pub async fn connect(url: &str) -> Result<Self, MySqlError> {
         Self::builder().connect(url).await
     }
 
@@ -115,28 +115,28 @@ impl MysqlStore {
     }
 
     /// Creates the table and its expiry index if they do not exist, then checks the table's
-    /// shape ([`MysqlStore::verify`]).
+    /// shape ([`MySqlStore::verify`]).
     ///
     /// Safe to call at every start and from several processes at once
     /// (`CREATE TABLE IF NOT EXISTS`). A table of another shape under the same name is
-    /// refused with [`MysqlError::TableShape`] and nothing is changed.
-    pub async fn migrate(&self) -> Result<(), MysqlError> {
+    /// refused with [`MySqlError::TableShape`] and nothing is changed.
+    pub async fn migrate(&self) -> Result<(), MySqlError> {
         let mut conn = self
             .pool
             .acquire()
             .await
-            .map_err(|source| MysqlError::Connect { source })?;
+            .map_err(|source| MySqlError::Connect { source })?;
         schema::migrate(&mut conn, &self.name).await
     }
 
     /// Checks that the table exists and has the shape this crate needs, without changing
-    /// anything: [`MysqlError::MissingTable`] or [`MysqlError::TableShape`] otherwise.
-    pub async fn verify(&self) -> Result<(), MysqlError> {
+    /// anything: [`MySqlError::MissingTable`] or [`MySqlError::TableShape`] otherwise.
+    pub async fn verify(&self) -> Result<(), MySqlError> {
         let mut conn = self
             .pool
             .acquire()
             .await
-            .map_err(|source| MysqlError::Connect { source })?;
+            .map_err(|source| MySqlError::Connect { source })?;
         schema::verify(&mut conn, &self.name).await
     }
 
@@ -148,12 +148,12 @@ impl MysqlStore {
     /// that lost its lease never commit. An InnoDB `UPDATE` reads the latest committed row
     /// whatever the isolation level, so a heartbeat committed meanwhile from another
     /// connection does not make it miss (except under MariaDB's snapshot isolation, where it
-    /// is refused: [`MysqlError::SnapshotIsolation`]). The row stays locked until the
+    /// is refused: [`MySqlError::SnapshotIsolation`]). The row stays locked until the
     /// transaction ends.
-    /// [`crate::MysqlIdempotency`] does all of this for you.
+    /// [`crate::MySqlIdempotency`] does all of this for you.
     ///
     /// Unanswered within the response timeout, the statement ends with a retryable error
-    /// whose source is [`MysqlError::NoAnswer`]: nothing committed, but the connection is
+    /// whose source is [`MySqlError::NoAnswer`]: nothing committed, but the connection is
     /// stuck mid-statement, so close it (`close_on_drop` on a pooled connection) rather than
     /// roll back on it.
     pub async fn complete_in(
@@ -235,7 +235,7 @@ impl MysqlStore {
     /// snapshot cannot be written in it (1020): if the record is no longer this holder's
     /// (taken over), the lease was lost; else the heartbeat extended it during a long work
     /// (or a duplicate counted a hit), which running the transaction again would likely
-    /// meet the same way, so it is [`MysqlError::SnapshotIsolation`], not a conflict.
+    /// meet the same way, so it is [`MySqlError::SnapshotIsolation`], not a conflict.
     async fn in_transaction_error(
         &self,
         e: sqlx::Error,
@@ -250,7 +250,7 @@ impl MysqlStore {
             // Taken over, settled or gone: no longer this holder's to write.
             Ok(record) if !record.as_ref().is_some_and(ours) => Error::LeaseLost { token },
             // Still this holder's, or not known (nothing here committed either way).
-            _ => MysqlError::SnapshotIsolation {
+            _ => MySqlError::SnapshotIsolation {
                 table: self.quoted.to_string(),
                 source: e,
             }
@@ -341,7 +341,7 @@ impl MysqlStore {
     /// restart or failover every idle connection is dead, and the pool (which does not ping
     /// before it hands a connection out) would hand them out one by one, each failing one
     /// operation. So a lost connection first has the pool's idle connections checked
-    /// ([`MysqlStore::sweep_idle`]). Then the statement is, with [`OnLoss::Resend`], sent again on another connection (up to once per
+    /// ([`MySqlStore::sweep_idle`]). Then the statement is, with [`OnLoss::Resend`], sent again on another connection (up to once per
     /// connection the pool can hold, plus one); with [`OnLoss::Report`] (a holder's
     /// compare-and-swap, which the engine retries and reads back) a write's outcome is
     /// reported unknown.
@@ -458,7 +458,7 @@ impl MysqlStore {
     /// The error of a statement that got no answer within the response timeout: a write's
     /// outcome is unknown, anything else is worth trying again.
     pub(crate) fn no_answer(&self, effect: Effect) -> Error {
-        let e = MysqlError::NoAnswer {
+        let e = MySqlError::NoAnswer {
             after: self.response_timeout,
         };
         match effect {
@@ -499,7 +499,7 @@ impl MysqlStore {
     }
 }
 
-/// How [`MysqlStore::run`] runs a statement on a connection, and what it returns.
+/// How [`MySqlStore::run`] runs a statement on a connection, and what it returns.
 trait Fetch: Copy + Send {
     type Out: Send;
     fn run<'q: 'e, 'e>(
@@ -592,7 +592,7 @@ enum Extra<'a> {
 }
 
 #[async_trait]
-impl IdempotencyStore for MysqlStore {
+impl IdempotencyStore for MySqlStore {
     async fn claim(&self, request: &ClaimRequest) -> Result<Claim, Error> {
         let lease_ms = duration_millis(request.lease);
         let hold_ms = duration_millis(claim_retention(request.lease, request.ttl));

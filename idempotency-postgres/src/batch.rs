@@ -274,7 +274,7 @@ mod tests {
 
     #[test]
     fn rounds_hold_each_key_once_in_order() {
-        let id = |k: &str| RecordId::new(Scope::new("s").unwrap(), IdempotencyKey::new(k).unwrap());
+        let id = |k: &str| RecordId::new(IdempotencyKey::new(k).unwrap(), Scope::new("s").unwrap());
         let ids = [id("a"), id("b"), id("a"), id("c"), id("a"), id("b")];
         assert_eq!(rounds(ids.iter()), vec![vec![0, 1, 3], vec![2, 5], vec![4]]);
         assert!(rounds([].iter()).is_empty());

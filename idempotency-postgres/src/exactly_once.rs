@@ -86,7 +86,7 @@ impl TransactionalStore for PostgresStore {
         lease: &Lease,
         outcome: &[u8],
     ) -> Result<(), Error> {
-        let (id, token, ttl) = (lease.id(), lease.token(), lease.ttl());
+        let (id, token, ttl) = (lease.id(), lease.token(), lease.retention());
         let completed = self
             .answered(self.complete_in_reporting(&mut tx.tx, id, token, outcome, ttl, tx.locked))
             .await;

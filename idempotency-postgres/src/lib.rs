@@ -37,8 +37,8 @@ mod send_checks {
         assert_send(&store.verify());
         assert_send(&PostgresStore::connect("postgres://x"));
         let id = RecordId::new(
-            Scope::new("s").expect("scope"),
             IdempotencyKey::new("k").expect("key"),
+            Scope::new("s").expect("scope"),
         );
         let ttl = std::time::Duration::from_secs(1);
         assert_send(&store.complete_in(conn, &id, FencingToken(1), b"", ttl));

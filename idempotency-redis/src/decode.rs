@@ -333,7 +333,7 @@ mod tests {
     use idempotency_core::{IdempotencyKey, Scope};
 
     fn id() -> RecordId {
-        RecordId::new(Scope::new("s").unwrap(), IdempotencyKey::new("k").unwrap())
+        RecordId::new(IdempotencyKey::new("k").unwrap(), Scope::new("s").unwrap())
     }
 
     fn good() -> Record {

@@ -72,8 +72,8 @@ mod tests {
 
     fn id(scope: &str, key: &str) -> RecordId {
         RecordId::new(
-            Scope::new(scope).unwrap(),
             IdempotencyKey::new(key).unwrap(),
+            Scope::new(scope).unwrap(),
         )
     }
 

@@ -159,7 +159,7 @@ async fn handle(
     let sleep = Duration::from_micros(header(SLEEP).parse().expect("the soak sends a sleep"));
     let fault = header(FAULT);
     let key = IdempotencyKey::new(header(IDEMPOTENCY_KEY.as_str())).expect("valid key");
-    let id = RecordId::new(state.scope.clone(), key);
+    let id = RecordId::new(key, state.scope.clone());
     // The layer claimed the key just before calling the handler: the last lease granted on
     // it is this handler's.
     let ledger = state.rig.ledger().clone();

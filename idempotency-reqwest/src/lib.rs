@@ -12,7 +12,7 @@ pub use key::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
 pub use mark::{Idempotent, IdempotentRequestExt};
 pub use middleware::IdempotencyMiddleware;
 pub use outcome::{IdempotencyOutcome, IdempotentResponseExt};
-pub use policy::{GiveUpReason, RetryPolicy};
+pub use policy::{GiveUpReason, RetryLimits, RetryPolicy};
 
 /// The key type, shared with the server half: the same rules (1 to 255 bytes, no control
 /// characters) and the same [`IdempotencyKey::derive`].

@@ -53,8 +53,8 @@ use std::time::{Duration, SystemTime};
 ///     .backoff(Duration::from_millis(50), Duration::from_secs(2))
 ///     .deadline(Duration::from_secs(10))
 ///     .max_retry_after(Duration::from_secs(3));
-/// assert_eq!(policy.get_max_attempts(), 4);
-/// assert_eq!(RetryPolicy::no_retries().get_max_attempts(), 1);
+/// assert_eq!(policy.limits().max_attempts, 4);
+/// assert_eq!(RetryPolicy::no_retries().limits().max_attempts, 1);
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RetryPolicy {
@@ -64,6 +64,18 @@ pub struct RetryPolicy {
     jitter: Jitter,
     deadline: Duration,
     max_retry_after: Duration,
+}
+
+/// The limits of a [`RetryPolicy`] ([`RetryPolicy::limits`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RetryLimits {
+    /// The most attempts made, the first included.
+    pub max_attempts: u32,
+    /// No retry starts after the operation has run this long.
+    pub deadline: Duration,
+    /// The longest server `Retry-After` honoured.
+    pub max_retry_after: Duration,
 }
 
 impl Default for RetryPolicy {
@@ -127,19 +139,13 @@ impl RetryPolicy {
         self
     }
 
-    /// The most attempts made, the first included.
-    pub fn get_max_attempts(&self) -> u32 {
-        self.max_attempts
-    }
-
-    /// The total deadline.
-    pub fn get_deadline(&self) -> Duration {
-        self.deadline
-    }
-
-    /// The cap on a server's `Retry-After`.
-    pub fn get_max_retry_after(&self) -> Duration {
-        self.max_retry_after
+    /// The limits the policy keeps to, as set (after their caps).
+    pub fn limits(&self) -> RetryLimits {
+        RetryLimits {
+            max_attempts: self.max_attempts,
+            deadline: self.deadline,
+            max_retry_after: self.max_retry_after,
+        }
     }
 
     /// How long to wait before the next attempt, after `attempts` attempts that took
@@ -352,8 +358,8 @@ mod tests {
             .deadline(Duration::MAX)
             .max_retry_after(Duration::MAX)
             .max_attempts(0);
-        assert_eq!(extreme.get_max_attempts(), 1);
-        assert_eq!(extreme.get_deadline(), RetryPolicy::MAX_WAIT);
+        assert_eq!(extreme.limits().max_attempts, 1);
+        assert_eq!(extreme.limits().deadline, RetryPolicy::MAX_WAIT);
         let extreme = extreme.max_attempts(u32::MAX);
         for n in [1, 30, u32::MAX - 1] {
             assert!(extreme.next_wait(n, Duration::ZERO, None).unwrap() <= RetryPolicy::MAX_WAIT);

@@ -22,7 +22,7 @@ pub(crate) fn decode_record(row: &Row<'_>) -> Result<Record, Error> {
     let scope = Scope::new(scope).map_err(|e| Error::corrupt_with("stored scope is invalid", e))?;
     let key =
         IdempotencyKey::new(key).map_err(|e| Error::corrupt_with("stored key is invalid", e))?;
-    let id = RecordId::new(scope, key);
+    let id = RecordId::new(key, scope);
     let bad = |what: String| Error::corrupt(format!("record {id}: {what}"));
 
     let fp: Vec<u8> = column(row, 2, "fingerprint")?;

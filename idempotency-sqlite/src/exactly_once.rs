@@ -141,8 +141,12 @@ impl TransactionalStore for SqliteStore {
         lease: &Lease,
         outcome: &[u8],
     ) -> Result<(), Error> {
-        let (store, id, token, ttl) =
-            (self.clone(), lease.id().clone(), lease.token(), lease.ttl());
+        let (store, id, token, ttl) = (
+            self.clone(),
+            lease.id().clone(),
+            lease.token(),
+            lease.retention(),
+        );
         let outcome = outcome.to_vec();
         tx.completion = Some(Box::new(move |tx: &Transaction<'_>| {
             store.complete_in(tx, &id, token, &outcome, ttl)

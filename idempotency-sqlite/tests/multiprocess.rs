@@ -199,8 +199,8 @@ async fn parent_race(pool: usize) {
         assert_eq!(total.seen.get(key), Some(&expected), "key {key}");
         let rec = store
             .get(&RecordId::new(
-                scope(),
                 IdempotencyKey::new(key.clone()).unwrap(),
+                scope(),
             ))
             .await
             .unwrap()
@@ -409,7 +409,7 @@ async fn parent_crash() {
         )
         .await;
         let crashed = store
-            .get(&RecordId::new(scope(), k.clone()))
+            .get(&RecordId::new(k.clone(), scope()))
             .await
             .unwrap()
             .expect("the crashed claim's record");
@@ -454,7 +454,7 @@ async fn child_crash() {
     let k = IdempotencyKey::new(std::env::var("IDEMPOTENCY_SQLITE_KEY").unwrap()).unwrap();
     let store = SqliteStore::open(&db).await.unwrap();
     let engine = Idempotency::new(Arc::new(store.clone()), crash_policy()).unwrap();
-    let id = RecordId::new(scope(), k.clone());
+    let id = RecordId::new(k.clone(), scope());
     let idempotency_core::Begin::Execute(_lease) = engine.begin(&id, &fingerprint()).await.unwrap()
     else {
         panic!("the key is fresh");

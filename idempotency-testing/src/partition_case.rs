@@ -105,8 +105,8 @@ fn completed(r: &Record, token: FencingToken) -> bool {
 
 fn id() -> RecordId {
     RecordId::new(
-        Scope::new("partition").expect("scope"),
         IdempotencyKey::random(),
+        Scope::new("partition").expect("scope"),
     )
 }
 

@@ -66,7 +66,7 @@ impl Shared {
 ///    layer would store (status, the allowlisted headers and the body);
 /// 2. in its transaction, write its rows and the completion compare-and-swap with
 ///    [`Prepared::outcome`] (`SqliteStore::complete_in` or `PostgresStore::complete_in`, with
-///    [`ClaimedKey::id`], [`ClaimedKey::token`] and [`ClaimedKey::ttl`]), then commit;
+///    [`ClaimedKey::id`], [`ClaimedKey::token`] and [`ClaimedKey::retention`]), then commit;
 /// 3. answer [`Prepared::committed`]. The layer then writes nothing more, and every retry
 ///    replays what was committed, even if the handler ends up answering something else (a
 ///    5xx after the commit is replayed, never re-run).
@@ -83,7 +83,7 @@ impl Shared {
 /// /// The business transaction: a row and the completion, committed together.
 /// fn insert_and_complete(claim: &ClaimedKey, outcome: &[u8]) -> Result<(), String> {
 ///     // let tx = conn.transaction()?; insert the row;
-///     // store.complete_in(&tx, claim.id(), claim.token(), outcome, claim.ttl())?;
+///     // store.complete_in(&tx, claim.id(), claim.token(), outcome, claim.retention())?;
 ///     // tx.commit()?;
 ///     # let _ = (claim, outcome);
 ///     Ok(())
@@ -132,7 +132,7 @@ impl ClaimedKey {
                 claim: lease.share(),
                 id: lease.id().clone(),
                 token: lease.token(),
-                ttl: lease.ttl(),
+                ttl: lease.retention(),
                 config,
                 settlement: Mutex::new(Settlement::Open),
             }),
@@ -157,8 +157,8 @@ impl ClaimedKey {
         self.shared.token
     }
 
-    /// How long the completed record is kept (the engine's `Policy::ttl`), for the completion.
-    pub fn ttl(&self) -> Duration {
+    /// How long the completed record is kept (the engine's retention), for the completion.
+    pub fn retention(&self) -> Duration {
         self.shared.ttl
     }
 
@@ -223,7 +223,7 @@ impl ClaimedKey {
     /// committed and replayed like any other.
     ///
     /// The store must be the one whose records the layer's engine keeps (a
-    /// `PostgresStore`, `SqliteStore` or `MysqlStore` over the same table).
+    /// `PostgresStore`, `SqliteStore` or `MySqlStore` over the same table).
     pub async fn run_in_transaction<S, F>(&self, store: &S, mut work: F) -> Response<Bytes>
     where
         S: TransactionalStore,

@@ -17,7 +17,7 @@ pub enum HttpDecision {
     /// The stored response was replayed.
     Replayed,
     /// The key was used with a different request.
-    Mismatch,
+    KeyReused,
     /// Another request with the key is running.
     InProgress,
     /// The store failed and the layer answered 503.
@@ -36,7 +36,7 @@ impl HttpDecision {
             Self::Refused => "refused",
             Self::Executed => "executed",
             Self::Replayed => "replayed",
-            Self::Mismatch => "mismatch",
+            Self::KeyReused => "key_reused",
             Self::InProgress => "in_progress",
             Self::StoreUnavailable => "store_unavailable",
             Self::FailOpen => "fail_open",
@@ -197,7 +197,7 @@ mod counted {
             Refused,
             Executed,
             Replayed,
-            Mismatch,
+            KeyReused,
             InProgress,
             StoreUnavailable,
             FailOpen,
@@ -249,7 +249,7 @@ mod tests {
         (HttpDecision::Refused, "refused"),
         (HttpDecision::Executed, "executed"),
         (HttpDecision::Replayed, "replayed"),
-        (HttpDecision::Mismatch, "mismatch"),
+        (HttpDecision::KeyReused, "key_reused"),
         (HttpDecision::InProgress, "in_progress"),
         (HttpDecision::StoreUnavailable, "store_unavailable"),
         (HttpDecision::FailOpen, "fail_open"),

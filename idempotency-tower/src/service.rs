@@ -255,7 +255,7 @@ where
         }
     };
     let fingerprint = fingerprint(&config, &parts, &body);
-    let id = RecordId::new(scope, key);
+    let id = RecordId::new(key, scope);
     let mut req = Request::from_parts(parts, RequestBody::buffered(body));
     if config.handler_claims {
         let handed = RequestKey::new(id, fingerprint);
@@ -309,7 +309,7 @@ where
                 Ok(refuse(&config, Refusal::InProgress { retry_after }))
             }
             EngineRefusal::KeyReused => {
-                record_decision(HttpDecision::Mismatch);
+                record_decision(HttpDecision::KeyReused);
                 Ok(refuse(&config, Refusal::KeyReused))
             }
             EngineRefusal::OutcomeLost { .. } => {
@@ -500,7 +500,7 @@ where
     if let Some(refusal) = resp.extensions().get::<Refusal>().cloned() {
         record_decision(match refusal {
             Refusal::InProgress { .. } => HttpDecision::InProgress,
-            Refusal::KeyReused => HttpDecision::Mismatch,
+            Refusal::KeyReused => HttpDecision::KeyReused,
             Refusal::StoreUnavailable(_) => HttpDecision::StoreUnavailable,
             _ => HttpDecision::Refused,
         });
@@ -672,7 +672,7 @@ async fn complete(lease: Lease, outcome: &StoredResponse, done: HttpOutcome) -> 
 /// Stores, records or releases what the handler answered, and gives the answer.
 async fn settle_response<B>(config: &Config, lease: Lease, read: ReadResponse<B>) -> Answer<B> {
     let key = lease.id().key.clone();
-    let retained = SystemTime::now().checked_add(lease.ttl());
+    let retained = SystemTime::now().checked_add(lease.retention());
     let kept = |parts: &http::response::Parts| config.stored_response(parts, Bytes::new());
     let (resp, outcome) = match (read, config.unreplayable) {
         (ReadResponse::Whole(parts, body), _) => {
@@ -818,7 +818,7 @@ where
             // its answer, and every retry replays what was committed), or its completion was
             // fenced and it rolled back.
             let key = lease.id().key.clone();
-            let expires_at = SystemTime::now().checked_add(lease.ttl());
+            let expires_at = SystemTime::now().checked_add(lease.retention());
             settled_by_handler(lease, settlement);
             Ok(match settlement {
                 Settlement::Lost => refuse(&config, Refusal::LeaseLost),
@@ -847,7 +847,7 @@ where
         }
         Handled::UnstoredStatus(resp) => {
             let key = lease.id().key.clone();
-            let retained = SystemTime::now().checked_add(lease.ttl());
+            let retained = SystemTime::now().checked_add(lease.retention());
             // The handler may have acted before it failed: settle the key with what can be
             // kept of the answer, unless the layer is told otherwise.
             let (outcome, expires_at) = match config.unstored {

@@ -16,8 +16,8 @@ pub use idempotency_sqlite as sqlite;
 #[cfg(feature = "postgres")]
 pub use idempotency_postgres as postgres;
 
-/// The MySQL/MariaDB store (feature `mysql`): [`mysql::MysqlStore`], and
-/// [`mysql::MysqlIdempotency`] for exactly-once work in your transaction.
+/// The MySQL/MariaDB store (feature `mysql`): [`mysql::MySqlStore`], and
+/// [`mysql::MySqlIdempotency`] for exactly-once work in your transaction.
 #[cfg(feature = "mysql")]
 pub use idempotency_mysql as mysql;
 

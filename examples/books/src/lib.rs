@@ -162,7 +162,7 @@ impl Config {
         };
         let mut policy = Policy::default();
         if let Some(ttl) = env_secs("BOOKS_KEY_RETENTION_SECS")? {
-            policy = policy.ttl(ttl);
+            policy = policy.retention(ttl);
         }
         if let Some(lease) = env_secs("BOOKS_LEASE_SECS")? {
             policy = policy.lease(lease);
@@ -236,7 +236,7 @@ pub enum BuildError {
     /// The MariaDB idempotency store could not be reached or migrated, or a table name made
     /// with [`Config::mysql_table_prefix`] is not valid.
     #[error(transparent)]
-    Mysql(#[from] idempotency_mysql::MysqlError),
+    Mysql(#[from] idempotency_mysql::MySqlError),
     /// The DynamoDB store's table names are not valid.
     #[error(transparent)]
     Dynamodb(#[from] idempotency_dynamodb::DynamoError),
@@ -312,7 +312,7 @@ pub async fn stores(config: &Config) -> Result<(Arc<dyn IdempotencyStore>, BookR
             let (books_table, records_table) = config.mysql_tables();
             // Both names are checked before anything is created.
             let books_table = idempotency_mysql::TableName::new(&books_table)?;
-            let store = idempotency_mysql::MysqlStore::builder()
+            let store = idempotency_mysql::MySqlStore::builder()
                 .table(records_table)
                 .connect(url)
                 .await?;
@@ -402,7 +402,7 @@ pub async fn build_with(
         .build()?;
     let state = Arc::new(AppState {
         books,
-        key_retention: config.policy.ttl,
+        key_retention: config.policy.retention,
         engine: engine.clone(),
     });
     let caller = |req: &http::request::Parts| req.extensions.get::<Caller>().map(|c| c.0.clone());

@@ -14,7 +14,7 @@ use idempotency_core::Error;
 use idempotency_dynamodb::DynamoTransaction;
 use idempotency_mysql::sqlx::mysql::MySqlRow;
 use idempotency_mysql::sqlx::{MySqlConnection, MySqlPool};
-use idempotency_mysql::{MysqlStore, MysqlTransaction, TableName as MysqlTableName};
+use idempotency_mysql::{MySqlStore, MySqlTransaction, TableName as MySqlTableName};
 use idempotency_postgres::sqlx::{self, PgPool, Row as _};
 use idempotency_postgres::{PostgresStore, PostgresTransaction};
 use idempotency_sqlite::{SqliteStore, SqliteTransaction};
@@ -82,7 +82,7 @@ enum Backend {
         pool: MySqlPool,
         /// The back-quoted table name, in the database of the pool's URL.
         table: String,
-        records: MysqlStore,
+        records: MySqlStore,
     },
     Dynamo(DynamoBooks),
 }
@@ -179,8 +179,8 @@ impl BookRepo {
     /// Ids are bytes (`VARBINARY`), compared exactly as in SQLite and Postgres: no collation
     /// folds case or ignores trailing spaces.
     pub async fn open_mysql(
-        records: MysqlStore,
-        table: &MysqlTableName,
+        records: MySqlStore,
+        table: &MySqlTableName,
     ) -> Result<Self, RepoError> {
         let table = table.quoted();
         let pool = records.pool().clone();
@@ -315,7 +315,7 @@ impl BookRepo {
             }
             Backend::Mysql { table, records, .. } => {
                 claim
-                    .run_in_transaction(records, |tx: &mut MysqlTransaction| {
+                    .run_in_transaction(records, |tx: &mut MySqlTransaction| {
                         let (table, row) = (table.clone(), book.clone());
                         Box::pin(async move {
                             insert_mysql(tx.connection(), &table, &row)

@@ -15,7 +15,7 @@ async fn expired_keys_are_purged_on_a_schedule() {
     let mut config = Config::new(&db, StoreChoice::Sqlite);
     config.policy = Policy::default()
         .lease(Duration::from_millis(200))
-        .ttl(Duration::from_millis(400));
+        .retention(Duration::from_millis(400));
     config.purge_every = Duration::from_millis(100);
     let running = books_api::start(&config, 0).await.unwrap();
     let records = || {

@@ -247,7 +247,7 @@ impl Ledger {
         store.migrate().await?;
         let policy = Policy::default()
             .lease(config.lease)
-            .ttl(Duration::from_secs(7 * 24 * 3600));
+            .retention(Duration::from_secs(7 * 24 * 3600));
         Ok(Self {
             idempotency: PostgresIdempotency::new(store, policy)?,
             scope: Scope::new("ledger-transfers")?,

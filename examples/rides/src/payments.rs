@@ -109,7 +109,7 @@ async fn charge(
                     claimed.id(),
                     claimed.token(),
                     prepared.outcome(),
-                    claimed.ttl(),
+                    claimed.retention(),
                 )?;
                 tx.commit().map_err(backend)?;
                 Ok(prepared.committed())

@@ -277,7 +277,7 @@ pub async fn start(config: &Config, port: u16) -> Result<Running, Box<dyn std::e
     let store = open_store(&config.db, TABLES).await?;
     let policy = Policy::default()
         .lease(config.lease)
-        .ttl(Duration::from_secs(24 * 3600));
+        .retention(Duration::from_secs(24 * 3600));
     // One engine over the store: the layer and the completer take its plain half.
     let idempotency = SqliteIdempotency::new(store.clone(), policy)?;
     let engine = idempotency.engine().clone();

@@ -109,7 +109,7 @@ fn cached(
 }
 
 fn id() -> RecordId {
-    RecordId::new(Scope::new("cache").unwrap(), IdempotencyKey::random())
+    RecordId::new(IdempotencyKey::random(), Scope::new("cache").unwrap())
 }
 
 fn replay(id: &RecordId) -> ClaimRequest {

@@ -230,8 +230,8 @@ pub async fn completed_record_is_final(t: TestStore) {
 /// that a naive `scope + separator + key` concatenation would confuse.
 pub async fn scopes_are_independent(t: TestStore) {
     let key = IdempotencyKey::random();
-    let a = RecordId::new(scope("tenant-a|charge"), key.clone());
-    let b = RecordId::new(scope("tenant-b|charge"), key.clone());
+    let a = RecordId::new(key.clone(), scope("tenant-a|charge"));
+    let b = RecordId::new(key.clone(), scope("tenant-b|charge"));
     let ta = must_claim(&t, &request(&a, fp("same"), t.long(), t.long())).await;
     let tb = must_claim(&t, &request(&b, fp("same"), t.long(), t.long())).await;
     must_complete(&t, &a, ta, b"outcome a").await;
@@ -257,8 +257,8 @@ pub async fn scopes_are_independent(t: TestStore) {
     for sep in [
         ":", "|", "#", "/", "\\", " ", "{", "}", ".", "-", "_", "%", "::",
     ] {
-        let first = RecordId::new(scope(&format!("{base}x")), key_of(&format!("y{sep}z")));
-        let second = RecordId::new(scope(&format!("{base}x{sep}y")), key_of("z"));
+        let first = RecordId::new(key_of(&format!("y{sep}z")), scope(&format!("{base}x")));
+        let second = RecordId::new(key_of("z"), scope(&format!("{base}x{sep}y")));
         let t1 = must_claim(&t, &request(&first, fp("1"), t.long(), t.long())).await;
         match t
             .store
@@ -390,7 +390,7 @@ pub async fn keys_and_scopes_round_trip(t: TestStore) {
     let base = scope(&format!("round-trip|{}", IdempotencyKey::random()));
     let mut ids: Vec<RecordId> = keys
         .iter()
-        .map(|k| RecordId::new(base.clone(), key_of(k)))
+        .map(|k| RecordId::new(key_of(k), base.clone()))
         .collect();
 
     let shared_key = IdempotencyKey::random();
@@ -409,7 +409,7 @@ pub async fn keys_and_scopes_round_trip(t: TestStore) {
     ids.extend(
         scopes
             .iter()
-            .map(|s| RecordId::new(scope(s), shared_key.clone())),
+            .map(|s| RecordId::new(shared_key.clone(), scope(s))),
     );
     // Tricky scope and tricky key together.
     ids.extend(
@@ -417,7 +417,7 @@ pub async fn keys_and_scopes_round_trip(t: TestStore) {
             .iter()
             .zip(keys.iter().rev())
             .filter(|(s, _)| s.len() + 36 <= Scope::MAX_LEN)
-            .map(|(s, k)| RecordId::new(scope(&format!("{s}{shared_key}")), key_of(k))),
+            .map(|(s, k)| RecordId::new(key_of(k), scope(&format!("{s}{shared_key}")))),
     );
 
     for (i, id) in ids.iter().enumerate() {
@@ -442,9 +442,9 @@ pub async fn keys_and_scopes_round_trip(t: TestStore) {
         assert_eq!(seen.hits, 1, "{id} was observed by a claim of another key");
     }
     // Keys differing only in case or Unicode normalisation are different keys.
-    let nfc = RecordId::new(base.clone(), key_of("caf\u{e9}"));
-    let nfd = RecordId::new(base.clone(), key_of("cafe\u{301}"));
-    let upper = RecordId::new(base.clone(), key_of("CAF\u{c9}"));
+    let nfc = RecordId::new(key_of("caf\u{e9}"), base.clone());
+    let nfd = RecordId::new(key_of("cafe\u{301}"), base.clone());
+    let upper = RecordId::new(key_of("CAF\u{c9}"), base.clone());
     for id in [&nfc, &nfd, &upper] {
         let token = must_claim(&t, &request(id, fp("n"), t.long(), t.long())).await;
         must_complete(&t, id, token, id.key.as_str().as_bytes()).await;
@@ -455,7 +455,7 @@ pub async fn keys_and_scopes_round_trip(t: TestStore) {
             Some(id.key.as_str().as_bytes())
         );
     }
-    absent(&t, &RecordId::new(base, key_of("never-claimed"))).await;
+    absent(&t, &RecordId::new(key_of("never-claimed"), base)).await;
 }
 
 fn scope(s: &str) -> Scope {

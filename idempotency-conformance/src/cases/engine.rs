@@ -45,7 +45,7 @@ async fn counted(
 /// `InProgress` or a replay of its outcome; later calls replay it.
 pub async fn engine_concurrent_runs_execute_once(t: TestStore) {
     for round in 0..3 {
-        let e = engine(&t, Policy::default().lease(t.long()).ttl(t.long()));
+        let e = engine(&t, Policy::default().lease(t.long()).retention(t.long()));
         let (key, scope) = fresh_address("race");
         let runs = Arc::new(AtomicUsize::new(0));
         let barrier = Arc::new(Barrier::new(64));
@@ -104,7 +104,7 @@ pub async fn engine_panic_holds_key(t: TestStore) {
         &t,
         Policy::default()
             .lease(t.short_lease())
-            .ttl(t.long())
+            .retention(t.long())
             .heartbeat(None),
     );
     let (key, scope) = fresh_address("panic");
@@ -123,7 +123,7 @@ pub async fn engine_panic_holds_key(t: TestStore) {
     };
     let err = task.await.expect_err("the panic must reach the caller");
     assert!(err.is_panic(), "the run task ended without a panic: {err}");
-    let r = present(&t, &RecordId::new(scope.clone(), key.clone())).await;
+    let r = present(&t, &RecordId::new(key.clone(), scope.clone())).await;
     assert!(
         r.status == RecordStatus::Failed
             && r.failure
@@ -157,7 +157,7 @@ pub async fn engine_panic_holds_key(t: TestStore) {
 /// An `Err` outcome is not stored (by default): the key is released, the retry runs, and
 /// its `Ok` is what later calls replay.
 pub async fn engine_error_not_stored(t: TestStore) {
-    let e = engine(&t, Policy::default().lease(t.long()).ttl(t.long()));
+    let e = engine(&t, Policy::default().lease(t.long()).retention(t.long()));
     let (key, scope) = fresh_address("error");
     let runs = Arc::new(AtomicUsize::new(0));
     let first = {
@@ -172,7 +172,7 @@ pub async fn engine_error_not_stored(t: TestStore) {
         Ok(Answer::Executed(Err(msg))) => assert_eq!(msg, "transient failure"),
         other => panic!("the failing work returned {other:?}"),
     }
-    let r = present(&t, &RecordId::new(scope.clone(), key.clone())).await;
+    let r = present(&t, &RecordId::new(key.clone(), scope.clone())).await;
     assert_eq!(
         r.status,
         RecordStatus::Failed,
@@ -194,7 +194,7 @@ pub async fn engine_error_not_stored(t: TestStore) {
 /// cut to [`Failure::MAX_MESSAGE`] bytes on a character boundary (no store refuses it for its
 /// size: a column, an item limit), while the caller gets the whole error; a retry runs.
 pub async fn engine_long_failure_messages_are_bounded(t: TestStore) {
-    let e = engine(&t, Policy::default().lease(t.long()).ttl(t.long()));
+    let e = engine(&t, Policy::default().lease(t.long()).retention(t.long()));
     let (key, scope) = fresh_address("long-failure");
     // 100 KiB of two-, three- and four-byte characters: a cut at a byte count would land
     // inside one.
@@ -215,7 +215,7 @@ pub async fn engine_long_failure_messages_are_bounded(t: TestStore) {
         }
         other => panic!("the failing work returned {other:?}"),
     }
-    let r = present(&t, &RecordId::new(scope.clone(), key.clone())).await;
+    let r = present(&t, &RecordId::new(key.clone(), scope.clone())).await;
     assert_eq!(
         r.status,
         RecordStatus::Failed,
@@ -247,7 +247,7 @@ pub async fn engine_wait_policy_replays(t: TestStore) {
         &t,
         Policy::default()
             .lease(t.long())
-            .ttl(t.long())
+            .retention(t.long())
             .in_flight(InFlight::wait(Duration::from_secs(20))),
     );
     let (key, scope) = fresh_address("wait");
@@ -291,9 +291,9 @@ pub async fn engine_wait_policy_replays(t: TestStore) {
 /// runs and after it completed; the mismatching work never runs and the record keeps the
 /// first outcome.
 pub async fn engine_mismatch(t: TestStore) {
-    let e = engine(&t, Policy::default().lease(t.long()).ttl(t.long()));
+    let e = engine(&t, Policy::default().lease(t.long()).retention(t.long()));
     let (key, scope) = fresh_address("mismatch");
-    let id = RecordId::new(scope.clone(), key.clone());
+    let id = RecordId::new(key.clone(), scope.clone());
     let runs = Arc::new(AtomicUsize::new(0));
 
     let Begin::Execute(lease) = e.begin(&id, &fp("original")).await.expect("begin") else {
@@ -301,7 +301,7 @@ pub async fn engine_mismatch(t: TestStore) {
     };
     match counted(&e, &key, &scope, &fp("different"), &runs, "x").await {
         Ok(Answer::Refused(Refusal::KeyReused)) => {}
-        other => panic!("a different payload while in flight got {other:?}, expected Mismatch"),
+        other => panic!("a different payload while in flight got {other:?}, expected KeyReused"),
     }
     lease
         .fail(Failure::retryable("released by the case"))
@@ -315,7 +315,7 @@ pub async fn engine_mismatch(t: TestStore) {
     let before = present(&t, &id).await;
     match counted(&e, &key, &scope, &fp("different"), &runs, "second").await {
         Ok(Answer::Refused(Refusal::KeyReused)) => {}
-        other => panic!("a different payload after completion got {other:?}, expected Mismatch"),
+        other => panic!("a different payload after completion got {other:?}, expected KeyReused"),
     }
     let after = present(&t, &id).await;
     assert_eq!(
@@ -335,7 +335,7 @@ pub async fn engine_heartbeat_keeps_long_work_leased(t: TestStore) {
         &t,
         Policy::default()
             .lease(lease)
-            .ttl(t.long())
+            .retention(t.long())
             .heartbeat(Some(1.0 / 3.0)),
     );
     let (key, scope) = fresh_address("heartbeat");

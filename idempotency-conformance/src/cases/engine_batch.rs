@@ -110,7 +110,7 @@ fn replayed(outcome: &MessageOutcome<Result<String, String>>) -> Option<&Result<
 pub async fn engine_batch_runs_each_message_once(t: TestStore) {
     let e = Idempotency::new(
         t.store.clone(),
-        Policy::default().lease(t.long()).ttl(t.long()),
+        Policy::default().lease(t.long()).retention(t.long()),
     )
     .expect("valid policy");
     let scope = Scope::from_parts(["conformance-engine", "batch"]).expect("scope");
@@ -130,8 +130,8 @@ pub async fn engine_batch_runs_each_message_once(t: TestStore) {
     let Begin::Execute(holder) = e
         .begin(
             &RecordId::new(
-                scope.clone(),
                 IdempotencyKey::new(held.clone()).expect("key"),
+                scope.clone(),
             ),
             &fp("held"),
         )
@@ -275,7 +275,7 @@ pub async fn engine_concurrent_batches_run_each_message_once(t: TestStore) {
     for round in 0..3 {
         let e = Idempotency::new(
             t.store.clone(),
-            Policy::default().lease(t.long()).ttl(t.long()),
+            Policy::default().lease(t.long()).retention(t.long()),
         )
         .expect("valid policy");
         let scope = Scope::from_parts(["conformance-engine", "batch-race"]).expect("scope");
@@ -346,7 +346,7 @@ pub async fn engine_concurrent_batches_run_each_message_once(t: TestStore) {
 /// answer lost, the record read back shows each outcome stored.
 pub async fn engine_batch_settlement_failure_is_retried_alone(t: TestStore) {
     let scope = Scope::from_parts(["conformance-engine", "batch-settle"]).expect("scope");
-    let policy = Policy::default().lease(t.long()).ttl(t.long());
+    let policy = Policy::default().lease(t.long()).retention(t.long());
     for fault in [Fault::Refused, Fault::AckLost] {
         let flaky = FlakyStore::new(t.store.clone(), fault);
         let e = Idempotency::new(Arc::new(flaky.clone()), policy.clone()).expect("policy");
@@ -452,7 +452,7 @@ pub async fn engine_batch_keeps_every_message_leased_until_settled(t: TestStore)
         t.store.clone(),
         Policy::default()
             .lease(lease)
-            .ttl(t.long())
+            .retention(t.long())
             .heartbeat(Some(1.0 / 3.0)),
     )
     .expect("valid policy");
@@ -493,7 +493,7 @@ pub async fn engine_batch_keeps_every_message_leased_until_settled(t: TestStore)
         })
     };
     started.notified().await;
-    let address = |i: usize| RecordId::new(scope.clone(), ids[i].clone());
+    let address = |i: usize| RecordId::new(ids[i].clone(), scope.clone());
     // The fast one is settled while the slow one runs.
     let waited = std::time::Instant::now();
     loop {
@@ -568,7 +568,7 @@ impl serde::Serialize for Explosive {
 pub async fn engine_batch_panics_never_abandon_other_messages(t: TestStore) {
     let e = Idempotency::new(
         t.store.clone(),
-        Policy::default().lease(t.long()).ttl(t.long()),
+        Policy::default().lease(t.long()).retention(t.long()),
     )
     .expect("valid policy");
     let scope = Scope::from_parts(["conformance-engine", "batch-panics"]).expect("scope");
@@ -626,7 +626,7 @@ pub async fn engine_batch_panics_never_abandon_other_messages(t: TestStore) {
             assert!(!m.redeliver);
             let record = t
                 .store
-                .get(&RecordId::new(scope.clone(), key(labels[i])))
+                .get(&RecordId::new(key(labels[i]), scope.clone()))
                 .await
                 .expect("get")
                 .expect("the record");

@@ -18,7 +18,7 @@ type Run = Result<Answer<Result<String, String>>, Error>;
 fn address(label: &str) -> (IdempotencyKey, Scope, RecordId) {
     let key = IdempotencyKey::random();
     let scope = Scope::from_parts(["conformance-engine-faults", label]).expect("valid scope");
-    let id = RecordId::new(scope.clone(), key.clone());
+    let id = RecordId::new(key.clone(), scope.clone());
     (key, scope, id)
 }
 
@@ -47,11 +47,11 @@ async fn counted(
 /// recognised; a completion refused through every try (an outcome over the store's item
 /// limit) gets `OutcomeUnknown` and a permanent failure recorded in the outcome's place, so
 /// retries are refused with `OutcomeLost`, now and after the lease, and another payload is a
-/// `Mismatch`; a store that refuses that
+/// `KeyReused`; a store that refuses that
 /// write too leaves the record Pending, and a retry 100 ms later is told `InProgress`
 /// (one-hour lease), not given the key.
 pub async fn engine_failed_completion_holds_key(t: TestStore) {
-    let policy = Policy::default().lease(t.long()).ttl(t.long());
+    let policy = Policy::default().lease(t.long()).retention(t.long());
     for fault in [Fault::Refused, Fault::AckLost] {
         // One failed completion: the engine tries again and the outcome is stored.
         let flaky = FlakyStore::new(t.store.clone(), fault);
@@ -168,7 +168,7 @@ pub async fn engine_fenced_heartbeat_loses_completion(t: TestStore) {
         t.store.clone(),
         Policy::default()
             .lease(lease)
-            .ttl(t.long())
+            .retention(t.long())
             .heartbeat(Some(0.2)),
     );
     let long = t.long();
@@ -249,7 +249,7 @@ pub async fn engine_wait_policy_takes_over_and_gives_up(t: TestStore) {
     let waiting = |max_wait| {
         Policy::default()
             .lease(t.long())
-            .ttl(t.long())
+            .retention(t.long())
             .count_hits(true)
             .in_flight(InFlight::Wait {
                 max_wait,
@@ -324,14 +324,14 @@ pub async fn engine_each_request_counts_one_hit(t: TestStore) {
         t.store.clone(),
         Policy::default()
             .lease(t.short_lease())
-            .ttl(t.long())
+            .retention(t.long())
             .count_hits(true),
     );
     let e = engine_on(
         t.store.clone(),
         Policy::default()
             .lease(t.long())
-            .ttl(t.long())
+            .retention(t.long())
             .count_hits(true),
     );
     let (key, scope, id) = address("hits");
@@ -435,7 +435,7 @@ async fn abandoned_then_held(
 ) -> bool {
     let e = engine_on(
         t.store.clone(),
-        Policy::default().lease(lease).ttl(t.long()),
+        Policy::default().lease(lease).retention(t.long()),
     );
     let (key, scope, id) = address("abandoned");
     let claimed = Instant::now();
@@ -538,7 +538,7 @@ async fn held_then_runs(
 pub async fn engine_permanent_failure_is_final(t: TestStore) {
     let e = engine_on(
         t.store.clone(),
-        Policy::default().lease(t.long()).ttl(t.long()),
+        Policy::default().lease(t.long()).retention(t.long()),
     );
     let (key, scope, id) = address("permanent");
     let runs = Arc::new(AtomicUsize::new(0));
@@ -600,7 +600,7 @@ pub async fn engine_hung_work_stops_being_extended(t: TestStore) {
         t.store.clone(),
         Policy::default()
             .lease(lease)
-            .ttl(t.long())
+            .retention(t.long())
             .heartbeat(Some(1.0 / 3.0))
             .max_work_time(Duration::from_millis(600)),
     );

@@ -634,7 +634,7 @@ pub async fn long_keys_and_scopes_are_not_truncated(t: TestStore) {
     for last in ['a', 'b', 'c', 'd'] {
         let key = IdempotencyKey::new(format!("{prefix}{last}")).expect("a 255-byte key");
         assert_eq!(key.as_str().len(), 255);
-        ids.push(RecordId::new(scope.clone(), key));
+        ids.push(RecordId::new(key, scope.clone()));
     }
     let scope_prefix: String = format!("{run}|")
         .chars()
@@ -645,7 +645,7 @@ pub async fn long_keys_and_scopes_are_not_truncated(t: TestStore) {
     for last in ['a', 'b', 'c', 'd'] {
         let scope = Scope::new(format!("{scope_prefix}{last}")).expect("a 1024-byte scope");
         assert_eq!(scope.as_str().len(), 1024);
-        ids.push(RecordId::new(scope, key.clone()));
+        ids.push(RecordId::new(key.clone(), scope));
     }
     let mut tokens = Vec::new();
     for (i, id) in ids.iter().enumerate() {

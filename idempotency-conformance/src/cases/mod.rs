@@ -35,8 +35,8 @@ use std::time::Duration;
 /// A record address unique to this call.
 pub fn unique_id(label: &str) -> RecordId {
     RecordId::new(
-        Scope::from_parts(["conformance", label]).expect("valid scope"),
         IdempotencyKey::random(),
+        Scope::from_parts(["conformance", label]).expect("valid scope"),
     )
 }
 

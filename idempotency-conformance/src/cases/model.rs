@@ -584,8 +584,8 @@ async fn run_sequence(env: &Env<'_>, index: usize, seed: u64) -> Result<Coverage
         ids: (0..KEYS)
             .map(|k| {
                 RecordId::new(
-                    scope.clone(),
                     IdempotencyKey::new(format!("key-{k}")).expect("valid key"),
+                    scope.clone(),
                 )
             })
             .collect(),

@@ -114,7 +114,7 @@ impl TransactionalStore for Bank {
             lease.id().clone(),
             lease.token(),
             outcome.to_vec(),
-            lease.ttl(),
+            lease.retention(),
         ));
         Ok(())
     }
@@ -519,7 +519,8 @@ async fn another_operation_does_not_resume_a_record_it_did_not_start() {
         .run_phases(&*w.bank, &w.key, &w.scope, &w.fingerprint, other)
         .await;
     assert!(
-        matches!(&r, Err(Error::Config(m)) if m.contains("book-ride")),
+        matches!(&r, Err(Error::CannotResume { operation, found, phase: 1, phases: 1 })
+            if operation == "refund" && found == "book-ride"),
         "{r:?}"
     );
     assert_eq!(w.counts(), (1, 1, 0));
@@ -571,12 +572,12 @@ async fn a_first_phase_that_calls_out_gets_one_key_for_every_holder() {
 async fn phase_keys_differ_by_phase_operation_record_and_request() {
     use idempotency_core::phase_key;
     let id = RecordId::new(
-        Scope::new("rides").expect("scope"),
         IdempotencyKey::new("k").expect("key"),
+        Scope::new("rides").expect("scope"),
     );
     let other = RecordId::new(
-        Scope::new("rides").expect("scope"),
         IdempotencyKey::new("k2").expect("key"),
+        Scope::new("rides").expect("scope"),
     );
     let fp = Fingerprint::from_bytes(b"a");
     let base = phase_key(&id, &fp, 7, "book", 1);
@@ -637,7 +638,10 @@ fn kit(bank: Bank) -> RecoveryKit<Bank> {
     let (lease, ttl) = (Duration::from_secs(1), Duration::from_secs(2));
     let engine = Idempotency::new(
         bank.records.clone(),
-        Policy::default().lease(lease).ttl(ttl).heartbeat(None),
+        Policy::default()
+            .lease(lease)
+            .retention(ttl)
+            .heartbeat(None),
     )
     .expect("policy");
     RecoveryKit {

@@ -216,7 +216,7 @@ impl Idempotency {
         let requests: Vec<ClaimRequest> = messages
             .iter()
             .map(|m| {
-                self.claim_request(RecordId::new(scope.clone(), m.key.clone()), &m.fingerprint)
+                self.claim_request(RecordId::new(m.key.clone(), scope.clone()), &m.fingerprint)
             })
             .collect();
         let answers = store.claim_many(&requests).await;
@@ -304,7 +304,7 @@ impl Idempotency {
                     message,
                 } = r;
                 let ctx = lease.context();
-                let ttl = self.policy.ttl;
+                let ttl = self.policy.retention;
                 let ran = lease
                     .with_heartbeat(async {
                         // The semaphore is never closed.
@@ -455,6 +455,7 @@ fn redeliverable(e: &Error) -> bool {
         | Error::StoredOutcome { .. }
         | Error::InvalidKey(_)
         | Error::InvalidScope(_)
-        | Error::Config(_) => false,
+        | Error::Config(_)
+        | Error::CannotResume { .. } => false,
     }
 }

@@ -20,7 +20,7 @@ use std::time::Duration;
 ///     .retention(Duration::from_secs(24 * 3600))
 ///     .in_flight(InFlight::wait(Duration::from_secs(5)))
 ///     .build()?;
-/// assert_eq!(engine.policy().ttl, Duration::from_secs(24 * 3600));
+/// assert_eq!(engine.policy().retention, Duration::from_secs(24 * 3600));
 /// # Ok(()) }
 /// ```
 #[derive(Debug)]
@@ -49,7 +49,7 @@ impl IdempotencyBuilder {
 
     /// How long a settled key is kept, and its outcome replayed. Default 24 hours.
     pub fn retention(mut self, retention: Duration) -> Self {
-        self.policy.ttl = retention;
+        self.policy.retention = retention;
         self
     }
 

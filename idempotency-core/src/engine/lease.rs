@@ -111,8 +111,8 @@ impl Lease {
     }
 
     /// The retention the policy gives settled records.
-    pub fn ttl(&self) -> Duration {
-        self.policy.ttl
+    pub fn retention(&self) -> Duration {
+        self.policy.retention
     }
 
     /// How long one renewal of the lease holds the key (the policy's lease): what a store
@@ -250,7 +250,7 @@ impl Lease {
             .settle_with_retries(RecordStatus::Completed, first, || {
                 this.store
                     .as_ref()
-                    .complete(&this.id, this.token, outcome, this.policy.ttl)
+                    .complete(&this.id, this.token, outcome, this.policy.retention)
             })
             .await;
         let e = match cas {
@@ -318,7 +318,7 @@ impl Lease {
             .settle_tries(RecordStatus::Failed, None, || {
                 self.store
                     .as_ref()
-                    .fail(&self.id, self.token, &failure, self.policy.ttl)
+                    .fail(&self.id, self.token, &failure, self.policy.retention)
             })
             .await;
         if let Err(e) = &cas {
@@ -373,7 +373,7 @@ impl Lease {
             .settle_with_retries(RecordStatus::Failed, first, || {
                 this.store
                     .as_ref()
-                    .fail(&this.id, this.token, &failure, this.policy.ttl)
+                    .fail(&this.id, this.token, &failure, this.policy.retention)
             })
             .await;
         if cas.is_err() {
@@ -503,7 +503,7 @@ impl Lease {
             }
             Some(_)
                 if since_failed_try.is_some_and(|elapsed| {
-                    elapsed.saturating_add(RETENTION_MARGIN) >= self.policy.ttl
+                    elapsed.saturating_add(RETENTION_MARGIN) >= self.policy.retention
                 }) =>
             {
                 Err(Error::OutcomeUnknown {

@@ -177,7 +177,7 @@ impl Idempotency {
             // The request owns the record's address, which then moves into the lease: one
             // copy of the scope and key per call.
             let request =
-                self.claim_request(RecordId::new(scope.clone(), key.clone()), fingerprint);
+                self.claim_request(RecordId::new(key.clone(), scope.clone()), fingerprint);
             let lease = match self.begin_request(request).await? {
                 Begin::Replay(record) => return decode_replay(&record).map(Answer::Replayed),
                 Begin::Refused(refusal) => return Ok(Answer::Refused(refusal)),
@@ -230,7 +230,7 @@ impl Idempotency {
     }
 
     fn claim_request(&self, id: RecordId, fingerprint: &Fingerprint) -> ClaimRequest {
-        ClaimRequest::new(id, *fingerprint, self.policy.lease, self.policy.ttl)
+        ClaimRequest::new(id, *fingerprint, self.policy.lease, self.policy.retention)
             .with_count_hit(self.policy.count_hits)
     }
 
@@ -340,8 +340,8 @@ impl Idempotency {
                     emit(Event::Replay);
                     return Ok(Begin::Replay(record));
                 }
-                Decision::Mismatch => {
-                    emit(Event::Mismatch);
+                Decision::KeyReused => {
+                    emit(Event::KeyReused);
                     return Ok(Begin::Refused(Refusal::KeyReused));
                 }
                 Decision::FailedPermanently => {
@@ -355,7 +355,7 @@ impl Idempotency {
                             expected,
                             fingerprint,
                             self.policy.lease,
-                            self.policy.ttl,
+                            self.policy.retention,
                         )
                         .await
                         .map_err(|e| e.during(Operation::Reclaim, self.loggable(id)))?

@@ -111,8 +111,8 @@ impl IdempotencyStore for Scripted {
 
 fn id() -> RecordId {
     RecordId::new(
-        Scope::new("engine-tests").expect("scope"),
         IdempotencyKey::new("k").expect("key"),
+        Scope::new("engine-tests").expect("scope"),
     )
 }
 
@@ -537,7 +537,7 @@ async fn a_first_try_fenced_is_lease_lost() {
     });
     let lease = lease_on(
         store.clone(),
-        Policy::default().ttl(Duration::from_millis(500)),
+        Policy::default().retention(Duration::from_millis(500)),
     );
     match lease.complete(b"x").await {
         Err(Error::LeaseLost { token }) => assert_eq!(token, FencingToken(5)),
@@ -785,7 +785,10 @@ async fn a_fence_after_a_failed_try_with_a_short_retention() {
             get: record,
             ..Scripted::default()
         });
-        let lease = lease_on(store, Policy::default().ttl(Duration::from_millis(500)));
+        let lease = lease_on(
+            store,
+            Policy::default().retention(Duration::from_millis(500)),
+        );
         match (lease.complete(b"x").await, unknown) {
             (Err(Error::OutcomeUnknown { .. }), true) | (Err(Error::LeaseLost { .. }), false) => {}
             (other, _) => panic!("record {what}: the completion got {other:?}"),

@@ -54,7 +54,7 @@ impl Idempotency {
             ) -> BoxFuture<'t, Result<Result<T, E>, Error>>
             + Send,
     {
-        let id = RecordId::new(scope.clone(), key.clone());
+        let id = RecordId::new(key.clone(), scope.clone());
         let lease = match self.begin(&id, fingerprint).await? {
             Begin::Replay(record) => return decode_replay(&record).map(Answer::Replayed),
             Begin::Refused(refusal) => return Ok(Answer::Refused(refusal)),

@@ -64,9 +64,9 @@ impl SharedClaim {
         self.lease.context()
     }
 
-    /// How long the completed record is kept.
-    pub fn ttl(&self) -> Duration {
-        self.lease.ttl()
+    /// How long the completed record is kept (the engine's retention).
+    pub fn retention(&self) -> Duration {
+        self.lease.retention()
     }
 
     /// Runs `work` in a transaction of `store` and completes the record inside it with

@@ -43,7 +43,7 @@ pub trait TransactionalStore: Send + Sync {
 
     /// The completion compare-and-swap inside `transaction`: if `lease`'s token still holds
     /// the record (live, Pending), marks it Completed with `outcome` for
-    /// [`Lease::ttl`], as [`IdempotencyStore::complete`](crate::IdempotencyStore::complete)
+    /// [`Lease::retention`], as [`IdempotencyStore::complete`](crate::IdempotencyStore::complete)
     /// does. Returns [`Error::LeaseLost`] when it matches nothing. Nothing of it is visible
     /// before the commit. A store may instead keep the completion and run it as the first
     /// step of [`commit`](TransactionalStore::commit) (to reach its connection once): its

@@ -131,7 +131,7 @@ async fn writes_and_completion_commit_in_one_request_and_a_retry_replays() {
     assert!(matches!(again, Answer::Replayed(Ok(7))), "{again:?}");
     assert_eq!(runs.load(Ordering::SeqCst), 1);
     assert_eq!(count(&store, "k1").await, 1);
-    let record = store.get(&RecordId::new(scope(), key("k1"))).await.unwrap();
+    let record = store.get(&RecordId::new(key("k1"), scope())).await.unwrap();
     assert_eq!(record.unwrap().status, RecordStatus::Completed);
 }
 
@@ -182,7 +182,7 @@ async fn a_failed_condition_cancels_every_write_says_which_and_releases_the_key(
     assert_eq!(count(&store, "cancelled").await, 0, "nothing applied");
     // Released at once: a retry runs (and, with a free order, commits).
     let record = store
-        .get(&RecordId::new(scope(), key("c")))
+        .get(&RecordId::new(key("c"), scope()))
         .await
         .unwrap()
         .unwrap();
@@ -217,7 +217,7 @@ async fn a_fenced_completion_cancels_the_writes_of_the_holder_that_lost_its_leas
     let clock = ManualClock::new();
     let (store, _guard) = common::store(Arc::new(clock.clone())).await.unwrap();
     let (slow, taker) = (engine(&store), Arc::new(engine(&store)));
-    let id = RecordId::new(scope(), key("f"));
+    let id = RecordId::new(key("f"), scope());
     let update = bump(&store, "fenced");
     let result = slow
         .run_in_transaction(&store, &key("f"), &scope(), &fingerprint(), |tx, _| {
@@ -444,7 +444,7 @@ async fn an_applied_transaction_whose_record_was_replaced_before_the_resend_is_u
     let retention = Duration::from_secs(1);
     let engine = Idempotency::new(
         Arc::new(store.clone()),
-        Policy::default().lease(LEASE).ttl(retention),
+        Policy::default().lease(LEASE).retention(retention),
     )
     .unwrap();
     let other = DynamoStore::builder()
@@ -459,7 +459,7 @@ async fn an_applied_transaction_whose_record_was_replaced_before_the_resend_is_u
             clock.advance(retention * 2);
             let handle = tokio::runtime::Handle::current();
             let request = ClaimRequest::new(
-                RecordId::new(scope(), key("replaced")),
+                RecordId::new(key("replaced"), scope()),
                 fingerprint(),
                 LEASE,
                 retention,

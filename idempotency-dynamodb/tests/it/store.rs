@@ -26,8 +26,8 @@ use std::time::Duration;
 
 fn id(key: &str) -> RecordId {
     RecordId::new(
-        Scope::new("orders").unwrap(),
         IdempotencyKey::new(key).unwrap(),
+        Scope::new("orders").unwrap(),
     )
 }
 
@@ -153,8 +153,11 @@ async fn each_operation_is_one_request() {
 #[tokio::test]
 async fn a_work_whose_outcome_is_over_the_item_limit_never_runs_twice() {
     let (store, clock, _requests, _guard) = counted_store().await;
-    let engine =
-        Idempotency::new(Arc::new(store), Policy::default().lease(LEASE).ttl(TTL)).unwrap();
+    let engine = Idempotency::new(
+        Arc::new(store),
+        Policy::default().lease(LEASE).retention(TTL),
+    )
+    .unwrap();
     let (key, scope) = (IdempotencyKey::random(), Scope::new("orders").unwrap());
     let fingerprint = Fingerprint::from_bytes(b"a");
     let runs = Arc::new(AtomicUsize::new(0));

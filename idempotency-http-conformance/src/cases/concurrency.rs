@@ -98,7 +98,7 @@ pub async fn server_errors_408_429_release_the_key(store: TestStore) {
 /// runs the handler again.
 pub async fn answers_of_every_status_are_replayed_after_the_lease(store: TestStore) {
     let lease = store.short_lease();
-    let policy = Policy::default().lease(lease).ttl(store.long());
+    let policy = Policy::default().lease(lease).retention(store.long());
     let s = TestServer::with_store(store.store.clone(), policy, |l| l).await;
     let c = client();
     for (i, code) in ["500", "503", "408", "429"].into_iter().enumerate() {
@@ -132,7 +132,7 @@ fn not_5xx_408_429(status: StatusCode) -> bool {
 /// passes: a retry 100 ms later gets 409 with `Retry-After`.
 pub async fn unstored_statuses_settle_or_hold_the_key(store: TestStore) {
     let lease = store.short_lease();
-    let policy = Policy::default().lease(lease).ttl(store.long());
+    let policy = Policy::default().lease(lease).retention(store.long());
     let settled = TestServer::with_store(store.store.clone(), policy.clone(), |l| {
         l.store_status(not_5xx_408_429)
     })
@@ -390,7 +390,7 @@ pub async fn released_key_accepts_corrected_request(store: TestStore) {
 pub async fn handler_outliving_its_lease_runs_once(store: TestStore) {
     let policy = Policy::default()
         .lease(Duration::from_millis(300))
-        .ttl(store.long());
+        .retention(store.long());
     let s = Arc::new(TestServer::with_store(store.store.clone(), policy, |l| l).await);
     let c = client();
     let body = json!({"slow": true});
@@ -444,7 +444,9 @@ pub async fn handler_outliving_its_lease_runs_once(store: TestStore) {
 /// is told `422` `idempotency-key-outcome-lost` and never runs the handler again. If
 /// the store refuses that write too, a retry is told `409` until the lease passes instead.
 pub async fn failed_completion_does_not_rerun_handler(store: TestStore) {
-    let policy = Policy::default().lease(store.long()).ttl(store.long());
+    let policy = Policy::default()
+        .lease(store.long())
+        .retention(store.long());
     for (key, fail_refused) in [("unstored", false), ("unstored-held", true)] {
         let flaky = FlakyStore::new(store.store.clone(), Fault::Refused);
         flaky.inject(FlakyOp::Complete, u64::MAX / 2);
@@ -541,7 +543,7 @@ pub async fn lost_lease_is_its_own_outcome(store: TestStore) {
     let policy = Policy::default()
         .lease(Duration::from_millis(300))
         .heartbeat(None)
-        .ttl(store.long());
+        .retention(store.long());
     let s = Arc::new(TestServer::with_store(store.store.clone(), policy, outcome_header).await);
     let c = client();
     let body = json!({"lost": 1});

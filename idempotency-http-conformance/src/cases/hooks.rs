@@ -45,7 +45,7 @@ pub async fn response_hook_sees_fresh_and_replayed(store: TestStore) {
         .duration_since(std::time::UNIX_EPOCH)
         .expect("clock")
         .as_secs() as i64;
-    let retention = Policy::default().ttl.as_secs() as i64;
+    let retention = Policy::default().retention.as_secs() as i64;
     for r in [&first, &again] {
         assert!(
             (expiry(r) - (now + retention)).abs() <= 5,

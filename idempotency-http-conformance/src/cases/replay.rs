@@ -225,8 +225,8 @@ pub async fn corrupt_stored_response_is_500(store: TestStore) {
         .body(raw.as_bytes())
         .finish();
     let id = RecordId::new(
-        http_scope("anonymous", &Method::POST, "/items").expect("scope"),
         IdempotencyKey::new("corrupt").expect("key"),
+        http_scope("anonymous", &Method::POST, "/items").expect("scope"),
     );
     let claim = store
         .store
@@ -349,9 +349,9 @@ pub async fn preconditions_are_part_of_the_request(store: TestStore) {
         .body(raw.as_bytes())
         .finish();
     let id = RecordId::new(
+        IdempotencyKey::new("stored-before").expect("key"),
         // The layer's route is axum's matched template (the suite enables the `axum` feature).
         http_scope("anonymous", &Method::PATCH, "/items/{id}").expect("scope"),
-        IdempotencyKey::new("stored-before").expect("key"),
     );
     seed(
         &store,

@@ -6,7 +6,7 @@ use idempotency_core::{Idempotency, Policy};
 use idempotency_http_conformance::cases::{assert_problem, send};
 use idempotency_http_conformance::server::TestServer;
 use idempotency_mysql::sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
-use idempotency_mysql::MysqlStore;
+use idempotency_mysql::MySqlStore;
 use idempotency_testing::mysql::{pool, Isolation, TableGuard};
 use std::str::FromStr;
 use std::sync::Arc;
@@ -16,7 +16,7 @@ async fn factory() -> TestStore {
     // InnoDB's default level: the one most deployments run at.
     let pool = pool(Isolation::RepeatableRead, 8).await;
     let guard = TableGuard::new();
-    let store = MysqlStore::builder()
+    let store = MySqlStore::builder()
         .table(&guard.table)
         .build(pool)
         .expect("valid name");
@@ -38,7 +38,7 @@ async fn unreachable_server_fails_closed() {
     let pool = MySqlPoolOptions::new()
         .acquire_timeout(Duration::from_secs(2))
         .connect_lazy_with(options);
-    let store = MysqlStore::builder().build(pool).expect("valid name");
+    let store = MySqlStore::builder().build(pool).expect("valid name");
     let engine = Idempotency::new(Arc::new(store), Policy::default()).expect("policy");
     let s = TestServer::start(
         idempotency_tower::IdempotencyLayer::shared(engine)
@@ -69,11 +69,11 @@ async fn unreachable_server_fails_closed() {
 async fn one_call_exactly_once_at_every_isolation_level() {
     use axum::extract::{Request, State};
     use axum::response::IntoResponse;
-    use idempotency_mysql::{database_error, sqlx, MysqlTransaction};
+    use idempotency_mysql::{database_error, sqlx, MySqlTransaction};
     use idempotency_tower::{ClaimedKey, IdempotencyLayer};
 
     struct App {
-        store: MysqlStore,
+        store: MySqlStore,
         table: String,
     }
 
@@ -89,7 +89,7 @@ async fn one_call_exactly_once_at_every_isolation_level() {
             "SELECT LAST_INSERT_ID()".to_owned(),
         );
         claim
-            .run_in_transaction(&app.store, |tx: &mut MysqlTransaction| {
+            .run_in_transaction(&app.store, |tx: &mut MySqlTransaction| {
                 let (insert, last, key) = (insert.clone(), last.clone(), key.clone());
                 Box::pin(async move {
                     sqlx::query(&insert)
@@ -117,7 +117,7 @@ async fn one_call_exactly_once_at_every_isolation_level() {
     for level in Isolation::ALL {
         let pool = pool(level, 8).await;
         let guard = TableGuard::new();
-        let store = MysqlStore::builder()
+        let store = MySqlStore::builder()
             .table(&guard.table)
             .build(pool.clone())
             .expect("valid name");

@@ -83,7 +83,7 @@ async fn huge_wait_backoffs_do_not_overflow() {
     let key = IdempotencyKey::random();
     let scope = Scope::new("t|wait").unwrap();
     let fp = Fingerprint::from_bytes(b"x");
-    let id = idempotency_core::RecordId::new(scope.clone(), key.clone());
+    let id = idempotency_core::RecordId::new(key.clone(), scope.clone());
     let idempotency_core::Begin::Execute(_held) = engine.begin(&id, &fp).await.unwrap() else {
         panic!("a fresh key replayed");
     };

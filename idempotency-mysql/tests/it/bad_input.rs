@@ -10,13 +10,13 @@ use idempotency_core::{
     RecordId, Scope,
 };
 use idempotency_mysql::sqlx::{self, Executor};
-use idempotency_mysql::{MysqlError, MysqlStore, TableName, MAX_TABLE_NAME_LEN};
+use idempotency_mysql::{MySqlError, MySqlStore, TableName, MAX_TABLE_NAME_LEN};
 use std::sync::Arc;
 use std::time::Duration;
 
 fn request() -> ClaimRequest {
     ClaimRequest::new(
-        RecordId::new(Scope::new("bad-input").unwrap(), IdempotencyKey::random()),
+        RecordId::new(IdempotencyKey::random(), Scope::new("bad-input").unwrap()),
         Fingerprint::from_bytes(b"payload"),
         Duration::from_secs(60),
         Duration::from_secs(3600),
@@ -33,7 +33,7 @@ fn url_with_database(db: &str) -> String {
 #[tokio::test]
 async fn wrong_urls_are_typed_errors() {
     let _ = common::admin().await; // fail clearly if the server is down
-    let fast = || MysqlStore::builder().connect_timeout(Duration::from_secs(5));
+    let fast = || MySqlStore::builder().connect_timeout(Duration::from_secs(5));
 
     for garbage in [
         "",
@@ -43,7 +43,7 @@ async fn wrong_urls_are_typed_errors() {
     ] {
         let err = fast().connect(garbage).await.unwrap_err();
         assert!(
-            matches!(err, MysqlError::InvalidUrl { .. }),
+            matches!(err, MySqlError::InvalidUrl { .. }),
             "{garbage:?}: {err}"
         );
         assert!(!err.is_retryable());
@@ -60,7 +60,7 @@ async fn wrong_urls_are_typed_errors() {
         .connect(&format!("mysql://root@127.0.0.1:{port}/test"))
         .await
         .unwrap_err();
-    assert!(matches!(err, MysqlError::Connect { .. }), "{err}");
+    assert!(matches!(err, MySqlError::Connect { .. }), "{err}");
     assert!(err.is_retryable(), "{err}");
 
     // An unknown database and a wrong password: refused, not worth retrying.
@@ -69,7 +69,7 @@ async fn wrong_urls_are_typed_errors() {
         "mysql://root:wrong-password@127.0.0.1:3306/test".to_owned(),
     ] {
         let err = fast().connect(&url).await.unwrap_err();
-        assert!(matches!(err, MysqlError::Connect { .. }), "{url}: {err}");
+        assert!(matches!(err, MySqlError::Connect { .. }), "{url}: {err}");
         assert!(!err.is_retryable(), "{url}: {err}");
     }
 }
@@ -88,17 +88,17 @@ async fn invalid_names_are_refused() {
     ] {
         let err = TableName::new(bad).unwrap_err();
         assert!(
-            matches!(&err, MysqlError::InvalidName { what: "table", name, .. } if name == bad),
+            matches!(&err, MySqlError::InvalidName { what: "table", name, .. } if name == bad),
             "{bad:?}: {err}"
         );
         assert!(!err.is_retryable());
-        let err = MysqlStore::builder()
+        let err = MySqlStore::builder()
             .table(bad)
             .connect(&common::url())
             .await
             .unwrap_err();
         assert!(
-            matches!(err, MysqlError::InvalidName { .. }),
+            matches!(err, MySqlError::InvalidName { .. }),
             "{bad:?}: {err}"
         );
         assert!(matches!(Error::from(err), Error::Config(_)));
@@ -108,7 +108,7 @@ async fn invalid_names_are_refused() {
 
 fn assert_missing_table(e: &Error) {
     assert!(
-        matches!(MysqlError::find(e), Some(MysqlError::MissingTable { .. })),
+        matches!(MySqlError::find(e), Some(MySqlError::MissingTable { .. })),
         "expected MissingTable, got {e:?}"
     );
     assert!(!e.is_retryable(), "{e:?}");
@@ -117,7 +117,7 @@ fn assert_missing_table(e: &Error) {
 #[tokio::test]
 async fn missing_table_without_migrate() {
     let guard = TableGuard::new();
-    let store = MysqlStore::builder()
+    let store = MySqlStore::builder()
         .table(&guard.table)
         .build(common::pool(Isolation::ReadCommitted, 2).await)
         .unwrap();
@@ -132,7 +132,7 @@ async fn missing_table_without_migrate() {
     );
     assert_missing_table(&store.purge_expired(10).await.unwrap_err());
     let err = store.verify().await.unwrap_err();
-    assert!(matches!(err, MysqlError::MissingTable { .. }), "{err}");
+    assert!(matches!(err, MySqlError::MissingTable { .. }), "{err}");
     store.migrate().await.unwrap();
     store.verify().await.unwrap();
     // Migrating again changes nothing.
@@ -141,7 +141,7 @@ async fn missing_table_without_migrate() {
 
 fn assert_shape(e: &Error) {
     assert!(
-        matches!(MysqlError::find(e), Some(MysqlError::TableShape { .. })),
+        matches!(MySqlError::find(e), Some(MySqlError::TableShape { .. })),
         "expected TableShape, got {e:?}"
     );
     assert!(!e.is_retryable());
@@ -157,15 +157,15 @@ async fn table_of_another_shape() {
         guard.table
     ))
     .await;
-    let store = MysqlStore::builder()
+    let store = MySqlStore::builder()
         .table(&guard.table)
         .build(common::pool(Isolation::ReadCommitted, 2).await)
         .unwrap();
     let err = store.migrate().await.unwrap_err();
-    assert!(matches!(err, MysqlError::TableShape { .. }), "{err}");
+    assert!(matches!(err, MySqlError::TableShape { .. }), "{err}");
     assert!(matches!(
         store.verify().await.unwrap_err(),
-        MysqlError::TableShape { .. }
+        MySqlError::TableShape { .. }
     ));
     // Left unchanged: migrate added none of its columns to it.
     let mut admin = common::admin().await;
@@ -184,7 +184,7 @@ async fn table_of_another_shape() {
 
     // The right columns, one of the wrong type (a token that cannot hold the clock in µs).
     let guard2 = TableGuard::new();
-    let good = MysqlStore::builder()
+    let good = MySqlStore::builder()
         .table(&guard2.table)
         .build(store.pool().clone())
         .unwrap();
@@ -196,14 +196,14 @@ async fn table_of_another_shape() {
     .await;
     let err = good.verify().await.unwrap_err();
     assert!(
-        matches!(&err, MysqlError::TableShape { detail, .. } if detail.contains("token")),
+        matches!(&err, MySqlError::TableShape { detail, .. } if detail.contains("token")),
         "{err}"
     );
     assert_shape(&good.claim(&request()).await.unwrap_err());
 
     // A table without the expiry index.
     let guard3 = TableGuard::new();
-    let unindexed = MysqlStore::builder()
+    let unindexed = MySqlStore::builder()
         .table(&guard3.table)
         .build(store.pool().clone())
         .unwrap();
@@ -215,7 +215,7 @@ async fn table_of_another_shape() {
     .await;
     let err = unindexed.verify().await.unwrap_err();
     assert!(
-        matches!(&err, MysqlError::TableShape { detail, .. } if detail.contains("expires_ms")),
+        matches!(&err, MySqlError::TableShape { detail, .. } if detail.contains("expires_ms")),
         "{err}"
     );
 }
@@ -392,7 +392,7 @@ async fn writes_without_a_connection_are_not_outcome_unknown() {
     let pool = sqlx::mysql::MySqlPoolOptions::new()
         .acquire_timeout(Duration::from_millis(500))
         .connect_lazy_with(options);
-    let store = MysqlStore::builder().build(pool).unwrap();
+    let store = MySqlStore::builder().build(pool).unwrap();
     let req = request();
     let token = idempotency_core::FencingToken(1);
     let claim = store.claim(&req).await;

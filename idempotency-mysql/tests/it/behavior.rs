@@ -14,19 +14,19 @@ use idempotency_core::{
 };
 use idempotency_mysql::sqlx::mysql::{MySqlPoolOptions, MySqlSslMode};
 use idempotency_mysql::sqlx::{self, Connection, Executor};
-use idempotency_mysql::{MysqlError, MysqlStore};
+use idempotency_mysql::{MySqlError, MySqlStore};
 use std::time::{Duration, Instant};
 
 fn request(lease: Duration) -> ClaimRequest {
     ClaimRequest::new(
-        RecordId::new(Scope::new("behavior").unwrap(), IdempotencyKey::random()),
+        RecordId::new(IdempotencyKey::random(), Scope::new("behavior").unwrap()),
         Fingerprint::from_bytes(b"payload"),
         lease,
         Duration::from_secs(3600),
     )
 }
 
-async fn revision(store: &MysqlStore, id: &RecordId) -> i64 {
+async fn revision(store: &MySqlStore, id: &RecordId) -> i64 {
     let mut conn = common::admin().await;
     let rev = sqlx::query_scalar(&format!(
         "SELECT revision FROM {} WHERE scope = ? AND idem_key = ?",
@@ -84,7 +84,7 @@ async fn idempotent_rewrites_are_reported_applied() {
 
 /// Holds the record row locked from another connection for `hold`.
 async fn lock_row_for(
-    store: &MysqlStore,
+    store: &MySqlStore,
     id: &RecordId,
     hold: Duration,
 ) -> tokio::task::JoinHandle<()> {
@@ -128,7 +128,7 @@ async fn lock_wait_timeouts_are_retried_inside_the_store() {
         .connect_with(common::options())
         .await
         .unwrap();
-    let store = MysqlStore::builder()
+    let store = MySqlStore::builder()
         .table(&guard.table)
         .build(pool.clone())
         .unwrap();
@@ -149,7 +149,7 @@ async fn lock_wait_timeouts_are_retried_inside_the_store() {
     );
     holder.await.unwrap();
 
-    let impatient = MysqlStore::builder()
+    let impatient = MySqlStore::builder()
         .table(&guard.table)
         .conflict_retries(0)
         .build(pool)
@@ -158,7 +158,7 @@ async fn lock_wait_timeouts_are_retried_inside_the_store() {
     match impatient.extend(&req.id, token, req.lease).await {
         Err(e @ Error::Backend { .. }) => {
             assert!(e.is_retryable(), "{e:?}");
-            assert!(MysqlError::find(&e).is_none());
+            assert!(MySqlError::find(&e).is_none());
         }
         other => panic!("expected a retryable backend error, got {other:?}"),
     }
@@ -166,7 +166,7 @@ async fn lock_wait_timeouts_are_retried_inside_the_store() {
 }
 
 /// A store whose single pooled connection goes through a proxy that can cut it.
-async fn cuttable() -> (MysqlStore, CountingProxy, TableGuard) {
+async fn cuttable() -> (MySqlStore, CountingProxy, TableGuard) {
     let guard = TableGuard::new();
     let options = common::options();
     let upstream = format!("{}:{}", options.get_host(), options.get_port());
@@ -176,7 +176,7 @@ async fn cuttable() -> (MysqlStore, CountingProxy, TableGuard) {
         .port(proxy.port())
         .ssl_mode(MySqlSslMode::Disabled);
     let pool = common::pool_with(options, Isolation::RepeatableRead, 1).await;
-    let store = MysqlStore::builder()
+    let store = MySqlStore::builder()
         .table(&guard.table)
         .build(pool)
         .unwrap();
@@ -317,7 +317,7 @@ async fn a_resent_claim_never_takes_over_a_reclaimed_record() {
     let (store, proxy, guard) = cuttable().await;
     // Another application instance, on its own pool straight to the server.
     let (other, _other_guard) = common::store_with(Isolation::RepeatableRead, 2).await;
-    let other = MysqlStore::builder()
+    let other = MySqlStore::builder()
         .table(&guard.table)
         .build(other.pool().clone())
         .unwrap();
@@ -469,7 +469,7 @@ async fn session_time_zone_moves_nothing() {
             .connect_with(common::options())
             .await
             .unwrap();
-        let store = MysqlStore::builder()
+        let store = MySqlStore::builder()
             .table(&guard.table)
             .build(pool)
             .unwrap();
@@ -603,7 +603,7 @@ async fn cancelled_calls_give_their_connections_back() {
 
 /// Every one of the pool's `size` connections can be taken at once within 20 s of `cut`
 /// cancelled calls.
-async fn every_connection_comes_back(store: &MysqlStore, size: u32, cut: u32) {
+async fn every_connection_comes_back(store: &MySqlStore, size: u32, cut: u32) {
     let started = Instant::now();
     let mut held = Vec::new();
     while held.len() < size as usize {
@@ -632,7 +632,7 @@ fn rand_micros(i: u64) -> u64 {
 async fn cancelled_transactions_give_their_connections_back() {
     const POOL: u32 = 2;
     let (store, _guard) = common::store_with(Isolation::RepeatableRead, POOL).await;
-    let engine = idempotency_mysql::MysqlIdempotency::new(
+    let engine = idempotency_mysql::MySqlIdempotency::new(
         store.clone(),
         idempotency_core::Policy::default().lease(Duration::from_millis(300)),
     )
@@ -677,7 +677,7 @@ async fn call_cancelled_mid_answer_loses_no_connection() {
     let opts = common::options();
     let upstream = format!("{}:{}", opts.get_host(), opts.get_port());
     let guard = TableGuard::new();
-    let setup = MysqlStore::builder()
+    let setup = MySqlStore::builder()
         .table(&guard.table)
         .build(common::pool(Isolation::RepeatableRead, 1).await)
         .unwrap();
@@ -695,7 +695,7 @@ async fn call_cancelled_mid_answer_loses_no_connection() {
             )
             .await
             .unwrap();
-        let store = MysqlStore::builder()
+        let store = MySqlStore::builder()
             .table(&guard.table)
             .build(pool.clone())
             .unwrap();

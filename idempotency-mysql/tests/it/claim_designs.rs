@@ -22,7 +22,7 @@ use idempotency_core::{
 };
 use idempotency_mysql::sqlx::mysql::MySqlSslMode;
 use idempotency_mysql::sqlx::{self, Executor, MySqlPool};
-use idempotency_mysql::MysqlStore;
+use idempotency_mysql::MySqlStore;
 use std::time::{Duration, Instant};
 
 const ROUNDS: usize = 300;
@@ -65,7 +65,7 @@ enum Design {
 
 async fn claim_once(
     design: Design,
-    store: &MysqlStore,
+    store: &MySqlStore,
     pool: &MySqlPool,
     t: &str,
     proc_name: &str,
@@ -76,7 +76,7 @@ async fn claim_once(
     match design {
         Design::OneStatement => {
             let req = ClaimRequest::new(
-                RecordId::new(Scope::new("designs").unwrap(), key),
+                RecordId::new(key, Scope::new("designs").unwrap()),
                 Fingerprint::from_bytes(b"x"),
                 Duration::from_secs(60),
                 Duration::from_secs(3600),
@@ -151,12 +151,12 @@ async fn claim_designs_compared() {
     )
     .await;
     let direct = common::pool(Isolation::RepeatableRead, 1).await;
-    let store = MysqlStore::builder()
+    let store = MySqlStore::builder()
         .table(&guard.table)
         .build(direct.clone())
         .unwrap();
     store.migrate().await.unwrap();
-    let counted_store = MysqlStore::builder()
+    let counted_store = MySqlStore::builder()
         .table(&guard.table)
         .build(counted.clone())
         .unwrap();

@@ -13,7 +13,7 @@ use idempotency_core::{
     Policy, RecordId, RecordStatus, Refusal, Scope,
 };
 use idempotency_mysql::sqlx::{self, Connection, Executor, MySqlConnection};
-use idempotency_mysql::{MysqlError, MysqlIdempotency, MysqlStore};
+use idempotency_mysql::{MySqlError, MySqlIdempotency, MySqlStore};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -21,7 +21,7 @@ use tokio::sync::Notify;
 
 /// A store, its guards and the `orders` table beside it.
 struct Rig {
-    store: MysqlStore,
+    store: MySqlStore,
     orders: Arc<str>,
     _guards: (TableGuard, TableGuard),
 }
@@ -84,7 +84,7 @@ fn fingerprint() -> Fingerprint {
 /// A retry of `key`, released or left by the holder of `first`, reclaims it with the next
 /// token and commits the one order.
 async fn retry_runs_once(
-    engine: &MysqlIdempotency,
+    engine: &MySqlIdempotency,
     orders: &Arc<str>,
     key: &IdempotencyKey,
     first: FencingToken,
@@ -128,11 +128,11 @@ async fn lease_takeover(level: Isolation) {
     let policy = Policy::default()
         .lease(Duration::from_millis(300))
         .heartbeat(None);
-    let engine = MysqlIdempotency::new(rig.store.clone(), policy.clone()).unwrap();
+    let engine = MySqlIdempotency::new(rig.store.clone(), policy.clone()).unwrap();
     // The retry waits while the key is in progress (a loaded machine may be slow to let the
     // stalled holder's lease pass in the table), then takes it over.
     let retry_policy = policy.in_flight(InFlight::wait(Duration::from_secs(30)));
-    let retry = MysqlIdempotency::new(rig.store.clone(), retry_policy).unwrap();
+    let retry = MySqlIdempotency::new(rig.store.clone(), retry_policy).unwrap();
     for _ in 0..TAKEOVER_ROUNDS {
         let pairs: Vec<_> = (0..TAKEOVER_PAIRS)
             .map(|_| {
@@ -149,7 +149,7 @@ async fn lease_takeover(level: Isolation) {
     }
 }
 
-async fn takeover_pair(engine: MysqlIdempotency, retry: MysqlIdempotency, orders: Arc<str>) {
+async fn takeover_pair(engine: MySqlIdempotency, retry: MySqlIdempotency, orders: Arc<str>) {
     let key = IdempotencyKey::random();
     let started = Arc::new(Notify::new());
     let retry_started = Arc::new(Notify::new());
@@ -227,7 +227,7 @@ async fn takeover_pair(engine: MysqlIdempotency, retry: MysqlIdempotency, orders
     );
     let record = engine
         .store()
-        .get(&RecordId::new(scope(), key.clone()))
+        .get(&RecordId::new(key.clone(), scope()))
         .await
         .unwrap()
         .unwrap();
@@ -274,7 +274,7 @@ async fn dropped_transaction(level: Isolation) {
     let policy = Policy::default()
         .lease(Duration::from_secs(2))
         .in_flight(InFlight::wait(Duration::from_secs(20)));
-    let engine = MysqlIdempotency::new(rig.store.clone(), policy).unwrap();
+    let engine = MySqlIdempotency::new(rig.store.clone(), policy).unwrap();
     let cases: Vec<_> = (0..DROPPED)
         .map(|i| {
             let (engine, orders) = (engine.clone(), rig.orders.clone());
@@ -293,7 +293,7 @@ async fn dropped_transaction(level: Isolation) {
 }
 
 /// The work's future is aborted after its insert.
-async fn dropped_during_work(engine: MysqlIdempotency, orders: Arc<str>) {
+async fn dropped_during_work(engine: MySqlIdempotency, orders: Arc<str>) {
     let key = IdempotencyKey::random();
     let inserted = Arc::new(Notify::new());
     let token = Arc::new(AtomicU64::new(0));
@@ -334,9 +334,9 @@ async fn dropped_during_work(engine: MysqlIdempotency, orders: Arc<str>) {
 
 /// The completion CAS ran in the transaction, then the transaction and the lease were dropped
 /// without a commit (the process gave up, a panic unwound past them).
-async fn dropped_after_completion(engine: MysqlIdempotency, orders: Arc<str>) {
+async fn dropped_after_completion(engine: MySqlIdempotency, orders: Arc<str>) {
     let key = IdempotencyKey::random();
-    let id = RecordId::new(scope(), key.clone());
+    let id = RecordId::new(key.clone(), scope());
     let Begin::Execute(lease) = engine.engine().begin(&id, &fingerprint()).await.unwrap() else {
         panic!("a fresh key is executed");
     };
@@ -351,7 +351,7 @@ async fn dropped_after_completion(engine: MysqlIdempotency, orders: Arc<str>) {
             lease.id(),
             lease.token(),
             b"{\"Ok\":1}",
-            lease.ttl(),
+            lease.retention(),
         )
         .await
         .expect("the holder's completion applies inside its transaction");
@@ -382,7 +382,7 @@ async fn dropped_transaction_serializable() {
 
 async fn panic_and_error(level: Isolation) {
     let rig = setup(level, 6).await;
-    let engine = MysqlIdempotency::new(rig.store.clone(), Policy::default()).unwrap();
+    let engine = MySqlIdempotency::new(rig.store.clone(), Policy::default()).unwrap();
     // Panic.
     let key = IdempotencyKey::random();
     let token = Arc::new(AtomicU64::new(0));
@@ -465,7 +465,7 @@ const DUPLICATE_ROUNDS: usize = 6;
 
 async fn concurrent_duplicates(level: Isolation) {
     let rig = setup(level, 10).await;
-    let engine = MysqlIdempotency::new(rig.store.clone(), Policy::default()).unwrap();
+    let engine = MySqlIdempotency::new(rig.store.clone(), Policy::default()).unwrap();
     for _ in 0..DUPLICATE_ROUNDS {
         let key = IdempotencyKey::random();
         let executions = Arc::new(AtomicUsize::new(0));
@@ -549,9 +549,9 @@ async fn deadlock_reruns(level: Isolation) {
     let policy = Policy::default()
         .lease(Duration::from_secs(30))
         .heartbeat(None);
-    let engine = MysqlIdempotency::new(rig.store.clone(), policy).unwrap();
+    let engine = MySqlIdempotency::new(rig.store.clone(), policy).unwrap();
     let key = IdempotencyKey::random();
-    let id = RecordId::new(scope(), key.clone());
+    let id = RecordId::new(key.clone(), scope());
     let attempts = Arc::new(AtomicUsize::new(0));
     let stock_locked = Arc::new(Notify::new());
     let record_locked = Arc::new(Notify::new());
@@ -691,9 +691,9 @@ async fn long_work(level: Isolation) {
     // loaded machine (each is a durable write).
     let lease = Duration::from_secs(1);
     let policy = Policy::default().lease(lease).heartbeat(Some(0.3));
-    let engine = MysqlIdempotency::new(rig.store.clone(), policy).unwrap();
+    let engine = MySqlIdempotency::new(rig.store.clone(), policy).unwrap();
     let key = IdempotencyKey::random();
-    let id = RecordId::new(scope(), key.clone());
+    let id = RecordId::new(key.clone(), scope());
     let started = Arc::new(Notify::new());
     let holder = {
         let (engine, orders, key, started) = (
@@ -801,14 +801,14 @@ async fn lost_at_commit(level: Isolation, committed: bool) {
         .host("127.0.0.1")
         .port(proxy.port())
         .ssl_mode(idempotency_mysql::sqlx::mysql::MySqlSslMode::Disabled);
-    let store = MysqlStore::builder()
+    let store = MySqlStore::builder()
         .table(rig.store.table_name().table())
         .build(common::pool_with(proxied, level, 4).await)
         .unwrap();
     let policy = Policy::default().lease(Duration::from_secs(1));
-    let engine = MysqlIdempotency::new(store, policy).unwrap();
+    let engine = MySqlIdempotency::new(store, policy).unwrap();
     let key = IdempotencyKey::random();
-    let id = RecordId::new(scope(), key.clone());
+    let id = RecordId::new(key.clone(), scope());
     proxy.cut_next_commit(committed);
     let (o, k) = (rig.orders.clone(), key.clone());
     let holder = engine
@@ -921,7 +921,7 @@ async fn connection_lost_at_commit_serializable() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nested_begin_in_the_work_is_a_savepoint() {
     let rig = setup(Isolation::RepeatableRead, 2).await;
-    let engine = MysqlIdempotency::new(rig.store.clone(), Policy::default()).unwrap();
+    let engine = MySqlIdempotency::new(rig.store.clone(), Policy::default()).unwrap();
     let orders = rig.orders.clone();
     let key = IdempotencyKey::random();
     let scope = Scope::new("savepoint").unwrap();
@@ -966,7 +966,7 @@ async fn nested_begin_in_the_work_is_a_savepoint() {
     assert_eq!(refs, vec!["kept".to_owned()]);
     let record = rig
         .store
-        .get(&RecordId::new(scope, key))
+        .get(&RecordId::new(key, scope))
         .await
         .unwrap()
         .unwrap();
@@ -995,7 +995,7 @@ async fn the_works_own_deadlock(level: Isolation) {
     let policy = Policy::default()
         .lease(Duration::from_secs(30))
         .heartbeat(None);
-    let engine = MysqlIdempotency::new(rig.store.clone(), policy).unwrap();
+    let engine = MySqlIdempotency::new(rig.store.clone(), policy).unwrap();
     let key = IdempotencyKey::random();
     let attempts = Arc::new(AtomicUsize::new(0));
     let row1_locked = Arc::new(Notify::new());
@@ -1107,7 +1107,7 @@ async fn the_works_own_deadlock_runs_the_transaction_again() {
 // fails with 1020 ("Record has changed since last read").
 
 /// A store whose sessions run at REPEATABLE READ with `innodb_snapshot_isolation` on.
-async fn snapshot_store() -> (MysqlStore, TableGuard) {
+async fn snapshot_store() -> (MySqlStore, TableGuard) {
     let guard = TableGuard::new();
     let pool = sqlx::mysql::MySqlPoolOptions::new()
         .max_connections(6)
@@ -1123,7 +1123,7 @@ async fn snapshot_store() -> (MysqlStore, TableGuard) {
         .connect_with(common::options())
         .await
         .unwrap();
-    let store = MysqlStore::builder()
+    let store = MySqlStore::builder()
         .table(&guard.table)
         .build(pool)
         .unwrap();
@@ -1141,7 +1141,7 @@ async fn the_works_own_snapshot_conflict_runs_the_transaction_again() {
     ))
     .await;
     common::exec(&format!("INSERT INTO {accounts} VALUES (1, 100)")).await;
-    let engine = MysqlIdempotency::new(store.clone(), Policy::default()).unwrap();
+    let engine = MySqlIdempotency::new(store.clone(), Policy::default()).unwrap();
     let (read, paid) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
     // A concurrent payment of 1 that commits between the work's first read and its write.
     let payer = {
@@ -1202,7 +1202,7 @@ async fn long_work_under_snapshot_isolation_is_refused_with_a_typed_error() {
     ))
     .await;
     let policy = Policy::default().lease(Duration::from_millis(400));
-    let engine = MysqlIdempotency::new(store.clone(), policy).unwrap();
+    let engine = MySqlIdempotency::new(store.clone(), policy).unwrap();
     let key = IdempotencyKey::random();
     let runs = Arc::new(AtomicUsize::new(0));
     let outcome = engine
@@ -1230,8 +1230,8 @@ async fn long_work_under_snapshot_isolation_is_refused_with_a_typed_error() {
     let error = outcome.expect_err("the completion cannot be written under snapshot isolation");
     assert!(
         matches!(
-            MysqlError::find(&error),
-            Some(MysqlError::SnapshotIsolation { .. })
+            MySqlError::find(&error),
+            Some(MySqlError::SnapshotIsolation { .. })
         ),
         "{error:?}"
     );
@@ -1242,7 +1242,7 @@ async fn long_work_under_snapshot_isolation_is_refused_with_a_typed_error() {
         "nothing commits"
     );
     let record = store
-        .get(&RecordId::new(scope(), key.clone()))
+        .get(&RecordId::new(key.clone(), scope()))
         .await
         .unwrap()
         .expect("the record");
@@ -1263,7 +1263,7 @@ async fn the_works_own_database_error_releases_the_key_and_is_returned() {
     ))
     .await;
     common::exec(&format!("INSERT INTO {refs} VALUES ('taken')")).await;
-    let engine = MysqlIdempotency::new(rig.store.clone(), Policy::default()).unwrap();
+    let engine = MySqlIdempotency::new(rig.store.clone(), Policy::default()).unwrap();
     let key = IdempotencyKey::random();
     let runs = Arc::new(AtomicUsize::new(0));
     let insert = |value: &'static str| insert_ref(refs.clone(), runs.clone(), value);
@@ -1280,7 +1280,7 @@ async fn the_works_own_database_error_releases_the_key_and_is_returned() {
     assert_eq!(runs.load(Ordering::SeqCst), 1, "not a conflict: run once");
     let record = rig
         .store
-        .get(&RecordId::new(scope(), key.clone()))
+        .get(&RecordId::new(key.clone(), scope()))
         .await
         .unwrap()
         .expect("the record");

@@ -14,7 +14,7 @@ use idempotency_core::{
 };
 use idempotency_mysql::sqlx::mysql::{MySqlConnectOptions, MySqlSslMode};
 use idempotency_mysql::sqlx::{self, Connection};
-use idempotency_mysql::{MysqlError, MysqlIdempotency, MysqlStore};
+use idempotency_mysql::{MySqlError, MySqlIdempotency, MySqlStore};
 use idempotency_testing::partition::PartitionProxy;
 use idempotency_testing::partition_case::{an_idle_connection, CommitCase, PartitionCase};
 use std::str::FromStr;
@@ -25,7 +25,7 @@ const TIMEOUT: Duration = Duration::from_secs(3);
 const LEASE: Duration = Duration::from_secs(60);
 
 fn no_answer(e: &Error) -> bool {
-    matches!(MysqlError::find(e), Some(MysqlError::NoAnswer { .. }))
+    matches!(MySqlError::find(e), Some(MySqlError::NoAnswer { .. }))
 }
 
 /// No answer to the statement, or no connection to send it on (a new connection's handshake
@@ -36,7 +36,7 @@ fn nothing_answered(e: &Error) -> bool {
             .is_some_and(|e| matches!(e, idempotency_mysql::sqlx::Error::PoolTimedOut))
 }
 
-async fn partitioned_store(proxy: &PartitionProxy, guard: &TableGuard) -> MysqlStore {
+async fn partitioned_store(proxy: &PartitionProxy, guard: &TableGuard) -> MySqlStore {
     let options = MySqlConnectOptions::from_str(&common::url())
         .unwrap()
         .host("127.0.0.1")
@@ -49,7 +49,7 @@ async fn partitioned_store(proxy: &PartitionProxy, guard: &TableGuard) -> MysqlS
         .connect_with(options)
         .await
         .unwrap();
-    let store = MysqlStore::builder()
+    let store = MySqlStore::builder()
         .table(&guard.table)
         .response_timeout(TIMEOUT)
         .build(pool)
@@ -91,7 +91,7 @@ async fn a_partition_during_an_exactly_once_transaction_hangs_nothing() {
     let proxy = std::sync::Arc::new(proxy().await);
     let guard = TableGuard::new();
     let store = partitioned_store(&proxy, &guard).await;
-    let engine = MysqlIdempotency::new(store.clone(), Policy::default().lease(LEASE)).unwrap();
+    let engine = MySqlIdempotency::new(store.clone(), Policy::default().lease(LEASE)).unwrap();
     let scope = Scope::new("partition").unwrap();
     let fp = Fingerprint::from_bytes(b"p");
 
@@ -128,7 +128,7 @@ async fn a_partition_during_an_exactly_once_transaction_hangs_nothing() {
     assert!(no_answer(&e), "{e:?}");
     proxy.heal();
     let record = store
-        .get(&RecordId::new(scope.clone(), key.clone()))
+        .get(&RecordId::new(key.clone(), scope.clone()))
         .await
         .unwrap()
         .unwrap();
@@ -156,7 +156,7 @@ async fn a_partition_at_the_commit_keeps_the_order_and_the_completion_together()
     ))
     .await;
     let lease = Duration::from_secs(1);
-    let engine = MysqlIdempotency::new(store, Policy::default().lease(lease)).unwrap();
+    let engine = MySqlIdempotency::new(store, Policy::default().lease(lease)).unwrap();
     let scope = Scope::new("partition|POST /orders").unwrap();
     let fingerprint = Fingerprint::from_bytes(b"order");
 

@@ -13,7 +13,7 @@ use idempotency_core::{
     Scope,
 };
 use idempotency_mysql::sqlx;
-use idempotency_mysql::{database_error, MysqlStore, MysqlTransaction};
+use idempotency_mysql::{database_error, MySqlStore, MySqlTransaction};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -28,7 +28,10 @@ async fn mysql_passes_every_recovery_point_case_at_every_level() {
         let (lease, ttl) = (Duration::from_secs(1), Duration::from_secs(2));
         let engine = Idempotency::new(
             Arc::new(store.clone()),
-            Policy::default().lease(lease).ttl(ttl).heartbeat(None),
+            Policy::default()
+                .lease(lease)
+                .retention(ttl)
+                .heartbeat(None),
         )
         .unwrap();
         let kit = RecoveryKit {
@@ -47,12 +50,12 @@ async fn mysql_passes_every_recovery_point_case_at_every_level() {
 fn flow(
     payments: Arc<ForeignService>,
     tables: Arc<(String, String)>,
-) -> Phases<MysqlStore, (i64, i64), String> {
+) -> Phases<MySqlStore, (i64, i64), String> {
     let (rides, receipts) = (tables.0.clone(), tables.1.clone());
     Phases::new("book-ride")
         .phase(
             "create-ride",
-            move |tx: &mut MysqlTransaction, (): (), _: PhaseContext| {
+            move |tx: &mut MySqlTransaction, (): (), _: PhaseContext| {
                 let sql = format!("INSERT INTO {rides} (route) VALUES ('A to B') RETURNING id");
                 Box::pin(async move {
                     let id: i64 = sqlx::query_scalar(&sql)
@@ -69,7 +72,7 @@ fn flow(
         })
         .phase(
             "receipt",
-            move |tx: &mut MysqlTransaction, (ride, charge): (i64, i64), _: PhaseContext| {
+            move |tx: &mut MySqlTransaction, (ride, charge): (i64, i64), _: PhaseContext| {
                 let sql = format!("INSERT INTO {receipts} (ride, charge) VALUES (?, ?)");
                 Box::pin(async move {
                     sqlx::query(&sql)
@@ -85,7 +88,7 @@ fn flow(
 }
 
 struct World {
-    store: MysqlStore,
+    store: MySqlStore,
     tables: Arc<(String, String)>,
     _guards: (TableGuard, TableGuard, TableGuard),
     engine: Idempotency,
@@ -116,7 +119,7 @@ impl World {
             Arc::new(store.clone()),
             Policy::default()
                 .lease(LEASE)
-                .ttl(Duration::from_secs(3600)),
+                .retention(Duration::from_secs(3600)),
         )
         .unwrap();
         Self {
@@ -136,14 +139,14 @@ impl World {
         )
     }
 
-    fn flow(&self) -> Phases<MysqlStore, (i64, i64), String> {
+    fn flow(&self) -> Phases<MySqlStore, (i64, i64), String> {
         flow(self.payments.clone(), self.tables.clone())
     }
 
     async fn run(&self) -> Result<Answer<Result<(i64, i64), String>>, Error> {
         let (key, scope, fp) = Self::key();
         // Through the store's wrapper: the store is not passed a second time.
-        idempotency_mysql::MysqlIdempotency::with_engine(self.store.clone(), self.engine.clone())
+        idempotency_mysql::MySqlIdempotency::with_engine(self.store.clone(), self.engine.clone())
             .run_phases(&key, &scope, &fp, self.flow())
             .await
     }
@@ -237,7 +240,7 @@ async fn a_table_without_recovery_point_columns_is_given_them_by_migrate() {
         t = guard.table
     ))
     .await;
-    let store = idempotency_mysql::MysqlStore::builder()
+    let store = idempotency_mysql::MySqlStore::builder()
         .table(&guard.table)
         .build(common::pool(Isolation::ReadCommitted, 2).await)
         .unwrap();
@@ -245,8 +248,8 @@ async fn a_table_without_recovery_point_columns_is_given_them_by_migrate() {
     store.migrate().await.unwrap();
     store.verify().await.unwrap();
     let id = idempotency_core::RecordId::new(
-        Scope::new("rides").unwrap(),
         IdempotencyKey::new("old").unwrap(),
+        Scope::new("rides").unwrap(),
     );
     let record = idempotency_core::IdempotencyStore::get(&store, &id)
         .await

@@ -19,12 +19,12 @@ use idempotency_core::{
 };
 use idempotency_mysql::sqlx::mysql::MySqlSslMode;
 use idempotency_mysql::sqlx::{self, Executor};
-use idempotency_mysql::{MysqlIdempotency, MysqlStore};
+use idempotency_mysql::{MySqlIdempotency, MySqlStore};
 use std::sync::Arc;
 use std::time::Duration;
 
 pub(crate) struct Rig {
-    pub(crate) store: MysqlStore,
+    pub(crate) store: MySqlStore,
     pub(crate) proxy: CountingProxy,
     pub(crate) _guard: TableGuard,
 }
@@ -40,7 +40,7 @@ pub(crate) async fn rig() -> Rig {
         .port(proxy.port())
         .ssl_mode(MySqlSslMode::Disabled);
     let pool = common::pool_with(options, Isolation::RepeatableRead, 1).await;
-    let store = MysqlStore::builder()
+    let store = MySqlStore::builder()
         .table(&guard.table)
         .build(pool)
         .unwrap();
@@ -66,7 +66,7 @@ impl Rig {
 
 fn request(key: &IdempotencyKey) -> ClaimRequest {
     ClaimRequest::new(
-        RecordId::new(Scope::new("rt").unwrap(), key.clone()),
+        RecordId::new(key.clone(), Scope::new("rt").unwrap()),
         Fingerprint::from_bytes(b"payload"),
         Duration::from_secs(60),
         Duration::from_secs(3600),
@@ -74,7 +74,7 @@ fn request(key: &IdempotencyKey) -> ClaimRequest {
 }
 
 /// Every store operation once, so each statement is prepared on the connection.
-async fn warm_up(store: &MysqlStore) {
+async fn warm_up(store: &MySqlStore) {
     let req = request(&IdempotencyKey::random());
     let Claim::Claimed { token, .. } = store.claim(&req).await.unwrap() else {
         panic!()
@@ -194,7 +194,7 @@ async fn one_round_trip_per_operation() {
 
     // Inside the caller's transaction the completion adds exactly one round trip:
     // BEGIN + complete_in + COMMIT.
-    let id = RecordId::new(scope.clone(), IdempotencyKey::random());
+    let id = RecordId::new(IdempotencyKey::random(), scope.clone());
     let Begin::Execute(lease) = engine.begin(&id, &fp).await.unwrap() else {
         panic!()
     };
@@ -202,7 +202,7 @@ async fn one_round_trip_per_operation() {
         .count(async {
             let mut tx = store.pool().begin().await.unwrap();
             store
-                .complete_in(&mut tx, lease.id(), lease.token(), b"1", lease.ttl())
+                .complete_in(&mut tx, lease.id(), lease.token(), b"1", lease.retention())
                 .await
                 .unwrap();
             tx.commit().await.unwrap();
@@ -216,7 +216,7 @@ async fn one_round_trip_per_operation() {
     // The transactional engine with a one-insert work: claim, BEGIN, insert, complete_in,
     // COMMIT.
     let my_engine =
-        MysqlIdempotency::new(store.clone(), Policy::default().heartbeat(None)).unwrap();
+        MySqlIdempotency::new(store.clone(), Policy::default().heartbeat(None)).unwrap();
     let orders_guard = TableGuard::new();
     let orders = format!("`{}`", orders_guard.table);
     common::exec(&format!(

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 fn request() -> ClaimRequest {
     ClaimRequest::new(
-        RecordId::new(Scope::new("bad-input").unwrap(), IdempotencyKey::random()),
+        RecordId::new(IdempotencyKey::random(), Scope::new("bad-input").unwrap()),
         Fingerprint::from_bytes(b"payload"),
         Duration::from_secs(60),
         Duration::from_secs(3600),

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 fn request(ttl: Duration) -> ClaimRequest {
     ClaimRequest::new(
-        RecordId::new(Scope::new("behavior").unwrap(), IdempotencyKey::random()),
+        RecordId::new(IdempotencyKey::random(), Scope::new("behavior").unwrap()),
         Fingerprint::from_bytes(b"payload"),
         Duration::from_secs(60),
         ttl,
@@ -312,7 +312,7 @@ async fn transactional_engine_releases_on_error() {
             .await
             .unwrap();
         let record = store
-            .get(&RecordId::new(scope.clone(), key.clone()))
+            .get(&RecordId::new(key.clone(), scope.clone()))
             .await
             .unwrap()
             .unwrap();

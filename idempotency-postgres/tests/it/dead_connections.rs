@@ -88,8 +88,8 @@ async fn kill_backends(app: &str) -> i64 {
 
 fn id() -> RecordId {
     RecordId::new(
-        Scope::new("dead-connections").unwrap(),
         IdempotencyKey::random(),
+        Scope::new("dead-connections").unwrap(),
     )
 }
 

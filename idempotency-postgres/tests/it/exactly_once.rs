@@ -196,7 +196,7 @@ async fn takeover_pair(engine: PostgresIdempotency, retry: PostgresIdempotency, 
     );
     let record = engine
         .store()
-        .get(&RecordId::new(scope(), key.clone()))
+        .get(&RecordId::new(key.clone(), scope()))
         .await
         .unwrap()
         .unwrap();
@@ -304,7 +304,7 @@ async fn dropped_during_work(engine: PostgresIdempotency, orders: Arc<str>) {
 /// without a commit (the process gave up, a panic unwound past them).
 async fn dropped_after_completion(engine: PostgresIdempotency, orders: Arc<str>) {
     let key = IdempotencyKey::random();
-    let id = RecordId::new(scope(), key.clone());
+    let id = RecordId::new(key.clone(), scope());
     let Begin::Execute(lease) = engine.engine().begin(&id, &fingerprint()).await.unwrap() else {
         panic!("a fresh key is executed");
     };
@@ -323,7 +323,7 @@ async fn dropped_after_completion(engine: PostgresIdempotency, orders: Arc<str>)
                         lease.id(),
                         lease.token(),
                         b"{\"Ok\":1}",
-                        lease.ttl(),
+                        lease.retention(),
                     )
                     .await
             }
@@ -482,7 +482,7 @@ async fn holder_statements(
 
 async fn kill_once(store: PostgresStore, orders: Arc<str>, level: Isolation) -> RecordStatus {
     let key = IdempotencyKey::random();
-    let id = RecordId::new(scope(), key.clone());
+    let id = RecordId::new(key.clone(), scope());
     let request = ClaimRequest::new(
         id.clone(),
         fingerprint(),
@@ -683,7 +683,7 @@ async fn killed_connection_through_engine_helper() {
         }
         assert!(orders_for(&store, &orders, &key).await.is_empty());
         let record = store
-            .get(&RecordId::new(scope(), key.clone()))
+            .get(&RecordId::new(key.clone(), scope()))
             .await
             .unwrap()
             .expect("the released record");
@@ -707,7 +707,7 @@ async fn long_work(level: Isolation) {
     let policy = Policy::default().lease(LONG_LEASE);
     let engine = PostgresIdempotency::new(store.clone(), policy).unwrap();
     let key = IdempotencyKey::random();
-    let id = RecordId::new(scope(), key.clone());
+    let id = RecordId::new(key.clone(), scope());
     let runs = Arc::new(AtomicUsize::new(0));
     let token = Arc::new(AtomicU64::new(0));
     let inserted = Arc::new(Notify::new());
@@ -832,7 +832,7 @@ async fn long_work_short_ttl(level: Isolation) {
     let (store, _guard, orders) = setup(level, 8).await;
     let policy = Policy::default()
         .lease(Duration::from_secs(1))
-        .ttl(Duration::from_secs(1));
+        .retention(Duration::from_secs(1));
     let engine = PostgresIdempotency::new(store.clone(), policy).unwrap();
     let key = IdempotencyKey::random();
     let runs = Arc::new(AtomicUsize::new(0));
@@ -898,7 +898,7 @@ async fn duplicates_of_a_held_key(level: Isolation) {
         idempotency_core::Idempotency::new(Arc::new(store.clone()), policy.count_hits(true))
             .unwrap();
     let key = IdempotencyKey::random();
-    let id = RecordId::new(scope(), key.clone());
+    let id = RecordId::new(key.clone(), scope());
     // Runs of the duplicates' work: none may run. (The holder's transaction may run again
     // after a serialization failure at SERIALIZABLE, its first run rolled back: the orders
     // table counts what committed.)
@@ -1258,7 +1258,7 @@ async fn commit_cut(level: Isolation, cut: CommitCut) {
         .in_flight(InFlight::wait(Duration::from_secs(20)));
     let engine = PostgresIdempotency::new(store.clone(), policy).unwrap();
     let key = IdempotencyKey::random();
-    let id = RecordId::new(scope(), key.clone());
+    let id = RecordId::new(key.clone(), scope());
     let runs = Arc::new(AtomicUsize::new(0));
     let orders: Arc<str> = orders.into();
     let work = |placed_by| counted_insert(orders.clone(), key.clone(), runs.clone(), placed_by);
@@ -1393,7 +1393,7 @@ async fn deferred_violation_at_commit(level: Isolation) {
         other => panic!("{level:?}: a commit refused by a deferred constraint got {other:?}"),
     }
     let record = store
-        .get(&RecordId::new(scope(), key.clone()))
+        .get(&RecordId::new(key.clone(), scope()))
         .await
         .unwrap()
         .expect("the record");
@@ -1572,7 +1572,7 @@ async fn the_works_own_database_error_releases_the_key_and_is_returned() {
         "{error:?}"
     );
     let record = store
-        .get(&RecordId::new(scope(), key.clone()))
+        .get(&RecordId::new(key.clone(), scope()))
         .await
         .unwrap()
         .expect("the record");
@@ -1627,7 +1627,7 @@ async fn a_work_that_conflicts_on_every_run_gives_up_and_releases_the_key() {
         "none of the work's runs committed"
     );
     let record = store
-        .get(&RecordId::new(scope(), key.clone()))
+        .get(&RecordId::new(key.clone(), scope()))
         .await
         .unwrap()
         .expect("the record");

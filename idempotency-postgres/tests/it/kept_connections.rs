@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 fn request(key: &IdempotencyKey, fingerprint: &[u8]) -> ClaimRequest {
     ClaimRequest::new(
-        RecordId::new(Scope::new("kept").unwrap(), key.clone()),
+        RecordId::new(key.clone(), Scope::new("kept").unwrap()),
         Fingerprint::from_bytes(fingerprint),
         Duration::from_secs(60),
         Duration::from_secs(3600),

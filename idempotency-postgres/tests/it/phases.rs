@@ -32,7 +32,10 @@ async fn postgres_passes_every_recovery_point_case_at_every_level() {
         let (lease, ttl) = (Duration::from_secs(1), Duration::from_secs(2));
         let engine = Idempotency::new(
             Arc::new(store.clone()),
-            Policy::default().lease(lease).ttl(ttl).heartbeat(None),
+            Policy::default()
+                .lease(lease)
+                .retention(ttl)
+                .heartbeat(None),
         )
         .unwrap();
         let kit = RecoveryKit {
@@ -111,7 +114,7 @@ fn long_engine(store: Arc<dyn idempotency_core::IdempotencyStore>) -> Idempotenc
         Policy::default()
             .lease(LONG_LEASE)
             .heartbeat(Some(0.1))
-            .ttl(Duration::from_secs(3600)),
+            .retention(Duration::from_secs(3600)),
     )
     .unwrap()
 }
@@ -129,7 +132,7 @@ impl World {
             Arc::new(store.clone()),
             Policy::default()
                 .lease(LEASE)
-                .ttl(Duration::from_secs(3600)),
+                .retention(Duration::from_secs(3600)),
         )
         .unwrap();
         Self {

@@ -104,7 +104,7 @@ impl Rig {
 
 fn request(key: &IdempotencyKey) -> ClaimRequest {
     ClaimRequest::new(
-        RecordId::new(Scope::new("rt").unwrap(), key.clone()),
+        RecordId::new(key.clone(), Scope::new("rt").unwrap()),
         Fingerprint::from_bytes(b"payload"),
         Duration::from_secs(60),
         Duration::from_secs(3600),
@@ -316,7 +316,7 @@ async fn round_trips(kind: PoolKind) {
 
     // Inside the caller's transaction the completion adds exactly one round trip:
     // BEGIN + complete_in + COMMIT.
-    let id = RecordId::new(scope.clone(), IdempotencyKey::random());
+    let id = RecordId::new(IdempotencyKey::random(), scope.clone());
     let Begin::Execute(lease) = engine.begin(&id, &fp).await.unwrap() else {
         panic!()
     };
@@ -324,7 +324,7 @@ async fn round_trips(kind: PoolKind) {
         .count(async {
             let mut tx = store.pool().begin().await.unwrap();
             store
-                .complete_in(&mut tx, lease.id(), lease.token(), b"1", lease.ttl())
+                .complete_in(&mut tx, lease.id(), lease.token(), b"1", lease.retention())
                 .await
                 .unwrap();
             tx.commit().await.unwrap();

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 fn request(lease: Duration, ttl: Duration) -> ClaimRequest {
     ClaimRequest::new(
-        RecordId::new(Scope::new("tokens").unwrap(), IdempotencyKey::random()),
+        RecordId::new(IdempotencyKey::random(), Scope::new("tokens").unwrap()),
         Fingerprint::from_bytes(b"payload"),
         lease,
         ttl,
@@ -321,9 +321,11 @@ async fn extreme_durations_clamp() {
             assert_eq!(store.purge_expired(100).await.unwrap(), 0);
 
             // Through the transactional engine with a policy of huge lease and TTL.
-            let engine =
-                PostgresIdempotency::new(store.clone(), Policy::default().lease(huge).ttl(huge))
-                    .unwrap();
+            let engine = PostgresIdempotency::new(
+                store.clone(),
+                Policy::default().lease(huge).retention(huge),
+            )
+            .unwrap();
             let (key, scope, fp) = (
                 IdempotencyKey::random(),
                 Scope::new("tokens").unwrap(),
@@ -336,7 +338,7 @@ async fn extreme_durations_clamp() {
                 .await
                 .unwrap();
             assert_eq!(out, Answer::Executed(Ok(7)));
-            let r = record(&store, &RecordId::new(scope, key)).await;
+            let r = record(&store, &RecordId::new(key, scope)).await;
             far(r.expires_at.as_millis(), "engine-completed expires_at");
         }
     }

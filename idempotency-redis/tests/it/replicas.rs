@@ -22,7 +22,7 @@ fn request(id: &RecordId) -> ClaimRequest {
 }
 
 fn id() -> RecordId {
-    RecordId::new(Scope::new("replicas").unwrap(), IdempotencyKey::random())
+    RecordId::new(IdempotencyKey::random(), Scope::new("replicas").unwrap())
 }
 
 /// A connection of its own to `server`.

@@ -24,7 +24,7 @@ fn request(id: &RecordId) -> ClaimRequest {
 }
 
 fn id() -> RecordId {
-    RecordId::new(Scope::new("sentinel").unwrap(), IdempotencyKey::random())
+    RecordId::new(IdempotencyKey::random(), Scope::new("sentinel").unwrap())
 }
 
 async fn claimed(store: &RedisStore, id: &RecordId) -> FencingToken {

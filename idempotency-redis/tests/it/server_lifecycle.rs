@@ -15,8 +15,8 @@ const HOUR: Duration = Duration::from_secs(3600);
 
 fn id() -> RecordId {
     RecordId::new(
-        Scope::new("lifecycle").expect("scope"),
         IdempotencyKey::random(),
+        Scope::new("lifecycle").expect("scope"),
     )
 }
 

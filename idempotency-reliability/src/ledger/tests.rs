@@ -7,8 +7,8 @@ const EPS: u64 = 5 * MS;
 
 fn id() -> RecordId {
     RecordId::new(
-        Scope::new("s").expect("scope"),
         IdempotencyKey::new("k").expect("key"),
+        Scope::new("s").expect("scope"),
     )
 }
 

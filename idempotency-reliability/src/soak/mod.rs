@@ -369,7 +369,7 @@ pub trait Runner: Send + Sync + 'static {
 pub fn soak_policy(lease: Duration, heartbeat: bool) -> Policy {
     Policy::default()
         .lease(lease)
-        .ttl(Duration::from_secs(3600))
+        .retention(Duration::from_secs(3600))
         .heartbeat(heartbeat.then_some(1.0 / 3.0))
 }
 
@@ -405,7 +405,7 @@ impl EngineRunner {
         let short = |heartbeat| {
             Idempotency::new(
                 faulty.clone(),
-                soak_policy(config.lease, heartbeat).ttl(config.short_ttl),
+                soak_policy(config.lease, heartbeat).retention(config.short_ttl),
             )
             .expect("policy")
         };

@@ -365,7 +365,7 @@ pub async fn soak(runner: Arc<dyn Runner>, config: SoakConfig) -> Report {
             slots.push(Slot {
                 space,
                 local,
-                id: RecordId::new(scope.clone(), key.clone()),
+                id: RecordId::new(key.clone(), scope.clone()),
                 key,
             });
         }

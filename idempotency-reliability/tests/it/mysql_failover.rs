@@ -17,13 +17,13 @@ use crate::runners;
 
 use idempotency_core::IdempotencyStore;
 use idempotency_mysql::sqlx::mysql::MySqlConnectOptions;
-use idempotency_mysql::MysqlStore;
+use idempotency_mysql::MySqlStore;
 use idempotency_reliability::soak::{soak, Expect, FailoverRun, Instances, Runner, SoakConfig};
 use idempotency_testing::mariadb_server::{DataDir, MariadbServer, Replication};
 use idempotency_testing::mysql::{self as my, Isolation};
 use idempotency_testing::partition::PartitionProxy;
 use idempotency_testing::redis_server::free_port;
-use runners::mysql::MysqlTransactionalRunner;
+use runners::mysql::MySqlTransactionalRunner;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -43,19 +43,19 @@ fn loopback(port: u16) -> SocketAddr {
 enum Path {
     /// The engine, through two stores (two application instances).
     Engine,
-    /// `MysqlIdempotency::run_in_transaction`, a business row per execution in the
+    /// `MySqlIdempotency::run_in_transaction`, a business row per execution in the
     /// completion's transaction.
     ExactlyOnce,
 }
 
-async fn store_at(address: SocketAddr) -> MysqlStore {
+async fn store_at(address: SocketAddr) -> MySqlStore {
     let options = MySqlConnectOptions::new()
         .host("127.0.0.1")
         .port(address.port())
         .username("root")
         .database("test");
     let pool = my::pool_with(options, Isolation::RepeatableRead, 8).await;
-    MysqlStore::builder()
+    MySqlStore::builder()
         .table("records")
         .build(pool)
         .expect("valid name")
@@ -103,7 +103,7 @@ async fn failover_soak_once(replication: Replication, path: Path) -> Option<Fail
         Path::ExactlyOnce => {
             let store = store_at(address.addr()).await;
             store.migrate().await.expect("migrate");
-            Arc::new(MysqlTransactionalRunner::new(store, "effects", config.lease).await)
+            Arc::new(MySqlTransactionalRunner::new(store, "effects", config.lease).await)
         }
     };
     let chaos = {

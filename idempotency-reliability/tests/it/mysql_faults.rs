@@ -11,7 +11,7 @@ use idempotency_core::{
 };
 use idempotency_mysql::sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use idempotency_mysql::sqlx::{self, Connection, Executor, MySqlPool};
-use idempotency_mysql::{MysqlIdempotency, MysqlStore};
+use idempotency_mysql::{MySqlIdempotency, MySqlStore};
 use idempotency_reliability::soak::{soak, EngineRunner, Report, Runner, SoakConfig};
 use idempotency_reliability::storm::{
     calibrate, cancellation_storm, next_calls_succeed, storm_keys_settle, StormSize,
@@ -20,7 +20,7 @@ use idempotency_testing::mariadb_server::{DataDir, MariadbServer};
 use idempotency_testing::mysql::{self as my, Isolation, TableGuard};
 use idempotency_testing::redis_server::free_port;
 use rand::Rng;
-use runners::mysql::MysqlTransactionalRunner;
+use runners::mysql::MySqlTransactionalRunner;
 use std::collections::{BTreeMap, HashSet};
 use std::str::FromStr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -145,8 +145,8 @@ async fn wait_gone(ids: &[u64]) {
     let _ = admin.close().await;
 }
 
-fn store_on(pool: MySqlPool, guard: &TableGuard) -> MysqlStore {
-    MysqlStore::builder()
+fn store_on(pool: MySqlPool, guard: &TableGuard) -> MySqlStore {
+    MySqlStore::builder()
         .table(&guard.table)
         .build(pool)
         .expect("valid name")
@@ -180,7 +180,7 @@ async fn killed_during_complete_is_outcome_unknown() {
     };
     let mut held = Vec::new();
     for _ in 0..KILLS {
-        let id = RecordId::new(scope(), IdempotencyKey::random());
+        let id = RecordId::new(IdempotencyKey::random(), scope());
         let request = ClaimRequest::new(id.clone(), fingerprint(), LEASE, HOUR);
         let Claim::Claimed { token, .. } = store.claim(&request).await.expect("claim") else {
             panic!("a fresh key is claimed");
@@ -283,7 +283,7 @@ async fn killed_during_exactly_once_never_lost_never_twice() {
     ))
     .await;
     let engine =
-        MysqlIdempotency::new(store.clone(), Policy::default().lease(LEASE)).expect("engine");
+        MySqlIdempotency::new(store.clone(), Policy::default().lease(LEASE)).expect("engine");
     let run = |key: IdempotencyKey| {
         let (engine, effects) = (engine.clone(), effects.clone());
         async move {
@@ -341,7 +341,7 @@ async fn killed_during_exactly_once_never_lost_never_twice() {
             "only {landed} of {LANDED} kills landed inside a run in 300 attempts: {tally:?}"
         );
         let key = IdempotencyKey::random();
-        let id = RecordId::new(scope(), key.clone());
+        let id = RecordId::new(key.clone(), scope());
         // Once the run's claim is in the table (seen by a dirty read: it may not be
         // committed yet), every session of the store is killed after a random delay.
         let killer = {
@@ -467,7 +467,7 @@ async fn cancellation_storm_leaves_no_session_in_a_transaction() {
     store.migrate().await.expect("migrate");
     let plain: Arc<dyn Runner> = Arc::new(EngineRunner::new(Arc::new(store.clone()), LEASE));
     let transactional =
-        Arc::new(MysqlTransactionalRunner::new(store.clone(), &effects.table, LEASE).await);
+        Arc::new(MySqlTransactionalRunner::new(store.clone(), &effects.table, LEASE).await);
     let tx_runner: Arc<dyn Runner> = transactional.clone();
     let (plain_scope, tx_scope) = (
         Scope::new("storm|plain").expect("scope"),
@@ -572,7 +572,7 @@ async fn cancellation_storm_leaves_no_session_in_a_transaction() {
     for i in 0..40 {
         let key = idempotency_reliability::storm::storm_key(i);
         let record = store
-            .get(&RecordId::new(tx_scope.clone(), key.clone()))
+            .get(&RecordId::new(key.clone(), tx_scope.clone()))
             .await
             .expect("get")
             .expect("settled");
@@ -617,7 +617,7 @@ async fn restart_mid_soak_once() -> bool {
     server.create_test_database().await;
     let options = MySqlConnectOptions::from_str(&server.url()).expect("url");
     let pool = my::pool_with(options, Isolation::RepeatableRead, 16).await;
-    let store = MysqlStore::builder()
+    let store = MySqlStore::builder()
         .table("records")
         .build(pool)
         .expect("valid name");

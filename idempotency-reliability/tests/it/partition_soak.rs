@@ -12,7 +12,7 @@
 
 use crate::runners;
 
-use idempotency_mysql::MysqlStore;
+use idempotency_mysql::MySqlStore;
 use idempotency_postgres::PostgresStore;
 use idempotency_redis::RedisStore;
 use idempotency_reliability::soak::{soak, EngineRunner, Report, Runner, SoakConfig};
@@ -22,7 +22,7 @@ use idempotency_testing::postgres::{self as pg, SchemaGuard};
 use idempotency_testing::redis_server::{redis_url, unique_prefix, Cleanup};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use runners::mysql::MysqlTransactionalRunner;
+use runners::mysql::MySqlTransactionalRunner;
 use runners::postgres::PgTransactionalRunner;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -267,7 +267,7 @@ async fn mariadb_exactly_once_through_partitions() {
             let server = loopback(options.get_host(), options.get_port());
             let proxy = Arc::new(PartitionProxy::start(server).await);
             let url = through(&my::url(), server, &proxy);
-            let store = MysqlStore::builder()
+            let store = MySqlStore::builder()
                 .table(&table)
                 .max_connections(16)
                 .response_timeout(TIMEOUT)
@@ -278,7 +278,7 @@ async fn mariadb_exactly_once_through_partitions() {
             store.migrate().await.expect("migrate");
             let lease = SoakConfig::from_env("lease").lease;
             let runner: Arc<dyn Runner> =
-                Arc::new(MysqlTransactionalRunner::new(store, &effects_table, lease).await);
+                Arc::new(MySqlTransactionalRunner::new(store, &effects_table, lease).await);
             (proxy, runner)
         }
     })

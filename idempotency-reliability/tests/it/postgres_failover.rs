@@ -226,9 +226,9 @@ async fn a_cancelled_wait_for_the_standby_loses_a_completion_the_caller_was_told
             other => panic!("a fresh key was found: {other:?}"),
         }
     };
-    let unknown = RecordId::new(scope.clone(), IdempotencyKey::random());
-    let timed_out = RecordId::new(scope.clone(), IdempotencyKey::random());
-    let told = RecordId::new(scope, IdempotencyKey::random());
+    let unknown = RecordId::new(IdempotencyKey::random(), scope.clone());
+    let timed_out = RecordId::new(IdempotencyKey::random(), scope.clone());
+    let told = RecordId::new(IdempotencyKey::random(), scope);
     // The claims reach the standby before the cut (synchronous commit).
     let unknown_token = claim(shipped.clone(), unknown.clone()).await;
     let timed_out_token = claim(timed.clone(), timed_out.clone()).await;

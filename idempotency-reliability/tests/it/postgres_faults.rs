@@ -128,7 +128,7 @@ async fn terminated_during_complete_is_outcome_unknown() {
     };
     let mut ids = Vec::new();
     for _ in 0..KILLS {
-        let id = RecordId::new(scope(), IdempotencyKey::random());
+        let id = RecordId::new(IdempotencyKey::random(), scope());
         let request = ClaimRequest::new(id.clone(), fingerprint(), LEASE, HOUR);
         let Claim::Claimed { token, .. } = store.claim(&request).await.expect("claim") else {
             panic!("a fresh key is claimed");
@@ -230,7 +230,7 @@ async fn kill_commit_once(schema: &str, effects: Arc<str>, lease: Duration) -> S
     let engine =
         PostgresIdempotency::new(store.clone(), Policy::default().lease(lease)).expect("engine");
     let key = IdempotencyKey::random();
-    let id = RecordId::new(scope(), key.clone());
+    let id = RecordId::new(key.clone(), scope());
     let killer = {
         let app = app.clone();
         tokio::spawn(async move {
@@ -431,7 +431,7 @@ async fn cancellation_storm_leaves_no_connection_in_a_transaction() {
     for i in 0..40 {
         let key = idempotency_reliability::storm::storm_key(i);
         let record = store
-            .get(&RecordId::new(tx_scope.clone(), key.clone()))
+            .get(&RecordId::new(key.clone(), tx_scope.clone()))
             .await
             .expect("get")
             .expect("settled");

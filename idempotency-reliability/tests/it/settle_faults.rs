@@ -14,7 +14,7 @@ use std::time::Duration;
 fn address(label: &str) -> (IdempotencyKey, Scope, RecordId) {
     let key = IdempotencyKey::random();
     let scope = Scope::from_parts(["settle-faults", label]).expect("valid scope");
-    let id = RecordId::new(scope.clone(), key.clone());
+    let id = RecordId::new(key.clone(), scope.clone());
     (key, scope, id)
 }
 
@@ -36,7 +36,7 @@ async fn a_lost_answer_then_an_expired_record_is_outcome_unknown() {
         Arc::new(flaky.clone()),
         Policy::default()
             .lease(Duration::from_secs(10))
-            .ttl(Duration::from_millis(100))
+            .retention(Duration::from_millis(100))
             .settle_retry(retries()),
     )
     .expect("policy");
@@ -77,7 +77,7 @@ async fn a_refused_try_then_a_takeover_is_lease_lost() {
         Arc::new(flaky.clone()),
         Policy::default()
             .lease(long)
-            .ttl(long)
+            .retention(long)
             .settle_retry(retries()),
     )
     .expect("policy");

@@ -7,7 +7,7 @@
 use crate::runners;
 
 use idempotency_core::{IdempotencyStore, SystemClock};
-use idempotency_mysql::MysqlStore;
+use idempotency_mysql::MySqlStore;
 use idempotency_postgres::PostgresStore;
 use idempotency_redis::RedisStore;
 use idempotency_reliability::soak::{soak, EngineRunner, Runner, SoakConfig};
@@ -15,7 +15,7 @@ use idempotency_sqlite::{ConnectionMode, SqliteStore};
 use idempotency_testing::mysql::{self as my, TableGuard};
 use idempotency_testing::postgres::{self as pg, Isolation, SchemaGuard};
 use idempotency_testing::redis_server::{self as rs, Cleanup};
-use runners::mysql::MysqlTransactionalRunner;
+use runners::mysql::MySqlTransactionalRunner;
 use runners::postgres::PgTransactionalRunner;
 use std::sync::Arc;
 
@@ -144,11 +144,11 @@ async fn soak_postgres_transactional() {
     );
 }
 
-async fn mysql_store(pool_size: u32) -> (MysqlStore, TableGuard) {
+async fn mysql_store(pool_size: u32) -> (MySqlStore, TableGuard) {
     let guard = TableGuard::new();
     // InnoDB's default level, REPEATABLE READ: gap locks and deadlocks included.
     let pool = my::pool(my::Isolation::RepeatableRead, pool_size).await;
-    let store = MysqlStore::builder()
+    let store = MySqlStore::builder()
         .table(&guard.table)
         .build(pool)
         .expect("valid name");
@@ -163,7 +163,7 @@ async fn soak_mysql() {
     run(engine(Arc::new(store), &config), config, Purge::Deletes).await;
 }
 
-/// Through `MysqlIdempotency::run_in_transaction`: every execution inserts a business row in
+/// Through `MySqlIdempotency::run_in_transaction`: every execution inserts a business row in
 /// the completion's transaction, and the rows are counted against the records.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn soak_mysql_transactional() {
@@ -171,7 +171,7 @@ async fn soak_mysql_transactional() {
     // Stalled holders keep their transaction's connection while they sleep.
     let (store, _guard) = mysql_store(24).await;
     let effects = TableGuard::new();
-    let runner = MysqlTransactionalRunner::new(store, &effects.table, config.lease).await;
+    let runner = MySqlTransactionalRunner::new(store, &effects.table, config.lease).await;
     let report = soak(Arc::new(runner), config).await;
     eprintln!("{report}");
     report.assert_clean();

@@ -183,7 +183,7 @@ async fn storm(mode: ConnectionMode, connections: usize, deadline: Duration) {
     for i in 0..40 {
         let key = storm_key(i);
         let record = store
-            .get(&RecordId::new(tx_scope.clone(), key.clone()))
+            .get(&RecordId::new(key.clone(), tx_scope.clone()))
             .await
             .expect("get")
             .expect("settled");
@@ -395,7 +395,7 @@ async fn kill_9_while_holding_the_write_transaction() {
             !effects(&store, &scope()).await.contains_key(key.as_str()),
             "the row rolled back"
         );
-        let id = RecordId::new(scope(), key.clone());
+        let id = RecordId::new(key.clone(), scope());
         let record = store
             .get(&id)
             .await
@@ -436,7 +436,7 @@ async fn completed_keys(store: &SqliteStore) -> usize {
     let mut completed = 0;
     for i in 0..CHURN_KEYS {
         let key = IdempotencyKey::new(format!("churn-{i:02}")).expect("key");
-        let record = store.get(&RecordId::new(scope(), key)).await.expect("get");
+        let record = store.get(&RecordId::new(key, scope())).await.expect("get");
         if record.is_some_and(|r| r.status == RecordStatus::Completed) {
             completed += 1;
         }
@@ -495,7 +495,7 @@ async fn kill_9_under_load_no_corruption_no_double_effect() {
             for i in 0..CHURN_KEYS {
                 let key = IdempotencyKey::new(format!("churn-{i:02}")).expect("key");
                 let record = store
-                    .get(&RecordId::new(scope(), key.clone()))
+                    .get(&RecordId::new(key.clone(), scope()))
                     .await
                     .expect("get");
                 let rows = rows.get(key.as_str()).cloned().unwrap_or_default();

@@ -182,7 +182,7 @@ async fn case1_lease_takeover_rolls_back_the_stale_holder() {
         all_claimed.forget();
         // While the holders' leases are live, a retry is told to come back later.
         let err = engine_b
-            .begin(&RecordId::new(scope(), keys[0].clone()), &fp)
+            .begin(&RecordId::new(keys[0].clone(), scope()), &fp)
             .await;
         assert!(
             matches!(err, Ok(Begin::Refused(Refusal::InProgress { .. }))),
@@ -232,7 +232,7 @@ async fn case1_lease_takeover_rolls_back_the_stale_holder() {
                 "key {key}"
             );
             let rec = store_a
-                .get(&RecordId::new(scope(), key.clone()))
+                .get(&RecordId::new(key.clone(), scope()))
                 .await
                 .unwrap()
                 .unwrap();
@@ -258,7 +258,7 @@ async fn case1_complete_in_refuses_a_stale_token_and_the_caller_rolls_back() {
     let engine = Idempotency::new(Arc::new(store.clone()), policy()).unwrap();
     for _ in 0..10 {
         let key = IdempotencyKey::random();
-        let id = RecordId::new(scope(), key.clone());
+        let id = RecordId::new(key.clone(), scope());
         let fp = Fingerprint::from_bytes(b"order");
         let Begin::Execute(stale) = engine.begin(&id, &fp).await.unwrap() else {
             panic!("fresh key");
@@ -273,7 +273,12 @@ async fn case1_complete_in_refuses_a_stale_token_and_the_caller_rolls_back() {
             .unwrap();
         assert!(matches!(fresh, Answer::Executed(Ok(_))));
 
-        let (s, ctx, ttl, k) = (store.clone(), stale.context(), stale.ttl(), key.to_string());
+        let (s, ctx, ttl, k) = (
+            store.clone(),
+            stale.context(),
+            stale.retention(),
+            key.to_string(),
+        );
         let result = store
             .call(move |conn| -> Result<(), Error> {
                 let tx = conn
@@ -311,7 +316,7 @@ async fn case2_crash_before_commit_lets_the_retry_run_once() {
         let engine = Idempotency::new(Arc::new(store.clone()), policy()).unwrap();
         for _ in 0..10 {
             let key = IdempotencyKey::random();
-            let id = RecordId::new(scope(), key.clone());
+            let id = RecordId::new(key.clone(), scope());
             let fp = Fingerprint::from_bytes(b"order");
             let Begin::Execute(lease) = engine.begin(&id, &fp).await.unwrap() else {
                 panic!("fresh key");
@@ -387,7 +392,7 @@ async fn case2_panic_after_the_business_write_rolls_back_and_releases_the_key() 
     assert!(crashed.unwrap_err().is_panic());
     assert!(orders_for(&store, key.as_str()).await.is_empty());
     // The panic was caught, the transaction rolled back, and the key released.
-    let id = RecordId::new(scope(), key.clone());
+    let id = RecordId::new(key.clone(), scope());
     let mut released = false;
     for _ in 0..200 {
         if store.get(&id).await.unwrap().unwrap().status == RecordStatus::Failed {
@@ -427,7 +432,7 @@ async fn a_work_error_rolls_back_and_releases_the_key() {
     assert_eq!(first, Answer::Executed(Err("card declined".to_string())));
     assert!(orders_for(&store, key.as_str()).await.is_empty());
     let rec = store
-        .get(&RecordId::new(scope(), key.clone()))
+        .get(&RecordId::new(key.clone(), scope()))
         .await
         .unwrap()
         .unwrap();

@@ -89,7 +89,7 @@ impl World {
             Arc::new(store.clone()),
             Policy::default()
                 .lease(LEASE)
-                .ttl(Duration::from_secs(3600)),
+                .retention(Duration::from_secs(3600)),
         )
         .unwrap();
         Self {
@@ -252,8 +252,8 @@ async fn a_table_of_the_first_schema_is_migrated_with_its_records() {
     let store = SqliteStore::builder(&path).open().await.unwrap();
     store.migrate().await.unwrap();
     let id = idempotency_core::RecordId::new(
-        Scope::new("rides").unwrap(),
         IdempotencyKey::new("old").unwrap(),
+        Scope::new("rides").unwrap(),
     );
     let record = idempotency_core::IdempotencyStore::get(&store, &id)
         .await
@@ -317,7 +317,10 @@ async fn sqlite_passes_every_recovery_point_case() {
         let (lease, ttl) = (Duration::from_secs(10), Duration::from_secs(60));
         let engine = Idempotency::new(
             Arc::new(store.clone()),
-            Policy::default().lease(lease).ttl(ttl).heartbeat(None),
+            Policy::default()
+                .lease(lease)
+                .retention(ttl)
+                .heartbeat(None),
         )
         .unwrap();
         let kit = RecoveryKit {
@@ -374,8 +377,8 @@ async fn the_completer_leaves_other_operations_and_plain_keys_alone() {
     w.run_and_die_after_charge().await;
     // A key of one-step work whose holder died.
     let plain = idempotency_core::RecordId::new(
-        Scope::new("plain").unwrap(),
         IdempotencyKey::new("p-1").unwrap(),
+        Scope::new("plain").unwrap(),
     );
     let idempotency_core::Begin::Execute(lease) = w
         .engine
@@ -476,7 +479,7 @@ async fn maintenance_completes_and_purges_until_shut_down() {
     assert_eq!(w.counts().await, (1, 1, 1), "resumed at the charge, once");
     let gone = w
         .store
-        .get(&idempotency_core::RecordId::new(scope, plain))
+        .get(&idempotency_core::RecordId::new(plain, scope))
         .await
         .unwrap();
     assert!(gone.is_none(), "the expired key is still stored: {gone:?}");

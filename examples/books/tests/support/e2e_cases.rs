@@ -951,7 +951,7 @@ async fn rows_written_elsewhere_can_be_patched_with_their_etag() {
 /// `GET /` publishes the key retention and where keys are required.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_root_publishes_the_key_retention() {
-    let s = svc_with(|c| c.policy = Policy::default().ttl(Duration::from_secs(3600))).await;
+    let s = svc_with(|c| c.policy = Policy::default().retention(Duration::from_secs(3600))).await;
     let doc: Value = s
         .client
         .get(format!("{}/", s.url))

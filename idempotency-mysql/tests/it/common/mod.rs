@@ -7,17 +7,17 @@ pub(crate) use idempotency_testing::mysql::{
 };
 pub(crate) use idempotency_testing::mysql_wire as proxy;
 
-use idempotency_mysql::MysqlStore;
+use idempotency_mysql::MySqlStore;
 
 /// A migrated store on a fresh table over a pool of 8 at `level`.
-pub(crate) async fn store(level: Isolation) -> (MysqlStore, TableGuard) {
+pub(crate) async fn store(level: Isolation) -> (MySqlStore, TableGuard) {
     store_with(level, 8).await
 }
 
 /// As [`store`], with a pool of `max` connections.
-pub(crate) async fn store_with(level: Isolation, max: u32) -> (MysqlStore, TableGuard) {
+pub(crate) async fn store_with(level: Isolation, max: u32) -> (MySqlStore, TableGuard) {
     let guard = TableGuard::new();
-    let store = MysqlStore::builder()
+    let store = MySqlStore::builder()
         .table(&guard.table)
         .build(pool(level, max).await)
         .expect("valid name");

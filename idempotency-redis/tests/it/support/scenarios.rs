@@ -369,8 +369,8 @@ pub(crate) async fn hostile_ids_stay_apart(h: Harness) {
         .iter()
         .map(|(sc, k)| {
             RecordId::new(
-                Scope::new(format!("{sc}-{}", uuid::Uuid::new_v4())).expect("scope"),
                 IdempotencyKey::new(*k).expect("key"),
+                Scope::new(format!("{sc}-{}", uuid::Uuid::new_v4())).expect("scope"),
             )
         })
         .collect();

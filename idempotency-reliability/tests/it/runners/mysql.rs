@@ -1,11 +1,11 @@
 //! The soak's runner for MySQL/MariaDB's exactly-once path: the work writes a business row in the
-//! transaction that also runs the completion CAS ([`MysqlIdempotency::run_in_transaction`]), so
+//! transaction that also runs the completion CAS ([`MySqlIdempotency::run_in_transaction`]), so
 //! the rows can be counted.
 
 use futures::future::BoxFuture;
 use idempotency_core::{Fingerprint, IdempotencyKey, IdempotencyStore, Scope};
 use idempotency_mysql::sqlx;
-use idempotency_mysql::{MysqlIdempotency, MysqlStore};
+use idempotency_mysql::{MySqlIdempotency, MySqlStore};
 use idempotency_reliability::soak::{
     soak_policy, RunResult, Runner, Work, WorkFault, BUSINESS_WRITE_FAILED,
 };
@@ -13,20 +13,20 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Runs work through [`MysqlIdempotency::run_in_transaction`], inserting one row into an
+/// Runs work through [`MySqlIdempotency::run_in_transaction`], inserting one row into an
 /// `effects` table per execution, in the completion's transaction.
 #[derive(Debug)]
-pub(crate) struct MysqlTransactionalRunner {
-    engine: MysqlIdempotency,
-    stall_engine: MysqlIdempotency,
+pub(crate) struct MySqlTransactionalRunner {
+    engine: MySqlIdempotency,
+    stall_engine: MySqlIdempotency,
     effects: Arc<str>,
 }
 
-impl MysqlTransactionalRunner {
+impl MySqlTransactionalRunner {
     /// Creates the `effects` table (named `effects`, e.g. `<records table>_effects`; no
     /// uniqueness: a double effect must be countable, not prevented) and the engines, with and
     /// without the heartbeat. The caller drops the table.
-    pub(crate) async fn new(store: MysqlStore, effects: &str, lease: Duration) -> Self {
+    pub(crate) async fn new(store: MySqlStore, effects: &str, lease: Duration) -> Self {
         let effects: Arc<str> = format!("`{effects}`").into();
         sqlx::query(&format!(
             "CREATE TABLE {effects} (id BIGINT AUTO_INCREMENT PRIMARY KEY, \
@@ -37,14 +37,14 @@ impl MysqlTransactionalRunner {
         .await
         .expect("create the effects table");
         Self {
-            engine: MysqlIdempotency::new(store.clone(), soak_policy(lease, true)).expect("policy"),
-            stall_engine: MysqlIdempotency::new(store, soak_policy(lease, false)).expect("policy"),
+            engine: MySqlIdempotency::new(store.clone(), soak_policy(lease, true)).expect("policy"),
+            stall_engine: MySqlIdempotency::new(store, soak_policy(lease, false)).expect("policy"),
             effects,
         }
     }
 }
 
-impl Runner for MysqlTransactionalRunner {
+impl Runner for MySqlTransactionalRunner {
     fn store(&self) -> Arc<dyn IdempotencyStore> {
         Arc::new(self.engine.store().clone())
     }

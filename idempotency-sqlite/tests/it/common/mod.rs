@@ -24,8 +24,8 @@ pub(crate) async fn manual_store(
 
 pub(crate) fn id(label: &str) -> RecordId {
     RecordId::new(
-        Scope::from_parts(["sqlite-tests", label]).expect("scope"),
         IdempotencyKey::random(),
+        Scope::from_parts(["sqlite-tests", label]).expect("scope"),
     )
 }
 
