@@ -162,3 +162,137 @@ async fn one_call_exactly_once_at_every_isolation_level() {
         task.abort();
     }
 }
+
+/// `ClaimedKey::run_in_transaction` whose lease passes while its transaction runs (no
+/// heartbeat), and another request takes the key over and commits: the stalled handler's
+/// completion is fenced, its transaction (its order row included) rolls back, and it answers
+/// `409` lease-lost; the key keeps the other request's answer, and the key has one row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_one_call_transaction_is_fenced_and_rolls_back() {
+    use axum::extract::{Request, State};
+    use axum::response::IntoResponse;
+    use idempotency_postgres::{database_error, sqlx, PostgresTransaction};
+    use idempotency_tower::{ClaimedKey, IdempotencyLayer};
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::time::Instant;
+    use tokio::sync::{Notify, Semaphore};
+
+    struct App {
+        store: PostgresStore,
+        table: String,
+        calls: AtomicU32,
+        /// The first call signals here once its order row is written…
+        written: Notify,
+        /// …and takes a permit here before it completes.
+        release: Semaphore,
+    }
+
+    async fn create(State(app): State<Arc<App>>, req: Request) -> axum::response::Response {
+        let claim = req
+            .extensions()
+            .get::<ClaimedKey>()
+            .cloned()
+            .expect("claimed");
+        let first = app.calls.fetch_add(1, Ordering::SeqCst) == 0;
+        let insert = format!("INSERT INTO {} (k) VALUES ('k') RETURNING id", app.table);
+        let app2 = app.clone();
+        claim
+            .run_in_transaction(&app.store, |tx: &mut PostgresTransaction| {
+                let (insert, app) = (insert.clone(), app2.clone());
+                Box::pin(async move {
+                    let id: i64 = sqlx::query_scalar(&insert)
+                        .fetch_one(tx.connection())
+                        .await
+                        .map_err(database_error)?;
+                    if first {
+                        app.written.notify_one();
+                        app.release.acquire().await.expect("open").forget();
+                    }
+                    Ok(http::Response::builder()
+                        .status(201)
+                        .body(bytes::Bytes::from(format!("{{\"order\":{id}}}")))
+                        .expect("response"))
+                })
+            })
+            .await
+            .map(axum::body::Body::from)
+            .into_response()
+    }
+
+    let pool = pool(Isolation::ReadCommitted, 8).await;
+    let guard = SchemaGuard::new();
+    let store = PostgresStore::builder()
+        .schema(&guard.schema)
+        .build(pool.clone())
+        .expect("valid names");
+    store.migrate().await.expect("migrate");
+    let table = format!("\"{}\".orders", guard.schema);
+    sqlx::query(&format!(
+        "CREATE TABLE {table} (id bigserial PRIMARY KEY, k text NOT NULL)"
+    ))
+    .execute(&pool)
+    .await
+    .expect("orders table");
+    let lease = Duration::from_millis(300);
+    let engine = Idempotency::builder(store.clone())
+        .lease(lease)
+        .heartbeat(None)
+        .build()
+        .expect("engine");
+    let app = Arc::new(App {
+        store,
+        table: table.clone(),
+        calls: AtomicU32::new(0),
+        written: Notify::new(),
+        release: Semaphore::new(0),
+    });
+    let router = axum::Router::new()
+        .route("/orders", axum::routing::post(create))
+        .layer(IdempotencyLayer::shared(engine).required(true))
+        .with_state(app.clone());
+    let (base, task) = idempotency_http_conformance::server::serve(router).await;
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .build()
+        .expect("client");
+    let post = || {
+        client
+            .post(format!("{base}/orders"))
+            .header("idempotency-key", "stalled")
+            .header("content-type", "application/json")
+            .body("{}")
+            .send()
+    };
+    let stalled = tokio::spawn(post());
+    app.written.notified().await;
+    // The first holder's lease passes while its transaction waits; the retry takes over.
+    let started = Instant::now();
+    let taken = loop {
+        tokio::time::sleep(lease / 2).await;
+        let r = post().await.expect("answered");
+        if r.status() != 409 {
+            break r;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the key was never taken over"
+        );
+    };
+    assert_eq!(taken.status(), 201);
+    let taken = taken.text().await.expect("body");
+    app.release.add_permits(1);
+    let fenced = stalled.await.expect("task").expect("answered");
+    assert_eq!(fenced.status(), 409);
+    let problem = fenced.text().await.expect("body");
+    assert!(problem.contains("idempotency-key-lease-lost"), "{problem}");
+    let rows: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {table}"))
+        .fetch_one(&pool)
+        .await
+        .expect("count");
+    assert_eq!(rows, 1, "the fenced transaction's row committed");
+    let again = post().await.expect("answered");
+    assert!(again.headers().contains_key("idempotent-replayed"));
+    assert_eq!(again.text().await.expect("body"), taken);
+    assert_eq!(app.calls.load(Ordering::SeqCst), 2);
+    task.abort();
+}
