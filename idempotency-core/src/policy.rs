@@ -212,7 +212,7 @@ impl Policy {
         self
     }
 
-    /// Checks the policy: a non-zero lease, TTL and maximum work time, a heartbeat fraction in
+    /// Checks the policy: a non-zero lease, retention and maximum work time, a heartbeat fraction in
     /// (0, 1), non-zero backoffs, and at least one settle attempt.
     pub fn validate(&self) -> Result<(), Error> {
         if self.max_work_time.is_zero() {

@@ -223,7 +223,7 @@ impl ClaimedKey {
     /// committed and replayed like any other.
     ///
     /// The store must be the one whose records the layer's engine keeps (a
-    /// `PostgresStore`, `SqliteStore` or `MySqlStore` over the same table).
+    /// `PostgresStore`, `SqliteStore`, `MySqlStore` or `DynamoStore` over the same table).
     pub async fn run_in_transaction<S, F>(&self, store: &S, mut work: F) -> Response<Bytes>
     where
         S: TransactionalStore,

@@ -185,7 +185,7 @@ pub enum RoutePart {
     #[default]
     Path,
     /// axum's matched route template (`/orders/{id}`): the same key sent to two paths of one
-    /// route is a mismatch (422). It needs the layer inside the router (`Router::route_layer`
+    /// route is refused as a key reused (422). It needs the layer inside the router (`Router::route_layer`
     /// or `Router::layer`); a request that reaches it without a matched route is scoped by
     /// its path, and the first such request is logged as a warning.
     #[cfg(feature = "axum")]

@@ -155,7 +155,7 @@ impl IdempotencyLayer {
 
     /// The route part of the scope: the request path (the default) or, with the `axum`
     /// feature, the matched route template ([`RoutePart`]). With a template, the same key
-    /// sent to two paths of one route is a mismatch (422); with the path, they are two
+    /// sent to two paths of one route is refused as a key reused (422); with the path, they are two
     /// independent keys. It is part of every record's identity: choose it once.
     pub fn route(self, route: RoutePart) -> Self {
         self.edit(|c| c.route = route.into_fn())

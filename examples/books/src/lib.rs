@@ -562,7 +562,7 @@ fn created_response(book: &Book) -> http::Response<Bytes> {
 }
 
 /// `POST /books`. With the idempotency records in the books' database (SQLite, the default,
-/// Postgres or MariaDB), the book row and the key's completion commit in one transaction: a
+/// Postgres, MariaDB or DynamoDB), the book row and the key's completion commit in one transaction: a
 /// crash between the insert and the answer leaves either both (the retry replays the 201) or
 /// neither (the retry creates the book, once).
 async fn create(

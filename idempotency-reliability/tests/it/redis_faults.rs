@@ -232,6 +232,34 @@ fn expect(wait: bool) -> Expect {
     }
 }
 
+/// How long a failover soak may run (it takes about 25 s): past it the test fails, saying
+/// what became of the failover, instead of hanging the suite.
+const FAILOVER_SOAK_LIMIT: Duration = Duration::from_secs(300);
+
+/// Awaits the soak; if it has not ended within [`FAILOVER_SOAK_LIMIT`], panics with what the
+/// failover task did (ended, panicked and why, or still running).
+async fn soak_or_say_why<T: Send + 'static>(
+    soak: impl std::future::Future<Output = Report>,
+    chaos: &mut tokio::task::JoinHandle<T>,
+) -> Report {
+    match tokio::time::timeout(FAILOVER_SOAK_LIMIT, soak).await {
+        Ok(report) => report,
+        Err(_) => {
+            let failover = if chaos.is_finished() {
+                match chaos.await {
+                    Ok(_) => "ended".to_owned(),
+                    Err(e) => format!("failed: {e}"),
+                }
+            } else {
+                "was still running".to_owned()
+            };
+            panic!(
+                "the failover soak did not end within {FAILOVER_SOAK_LIMIT:?}; the failover task {failover}"
+            );
+        }
+    }
+}
+
 /// A soak through a store on a Sentinel-managed primary (one replica, three Sentinels), with
 /// or without `wait_for_replicas(1, …)`: 1.5 s in, the replication link is cut for a second,
 /// then the primary is SIGKILLed; Sentinel
@@ -246,7 +274,7 @@ async fn failover_soak_once(wait: bool) -> Option<FailoverRun> {
         builder.connect_sentinel(group.sentinel_urls(), &group.name)
     })
     .await;
-    let chaos = tokio::task::spawn_blocking(move || {
+    let mut chaos = tokio::task::spawn_blocking(move || {
         let mut group = group;
         std::thread::sleep(Duration::from_millis(1_500));
         // The replication link is cut for a second (a network partition between the two
@@ -261,7 +289,7 @@ async fn failover_soak_once(wait: bool) -> Option<FailoverRun> {
         group.rejoin(old, new);
         (group, crashed, promoted, Instant::now())
     });
-    let report = soak(runner, config).await;
+    let report = soak_or_say_why(soak(runner, config), &mut chaos).await;
     let (_group, crashed, promoted, rejoined) = chaos.await.expect("chaos");
     // With acknowledged writes, writes are trusted again once a replica is back; without,
     // as soon as the replica is promoted.
@@ -306,7 +334,7 @@ async fn cluster_failover_soak_once(wait: bool) -> Option<FailoverRun> {
         builder.connect_cluster(cluster.urls())
     })
     .await;
-    let chaos = tokio::task::spawn_blocking(move || {
+    let mut chaos = tokio::task::spawn_blocking(move || {
         let mut cluster = cluster;
         std::thread::sleep(Duration::from_millis(1_500));
         cluster.cut_replication(0);
@@ -318,7 +346,7 @@ async fn cluster_failover_soak_once(wait: bool) -> Option<FailoverRun> {
         cluster.rejoin(0);
         (cluster, crashed, promoted, Instant::now())
     });
-    let report = soak(runner, config).await;
+    let report = soak_or_say_why(soak(runner, config), &mut chaos).await;
     let (_cluster, crashed, promoted, rejoined) = chaos.await.expect("chaos");
     FailoverRun::measure(report, crashed, if wait { rejoined } else { promoted })
 }
