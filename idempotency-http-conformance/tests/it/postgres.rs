@@ -60,6 +60,33 @@ async fn unreachable_server_fails_closed() {
     assert_eq!(s.executions(), 0);
 }
 
+/// A pool at `level`, a store in a schema of its own (dropped with the guard) and an `orders`
+/// table beside its records: `(pool, guard, store, "schema".orders)`.
+async fn orders_store(
+    level: Isolation,
+) -> (
+    idempotency_postgres::sqlx::PgPool,
+    SchemaGuard,
+    PostgresStore,
+    String,
+) {
+    let pool = pool(level, 8).await;
+    let guard = SchemaGuard::new();
+    let store = PostgresStore::builder()
+        .schema(&guard.schema)
+        .build(pool.clone())
+        .expect("valid names");
+    store.migrate().await.expect("migrate");
+    let table = format!("\"{}\".orders", guard.schema);
+    idempotency_postgres::sqlx::query(&format!(
+        "CREATE TABLE {table} (id bigserial PRIMARY KEY, k text NOT NULL)"
+    ))
+    .execute(&pool)
+    .await
+    .expect("orders table");
+    (pool, guard, store, table)
+}
+
 /// `ClaimedKey::run_in_transaction` over the real server at each isolation level: the order
 /// row and the stored answer commit in one call; concurrent duplicates and later retries of
 /// each key get the one answer (or `409` while it runs), and each key has exactly one row. The
@@ -113,20 +140,7 @@ async fn one_call_exactly_once_at_every_isolation_level() {
         Isolation::RepeatableRead,
         Isolation::Serializable,
     ] {
-        let pool = pool(level, 8).await;
-        let guard = SchemaGuard::new();
-        let store = PostgresStore::builder()
-            .schema(&guard.schema)
-            .build(pool.clone())
-            .expect("valid names");
-        store.migrate().await.expect("migrate");
-        let table = format!("\"{}\".orders", guard.schema);
-        sqlx::query(&format!(
-            "CREATE TABLE {table} (id bigserial PRIMARY KEY, k text NOT NULL)"
-        ))
-        .execute(&pool)
-        .await
-        .expect("orders table");
+        let (pool, _guard, store, table) = orders_store(level).await;
         let engine = Idempotency::builder(store.clone())
             .lease(Duration::from_millis(900))
             .build()
@@ -219,20 +233,7 @@ async fn a_stalled_one_call_transaction_is_fenced_and_rolls_back() {
             .into_response()
     }
 
-    let pool = pool(Isolation::ReadCommitted, 8).await;
-    let guard = SchemaGuard::new();
-    let store = PostgresStore::builder()
-        .schema(&guard.schema)
-        .build(pool.clone())
-        .expect("valid names");
-    store.migrate().await.expect("migrate");
-    let table = format!("\"{}\".orders", guard.schema);
-    sqlx::query(&format!(
-        "CREATE TABLE {table} (id bigserial PRIMARY KEY, k text NOT NULL)"
-    ))
-    .execute(&pool)
-    .await
-    .expect("orders table");
+    let (pool, _guard, store, table) = orders_store(Isolation::ReadCommitted).await;
     let lease = Duration::from_millis(300);
     let engine = Idempotency::builder(store.clone())
         .lease(lease)
