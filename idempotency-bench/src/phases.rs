@@ -11,7 +11,7 @@ use crate::stats::{fmt_latency, Summary};
 use futures::future::BoxFuture;
 use idempotency_core::{
     BoxError, Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, PhaseContext,
-    Phases, Policy, RecoveryPoints, Scope,
+    Phases, RecoveryPoints, Scope,
 };
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 trait Insert<S: RecoveryPoints>: Clone + Send + Sync + 'static {
     fn insert<'t>(
         &self,
-        tx: &'t mut S::Transaction,
-    ) -> BoxFuture<'t, Result<Result<(), String>, Error>>;
+        tx: &'t mut S::Connection,
+    ) -> BoxFuture<'t, Result<Result<(), String>, S::WorkError>>;
 }
 
 #[derive(Clone)]
@@ -47,14 +47,11 @@ struct PostgresInsert(Arc<str>);
 impl Insert<idempotency_postgres::PostgresStore> for PostgresInsert {
     fn insert<'t>(
         &self,
-        tx: &'t mut idempotency_postgres::PostgresTransaction,
-    ) -> BoxFuture<'t, Result<Result<(), String>, Error>> {
+        tx: &'t mut idempotency_postgres::sqlx::PgConnection,
+    ) -> BoxFuture<'t, Result<Result<(), String>, idempotency_postgres::sqlx::Error>> {
         let sql = self.0.clone();
         Box::pin(async move {
-            idempotency_postgres::sqlx::query(&sql)
-                .execute(tx.connection())
-                .await
-                .map_err(idempotency_postgres::database_error)?;
+            idempotency_postgres::sqlx::query(&sql).execute(tx).await?;
             Ok(Ok(()))
         })
     }
@@ -66,14 +63,11 @@ struct MySqlInsert(Arc<str>);
 impl Insert<idempotency_mysql::MySqlStore> for MySqlInsert {
     fn insert<'t>(
         &self,
-        tx: &'t mut idempotency_mysql::MySqlTransaction,
-    ) -> BoxFuture<'t, Result<Result<(), String>, Error>> {
+        tx: &'t mut idempotency_mysql::sqlx::MySqlConnection,
+    ) -> BoxFuture<'t, Result<Result<(), String>, idempotency_mysql::sqlx::Error>> {
         let sql = self.0.clone();
         Box::pin(async move {
-            idempotency_mysql::sqlx::query(&sql)
-                .execute(tx.connection())
-                .await
-                .map_err(idempotency_mysql::database_error)?;
+            idempotency_mysql::sqlx::query(&sql).execute(tx).await?;
             Ok(Ok(()))
         })
     }
@@ -91,10 +85,10 @@ const WORKLOADS: [&str; 4] = [
 /// median latencies.
 async fn measure<S, I>(name: &str, store: S, insert: I, ops: usize) -> Result<(), BoxError>
 where
-    S: RecoveryPoints + IdempotencyStore + Clone + 'static,
+    S: RecoveryPoints + IdempotencyStore + 'static,
     I: Insert<S>,
 {
-    let engine = Idempotency::new(Arc::new(store.clone()), Policy::default())?;
+    let engine = Idempotency::builder(store).build()?;
     let scope = Scope::new("bench-phases")?;
     let fingerprint = Fingerprint::from_bytes(b"bench");
     let rounds = 10;
@@ -114,7 +108,7 @@ where
                         let rows = if w == 0 { 1 } else { 3 };
                         let insert = insert.clone();
                         let out = engine
-                            .run_in_transaction(&store, &key, &scope, &fingerprint, |tx, _| {
+                            .run_in_transaction(&key, &scope, &fingerprint, |tx, _| {
                                 let insert = insert.clone();
                                 Box::pin(async move {
                                     for _ in 0..rows {
@@ -135,14 +129,12 @@ where
                             let insert = insert.clone();
                             op = op.phase(
                                 format!("step-{p}"),
-                                move |tx: &mut S::Transaction, (): (), _: PhaseContext| {
+                                move |tx: &mut S::Connection, (): (), _: PhaseContext| {
                                     insert.insert(tx)
                                 },
                             );
                         }
-                        let out = engine
-                            .run_phases(&store, &key, &scope, &fingerprint, op)
-                            .await?;
+                        let out = engine.run_phases(&key, &scope, &fingerprint, op).await?;
                         out.into_result()??;
                     }
                 }

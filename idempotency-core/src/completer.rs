@@ -215,14 +215,14 @@ impl<S: RecoveryPoints> fmt::Debug for Completer<S> {
 }
 
 impl<S: RecoveryPoints + 'static> Completer<S> {
-    /// A completer over `store`, taking operations over with `engine` (over the same
-    /// records; its policy's lease and heartbeat apply to the completer's runs). Rounds list
+    /// A completer over `engine`'s store, taking operations over with `engine` (its policy's
+    /// lease and heartbeat apply to the completer's runs). Rounds list
     /// up to 100 operations and run up to 4 at once; a failed operation is taken up again
     /// after 10 seconds, and given up after 10 attempts.
-    pub fn new(engine: Idempotency, store: Arc<S>) -> Self {
+    pub fn new(engine: &Idempotency<S>) -> Self {
         Self {
-            engine,
-            store,
+            engine: engine.erased(),
+            store: engine.store().clone(),
             operations: HashMap::new(),
             batch: 100,
             concurrency: 4,

@@ -54,12 +54,12 @@ impl fmt::Debug for Maintain {
     }
 }
 
-impl Idempotency {
+impl<St: ?Sized> Idempotency<St> {
     /// The background tasks of this engine: a purge of expired keys (on by default, every
     /// minute) and the completers you add. See [`Maintain`].
     pub fn maintain(&self) -> Maintain {
         Maintain {
-            engine: self.clone(),
+            engine: self.erased(),
             purge_every: Some(DEFAULT_PURGE_EVERY),
             purge_batch: DEFAULT_PURGE_BATCH,
             completers: Vec::new(),
@@ -334,7 +334,7 @@ mod tests {
     }
 
     fn engine(store: &Arc<Purges>) -> Idempotency {
-        Idempotency::builder(store.clone()).build().unwrap()
+        Idempotency::builder(store.clone()).build().unwrap().into()
     }
 
     /// Polls `done` until it holds, for at most a minute.

@@ -175,6 +175,31 @@ pub trait RecoveryPoints: TransactionalStore {
     ) -> Result<Vec<Result<Abandoned, Error>>, Error>;
 }
 
+/// A store shared behind an `Arc` is the same store.
+#[async_trait]
+impl<S: RecoveryPoints + ?Sized> RecoveryPoints for std::sync::Arc<S> {
+    async fn advance_in(
+        &self,
+        transaction: &mut Self::Transaction,
+        lease: &Lease,
+        from: Option<u16>,
+        to: &RecoveryPoint,
+    ) -> Result<(), Error> {
+        (**self).advance_in(transaction, lease, from, to).await
+    }
+
+    async fn recovery_point(&self, lease: &Lease) -> Result<Option<RecoveryPoint>, Error> {
+        (**self).recovery_point(lease).await
+    }
+
+    async fn abandoned(
+        &self,
+        query: &AbandonedQuery,
+    ) -> Result<Vec<Result<Abandoned, Error>>, Error> {
+        (**self).abandoned(query).await
+    }
+}
+
 /// Which abandoned operations [`RecoveryPoints::abandoned`] lists: filtered in the store, so
 /// that operations a completer will not take (of another kind, given up on, failing again
 /// right now) never fill its batches and starve the ones it can finish.
@@ -378,23 +403,23 @@ where
     T: DeserializeOwned + Send + 'static,
     E: Send + 'static,
 {
-    /// A phase that writes through the store's transaction: `run` gets the transaction,
-    /// the value of the phase before and the phase's context, and returns its value (or
-    /// `Err(error)` for a database error of its statements, or a transaction that broke
-    /// under it). Its writes commit with the recovery point (or, for the last phase, the
-    /// completion), or not at all. Like the work of [`Idempotency::run_in_transaction`], it
-    /// runs again after a conflict with a concurrent transaction
+    /// A phase that writes through the store's transaction: `run` gets the transaction's
+    /// connection ([`TransactionalStore::Connection`], as the work of
+    /// [`Idempotency::run_in_transaction`] does), the value of the phase before and the
+    /// phase's context, and returns its value (or `Err(error)`, what `?` on a failed
+    /// statement returns). Its writes commit with the recovery point (or, for the last phase,
+    /// the completion), or not at all. Like the work of [`Idempotency::run_in_transaction`],
+    /// it runs again after a conflict with a concurrent transaction
     /// ([`TransactionalStore::is_conflict`] of its `Err`), so it acts only through the
-    /// transaction it is given and returns its database errors as `Err` (the SQL stores give
-    /// a `database_error` function that turns the driver's error into one).
+    /// connection it is given and returns its database errors as `Err`.
     pub fn phase<N, F>(self, name: impl Into<String>, mut run: F) -> Phases<S, N, E>
     where
         N: Serialize + 'static,
         F: for<'t> FnMut(
-                &'t mut S::Transaction,
+                &'t mut S::Connection,
                 T,
                 PhaseContext,
-            ) -> BoxFuture<'t, Result<Result<N, E>, Error>>
+            ) -> BoxFuture<'t, Result<Result<N, E>, S::WorkError>>
             + Send
             + 'static,
     {
@@ -403,8 +428,8 @@ where
                 Ok(value) => value,
                 Err(e) => return futures::future::ready(Err(codec(e))).boxed(),
             };
-            let ran = run(tx, value, ctx);
-            Box::pin(async move { encoded(ran.await) })
+            let ran = run(S::connection(tx), value, ctx);
+            Box::pin(async move { encoded(ran.await.map_err(S::work_error)) })
         });
         self.then(name.into(), Step::Database(Box::new(erased)))
     }
@@ -515,20 +540,39 @@ fn typed_end<T: DeserializeOwned, E>(end: TransactionEnd<Vec<u8>, E>) -> Transac
     }
 }
 
-impl Idempotency {
-    /// Runs the multi-step operation `phases` once for `(scope, key)` on `store`, resuming
-    /// at the record's recovery point when an earlier holder committed phases of it (see the
-    /// [module documentation](crate::phases)).
+impl<S: RecoveryPoints + 'static> Idempotency<S> {
+    /// Runs the multi-step operation `phases` once for `(scope, key)` on the engine's store,
+    /// resuming at the record's recovery point when an earlier holder committed phases of it
+    /// (see the [module documentation](crate::phases)).
     ///
-    /// The key is claimed as by [`Idempotency::begin`] (a replay, a mismatch and a key in
-    /// progress behave as in [`Idempotency::run`]), except that a failed operation is never
-    /// taken over by a request with another fingerprint (it may have committed phases for the
-    /// request that started it): that is a mismatch, whatever
-    /// [`Policy::reclaim_failed_with_different_fingerprint`](crate::Policy) says. `store`
-    /// must reach the same records as this engine's store. An operation without phases is an
-    /// [`Error::Config`]; a record whose recovery point this operation cannot resume (another
-    /// operation's, or past its last phase) is [`Error::CannotResume`].
-    pub async fn run_phases<S, T, E>(
+    /// The key is claimed as by [`Idempotency::begin`] (a replay, a key reused with another
+    /// request and a key in progress behave as in [`Idempotency::run`]), except that a failed
+    /// operation is never taken over by a request with another fingerprint (it may have
+    /// committed phases for the request that started it): that is a key reused, whatever
+    /// [`Policy::reclaim_failed_with_different_fingerprint`](crate::Policy) says. An
+    /// operation without phases is an [`Error::Config`]; a record whose recovery point this
+    /// operation cannot resume (another operation's, or past its last phase) is
+    /// [`Error::CannotResume`].
+    pub async fn run_phases<T, E>(
+        &self,
+        key: &IdempotencyKey,
+        scope: &Scope,
+        fingerprint: &Fingerprint,
+        phases: Phases<S, T, E>,
+    ) -> Result<Answer<Result<T, E>>, Error>
+    where
+        T: Serialize + DeserializeOwned + Send + 'static,
+        E: Serialize + DeserializeOwned + Display + Send + 'static,
+    {
+        self.run_phases_on(&**self.store(), key, scope, fingerprint, phases)
+            .await
+    }
+}
+
+impl<St: ?Sized> Idempotency<St> {
+    /// [`Idempotency::run_phases`] on `store`, which must reach the same records as this
+    /// engine's store.
+    pub(crate) async fn run_phases_on<S, T, E>(
         &self,
         store: &S,
         key: &IdempotencyKey,
@@ -549,8 +593,7 @@ impl Idempotency {
         // whatever the policy allows for one-step work.
         let strict;
         let engine = if self.policy().reclaim_failed_with_different_fingerprint {
-            strict = Idempotency::new(
-                self.store().clone(),
+            strict = self.with_policy(
                 self.policy()
                     .clone()
                     .reclaim_failed_with_different_fingerprint(false),
@@ -599,7 +642,7 @@ impl Idempotency {
             let shown = shown.clone();
             move |e: Error| e.during(op, shown)
         };
-        let engine_store = self.store().as_ref();
+        let engine_store = self.records().as_ref();
         let Some(record) = engine_store.get(id).await.map_err(during(Operation::Get))? else {
             // Expired or purged since it was listed: a request with its key is a new
             // operation, for its client to start.

@@ -1,4 +1,4 @@
-use idempotency_core::{Begun, CommitError, Idempotency, IdempotencyKey, Lease, Policy, Scope};
+use idempotency_core::{Begun, CommitError, Idempotency, IdempotencyKey, Lease, Scope};
 use idempotency_core::{Answer, TransactionalStore};
 use std::sync::Arc;
 
@@ -21,6 +21,17 @@ pub struct ToyTransaction {
 #[async_trait]
 impl TransactionalStore for ToyBank {
     type Transaction = ToyTransaction;
+    // The work writes into the transaction itself, and its writes cannot fail.
+    type Connection = ToyTransaction;
+    type WorkError = Error;
+
+    fn connection(tx: &mut ToyTransaction) -> &mut ToyTransaction {
+        tx
+    }
+
+    fn work_error(error: Error) -> Error {
+        error
+    }
 
     async fn begin(&self, _lease: &Lease) -> Result<Begun<ToyTransaction>, Error> {
         // Nothing holds the record meanwhile: the heartbeat keeps the lease.
@@ -68,12 +79,16 @@ impl TransactionalStore for ToyBank {
 #[tokio::main]
 async fn main() -> Result<(), Error> {
     let bank = ToyBank::default();
-    let engine = Idempotency::new(bank.records.clone(), Policy::default())?;
+    // A database store is one value with both sides; the toy keeps its records in a
+    // `ToyStore` beside its ledger, and hands the engine both.
+    let engine = Idempotency::builder(bank.records.clone())
+        .build()?
+        .with_transactions(bank);
     let (key, scope) = (IdempotencyKey::new("pay-1")?, Scope::new("payments")?);
     let fp = Fingerprint::from_bytes(b"10 EUR to Ada");
     for _ in 0..2 {
         let outcome = engine
-            .run_in_transaction(&bank, &key, &scope, &fp, |tx, _ctx| {
+            .run_in_transaction(&key, &scope, &fp, |tx, _ctx| {
                 Box::pin(async move {
                     tx.writes.push("10 EUR to Ada".to_owned());
                     Ok(Ok::<usize, String>(tx.writes.len()))
@@ -83,6 +98,6 @@ async fn main() -> Result<(), Error> {
         assert!(matches!(outcome, Answer::Executed(Ok(1)) | Answer::Replayed(Ok(1))));
     }
     // Two calls, one write: the second replayed the first's outcome.
-    assert_eq!(bank.ledger.lock().unwrap_or_else(|e| e.into_inner()).len(), 1);
+    assert_eq!(engine.store().ledger.lock().unwrap_or_else(|e| e.into_inner()).len(), 1);
     Ok(())
 }

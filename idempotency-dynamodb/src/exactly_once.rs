@@ -304,6 +304,16 @@ impl DynamoStore {
 #[async_trait]
 impl TransactionalStore for DynamoStore {
     type Transaction = DynamoTransaction;
+    type Connection = DynamoTransaction;
+    type WorkError = Error;
+
+    fn connection(transaction: &mut DynamoTransaction) -> &mut DynamoTransaction {
+        transaction
+    }
+
+    fn work_error(error: Error) -> Error {
+        error
+    }
 
     /// Nothing to begin on DynamoDB: the writes are collected and sent at the commit, and
     /// the heartbeat keeps the lease meanwhile.

@@ -73,6 +73,16 @@ impl Drop for MySqlTransaction {
 #[async_trait]
 impl TransactionalStore for MySqlStore {
     type Transaction = MySqlTransaction;
+    type Connection = MySqlConnection;
+    type WorkError = sqlx::Error;
+
+    fn connection(transaction: &mut MySqlTransaction) -> &mut MySqlConnection {
+        transaction.connection()
+    }
+
+    fn work_error(error: sqlx::Error) -> Error {
+        crate::database_error(error)
+    }
 
     /// Begins a transaction and leaves the lease to the heartbeat ([`Begun::Open`]) at every
     /// isolation level. InnoDB's `UPDATE` is a locking read of the latest committed row even

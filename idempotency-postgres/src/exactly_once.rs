@@ -33,6 +33,16 @@ impl PostgresTransaction {
 #[async_trait]
 impl TransactionalStore for PostgresStore {
     type Transaction = PostgresTransaction;
+    type Connection = PgConnection;
+    type WorkError = sqlx::Error;
+
+    fn connection(transaction: &mut PostgresTransaction) -> &mut PgConnection {
+        transaction.connection()
+    }
+
+    fn work_error(error: sqlx::Error) -> Error {
+        crate::database_error(error)
+    }
 
     /// At READ COMMITTED the heartbeat keeps the lease; at REPEATABLE READ and SERIALIZABLE
     /// an extension committed from outside would fail the completion to serialize, so the

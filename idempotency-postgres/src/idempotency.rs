@@ -1,30 +1,23 @@
-//! The exactly-once engine: an [`Idempotency`] engine over one [`PostgresStore`], whose
-//! work writes in the transaction that completes its record.
+//! [`PostgresIdempotency`]: the engine that owns a [`PostgresStore`], whose work writes in the
+//! transaction that completes its record.
 
-use crate::error::database_error;
 use crate::PostgresStore;
-use futures::future::BoxFuture;
-use futures::FutureExt;
-use idempotency_core::{
-    Answer, Error, Fingerprint, Idempotency, IdempotencyKey, Phases, Policy, Scope, WorkContext,
-};
-use serde::{de::DeserializeOwned, Serialize};
-use sqlx::PgConnection;
-use std::fmt::Display;
-use std::sync::Arc;
+use idempotency_core::Idempotency;
 
-/// An [`Idempotency`] engine over a [`PostgresStore`] that runs the work and its completion
-/// in one database transaction: exactly-once effects for work whose effects are writes to the
-/// same database.
+/// The engine that owns a [`PostgresStore`]: [`Idempotency::builder`] over the store builds
+/// one. Besides everything the engine does, it runs work and its completion in one
+/// database transaction ([`Idempotency::run_in_transaction`], exactly-once effects for work
+/// whose effects are writes to the same database: the work gets the transaction's
+/// `PgConnection`) and multi-step operations ([`Idempotency::run_phases`]) on the store.
 ///
 /// ```no_run
-/// use idempotency_core::{Answer, Fingerprint, IdempotencyKey, Policy, Scope};
+/// use idempotency_core::{Answer, Fingerprint, Idempotency, IdempotencyKey, Scope};
 /// use idempotency_postgres::{PostgresIdempotency, PostgresStore};
 ///
 /// # async fn f() -> Result<(), Box<dyn std::error::Error>> {
 /// let store = PostgresStore::connect("postgres://postgres@127.0.0.1/app").await?;
 /// store.migrate().await?;
-/// let engine = PostgresIdempotency::new(store, Policy::default())?;
+/// let engine: PostgresIdempotency = Idempotency::builder(store).build()?;
 /// let key = IdempotencyKey::new("order-42")?;
 /// let scope = Scope::from_parts(["tenant-1", "POST /orders"])?;
 /// let fp = Fingerprint::from_json(&serde_json::json!({"sku": "A1", "qty": 2}));
@@ -47,148 +40,75 @@ use std::sync::Arc;
 /// }
 /// # Ok(()) }
 /// ```
-#[derive(Clone, Debug)]
-pub struct PostgresIdempotency {
-    engine: Idempotency,
-    store: PostgresStore,
-}
-
-impl PostgresIdempotency {
-    /// An engine over `store` with `policy`.
-    pub fn new(store: PostgresStore, policy: Policy) -> Result<Self, Error> {
-        let engine = Idempotency::new(Arc::new(store.clone()), policy)?;
-        Ok(Self { engine, store })
-    }
-
-    /// An exactly-once engine from an `engine` whose store is `store` behind a decorator (one
-    /// that adds metrics, tracing or injected faults to the calls): its calls must reach
-    /// `store`'s table, or the completion in the work's transaction will not find the record
-    /// it claimed. Prefer [`PostgresIdempotency::new`].
-    pub fn with_engine(store: PostgresStore, engine: Idempotency) -> Self {
-        Self { engine, store }
-    }
-
-    /// The plain engine, for work that does not write to this database.
-    pub fn engine(&self) -> &Idempotency {
-        &self.engine
-    }
-
-    /// The store.
-    pub fn store(&self) -> &PostgresStore {
-        &self.store
-    }
-
-    /// Runs the multi-step operation `phases` once for `(scope, key)` on this store, resuming
-    /// at its last recovery point after a holder died:
-    /// [`Idempotency::run_phases`](idempotency_core::Idempotency::run_phases) without passing
-    /// the store a second time.
-    pub async fn run_phases<T, E>(
-        &self,
-        key: &IdempotencyKey,
-        scope: &Scope,
-        fingerprint: &Fingerprint,
-        phases: Phases<PostgresStore, T, E>,
-    ) -> Result<Answer<Result<T, E>>, Error>
-    where
-        T: Serialize + DeserializeOwned + Send + 'static,
-        E: Serialize + DeserializeOwned + std::fmt::Display + Send + 'static,
-    {
-        self.engine
-            .run_phases(&self.store, key, scope, fingerprint, phases)
-            .await
-    }
-
-    /// Runs `work` once for `(scope, key)` inside a transaction on the store's pool, and
-    /// stores its `Ok` outcome in the same transaction.
-    ///
-    /// - Replays return the stored outcome; the work does not run.
-    /// - `Ok(Ok(v))`: the completion CAS runs in the work's transaction, then it commits. If the
-    ///   lease was lost meanwhile (a stalled holder whose key was reclaimed), the CAS matches
-    ///   nothing, the transaction rolls back with all the work's writes, and the result is
-    ///   [`Error::LeaseLost`].
-    /// - `Ok(Err(e))`, the work's own refusal (a declined payment, an invalid request): the
-    ///   transaction rolls back, then the error is handled per [`Policy::errors`] (by default
-    ///   the key is released for a retry) and returned as `Executed(Err(e))`.
-    /// - `Err(database_error)`, what `?` on a failed sqlx call returns: the transaction rolls
-    ///   back. A serialization failure or deadlock (SQLSTATE 40001, 40P01), in the work's own
-    ///   statements as in the completion or the commit, runs the whole transaction again,
-    ///   `work` included (at most
-    ///   [`MAX_TRANSACTION_ATTEMPTS`](idempotency_core::MAX_TRANSACTION_ATTEMPTS) runs in all),
-    ///   so `work` must only act through the connection it is given. Any other database error
-    ///   (or a conflict on the last run) releases the key, since nothing committed, and is
-    ///   returned as [`Error::Backend`] whose source is the sqlx error
-    ///   (`error.find_source::<sqlx::Error>()`). A database error the work wants stored as its
-    ///   answer (a unique key it calls a duplicate order, say) it returns as `Ok(Err(..))`.
-    /// - If the connection dies during the commit, the result is [`Error::OutcomeUnknown`]
-    ///   and the key is held (nothing is written) until its lease passes: a retry then finds
-    ///   the Completed record and replays the committed outcome, or, if nothing committed,
-    ///   takes the key over and runs the work once. Either way the key ends with one committed
-    ///   execution. The key is never released while the work's writes may still commit.
-    /// - A connection found dead when the transaction begins (every idle connection is, after
-    ///   a server restart) is given back, and the transaction begins on the next one.
-    ///
-    /// # Isolation levels
-    ///
-    /// The transaction runs at the level the pool's sessions run at (their
-    /// `default_transaction_isolation`, set for example in the pool's `after_connect` or with
-    /// `ALTER ROLE … SET`); do not issue `SET TRANSACTION` inside `work`, which runs after
-    /// this method's first statement. The level is learned from the first statement of the
-    /// transaction (or from the last completion: sessions at READ COMMITTED then cost no extra
-    /// statement) and decides how the lease is kept while the work runs:
-    ///
-    /// - **READ COMMITTED**: the heartbeat ([`Policy::heartbeat`]) extends the lease from
-    ///   another pooled connection, as in [`Idempotency::run`]. A duplicate request is told
-    ///   at once that the key is in progress; a holder that stalls past its lease (no
-    ///   heartbeat reached the database) can be taken over, and its completion is then fenced
-    ///   and everything it wrote rolls back.
-    /// - **REPEATABLE READ and SERIALIZABLE**: a heartbeat committed on another connection
-    ///   would make the completion fail to serialize, so instead the transaction's first
-    ///   statement locks the record row (`SELECT … FOR UPDATE`, checking it is still
-    ///   Pending with this holder's token and its lease has not passed) and holds it until
-    ///   the commit. Nobody else can change the record meanwhile, and duplicates do not wait
-    ///   for it: a duplicate request's claim and reclaim skip a live row a holder has locked,
-    ///   so the duplicate gets [`Refusal::InProgress`](idempotency_core::Refusal::InProgress) at once (even once the lease in the
-    ///   table has passed: the lock says the holder's transaction is open), a purge skips the
-    ///   row, and after the commit a duplicate finds the record Completed (a replay) or,
-    ///   after a rollback, as it was. (A record whose retention passed while the work runs is
-    ///   waited for again.) The lease is kept in the process: every heartbeat interval renews it, and
-    ///   if it passes without one (the heartbeat is off and the work outlives the lease, or
-    ///   the process stalled), the work is cancelled, the transaction rolls back and the
-    ///   result is [`Error::LeaseLost`], leaving the record to be reclaimed.
-    ///   After a serialization failure the lease is extended before the transaction runs
-    ///   again; a duplicate arriving between the rollback and that extension may take the key
-    ///   over if the work outlived the lease, and then the re-run is fenced (nothing was
-    ///   committed).
-    ///
-    /// `work` must never commit (no `COMMIT` through its connection) and must return a
-    /// database error it meets rather than swallow it: after an error the transaction is
-    /// aborted, and only the error tells the engine to run it again after a conflict.
-    ///
-    /// A work that never returns holds the key as long as the heartbeat runs, at every level
-    /// (and at REPEATABLE READ and SERIALIZABLE keeps the row locked).
-    pub async fn run_in_transaction<T, E, F>(
-        &self,
-        key: &IdempotencyKey,
-        scope: &Scope,
-        fingerprint: &Fingerprint,
-        mut work: F,
-    ) -> Result<Answer<Result<T, E>>, Error>
-    where
-        T: Serialize + DeserializeOwned + Send + 'static,
-        E: Serialize + DeserializeOwned + Display + Send + 'static,
-        F: for<'c> FnMut(
-                &'c mut PgConnection,
-                WorkContext,
-            ) -> BoxFuture<'c, Result<Result<T, E>, sqlx::Error>>
-            + Send,
-    {
-        let engine = &self.engine;
-        engine
-            .run_in_transaction(&self.store, key, scope, fingerprint, |tx, ctx| {
-                work(tx.connection(), ctx)
-                    .map(|ran| ran.map_err(database_error))
-                    .boxed()
-            })
-            .await
-    }
-}
+///
+/// # In a transaction
+///
+/// [`Idempotency::run_in_transaction`] runs `work` once for `(scope, key)` inside a
+/// transaction on the store's pool, and stores its `Ok` outcome in the same transaction.
+///
+/// - Replays return the stored outcome; the work does not run.
+/// - `Ok(Ok(v))`: the completion CAS runs in the work's transaction, then it commits. If the
+///   lease was lost meanwhile (a stalled holder whose key was reclaimed), the CAS matches
+///   nothing, the transaction rolls back with all the work's writes, and the result is
+///   [`Error::LeaseLost`](idempotency_core::Error::LeaseLost).
+/// - `Ok(Err(e))`, the work's own refusal (a declined payment, an invalid request): the
+///   transaction rolls back, then the error is handled per [`Policy::errors`](idempotency_core::Policy::errors) (by default
+///   the key is released for a retry) and returned as `Executed(Err(e))`.
+/// - `Err(database_error)`, what `?` on a failed sqlx call returns: the transaction rolls
+///   back. A serialization failure or deadlock (SQLSTATE 40001, 40P01), in the work's own
+///   statements as in the completion or the commit, runs the whole transaction again,
+///   `work` included (at most
+///   [`MAX_TRANSACTION_ATTEMPTS`](idempotency_core::MAX_TRANSACTION_ATTEMPTS) runs in all),
+///   so `work` must only act through the connection it is given. Any other database error
+///   (or a conflict on the last run) releases the key, since nothing committed, and is
+///   returned as [`Error::Backend`](idempotency_core::Error::Backend) whose source is the sqlx error
+///   (`error.find_source::<sqlx::Error>()`). A database error the work wants stored as its
+///   answer (a unique key it calls a duplicate order, say) it returns as `Ok(Err(..))`.
+/// - If the connection dies during the commit, the result is [`Error::OutcomeUnknown`](idempotency_core::Error::OutcomeUnknown)
+///   and the key is held (nothing is written) until its lease passes: a retry then finds
+///   the Completed record and replays the committed outcome, or, if nothing committed,
+///   takes the key over and runs the work once. Either way the key ends with one committed
+///   execution. The key is never released while the work's writes may still commit.
+/// - A connection found dead when the transaction begins (every idle connection is, after
+///   a server restart) is given back, and the transaction begins on the next one.
+///
+/// # Isolation levels
+///
+/// The transaction runs at the level the pool's sessions run at (their
+/// `default_transaction_isolation`, set for example in the pool's `after_connect` or with
+/// `ALTER ROLE … SET`); do not issue `SET TRANSACTION` inside `work`, which runs after
+/// this method's first statement. The level is learned from the first statement of the
+/// transaction (or from the last completion: sessions at READ COMMITTED then cost no extra
+/// statement) and decides how the lease is kept while the work runs:
+///
+/// - **READ COMMITTED**: the heartbeat ([`Policy::heartbeat`](idempotency_core::Policy::heartbeat)) extends the lease from
+///   another pooled connection, as in [`Idempotency::run`](idempotency_core::Idempotency::run). A duplicate request is told
+///   at once that the key is in progress; a holder that stalls past its lease (no
+///   heartbeat reached the database) can be taken over, and its completion is then fenced
+///   and everything it wrote rolls back.
+/// - **REPEATABLE READ and SERIALIZABLE**: a heartbeat committed on another connection
+///   would make the completion fail to serialize, so instead the transaction's first
+///   statement locks the record row (`SELECT … FOR UPDATE`, checking it is still
+///   Pending with this holder's token and its lease has not passed) and holds it until
+///   the commit. Nobody else can change the record meanwhile, and duplicates do not wait
+///   for it: a duplicate request's claim and reclaim skip a live row a holder has locked,
+///   so the duplicate gets [`Refusal::InProgress`](idempotency_core::Refusal::InProgress) at once (even once the lease in the
+///   table has passed: the lock says the holder's transaction is open), a purge skips the
+///   row, and after the commit a duplicate finds the record Completed (a replay) or,
+///   after a rollback, as it was. (A record whose retention passed while the work runs is
+///   waited for again.) The lease is kept in the process: every heartbeat interval renews it, and
+///   if it passes without one (the heartbeat is off and the work outlives the lease, or
+///   the process stalled), the work is cancelled, the transaction rolls back and the
+///   result is [`Error::LeaseLost`](idempotency_core::Error::LeaseLost), leaving the record to be reclaimed.
+///   After a serialization failure the lease is extended before the transaction runs
+///   again; a duplicate arriving between the rollback and that extension may take the key
+///   over if the work outlived the lease, and then the re-run is fenced (nothing was
+///   committed).
+///
+/// `work` must never commit (no `COMMIT` through its connection) and must return a
+/// database error it meets rather than swallow it: after an error the transaction is
+/// aborted, and only the error tells the engine to run it again after a conflict.
+///
+/// A work that never returns holds the key as long as the heartbeat runs, at every level
+/// (and at REPEATABLE READ and SERIALIZABLE keeps the row locked).
+pub type PostgresIdempotency = Idempotency<PostgresStore>;

@@ -46,7 +46,7 @@ struct HandlerState {
 
 impl HttpPath {
     /// The layer over `engine`, with every call in the scope of `caller`.
-    pub fn new(engine: Idempotency, rig: Arc<FaultRig>, caller: &str) -> Self {
+    pub fn new(engine: impl Into<Idempotency>, rig: Arc<FaultRig>, caller: &str) -> Self {
         let scope = http_scope(caller, &http::Method::POST, ROUTE).expect("valid scope");
         let caller = caller.to_owned();
         let layer =

@@ -5,7 +5,7 @@
 
 use idempotency_core::{Error, Fingerprint, Idempotency, IdempotencyKey, InFlight, Policy, Scope};
 use idempotency_sqlite::rusqlite::params;
-use idempotency_sqlite::{SqliteIdempotency, SqliteStore};
+use idempotency_sqlite::SqliteStore;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,7 +27,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("database: {} (WAL, synchronous=FULL)", path.display());
 
     // 1. Concurrent retries while the first attempt is still running.
-    let engine = Idempotency::new(Arc::new(store.clone()), Policy::default())?;
+    let engine = Idempotency::builder(store.clone()).build()?;
     let key = IdempotencyKey::random();
     let scope = Scope::from_parts(["customer-42", "POST /payments"])?;
     let fingerprint =
@@ -62,24 +62,26 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("the work ran {} time(s)", executions.load(Ordering::SeqCst));
 
     // 2. Exactly-once: the payment row and the completion commit in one transaction.
-    let waiting = Policy::default().in_flight(InFlight::wait(Duration::from_secs(5)));
-    let engine = Idempotency::new(Arc::new(store.clone()), waiting)?;
+    let engine = Idempotency::builder(store.clone())
+        .in_flight(InFlight::wait(Duration::from_secs(5)))
+        .build()?;
     let key = IdempotencyKey::random();
     println!("\nkey {key}: 6 concurrent attempts writing a payments row in their transaction");
     let tasks: Vec<_> = (1..=6)
         .map(|n| {
-            let (store, engine, key, scope) =
-                (store.clone(), engine.clone(), key.clone(), scope.clone());
+            let (engine, key, scope) = (engine.clone(), key.clone(), scope.clone());
             tokio::spawn(async move {
-                let k = key.to_string();
-                let result = SqliteIdempotency::with_engine(store.clone(), engine.clone())
-                    .run_in_transaction(&key, &scope, &fingerprint, move |tx, _ctx| {
-                        tx.execute(
-                            "INSERT INTO payments (payment_key, amount) VALUES (?1, 1999)",
-                            params![k],
-                        )
-                        .map_err(|e| e.to_string())?;
-                        Ok::<_, String>(format!("payment row {}", tx.last_insert_rowid()))
+                let result = engine
+                    .run_in_transaction(&key, &scope, &fingerprint, |tx, _ctx| {
+                        let k = key.to_string();
+                        Box::pin(tx.run(move |tx| {
+                            tx.execute(
+                                "INSERT INTO payments (payment_key, amount) VALUES (?1, 1999)",
+                                params![k],
+                            )
+                            .map_err(|e| e.to_string())?;
+                            Ok::<_, String>(format!("payment row {}", tx.last_insert_rowid()))
+                        }))
                     })
                     .await;
                 report(n, result);

@@ -72,6 +72,16 @@ impl SqliteTransaction {
 #[async_trait]
 impl TransactionalStore for SqliteStore {
     type Transaction = SqliteTransaction;
+    type Connection = SqliteTransaction;
+    type WorkError = Error;
+
+    fn connection(transaction: &mut SqliteTransaction) -> &mut SqliteTransaction {
+        transaction
+    }
+
+    fn work_error(error: Error) -> Error {
+        error
+    }
 
     /// Opens the transaction in a job that keeps the connection until the transaction ends;
     /// the heartbeat keeps the lease while the job waits its turn.

@@ -17,7 +17,7 @@ use idempotency_core::{
     RecordId, RecordStatus, Refusal, Scope,
 };
 use idempotency_sqlite::rusqlite::{params, TransactionBehavior};
-use idempotency_sqlite::{ConnectionMode, SqliteIdempotency, SqliteStore};
+use idempotency_sqlite::{ConnectionMode, SqliteStore};
 use idempotency_testing::sqlite::is_busy_error;
 use rand::seq::SliceRandom;
 use std::collections::{BTreeMap, BTreeSet};
@@ -253,14 +253,19 @@ async fn child_race() {
                     let k = key(i);
                     let result = if i % 2 == 0 {
                         let name = k.to_string();
-                        SqliteIdempotency::with_engine(store.clone(), engine.clone())
+                        engine
+                            .clone()
+                            .with_transactions(store.clone())
                             .run_in_transaction(&k, &scope(), &fingerprint(), move |tx, _| {
-                                tx.execute(
+                                let name = name.clone();
+                                Box::pin(tx.run(move |tx| {
+                                    tx.execute(
                                     "INSERT INTO executions VALUES (?1, ?2, ?3, 'exactly_once')",
                                     params![name, pid, task as i64],
                                 )
                                 .map_err(|e| e.to_string())?;
-                                Ok::<_, String>(format!("{pid}:{task}"))
+                                    Ok::<_, String>(format!("{pid}:{task}"))
+                                }))
                             })
                             .await
                     } else {
@@ -389,15 +394,14 @@ async fn parent_crash() {
             0,
             "the uncommitted order is gone"
         );
-        let early = SqliteIdempotency::with_engine(store.clone(), engine.clone())
-            .run_in_transaction(
-                &k,
-                &scope(),
-                &fingerprint(),
-                |_, _| -> Result<i64, String> {
+        let early = engine
+            .clone()
+            .with_transactions(store.clone())
+            .run_in_transaction(&k, &scope(), &fingerprint(), move |tx, _| {
+                Box::pin(tx.run(move |_| -> Result<i64, String> {
                     panic!("the crashed holder's lease is still live")
-                },
-            )
+                }))
+            })
             .await;
         assert!(
             matches!(early, Ok(Answer::Refused(Refusal::InProgress { .. }))),
@@ -414,30 +418,36 @@ async fn parent_crash() {
             .unwrap()
             .expect("the crashed claim's record");
         let name = k.to_string();
-        let retry = SqliteIdempotency::with_engine(store.clone(), engine.clone())
+        let retry = engine
+            .clone()
+            .with_transactions(store.clone())
             .run_in_transaction(&k, &scope(), &fingerprint(), move |tx, ctx| {
-                assert_eq!(
-                    ctx.token,
-                    crashed.token.next(),
-                    "the retry reclaims the crashed claim"
-                );
-                tx.execute(
-                    "INSERT INTO orders (order_key, placed_by) VALUES (?1, 'retry')",
-                    [name],
-                )
-                .map_err(|e| e.to_string())?;
-                Ok::<_, String>(tx.last_insert_rowid())
+                let name = name.clone();
+                Box::pin(tx.run(move |tx| {
+                    assert_eq!(
+                        ctx.token,
+                        crashed.token.next(),
+                        "the retry reclaims the crashed claim"
+                    );
+                    tx.execute(
+                        "INSERT INTO orders (order_key, placed_by) VALUES (?1, 'retry')",
+                        [name],
+                    )
+                    .map_err(|e| e.to_string())?;
+                    Ok::<_, String>(tx.last_insert_rowid())
+                }))
             })
             .await
             .unwrap();
         assert!(matches!(retry, Answer::Executed(Ok(_))), "{retry:?}");
-        let again = SqliteIdempotency::with_engine(store.clone(), engine.clone())
-            .run_in_transaction(
-                &k,
-                &scope(),
-                &fingerprint(),
-                |_, _| -> Result<i64, String> { panic!("completed: must replay") },
-            )
+        let again = engine
+            .clone()
+            .with_transactions(store.clone())
+            .run_in_transaction(&k, &scope(), &fingerprint(), move |tx, _| {
+                Box::pin(
+                    tx.run(move |_| -> Result<i64, String> { panic!("completed: must replay") }),
+                )
+            })
             .await
             .unwrap();
         assert_eq!(again, Answer::Replayed(retry.into_result().unwrap()));

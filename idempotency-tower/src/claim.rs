@@ -205,8 +205,9 @@ impl ClaimedKey {
     }
 
     /// Runs the handler's transaction and completes the key inside it, **in one call**: begins
-    /// a transaction of `store` (the store holding the layer's records), runs `work` in it,
-    /// prepares the response `work` returns (the stored form [`ClaimedKey::prepare`] makes),
+    /// a transaction of `store` (the store holding the layer's records), runs `work` in it
+    /// with the transaction's connection (a `PgConnection` on Postgres: the store's
+    /// `TransactionalStore::Connection`), prepares the response `work` returns (the stored form [`ClaimedKey::prepare`] makes),
     /// completes the key with it inside the transaction and commits; a serialization failure or
     /// a deadlock (the store's conflicts) runs all of it again. It then settles the key with
     /// the layer itself, and returns the response to answer with:
@@ -218,7 +219,8 @@ impl ClaimedKey {
     /// | rolled back (`work`'s `Err`, a refused commit, a response over the limit) | released at once: a retry runs the handler | `500` `handler-failed` for `work`'s `Err`; `503` `idempotency-store-unavailable` for the store's |
     /// | sent its commit and lost the answer | held until its lease passes, then a retry finds it completed or runs it | `503` `idempotency-store-unavailable` |
     ///
-    /// `work`'s `Err` is a database error: its transaction rolls back. Answer a refusal of
+    /// `work`'s `Err` is a database error, what `?` on a failed statement returns: its
+    /// transaction rolls back. Answer a refusal of
     /// your own (a `409` business conflict, a `422` validation) as an `Ok` response: it is
     /// committed and replayed like any other.
     ///
@@ -227,7 +229,9 @@ impl ClaimedKey {
     pub async fn run_in_transaction<S, F>(&self, store: &S, mut work: F) -> Response<Bytes>
     where
         S: TransactionalStore,
-        F: for<'t> FnMut(&'t mut S::Transaction) -> BoxFuture<'t, Result<Response<Bytes>, Error>>
+        F: for<'c> FnMut(
+                &'c mut S::Connection,
+            ) -> BoxFuture<'c, Result<Response<Bytes>, S::WorkError>>
             + Send,
     {
         // Whether the last attempt ended in `work`'s own error (not the store's).
@@ -238,7 +242,7 @@ impl ClaimedKey {
             .run_in_transaction(
                 store,
                 |prepared: &Prepared| prepared.outcome.clone(),
-                preparing(self, &mut work, &work_failed),
+                preparing::<S, F>(self, &mut work, &work_failed),
             )
             .await;
         let answer = |refusal: Refusal| {
@@ -292,25 +296,27 @@ impl ClaimedKey {
 
 /// `work` as core's transaction runs it: its response prepared in the stored form (a response
 /// over the limit is an error that rolls the transaction back).
-fn preparing<'w, T, F>(
+#[allow(clippy::type_complexity)] // the transaction driver's higher-ranked work signature
+fn preparing<'w, S, F>(
     claim: &'w ClaimedKey,
     work: &'w mut F,
     work_failed: &'w Arc<AtomicBool>,
 ) -> impl for<'t> FnMut(
-    &'t mut T,
+    &'t mut S::Transaction,
     WorkContext,
 ) -> BoxFuture<'t, Result<Result<Prepared, Infallible>, Error>>
        + Send
        + 'w
 where
-    T: Send,
-    F: for<'t> FnMut(&'t mut T) -> BoxFuture<'t, Result<Response<Bytes>, Error>> + Send,
+    S: TransactionalStore,
+    F: for<'c> FnMut(&'c mut S::Connection) -> BoxFuture<'c, Result<Response<Bytes>, S::WorkError>>
+        + Send,
 {
     move |transaction, _context| {
-        let response = work(transaction);
+        let response = work(S::connection(transaction));
         let (claim, work_failed) = (claim.clone(), work_failed.clone());
         Box::pin(async move {
-            let response = response.await;
+            let response = response.await.map_err(S::work_error);
             work_failed.store(response.is_err(), Ordering::Relaxed);
             let response = response?;
             claim

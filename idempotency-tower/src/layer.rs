@@ -95,12 +95,12 @@ impl IdempotencyLayer {
     /// recorded, the route part of the scope the request path ([`RoutePart::Path`]). The
     /// engine brings the store and the policy (lease, retention, in-flight behaviour, key
     /// hashing in logs).
-    pub fn per_caller<F>(engine: Idempotency, caller: F) -> Self
+    pub fn per_caller<F>(engine: impl Into<Idempotency>, caller: F) -> Self
     where
         F: Fn(&Parts) -> Option<String> + Send + Sync + 'static,
     {
         Self {
-            config: Arc::new(Config::new(engine, Arc::new(caller))),
+            config: Arc::new(Config::new(engine.into(), Arc::new(caller))),
         }
     }
 
@@ -111,10 +111,10 @@ impl IdempotencyLayer {
     /// when callers are not told apart and responses hold nothing of one caller's that
     /// another may not see; otherwise use [`IdempotencyLayer::per_caller`]. The defaults are
     /// those of [`IdempotencyLayer::per_caller`].
-    pub fn shared(engine: Idempotency) -> Self {
+    pub fn shared(engine: impl Into<Idempotency>) -> Self {
         Self {
             config: Arc::new(Config::new(
-                engine,
+                engine.into(),
                 Arc::new(|_: &Parts| Some("anonymous".to_owned())),
             )),
         }

@@ -29,7 +29,7 @@ use std::sync::Arc;
 /// use idempotency_tower::{IdempotencyLayer, Refusal, RequestKey};
 ///
 /// async fn create(
-///     axum::extract::State(engine): axum::extract::State<Idempotency>,
+///     axum::extract::State(engine): axum::extract::State<Idempotency<MemoryStore>>,
 ///     request: RequestKey,
 ///     Json(amount): Json<u64>,
 /// ) -> Result<(StatusCode, Json<u64>), Refusal> {

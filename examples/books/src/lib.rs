@@ -397,9 +397,10 @@ pub async fn build_with(
     wrap_create: WrapCreate,
 ) -> Result<(Router, Arc<AppState>), BuildError> {
     let (store, books) = stores(config).await?;
-    let engine = Idempotency::builder(store)
+    let engine: Idempotency = Idempotency::builder(store)
         .policy(config.policy.clone())
-        .build()?;
+        .build()?
+        .into();
     let state = Arc::new(AppState {
         books,
         key_retention: config.policy.retention,

@@ -14,9 +14,9 @@ use idempotency_core::Error;
 use idempotency_dynamodb::DynamoTransaction;
 use idempotency_mysql::sqlx::mysql::MySqlRow;
 use idempotency_mysql::sqlx::{MySqlConnection, MySqlPool};
-use idempotency_mysql::{MySqlStore, MySqlTransaction, TableName as MySqlTableName};
-use idempotency_postgres::sqlx::{self, PgPool, Row as _};
-use idempotency_postgres::{PostgresStore, PostgresTransaction};
+use idempotency_mysql::{MySqlStore, TableName as MySqlTableName};
+use idempotency_postgres::sqlx::{self, PgConnection, PgPool, Row as _};
+use idempotency_postgres::PostgresStore;
 use idempotency_sqlite::{SqliteStore, SqliteTransaction};
 use idempotency_tower::ClaimedKey;
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
@@ -302,12 +302,10 @@ impl BookRepo {
             }
             Backend::Postgres { table, records, .. } => {
                 claim
-                    .run_in_transaction(records, |tx: &mut PostgresTransaction| {
+                    .run_in_transaction(records, |tx: &mut PgConnection| {
                         let (table, row) = (table.clone(), book.clone());
                         Box::pin(async move {
-                            insert_postgres(tx.connection(), &table, &row)
-                                .await
-                                .map_err(idempotency_postgres::database_error)?;
+                            insert_postgres(tx, &table, &row).await?;
                             Ok(answer(&row))
                         })
                     })
@@ -315,12 +313,10 @@ impl BookRepo {
             }
             Backend::Mysql { table, records, .. } => {
                 claim
-                    .run_in_transaction(records, |tx: &mut MySqlTransaction| {
+                    .run_in_transaction(records, |tx: &mut MySqlConnection| {
                         let (table, row) = (table.clone(), book.clone());
                         Box::pin(async move {
-                            insert_mysql(tx.connection(), &table, &row)
-                                .await
-                                .map_err(idempotency_mysql::database_error)?;
+                            insert_mysql(tx, &table, &row).await?;
                             Ok(answer(&row))
                         })
                     })

@@ -13,7 +13,7 @@
 
 use async_nats::jetstream::{self, consumer::pull, AckKind};
 use futures::{FutureExt, StreamExt};
-use idempotency_core::{Answer, Fingerprint, IdempotencyKey, Policy, Refusal, Scope};
+use idempotency_core::{Answer, Fingerprint, Idempotency, IdempotencyKey, Refusal, Scope};
 use idempotency_postgres::sqlx::{self, PgConnection};
 use idempotency_postgres::{PostgresIdempotency, PostgresStore};
 use serde::{Deserialize, Serialize};
@@ -245,11 +245,11 @@ impl Ledger {
         .await?;
         drop(conn);
         store.migrate().await?;
-        let policy = Policy::default()
-            .lease(config.lease)
-            .retention(Duration::from_secs(7 * 24 * 3600));
         Ok(Self {
-            idempotency: PostgresIdempotency::new(store, policy)?,
+            idempotency: Idempotency::builder(store)
+                .lease(config.lease)
+                .retention(Duration::from_secs(7 * 24 * 3600))
+                .build()?,
             scope: Scope::new("ledger-transfers")?,
             config,
             jetstream,
@@ -341,7 +341,7 @@ impl Ledger {
             .get_consumer_from_stream(CONSUMER, &self.config.stream)
             .await?;
         // Expired keys are purged in the background for as long as the consumer runs.
-        let maintenance = self.idempotency.engine().maintain().spawn();
+        let maintenance = self.idempotency.maintain().spawn();
         let consumed = self.consume_until(&consumer, stop).await;
         maintenance.shutdown().await;
         consumed

@@ -17,12 +17,13 @@ use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use idempotency::postgres::{database_error, sqlx, PostgresStore, PostgresTransaction};
+use idempotency::postgres::{sqlx, PostgresStore};
 use idempotency::reqwest::reqwest_middleware::{reqwest, ClientBuilder, ClientWithMiddleware};
 use idempotency::reqwest::{IdempotencyMiddleware, RetryPolicy};
 use idempotency::tower::{ClaimedKey, IdempotencyLayer};
 use idempotency::{Idempotency, Maintenance};
 use serde::{Deserialize, Serialize};
+use sqlx::PgConnection;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -213,7 +214,7 @@ async fn create(
         app.payments
     );
     claim
-        .run_in_transaction(&app.store, |tx: &mut PostgresTransaction| {
+        .run_in_transaction(&app.store, |tx: &mut PgConnection| {
             let (insert, merchant, new) = (insert.clone(), merchant.clone(), new.clone());
             Box::pin(async move {
                 // `Err` is a database error: the transaction rolls back (and runs again after
@@ -222,9 +223,8 @@ async fn create(
                     .bind(&merchant)
                     .bind(new.cents)
                     .bind(&new.currency)
-                    .fetch_one(tx.connection())
-                    .await
-                    .map_err(database_error)?;
+                    .fetch_one(&mut *tx)
+                    .await?;
                 let payment = Payment {
                     id,
                     merchant,

@@ -11,7 +11,7 @@ use axum::routing::post;
 use axum::Router;
 use bytes::Bytes;
 use http::StatusCode;
-use idempotency_core::{Completer, IdempotencyKey, PhaseContext, Phases, Policy};
+use idempotency_core::{Completer, Idempotency, IdempotencyKey, PhaseContext, Phases};
 use idempotency_reqwest::{IdempotencyMiddleware, IdempotentRequestExt, RetryPolicy};
 use idempotency_sqlite::rusqlite::params;
 use idempotency_sqlite::{SqliteIdempotency, SqliteStore, SqliteTransaction};
@@ -275,17 +275,16 @@ struct App {
 /// configuration says so.
 pub async fn start(config: &Config, port: u16) -> Result<Running, Box<dyn std::error::Error>> {
     let store = open_store(&config.db, TABLES).await?;
-    let policy = Policy::default()
+    // One engine, owning the store: the layer, the handler and the completer share it.
+    let engine: SqliteIdempotency = Idempotency::builder(store)
         .lease(config.lease)
-        .retention(Duration::from_secs(24 * 3600));
-    // One engine over the store: the layer and the completer take its plain half.
-    let idempotency = SqliteIdempotency::new(store.clone(), policy)?;
-    let engine = idempotency.engine().clone();
+        .retention(Duration::from_secs(24 * 3600))
+        .build()?;
     let payments = Payments::new(config.payments.clone());
     let mut maintenance = engine.maintain();
     if config.completer {
         let (payments, crash) = (payments.clone(), config.crash.clone());
-        let completer = Completer::new(engine.clone(), Arc::new(store.clone()))
+        let completer = Completer::new(&engine)
             .operation(OPERATION, move || {
                 booking(None, payments.clone(), crash.clone())
             })
@@ -299,7 +298,7 @@ pub async fn start(config: &Config, port: u16) -> Result<Running, Box<dyn std::e
         .problem_type_base(crate::PROBLEM_BASE)
         .handler_claims();
     let app = Arc::new(App {
-        idempotency,
+        idempotency: engine,
         payments,
         crash: config.crash.clone(),
     });

@@ -104,6 +104,16 @@ impl Bank {
 #[async_trait]
 impl TransactionalStore for Bank {
     type Transaction = Tx;
+    type Connection = Tx;
+    type WorkError = Error;
+
+    fn connection(tx: &mut Tx) -> &mut Tx {
+        tx
+    }
+
+    fn work_error(error: Error) -> Error {
+        error
+    }
 
     async fn begin(&self, _lease: &Lease) -> Result<Begun<Tx>, Error> {
         Ok(Begun::Open(Tx::default()))
@@ -288,7 +298,7 @@ fn ride_flow(
     payments: Arc<Payments>,
     keys: Arc<Mutex<Vec<String>>>,
     receipt_fails: Arc<AtomicUsize>,
-) -> Phases<Bank, Receipt, String> {
+) -> Phases<Arc<Bank>, Receipt, String> {
     Phases::new("book-ride")
         .phase("create-ride", |tx: &mut Tx, (): (), _ctx: PhaseContext| {
             Box::pin(async move {
@@ -353,7 +363,7 @@ impl World {
         }
     }
 
-    fn flow(&self) -> Phases<Bank, Receipt, String> {
+    fn flow(&self) -> Phases<Arc<Bank>, Receipt, String> {
         ride_flow(
             self.payments.clone(),
             self.keys.clone(),
@@ -363,13 +373,8 @@ impl World {
 
     async fn run(&self) -> Result<Answer<Result<Receipt, String>>, Error> {
         self.engine
-            .run_phases(
-                &*self.bank,
-                &self.key,
-                &self.scope,
-                &self.fingerprint,
-                self.flow(),
-            )
+            .with_transactions(self.bank.clone())
+            .run_phases(&self.key, &self.scope, &self.fingerprint, self.flow())
             .await
     }
 
@@ -381,8 +386,12 @@ impl World {
         let (key, scope, fp) = (self.key.clone(), self.scope.clone(), self.fingerprint);
         self.payments.hang_after_charge.store(1, Ordering::SeqCst);
         let charged = self.payments.charged.notified();
-        let task =
-            tokio::spawn(async move { engine.run_phases(&*bank, &key, &scope, &fp, flow).await });
+        let task = tokio::spawn(async move {
+            engine
+                .with_transactions(bank.clone())
+                .run_phases(&key, &scope, &fp, flow)
+                .await
+        });
         charged.await;
         task.abort();
         let _ = task.await;
@@ -487,7 +496,12 @@ async fn a_holder_that_lost_its_lease_cannot_commit_a_phase() {
         let engine = w.engine.clone();
         let (bank, flow) = (w.bank.clone(), w.flow());
         let (key, scope, fp) = (w.key.clone(), w.scope.clone(), w.fingerprint);
-        tokio::spawn(async move { engine.run_phases(&*bank, &key, &scope, &fp, flow).await })
+        tokio::spawn(async move {
+            engine
+                .with_transactions(bank.clone())
+                .run_phases(&key, &scope, &fp, flow)
+                .await
+        })
     };
     charged.await;
     tokio::time::sleep(Duration::from_millis(400)).await;
@@ -510,13 +524,14 @@ async fn another_operation_does_not_resume_a_record_it_did_not_start() {
     let w = World::new(short_lease());
     w.run_and_die_after_charge().await;
     tokio::time::sleep(Duration::from_millis(400)).await;
-    let other: Phases<Bank, u8, String> = Phases::new("refund")
+    let other: Phases<Arc<Bank>, u8, String> = Phases::new("refund")
         .phase("refund", |_tx: &mut Tx, (): (), _ctx: PhaseContext| {
             Box::pin(async { Ok(Ok(1u8)) })
         });
     let r = w
         .engine
-        .run_phases(&*w.bank, &w.key, &w.scope, &w.fingerprint, other)
+        .with_transactions(w.bank.clone())
+        .run_phases(&w.key, &w.scope, &w.fingerprint, other)
         .await;
     assert!(
         matches!(&r, Err(Error::CannotResume { operation, found, phase: 1, phases: 1 })
@@ -524,10 +539,11 @@ async fn another_operation_does_not_resume_a_record_it_did_not_start() {
         "{r:?}"
     );
     assert_eq!(w.counts(), (1, 1, 0));
-    let none: Phases<Bank, (), String> = Phases::new("nothing");
+    let none: Phases<Arc<Bank>, (), String> = Phases::new("nothing");
     assert!(matches!(
         w.engine
-            .run_phases(&*w.bank, &w.key, &w.scope, &w.fingerprint, none)
+            .with_transactions(w.bank.clone())
+            .run_phases(&w.key, &w.scope, &w.fingerprint, none)
             .await,
         Err(Error::Config(_))
     ));
@@ -538,7 +554,7 @@ async fn a_first_phase_that_calls_out_gets_one_key_for_every_holder() {
     let w = World::new(short_lease());
     let payments = w.payments.clone();
     let keys = w.keys.clone();
-    let flow = move || -> Phases<Bank, u32, String> {
+    let flow = move || -> Phases<Arc<Bank>, u32, String> {
         let (payments, keys) = (payments.clone(), keys.clone());
         Phases::new("charge-first").foreign("charge", move |(): (), ctx: PhaseContext| {
             let payments = payments.clone();
@@ -550,7 +566,12 @@ async fn a_first_phase_that_calls_out_gets_one_key_for_every_holder() {
     let task = {
         let (engine, bank, f) = (w.engine.clone(), w.bank.clone(), flow());
         let (key, scope, fp) = (w.key.clone(), w.scope.clone(), w.fingerprint);
-        tokio::spawn(async move { engine.run_phases(&*bank, &key, &scope, &fp, f).await })
+        tokio::spawn(async move {
+            engine
+                .with_transactions(bank.clone())
+                .run_phases(&key, &scope, &fp, f)
+                .await
+        })
     };
     w.payments.charged.notified().await;
     task.abort();
@@ -558,7 +579,8 @@ async fn a_first_phase_that_calls_out_gets_one_key_for_every_holder() {
     tokio::time::sleep(Duration::from_millis(400)).await;
     let done = w
         .engine
-        .run_phases(&*w.bank, &w.key, &w.scope, &w.fingerprint, flow())
+        .with_transactions(w.bank.clone())
+        .run_phases(&w.key, &w.scope, &w.fingerprint, flow())
         .await
         .expect("resumes");
     assert_eq!(done, Answer::Executed(Ok(1007)));
@@ -604,7 +626,12 @@ async fn a_stale_holder_at_the_same_recovery_point_is_fenced_by_its_token() {
         let engine = w.engine.clone();
         let (bank, flow) = (w.bank.clone(), w.flow());
         let (key, scope, fp) = (w.key.clone(), w.scope.clone(), w.fingerprint);
-        tokio::spawn(async move { engine.run_phases(&*bank, &key, &scope, &fp, flow).await })
+        tokio::spawn(async move {
+            engine
+                .with_transactions(bank.clone())
+                .run_phases(&key, &scope, &fp, flow)
+                .await
+        })
     };
     let charged = w.payments.charged.notified();
     let first = spawn(&w);
@@ -705,8 +732,8 @@ async fn a_failed_operation_is_not_taken_over_by_another_request() {
     assert_eq!(w.counts(), (1, 1, 0));
     let other = w
         .engine
+        .with_transactions(w.bank.clone())
         .run_phases(
-            &*w.bank,
             &w.key,
             &w.scope,
             &Fingerprint::from_bytes(b"from C to D"),

@@ -147,7 +147,7 @@ type Ran<R> = (
     Option<(Result<crate::Cas, Error>, Instant)>,
 );
 
-impl Idempotency {
+impl<St: ?Sized> Idempotency<St> {
     /// Runs a batch of messages (a queue consumer's poll): each message's work runs at most
     /// once per key, a redelivered or duplicate message is answered with its stored outcome,
     /// and every message's fate comes back in one [`BatchReport`], with the indices to have
@@ -366,7 +366,7 @@ impl Idempotency {
     }
 }
 
-impl Idempotency {
+impl<St: ?Sized> Idempotency<St> {
     /// Settles one message of a batch whose work ended (`None`: it panicked) and whose first
     /// settlement was answered: retries alone and reads back as [`Lease::complete`] does.
     async fn finish_message<T, E>(

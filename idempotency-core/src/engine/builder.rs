@@ -25,22 +25,24 @@ use std::time::Duration;
 /// ```
 #[derive(Debug)]
 #[must_use = "a builder does nothing until `build` is called"]
-pub struct IdempotencyBuilder {
-    store: Arc<dyn IdempotencyStore>,
+pub struct IdempotencyBuilder<S> {
+    store: S,
     policy: Policy,
 }
 
 impl Idempotency {
-    /// Starts an engine that owns `store` (any store, or an `Arc` of one already shared).
-    pub fn builder(store: impl IdempotencyStore + 'static) -> IdempotencyBuilder {
+    /// Starts an engine that owns `store`: the store itself (a `PostgresStore`, say: the
+    /// engine keeps its type, and with it the transactional paths), or an `Arc` of one
+    /// already shared.
+    pub fn builder<S: IdempotencyStore + 'static>(store: S) -> IdempotencyBuilder<S> {
         IdempotencyBuilder {
-            store: Arc::new(store),
+            store,
             policy: Policy::default(),
         }
     }
 }
 
-impl IdempotencyBuilder {
+impl<S: IdempotencyStore + 'static> IdempotencyBuilder<S> {
     /// How long a holder may run before another caller may take the key over. Default 30 s.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.policy.lease = lease;
@@ -105,7 +107,13 @@ impl IdempotencyBuilder {
     }
 
     /// The engine, or [`Error::Config`] naming the setting that is out of range.
-    pub fn build(self) -> Result<Idempotency, Error> {
-        Idempotency::new(self.store, self.policy)
+    pub fn build(self) -> Result<Idempotency<S>, Error> {
+        self.policy.validate()?;
+        let owned = Arc::new(self.store);
+        Ok(Idempotency {
+            store: owned.clone(),
+            owned,
+            policy: Arc::new(self.policy),
+        })
     }
 }

@@ -72,10 +72,19 @@ pub enum Begin {
 /// The idempotency engine: wraps a unit of work so that it runs once per `(scope, key)` and
 /// every retry gets the first outcome.
 ///
+/// An engine owns its store: build it with [`Idempotency::builder`] from the store itself.
+/// `S` is that store's type, and on a store that completes records inside its own
+/// transactions (the SQL stores, DynamoDB: a [`TransactionalStore`](crate::TransactionalStore))
+/// the engine also runs work in a transaction ([`Idempotency::run_in_transaction`]) and
+/// multi-step operations ([`Idempotency::run_phases`]) on it, with nothing passed twice.
+/// `Idempotency` without a parameter is an engine over any store (`dyn IdempotencyStore`),
+/// what the HTTP layer and other generic code take: every typed engine converts into one
+/// (`engine.into()`), and does everything it does.
+///
 /// ```
 /// # use idempotency_core::*;
-/// # async fn example(store: std::sync::Arc<dyn IdempotencyStore>) -> Result<(), Error> {
-/// let engine = Idempotency::new(store, Policy::default())?;
+/// # async fn example(store: impl IdempotencyStore + 'static) -> Result<(), Error> {
+/// let engine = Idempotency::builder(store).build()?;
 /// let key = IdempotencyKey::new("charge-123")?;
 /// let scope = Scope::from_parts(["tenant-1", "charge"])?;
 /// let fp = Fingerprint::from_json(&serde_json::json!({"amount": 500}));
@@ -89,30 +98,101 @@ pub enum Begin {
 /// }
 /// # Ok(()) }
 /// ```
-#[derive(Clone, Debug)]
-pub struct Idempotency {
+pub struct Idempotency<S: ?Sized = dyn IdempotencyStore> {
+    /// The store the engine owns, as its own type (for the transactional paths).
+    owned: Arc<S>,
+    /// The same store (or a decorator of it, see [`Idempotency::with_transactions`]), which
+    /// every record call goes through.
     store: Arc<dyn IdempotencyStore>,
     policy: Arc<Policy>,
 }
 
+impl<S: ?Sized> Clone for Idempotency<S> {
+    fn clone(&self) -> Self {
+        Self {
+            owned: self.owned.clone(),
+            store: self.store.clone(),
+            policy: self.policy.clone(),
+        }
+    }
+}
+
+impl<S: ?Sized> std::fmt::Debug for Idempotency<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Idempotency")
+            .field("store", &self.store)
+            .field("policy", &self.policy)
+            .finish()
+    }
+}
+
+/// An engine over a store of a known type is an engine over any store.
+impl<S: IdempotencyStore + 'static> From<Idempotency<S>> for Idempotency {
+    fn from(engine: Idempotency<S>) -> Self {
+        engine.erased()
+    }
+}
+
 impl Idempotency {
-    /// An engine over `store` with `policy` (checked with [`Policy::validate`]).
+    /// An engine over `store` with `policy` (checked with [`Policy::validate`]). Prefer
+    /// [`Idempotency::builder`], which keeps the store's type.
     pub fn new(store: Arc<dyn IdempotencyStore>, policy: Policy) -> Result<Self, Error> {
         policy.validate()?;
         Ok(Self {
+            owned: store.clone(),
             store,
             policy: Arc::new(policy),
         })
     }
+}
 
-    /// The store.
-    pub fn store(&self) -> &Arc<dyn IdempotencyStore> {
-        &self.store
+impl<S: ?Sized> Idempotency<S> {
+    /// The store the engine owns.
+    pub fn store(&self) -> &Arc<S> {
+        &self.owned
     }
 
     /// The policy.
     pub fn policy(&self) -> &Policy {
         &self.policy
+    }
+
+    /// This engine over `store` for its transactions ([`Idempotency::run_in_transaction`],
+    /// [`Idempotency::run_phases`]), while its record calls keep going through the store it
+    /// was built with: for an engine built over a decorator of `store` (one that adds
+    /// metrics, tracing or injected faults to the calls), whose calls must reach `store`'s
+    /// records, or the completion inside a transaction will not find the record it claimed.
+    /// An engine built over the store itself needs none of this.
+    pub fn with_transactions<T>(&self, store: T) -> Idempotency<T> {
+        Idempotency {
+            owned: Arc::new(store),
+            store: self.store.clone(),
+            policy: self.policy.clone(),
+        }
+    }
+
+    /// The store every record call goes through.
+    pub(crate) fn records(&self) -> &Arc<dyn IdempotencyStore> {
+        &self.store
+    }
+
+    /// This engine as an engine over any store.
+    pub(crate) fn erased(&self) -> Idempotency {
+        Idempotency {
+            owned: self.store.clone(),
+            store: self.store.clone(),
+            policy: self.policy.clone(),
+        }
+    }
+
+    /// This engine with `policy` instead of its own (checked).
+    pub(crate) fn with_policy(&self, policy: Policy) -> Result<Self, Error> {
+        policy.validate()?;
+        Ok(Self {
+            owned: self.owned.clone(),
+            store: self.store.clone(),
+            policy: Arc::new(policy),
+        })
     }
 
     /// Runs `work` once for `(scope, key)`.

@@ -15,28 +15,70 @@ use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-impl Idempotency {
+impl<S: TransactionalStore> Idempotency<S> {
     /// Runs `work` once for `(scope, key)` with its writes and the record's completion in
-    /// **one transaction** of `store`, so they commit together or not at all.
+    /// **one transaction** of the engine's store, so they commit together or not at all.
     ///
-    /// The key is claimed as by [`Idempotency::begin`] (a replay, a mismatch and a key in
-    /// progress behave as in [`Idempotency::run`]). Then `store` begins a transaction,
-    /// `work` runs in it, and when it returns `Ok(Ok(value))` the completion runs in the
-    /// same transaction, which then commits. What becomes of the key after every other end
-    /// (the work's `Err`, a fenced completion, a rollback, a commit of unknown outcome, a
-    /// panic) is in the [module documentation](crate::transaction). A conflict with a
-    /// concurrent transaction ([`TransactionalStore::is_conflict`]) runs the transaction
-    /// again, `work` included, so `work` must act only through the transaction it is given.
+    /// The key is claimed as by [`Idempotency::begin`] (a replay, a key reused with another
+    /// request and a key in progress behave as in [`Idempotency::run`]). Then the store
+    /// begins a transaction and `work` runs in it with the transaction's connection
+    /// ([`TransactionalStore::Connection`]: a `PgConnection` on Postgres). When it returns
+    /// `Ok(Ok(value))` the completion runs in the same transaction, which then commits.
     ///
-    /// `work` returns the work's own result, or `Err(error)` when the transaction broke
-    /// under it (a statement of the work failed at the database, its connection was lost):
-    /// nothing of it commits; when the store calls `error` a conflict
-    /// ([`TransactionalStore::is_conflict`]) the transaction runs again, else the key is
-    /// released and `error` returned.
+    /// `work` returns `Ok(result)`, the work's own answer (`Ok(Err(e))` is a refusal of
+    /// yours, a declined payment: the transaction rolls back and `e` follows
+    /// [`Policy::errors`](crate::Policy::errors)), or `Err(database_error)`, what `?` on a
+    /// failed statement returns: the transaction rolls back, and a conflict with a concurrent
+    /// transaction (a serialization failure, a deadlock:
+    /// [`TransactionalStore::is_conflict`]) runs it again, `work` included, at most
+    /// [`MAX_TRANSACTION_ATTEMPTS`](crate::MAX_TRANSACTION_ATTEMPTS) times; any other
+    /// database error releases the key (nothing committed) and is returned. So `work` acts
+    /// only through the connection it is given, never commits, and returns the database
+    /// errors it meets rather than swallowing them.
     ///
-    /// `store` must reach the same records as this engine's store (usually it is the same
-    /// store, or the one a decorator wraps).
-    pub async fn run_in_transaction<S, T, E, F>(
+    /// | the transaction… | the key | you get |
+    /// |---|---|---|
+    /// | committed | completed: retries replay `value` | `Ok(Answer::Executed(Ok(value)))` |
+    /// | rolled back on the work's `Ok(Err(e))` | per [`Policy::errors`](crate::Policy::errors) (by default released) | `Ok(Answer::Executed(Err(e)))` |
+    /// | rolled back on a database error, after the last conflict, or a refused commit | released | `Err(error)` |
+    /// | was fenced: its lease passed and another holder took the key over | the other holder's | `Err(Error::LeaseLost)` |
+    /// | sent its commit and lost the answer | held until its lease passes; a retry then replays or runs it | `Err(Error::OutcomeUnknown)` |
+    /// | panicked | released | the panic, resumed |
+    ///
+    /// How the lease is kept while the work runs depends on the store and its isolation
+    /// level (the heartbeat, or the record row locked by the transaction): each store's
+    /// crate says how.
+    ///
+    /// The [`TransactionalStore`] documentation has a complete program, on a toy store.
+    pub async fn run_in_transaction<T, E, F>(
+        &self,
+        key: &IdempotencyKey,
+        scope: &Scope,
+        fingerprint: &Fingerprint,
+        mut work: F,
+    ) -> Result<Answer<Result<T, E>>, Error>
+    where
+        T: Serialize + DeserializeOwned + Send + 'static,
+        E: Serialize + DeserializeOwned + Display + Send + 'static,
+        F: for<'c> FnMut(
+                &'c mut S::Connection,
+                WorkContext,
+            ) -> BoxFuture<'c, Result<Result<T, E>, S::WorkError>>
+            + Send,
+    {
+        self.run_in_transaction_on(&**self.store(), key, scope, fingerprint, |tx, ctx| {
+            work(S::connection(tx), ctx)
+                .map(|ran| ran.map_err(S::work_error))
+                .boxed()
+        })
+        .await
+    }
+}
+
+impl<St: ?Sized> Idempotency<St> {
+    /// [`Idempotency::run_in_transaction`] on `store`, which must reach the same records as
+    /// this engine's store, with `work` on the store's transaction itself.
+    pub(crate) async fn run_in_transaction_on<S, T, E, F>(
         &self,
         store: &S,
         key: &IdempotencyKey,

@@ -29,8 +29,25 @@ use std::time::Duration;
 #[doc = concat!("```\n", include_str!("../toy_store.rs"), include_str!("../toy_transactional.rs"), "```")]
 #[async_trait]
 pub trait TransactionalStore: Send + Sync {
-    /// An open transaction, as the work sees it: the work writes through it.
+    /// An open transaction, as the store keeps it between the steps.
     type Transaction: Send;
+
+    /// What the work writes through ([`TransactionalStore::connection`] of the
+    /// transaction): the connection the transaction runs on (a `PgConnection`), or the
+    /// transaction itself.
+    type Connection: ?Sized + Send + 'static;
+
+    /// The error the work's own statements return (a `sqlx::Error`), which it passes on
+    /// with `?` and the store turns into an [`Error`] ([`TransactionalStore::work_error`]).
+    type WorkError: Send + 'static;
+
+    /// The connection of `transaction`, as the work is handed it.
+    fn connection(transaction: &mut Self::Transaction) -> &mut Self::Connection;
+
+    /// A database error of the work as an [`Error`], the way
+    /// [`TransactionalStore::is_conflict`] reads it (for a driver's error, an
+    /// [`Error::Backend`] whose source is that error).
+    fn work_error(error: Self::WorkError) -> Error;
 
     /// Begins the transaction the work of `lease` runs in, and says how its lease is kept
     /// meanwhile ([`Begun`]). A store whose transactions wait their turn (for a connection,
@@ -114,4 +131,45 @@ pub enum CommitError {
     /// answer): the work's writes and the completion may have committed. The key is held
     /// until its lease passes. Usually an [`Error::OutcomeUnknown`].
     Unknown(Error),
+}
+
+/// A store shared behind an `Arc` is the same store.
+#[async_trait]
+impl<S: TransactionalStore + ?Sized> TransactionalStore for std::sync::Arc<S> {
+    type Transaction = S::Transaction;
+    type Connection = S::Connection;
+    type WorkError = S::WorkError;
+
+    fn connection(transaction: &mut Self::Transaction) -> &mut Self::Connection {
+        S::connection(transaction)
+    }
+
+    fn work_error(error: Self::WorkError) -> Error {
+        S::work_error(error)
+    }
+
+    async fn begin(&self, lease: &Lease) -> Result<Begun<Self::Transaction>, Error> {
+        (**self).begin(lease).await
+    }
+
+    async fn complete_in(
+        &self,
+        transaction: &mut Self::Transaction,
+        lease: &Lease,
+        outcome: &[u8],
+    ) -> Result<(), Error> {
+        (**self).complete_in(transaction, lease, outcome).await
+    }
+
+    async fn commit(&self, transaction: Self::Transaction) -> Result<(), CommitError> {
+        (**self).commit(transaction).await
+    }
+
+    async fn rollback(&self, transaction: Self::Transaction) {
+        (**self).rollback(transaction).await
+    }
+
+    fn is_conflict(&self, error: &Error) -> bool {
+        (**self).is_conflict(error)
+    }
 }

@@ -102,7 +102,8 @@ async fn run_bump(
     runs: &Arc<AtomicUsize>,
 ) -> Result<Answer<Result<u32, String>>, Error> {
     engine
-        .run_in_transaction(store, &key(k), &scope(), &fingerprint(), |tx, _| {
+        .with_transactions(store.clone())
+        .run_in_transaction(&key(k), &scope(), &fingerprint(), |tx, _| {
             let (update, runs) = (bump(store, k), runs.clone());
             Box::pin(async move {
                 runs.fetch_add(1, Ordering::SeqCst);
@@ -144,7 +145,8 @@ async fn run_order(
 ) -> Result<Answer<Result<u32, String>>, Error> {
     let (put, update) = (order(store, name), bump(store, "cancelled"));
     engine
-        .run_in_transaction(store, &key(k), &scope(), &fingerprint(), |tx, _| {
+        .with_transactions(store.clone())
+        .run_in_transaction(&key(k), &scope(), &fingerprint(), |tx, _| {
             let (put, update) = (put.clone(), update.clone());
             Box::pin(async move {
                 tx.update(update)?.put(put)?;
@@ -199,7 +201,8 @@ async fn work_that_fails_writes_nothing() {
     let engine = engine(&store);
     let update = bump(&store, "declined");
     let outcome = engine
-        .run_in_transaction(&store, &key("d"), &scope(), &fingerprint(), |tx, _| {
+        .with_transactions(store.clone())
+        .run_in_transaction(&key("d"), &scope(), &fingerprint(), |tx, _| {
             let update = update.clone();
             Box::pin(async move {
                 tx.update(update)?;
@@ -220,7 +223,8 @@ async fn a_fenced_completion_cancels_the_writes_of_the_holder_that_lost_its_leas
     let id = RecordId::new(key("f"), scope());
     let update = bump(&store, "fenced");
     let result = slow
-        .run_in_transaction(&store, &key("f"), &scope(), &fingerprint(), |tx, _| {
+        .with_transactions(store.clone())
+        .run_in_transaction(&key("f"), &scope(), &fingerprint(), |tx, _| {
             let (update, clock, taker, id) =
                 (update.clone(), clock.clone(), taker.clone(), id.clone());
             Box::pin(async move {
@@ -256,21 +260,16 @@ async fn at_most_99_writes_beside_the_completion_refused_before_anything_is_sent
 
     let writes = many(MAX_TRANSACTION_WRITES + 1);
     let e = engine
-        .run_in_transaction(
-            &store,
-            &key("too-many"),
-            &scope(),
-            &fingerprint(),
-            |tx, _| {
-                let writes = writes.clone();
-                Box::pin(async move {
-                    for w in writes {
-                        tx.update(w)?;
-                    }
-                    Ok(Ok::<u32, String>(1))
-                })
-            },
-        )
+        .with_transactions(store.clone())
+        .run_in_transaction(&key("too-many"), &scope(), &fingerprint(), |tx, _| {
+            let writes = writes.clone();
+            Box::pin(async move {
+                for w in writes {
+                    tx.update(w)?;
+                }
+                Ok(Ok::<u32, String>(1))
+            })
+        })
         .await
         .unwrap_err();
     assert!(
@@ -286,7 +285,8 @@ async fn at_most_99_writes_beside_the_completion_refused_before_anything_is_sent
 
     let writes = many(MAX_TRANSACTION_WRITES);
     let outcome = engine
-        .run_in_transaction(&store, &key("full"), &scope(), &fingerprint(), |tx, _| {
+        .with_transactions(store.clone())
+        .run_in_transaction(&key("full"), &scope(), &fingerprint(), |tx, _| {
             let writes = writes.clone();
             Box::pin(async move {
                 for w in writes {

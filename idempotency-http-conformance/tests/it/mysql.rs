@@ -69,7 +69,7 @@ async fn unreachable_server_fails_closed() {
 async fn one_call_exactly_once_at_every_isolation_level() {
     use axum::extract::{Request, State};
     use axum::response::IntoResponse;
-    use idempotency_mysql::{database_error, sqlx, MySqlTransaction};
+    use idempotency_mysql::sqlx;
     use idempotency_tower::{ClaimedKey, IdempotencyLayer};
 
     struct App {
@@ -89,18 +89,11 @@ async fn one_call_exactly_once_at_every_isolation_level() {
             "SELECT LAST_INSERT_ID()".to_owned(),
         );
         claim
-            .run_in_transaction(&app.store, |tx: &mut MySqlTransaction| {
+            .run_in_transaction(&app.store, |tx: &mut sqlx::MySqlConnection| {
                 let (insert, last, key) = (insert.clone(), last.clone(), key.clone());
                 Box::pin(async move {
-                    sqlx::query(&insert)
-                        .bind(&key)
-                        .execute(&mut *tx.connection())
-                        .await
-                        .map_err(database_error)?;
-                    let id: u64 = sqlx::query_scalar(&last)
-                        .fetch_one(&mut *tx.connection())
-                        .await
-                        .map_err(database_error)?;
+                    sqlx::query(&insert).bind(&key).execute(&mut *tx).await?;
+                    let id: u64 = sqlx::query_scalar(&last).fetch_one(&mut *tx).await?;
                     tokio::time::sleep(Duration::from_millis(400)).await;
                     Ok(http::Response::builder()
                         .status(201)

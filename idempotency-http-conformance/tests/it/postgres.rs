@@ -97,7 +97,7 @@ async fn orders_store(
 async fn one_call_exactly_once_at_every_isolation_level() {
     use axum::extract::{Request, State};
     use axum::response::IntoResponse;
-    use idempotency_postgres::{database_error, sqlx, PostgresTransaction};
+    use idempotency_postgres::sqlx;
     use idempotency_tower::{ClaimedKey, IdempotencyLayer};
 
     struct App {
@@ -114,14 +114,13 @@ async fn one_call_exactly_once_at_every_isolation_level() {
         let key = claim.id().key.as_str().to_owned();
         let insert = format!("INSERT INTO {} (k) VALUES ($1) RETURNING id", app.table);
         claim
-            .run_in_transaction(&app.store, |tx: &mut PostgresTransaction| {
+            .run_in_transaction(&app.store, |tx: &mut sqlx::PgConnection| {
                 let (insert, key) = (insert.clone(), key.clone());
                 Box::pin(async move {
                     let id: i64 = sqlx::query_scalar(&insert)
                         .bind(&key)
-                        .fetch_one(tx.connection())
-                        .await
-                        .map_err(database_error)?;
+                        .fetch_one(&mut *tx)
+                        .await?;
                     tokio::time::sleep(Duration::from_millis(400)).await;
                     Ok(http::Response::builder()
                         .status(201)
@@ -185,7 +184,7 @@ async fn one_call_exactly_once_at_every_isolation_level() {
 async fn a_stalled_one_call_transaction_is_fenced_and_rolls_back() {
     use axum::extract::{Request, State};
     use axum::response::IntoResponse;
-    use idempotency_postgres::{database_error, sqlx, PostgresTransaction};
+    use idempotency_postgres::sqlx;
     use idempotency_tower::{ClaimedKey, IdempotencyLayer};
     use std::sync::atomic::{AtomicU32, Ordering};
     use std::time::Instant;
@@ -211,13 +210,10 @@ async fn a_stalled_one_call_transaction_is_fenced_and_rolls_back() {
         let insert = format!("INSERT INTO {} (k) VALUES ('k') RETURNING id", app.table);
         let app2 = app.clone();
         claim
-            .run_in_transaction(&app.store, |tx: &mut PostgresTransaction| {
+            .run_in_transaction(&app.store, |tx: &mut sqlx::PgConnection| {
                 let (insert, app) = (insert.clone(), app2.clone());
                 Box::pin(async move {
-                    let id: i64 = sqlx::query_scalar(&insert)
-                        .fetch_one(tx.connection())
-                        .await
-                        .map_err(database_error)?;
+                    let id: i64 = sqlx::query_scalar(&insert).fetch_one(&mut *tx).await?;
                     if first {
                         app.written.notify_one();
                         app.release.acquire().await.expect("open").forget();

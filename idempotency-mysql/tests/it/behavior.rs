@@ -5,6 +5,7 @@
 #![allow(clippy::unwrap_used)]
 
 use crate::common;
+use idempotency_core::Idempotency;
 
 use common::proxy::CountingProxy;
 use common::{Isolation, TableGuard};
@@ -632,11 +633,10 @@ fn rand_micros(i: u64) -> u64 {
 async fn cancelled_transactions_give_their_connections_back() {
     const POOL: u32 = 2;
     let (store, _guard) = common::store_with(Isolation::RepeatableRead, POOL).await;
-    let engine = idempotency_mysql::MySqlIdempotency::new(
-        store.clone(),
-        idempotency_core::Policy::default().lease(Duration::from_millis(300)),
-    )
-    .unwrap();
+    let engine = Idempotency::builder(store.clone())
+        .policy(idempotency_core::Policy::default().lease(Duration::from_millis(300)))
+        .build()
+        .unwrap();
     let scope = Scope::new("behavior").unwrap();
     let fp = Fingerprint::from_bytes(b"payload");
     let mut cut = 0;

@@ -6,6 +6,7 @@
 #![allow(clippy::unwrap_used)]
 
 use crate::common;
+use idempotency_core::Idempotency;
 
 use common::{Isolation, TableGuard};
 use idempotency_core::{
@@ -128,11 +129,17 @@ async fn lease_takeover(level: Isolation) {
     let policy = Policy::default()
         .lease(Duration::from_millis(300))
         .heartbeat(None);
-    let engine = MySqlIdempotency::new(rig.store.clone(), policy.clone()).unwrap();
+    let engine = Idempotency::builder(rig.store.clone())
+        .policy(policy.clone())
+        .build()
+        .unwrap();
     // The retry waits while the key is in progress (a loaded machine may be slow to let the
     // stalled holder's lease pass in the table), then takes it over.
     let retry_policy = policy.in_flight(InFlight::wait(Duration::from_secs(30)));
-    let retry = MySqlIdempotency::new(rig.store.clone(), retry_policy).unwrap();
+    let retry = Idempotency::builder(rig.store.clone())
+        .policy(retry_policy)
+        .build()
+        .unwrap();
     for _ in 0..TAKEOVER_ROUNDS {
         let pairs: Vec<_> = (0..TAKEOVER_PAIRS)
             .map(|_| {
@@ -274,7 +281,10 @@ async fn dropped_transaction(level: Isolation) {
     let policy = Policy::default()
         .lease(Duration::from_secs(2))
         .in_flight(InFlight::wait(Duration::from_secs(20)));
-    let engine = MySqlIdempotency::new(rig.store.clone(), policy).unwrap();
+    let engine = Idempotency::builder(rig.store.clone())
+        .policy(policy)
+        .build()
+        .unwrap();
     let cases: Vec<_> = (0..DROPPED)
         .map(|i| {
             let (engine, orders) = (engine.clone(), rig.orders.clone());
@@ -337,7 +347,7 @@ async fn dropped_during_work(engine: MySqlIdempotency, orders: Arc<str>) {
 async fn dropped_after_completion(engine: MySqlIdempotency, orders: Arc<str>) {
     let key = IdempotencyKey::random();
     let id = RecordId::new(key.clone(), scope());
-    let Begin::Execute(lease) = engine.engine().begin(&id, &fingerprint()).await.unwrap() else {
+    let Begin::Execute(lease) = engine.begin(&id, &fingerprint()).await.unwrap() else {
         panic!("a fresh key is executed");
     };
     let mut tx = engine.store().pool().begin().await.unwrap();
@@ -382,7 +392,10 @@ async fn dropped_transaction_serializable() {
 
 async fn panic_and_error(level: Isolation) {
     let rig = setup(level, 6).await;
-    let engine = MySqlIdempotency::new(rig.store.clone(), Policy::default()).unwrap();
+    let engine = Idempotency::builder(rig.store.clone())
+        .policy(Policy::default())
+        .build()
+        .unwrap();
     // Panic.
     let key = IdempotencyKey::random();
     let token = Arc::new(AtomicU64::new(0));
@@ -465,7 +478,10 @@ const DUPLICATE_ROUNDS: usize = 6;
 
 async fn concurrent_duplicates(level: Isolation) {
     let rig = setup(level, 10).await;
-    let engine = MySqlIdempotency::new(rig.store.clone(), Policy::default()).unwrap();
+    let engine = Idempotency::builder(rig.store.clone())
+        .policy(Policy::default())
+        .build()
+        .unwrap();
     for _ in 0..DUPLICATE_ROUNDS {
         let key = IdempotencyKey::random();
         let executions = Arc::new(AtomicUsize::new(0));
@@ -549,7 +565,10 @@ async fn deadlock_reruns(level: Isolation) {
     let policy = Policy::default()
         .lease(Duration::from_secs(30))
         .heartbeat(None);
-    let engine = MySqlIdempotency::new(rig.store.clone(), policy).unwrap();
+    let engine = Idempotency::builder(rig.store.clone())
+        .policy(policy)
+        .build()
+        .unwrap();
     let key = IdempotencyKey::random();
     let id = RecordId::new(key.clone(), scope());
     let attempts = Arc::new(AtomicUsize::new(0));
@@ -691,7 +710,10 @@ async fn long_work(level: Isolation) {
     // loaded machine (each is a durable write).
     let lease = Duration::from_secs(1);
     let policy = Policy::default().lease(lease).heartbeat(Some(0.3));
-    let engine = MySqlIdempotency::new(rig.store.clone(), policy).unwrap();
+    let engine = Idempotency::builder(rig.store.clone())
+        .policy(policy)
+        .build()
+        .unwrap();
     let key = IdempotencyKey::random();
     let id = RecordId::new(key.clone(), scope());
     let started = Arc::new(Notify::new());
@@ -806,7 +828,7 @@ async fn lost_at_commit(level: Isolation, committed: bool) {
         .build(common::pool_with(proxied, level, 4).await)
         .unwrap();
     let policy = Policy::default().lease(Duration::from_secs(1));
-    let engine = MySqlIdempotency::new(store, policy).unwrap();
+    let engine = Idempotency::builder(store).policy(policy).build().unwrap();
     let key = IdempotencyKey::random();
     let id = RecordId::new(key.clone(), scope());
     proxy.cut_next_commit(committed);
@@ -921,7 +943,10 @@ async fn connection_lost_at_commit_serializable() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nested_begin_in_the_work_is_a_savepoint() {
     let rig = setup(Isolation::RepeatableRead, 2).await;
-    let engine = MySqlIdempotency::new(rig.store.clone(), Policy::default()).unwrap();
+    let engine = Idempotency::builder(rig.store.clone())
+        .policy(Policy::default())
+        .build()
+        .unwrap();
     let orders = rig.orders.clone();
     let key = IdempotencyKey::random();
     let scope = Scope::new("savepoint").unwrap();
@@ -995,7 +1020,10 @@ async fn the_works_own_deadlock(level: Isolation) {
     let policy = Policy::default()
         .lease(Duration::from_secs(30))
         .heartbeat(None);
-    let engine = MySqlIdempotency::new(rig.store.clone(), policy).unwrap();
+    let engine = Idempotency::builder(rig.store.clone())
+        .policy(policy)
+        .build()
+        .unwrap();
     let key = IdempotencyKey::random();
     let attempts = Arc::new(AtomicUsize::new(0));
     let row1_locked = Arc::new(Notify::new());
@@ -1141,7 +1169,10 @@ async fn the_works_own_snapshot_conflict_runs_the_transaction_again() {
     ))
     .await;
     common::exec(&format!("INSERT INTO {accounts} VALUES (1, 100)")).await;
-    let engine = MySqlIdempotency::new(store.clone(), Policy::default()).unwrap();
+    let engine = Idempotency::builder(store.clone())
+        .policy(Policy::default())
+        .build()
+        .unwrap();
     let (read, paid) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
     // A concurrent payment of 1 that commits between the work's first read and its write.
     let payer = {
@@ -1202,7 +1233,10 @@ async fn long_work_under_snapshot_isolation_is_refused_with_a_typed_error() {
     ))
     .await;
     let policy = Policy::default().lease(Duration::from_millis(400));
-    let engine = MySqlIdempotency::new(store.clone(), policy).unwrap();
+    let engine = Idempotency::builder(store.clone())
+        .policy(policy)
+        .build()
+        .unwrap();
     let key = IdempotencyKey::random();
     let runs = Arc::new(AtomicUsize::new(0));
     let outcome = engine
@@ -1263,7 +1297,10 @@ async fn the_works_own_database_error_releases_the_key_and_is_returned() {
     ))
     .await;
     common::exec(&format!("INSERT INTO {refs} VALUES ('taken')")).await;
-    let engine = MySqlIdempotency::new(rig.store.clone(), Policy::default()).unwrap();
+    let engine = Idempotency::builder(rig.store.clone())
+        .policy(Policy::default())
+        .build()
+        .unwrap();
     let key = IdempotencyKey::random();
     let runs = Arc::new(AtomicUsize::new(0));
     let insert = |value: &'static str| insert_ref(refs.clone(), runs.clone(), value);

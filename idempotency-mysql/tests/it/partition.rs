@@ -7,6 +7,7 @@
 #![allow(clippy::unwrap_used)]
 
 use crate::common;
+use idempotency_core::Idempotency;
 
 use common::TableGuard;
 use idempotency_core::{
@@ -14,7 +15,7 @@ use idempotency_core::{
 };
 use idempotency_mysql::sqlx::mysql::{MySqlConnectOptions, MySqlSslMode};
 use idempotency_mysql::sqlx::{self, Connection};
-use idempotency_mysql::{MySqlError, MySqlIdempotency, MySqlStore};
+use idempotency_mysql::{MySqlError, MySqlStore};
 use idempotency_testing::partition::PartitionProxy;
 use idempotency_testing::partition_case::{an_idle_connection, CommitCase, PartitionCase};
 use std::str::FromStr;
@@ -91,7 +92,10 @@ async fn a_partition_during_an_exactly_once_transaction_hangs_nothing() {
     let proxy = std::sync::Arc::new(proxy().await);
     let guard = TableGuard::new();
     let store = partitioned_store(&proxy, &guard).await;
-    let engine = MySqlIdempotency::new(store.clone(), Policy::default().lease(LEASE)).unwrap();
+    let engine = Idempotency::builder(store.clone())
+        .policy(Policy::default().lease(LEASE))
+        .build()
+        .unwrap();
     let scope = Scope::new("partition").unwrap();
     let fp = Fingerprint::from_bytes(b"p");
 
@@ -156,7 +160,10 @@ async fn a_partition_at_the_commit_keeps_the_order_and_the_completion_together()
     ))
     .await;
     let lease = Duration::from_secs(1);
-    let engine = MySqlIdempotency::new(store, Policy::default().lease(lease)).unwrap();
+    let engine = Idempotency::builder(store)
+        .policy(Policy::default().lease(lease))
+        .build()
+        .unwrap();
     let scope = Scope::new("partition|POST /orders").unwrap();
     let fingerprint = Fingerprint::from_bytes(b"order");
 

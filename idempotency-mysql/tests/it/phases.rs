@@ -13,7 +13,7 @@ use idempotency_core::{
     Scope,
 };
 use idempotency_mysql::sqlx;
-use idempotency_mysql::{database_error, MySqlStore, MySqlTransaction};
+use idempotency_mysql::MySqlStore;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -55,13 +55,10 @@ fn flow(
     Phases::new("book-ride")
         .phase(
             "create-ride",
-            move |tx: &mut MySqlTransaction, (): (), _: PhaseContext| {
+            move |tx: &mut sqlx::MySqlConnection, (): (), _: PhaseContext| {
                 let sql = format!("INSERT INTO {rides} (route) VALUES ('A to B') RETURNING id");
                 Box::pin(async move {
-                    let id: i64 = sqlx::query_scalar(&sql)
-                        .fetch_one(tx.connection())
-                        .await
-                        .map_err(database_error)?;
+                    let id: i64 = sqlx::query_scalar(&sql).fetch_one(&mut *tx).await?;
                     Ok(Ok(id))
                 })
             },
@@ -72,15 +69,14 @@ fn flow(
         })
         .phase(
             "receipt",
-            move |tx: &mut MySqlTransaction, (ride, charge): (i64, i64), _: PhaseContext| {
+            move |tx: &mut sqlx::MySqlConnection, (ride, charge): (i64, i64), _: PhaseContext| {
                 let sql = format!("INSERT INTO {receipts} (ride, charge) VALUES (?, ?)");
                 Box::pin(async move {
                     sqlx::query(&sql)
                         .bind(ride)
                         .bind(charge)
-                        .execute(tx.connection())
-                        .await
-                        .map_err(database_error)?;
+                        .execute(&mut *tx)
+                        .await?;
                     Ok(Ok((ride, charge)))
                 })
             },
@@ -146,7 +142,9 @@ impl World {
     async fn run(&self) -> Result<Answer<Result<(i64, i64), String>>, Error> {
         let (key, scope, fp) = Self::key();
         // Through the store's wrapper: the store is not passed a second time.
-        idempotency_mysql::MySqlIdempotency::with_engine(self.store.clone(), self.engine.clone())
+        self.engine
+            .clone()
+            .with_transactions(self.store.clone())
             .run_phases(&key, &scope, &fp, self.flow())
             .await
     }
@@ -173,7 +171,10 @@ impl World {
             let (engine, store, flow) = (self.engine.clone(), self.store.clone(), self.flow());
             tokio::spawn(async move {
                 let (key, scope, fp) = World::key();
-                engine.run_phases(&store, &key, &scope, &fp, flow).await
+                engine
+                    .with_transactions(store.clone())
+                    .run_phases(&key, &scope, &fp, flow)
+                    .await
             })
         };
         self.payments.acted_and_hung().await;
@@ -279,7 +280,7 @@ async fn the_completer_finishes_a_dead_holders_operation_at_every_level() {
         let (payments, tables) = (w.payments.clone(), w.tables.clone());
         let make = move || flow(payments.clone(), tables.clone());
         let completer =
-            idempotency_core::Completer::new(w.engine.clone(), Arc::new(w.store.clone()))
+            idempotency_core::Completer::new(&w.engine.with_transactions(w.store.clone()))
                 .operation("book-ride", make);
         // The dead holder's heartbeat stopped with it: its lease passes (a heartbeat that
         // was on its way when it died may still land: rounds go on until one finishes it).

@@ -19,7 +19,7 @@ use idempotency_core::{
 };
 use idempotency_mysql::sqlx::mysql::MySqlSslMode;
 use idempotency_mysql::sqlx::{self, Executor};
-use idempotency_mysql::{MySqlIdempotency, MySqlStore};
+use idempotency_mysql::MySqlStore;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -215,8 +215,10 @@ async fn one_round_trip_per_operation() {
 
     // The transactional engine with a one-insert work: claim, BEGIN, insert, complete_in,
     // COMMIT.
-    let my_engine =
-        MySqlIdempotency::new(store.clone(), Policy::default().heartbeat(None)).unwrap();
+    let my_engine = Idempotency::builder(store.clone())
+        .policy(Policy::default().heartbeat(None))
+        .build()
+        .unwrap();
     let orders_guard = TableGuard::new();
     let orders = format!("`{}`", orders_guard.table);
     common::exec(&format!(

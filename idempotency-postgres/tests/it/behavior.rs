@@ -4,6 +4,7 @@
 #![allow(clippy::unwrap_used)]
 
 use crate::common;
+use idempotency_core::Idempotency;
 
 use common::{Isolation, SchemaGuard};
 use idempotency_core::{
@@ -11,7 +12,7 @@ use idempotency_core::{
     RecordStatus, Scope,
 };
 use idempotency_postgres::sqlx::{self, Executor};
-use idempotency_postgres::{PostgresError, PostgresIdempotency, PostgresStore};
+use idempotency_postgres::{PostgresError, PostgresStore};
 use std::time::Duration;
 
 fn request(ttl: Duration) -> ClaimRequest {
@@ -279,7 +280,10 @@ async fn transactional_engine_releases_on_error() {
         "CREATE TABLE {orders} (id bigserial PRIMARY KEY, ref text)"
     ))
     .await;
-    let engine = PostgresIdempotency::new(store.clone(), Policy::default()).unwrap();
+    let engine = Idempotency::builder(store.clone())
+        .policy(Policy::default())
+        .build()
+        .unwrap();
     let (key, scope, fp) = (
         IdempotencyKey::random(),
         Scope::new("tenant|orders").unwrap(),

@@ -162,10 +162,9 @@ async fn transaction_after_restart(keep: bool) {
         inner: store.clone(),
         app: app.clone(),
     });
-    let engine = idempotency_postgres::PostgresIdempotency::with_engine(
-        store.clone(),
-        Idempotency::new(restarting, Policy::default()).unwrap(),
-    );
+    let engine = Idempotency::new(restarting, Policy::default())
+        .unwrap()
+        .with_transactions(store.clone());
     let key = IdempotencyKey::random();
     let scope = Scope::new("dead-connections").unwrap();
     let insert = format!("INSERT INTO {orders} (ref) VALUES ($1)");

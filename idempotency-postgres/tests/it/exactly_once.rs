@@ -6,6 +6,7 @@
 #![allow(clippy::unwrap_used)]
 
 use crate::common;
+use idempotency_core::Idempotency;
 
 use common::{Isolation, SchemaGuard};
 use idempotency_core::{
@@ -84,11 +85,17 @@ async fn lease_takeover(level: Isolation) {
     let policy = Policy::default()
         .lease(Duration::from_millis(300))
         .heartbeat(None);
-    let engine = PostgresIdempotency::new(store.clone(), policy.clone()).unwrap();
+    let engine = Idempotency::builder(store.clone())
+        .policy(policy.clone())
+        .build()
+        .unwrap();
     // The retry waits while the key is in progress (a loaded machine may still be rolling the
     // stalled holder back when the retry comes), then takes it over.
     let retry_policy = policy.in_flight(InFlight::wait(Duration::from_secs(30)));
-    let retry = PostgresIdempotency::new(store.clone(), retry_policy).unwrap();
+    let retry = Idempotency::builder(store.clone())
+        .policy(retry_policy)
+        .build()
+        .unwrap();
     for _ in 0..TAKEOVER_ROUNDS {
         let pairs: Vec<_> = (0..TAKEOVER_PAIRS)
             .map(|_| tokio::spawn(takeover_pair(engine.clone(), retry.clone(), orders.clone())))
@@ -242,7 +249,10 @@ async fn dropped_transaction(level: Isolation) {
     let policy = Policy::default()
         .lease(Duration::from_secs(5))
         .in_flight(InFlight::wait(Duration::from_secs(20)));
-    let engine = PostgresIdempotency::new(store.clone(), policy).unwrap();
+    let engine = Idempotency::builder(store.clone())
+        .policy(policy)
+        .build()
+        .unwrap();
     let cases: Vec<_> = (0..DROPPED)
         .map(|i| {
             let (engine, orders) = (engine.clone(), orders.clone());
@@ -305,7 +315,7 @@ async fn dropped_during_work(engine: PostgresIdempotency, orders: Arc<str>) {
 async fn dropped_after_completion(engine: PostgresIdempotency, orders: Arc<str>) {
     let key = IdempotencyKey::random();
     let id = RecordId::new(key.clone(), scope());
-    let Begin::Execute(lease) = engine.engine().begin(&id, &fingerprint()).await.unwrap() else {
+    let Begin::Execute(lease) = engine.begin(&id, &fingerprint()).await.unwrap() else {
         panic!("a fresh key is executed");
     };
     // At SERIALIZABLE the other cases' concurrent transactions can make SSI cancel this one
@@ -644,7 +654,10 @@ async fn killed_connection_through_engine_helper() {
     let policy = Policy::default()
         .lease(Duration::from_secs(2))
         .in_flight(InFlight::wait(Duration::from_secs(10)));
-    let engine = PostgresIdempotency::new(store.clone(), policy).unwrap();
+    let engine = Idempotency::builder(store.clone())
+        .policy(policy)
+        .build()
+        .unwrap();
     for _ in 0..6 {
         let key = IdempotencyKey::random();
         let (o, k) = (orders.clone(), key.clone());
@@ -705,7 +718,10 @@ const LONG_WORK: Duration = Duration::from_millis(1200);
 async fn long_work(level: Isolation) {
     let (store, _guard, orders) = setup(level, 8).await;
     let policy = Policy::default().lease(LONG_LEASE);
-    let engine = PostgresIdempotency::new(store.clone(), policy).unwrap();
+    let engine = Idempotency::builder(store.clone())
+        .policy(policy)
+        .build()
+        .unwrap();
     let key = IdempotencyKey::random();
     let id = RecordId::new(key.clone(), scope());
     let runs = Arc::new(AtomicUsize::new(0));
@@ -833,7 +849,10 @@ async fn long_work_short_ttl(level: Isolation) {
     let policy = Policy::default()
         .lease(Duration::from_secs(1))
         .retention(Duration::from_secs(1));
-    let engine = PostgresIdempotency::new(store.clone(), policy).unwrap();
+    let engine = Idempotency::builder(store.clone())
+        .policy(policy)
+        .build()
+        .unwrap();
     let key = IdempotencyKey::random();
     let runs = Arc::new(AtomicUsize::new(0));
     let out = {
@@ -890,7 +909,10 @@ async fn duplicates_of_a_held_key(level: Isolation) {
     const POOL: u32 = 3;
     let (store, _guard, orders) = setup(level, POOL).await;
     let policy = Policy::default().lease(LONG_LEASE);
-    let engine = PostgresIdempotency::new(store.clone(), policy.clone()).unwrap();
+    let engine = Idempotency::builder(store.clone())
+        .policy(policy.clone())
+        .build()
+        .unwrap();
     let plain =
         idempotency_core::Idempotency::new(Arc::new(store.clone()), policy.clone()).unwrap();
     // A duplicate whose claim counts a hit writes the record row (the others only read it).
@@ -1256,7 +1278,10 @@ async fn commit_cut(level: Isolation, cut: CommitCut) {
     let policy = Policy::default()
         .lease(Duration::from_secs(5))
         .in_flight(InFlight::wait(Duration::from_secs(20)));
-    let engine = PostgresIdempotency::new(store.clone(), policy).unwrap();
+    let engine = Idempotency::builder(store.clone())
+        .policy(policy)
+        .build()
+        .unwrap();
     let key = IdempotencyKey::random();
     let id = RecordId::new(key.clone(), scope());
     let runs = Arc::new(AtomicUsize::new(0));
@@ -1381,7 +1406,10 @@ async fn deferred_violation_at_commit(level: Isolation) {
     ))
     .await;
     common::exec(&format!("INSERT INTO {refs} (ref) VALUES ('taken')")).await;
-    let engine = PostgresIdempotency::new(store.clone(), Policy::default()).unwrap();
+    let engine = Idempotency::builder(store.clone())
+        .policy(Policy::default())
+        .build()
+        .unwrap();
     let key = IdempotencyKey::random();
     let refs: Arc<str> = refs.into();
     let insert = |value: &'static str| insert_ref(refs.clone(), value);
@@ -1502,7 +1530,10 @@ async fn accounts(schema: &str) -> Arc<str> {
 async fn the_works_own_conflict(level: Isolation) {
     let (store, guard, _orders) = setup(level, 4).await;
     let accounts = accounts(&guard.schema).await;
-    let engine = PostgresIdempotency::new(store.clone(), Policy::default()).unwrap();
+    let engine = Idempotency::builder(store.clone())
+        .policy(Policy::default())
+        .build()
+        .unwrap();
     let runs = Arc::new(AtomicUsize::new(0));
     let key = IdempotencyKey::random();
     let payer = concurrent_payer(accounts.clone(), 1);
@@ -1554,7 +1585,10 @@ async fn the_works_own_database_error_releases_the_key_and_is_returned() {
     let refs = format!(r#""{}".refs"#, guard.schema);
     common::exec(&format!("CREATE TABLE {refs} (ref text UNIQUE)")).await;
     common::exec(&format!("INSERT INTO {refs} (ref) VALUES ('taken')")).await;
-    let engine = PostgresIdempotency::new(store.clone(), Policy::default()).unwrap();
+    let engine = Idempotency::builder(store.clone())
+        .policy(Policy::default())
+        .build()
+        .unwrap();
     let key = IdempotencyKey::random();
     let refs: Arc<str> = refs.into();
     let error = engine
@@ -1592,7 +1626,10 @@ async fn a_work_that_conflicts_on_every_run_gives_up_and_releases_the_key() {
     let attempts = usize::try_from(idempotency_core::MAX_TRANSACTION_ATTEMPTS).unwrap();
     let (store, guard, _orders) = setup(Isolation::RepeatableRead, 4).await;
     let accounts = accounts(&guard.schema).await;
-    let engine = PostgresIdempotency::new(store.clone(), Policy::default()).unwrap();
+    let engine = Idempotency::builder(store.clone())
+        .policy(Policy::default())
+        .build()
+        .unwrap();
     let runs = Arc::new(AtomicUsize::new(0));
     let key = IdempotencyKey::random();
     let payer = concurrent_payer(accounts.clone(), attempts);

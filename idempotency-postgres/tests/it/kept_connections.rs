@@ -5,6 +5,7 @@
 #![allow(clippy::unwrap_used)]
 
 use crate::common;
+use idempotency_core::Idempotency;
 
 use futures::future::join_all;
 use idempotency_core::{
@@ -299,13 +300,14 @@ async fn a_connection_whose_backend_was_killed_is_not_used_again() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transactions_get_connections_the_store_keeps() {
     use idempotency_core::Policy;
-    use idempotency_postgres::PostgresIdempotency;
     let (store, guard) = common::own_store(2, Duration::from_secs(2), &app_name("tx")).await;
     let orders = format!(r#""{}".orders"#, guard.schema);
     common::exec(&format!("CREATE TABLE {orders} (id bigserial PRIMARY KEY)")).await;
     let insert: Arc<str> = format!("INSERT INTO {orders} DEFAULT VALUES").into();
-    let engine =
-        PostgresIdempotency::new(store.clone(), Policy::default().heartbeat(None)).unwrap();
+    let engine = Idempotency::builder(store.clone())
+        .policy(Policy::default().heartbeat(None))
+        .build()
+        .unwrap();
     let scope = Scope::new("kept").unwrap();
     let fp = Fingerprint::from_bytes(b"tx");
     // A BEGIN left waiting for a kept connection until the store hands it back unused (100 ms)

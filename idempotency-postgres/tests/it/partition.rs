@@ -7,11 +7,12 @@
 #![allow(clippy::unwrap_used)]
 
 use crate::common;
+use idempotency_core::Idempotency;
 
 use common::SchemaGuard;
 use idempotency_core::{Error, Fingerprint, IdempotencyKey, Policy, RecordStatus, Scope};
 use idempotency_postgres::sqlx;
-use idempotency_postgres::{PostgresError, PostgresIdempotency, PostgresStore};
+use idempotency_postgres::{PostgresError, PostgresStore};
 use idempotency_testing::partition::PartitionProxy;
 use idempotency_testing::partition_case::{an_idle_connection, CommitCase, PartitionCase};
 use std::time::Duration;
@@ -80,7 +81,10 @@ async fn a_partition_at_the_commit_keeps_the_order_and_the_completion_together()
     ))
     .await;
     let lease = Duration::from_secs(1);
-    let engine = PostgresIdempotency::new(store, Policy::default().lease(lease)).unwrap();
+    let engine = Idempotency::builder(store)
+        .policy(Policy::default().lease(lease))
+        .build()
+        .unwrap();
     let scope = Scope::new("partition|POST /orders").unwrap();
     let fingerprint = Fingerprint::from_bytes(b"order");
 

@@ -13,7 +13,7 @@ use idempotency_core::{
     Scope,
 };
 use idempotency_postgres::sqlx;
-use idempotency_postgres::{database_error, PostgresStore, PostgresTransaction};
+use idempotency_postgres::PostgresStore;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -62,13 +62,10 @@ fn flow(
     Phases::new("book-ride")
         .phase(
             "create-ride",
-            move |tx: &mut PostgresTransaction, (): (), _: PhaseContext| {
+            move |tx: &mut sqlx::PgConnection, (): (), _: PhaseContext| {
                 let sql = format!("INSERT INTO {rides} (route) VALUES ('A to B') RETURNING id");
                 Box::pin(async move {
-                    let id: i64 = sqlx::query_scalar(&sql)
-                        .fetch_one(tx.connection())
-                        .await
-                        .map_err(database_error)?;
+                    let id: i64 = sqlx::query_scalar(&sql).fetch_one(&mut *tx).await?;
                     Ok(Ok(id))
                 })
             },
@@ -79,15 +76,14 @@ fn flow(
         })
         .phase(
             "receipt",
-            move |tx: &mut PostgresTransaction, (ride, charge): (i64, i64), _: PhaseContext| {
+            move |tx: &mut sqlx::PgConnection, (ride, charge): (i64, i64), _: PhaseContext| {
                 let sql = format!("INSERT INTO {receipts} (ride, charge) VALUES ($1, $2)");
                 Box::pin(async move {
                     sqlx::query(&sql)
                         .bind(ride)
                         .bind(charge)
-                        .execute(tx.connection())
-                        .await
-                        .map_err(database_error)?;
+                        .execute(&mut *tx)
+                        .await?;
                     Ok(Ok((ride, charge)))
                 })
             },
@@ -158,12 +154,11 @@ impl World {
     async fn run(&self) -> Result<Answer<Result<(i64, i64), String>>, Error> {
         let (key, scope, fp) = Self::key();
         // Through the store's wrapper: the store is not passed a second time.
-        idempotency_postgres::PostgresIdempotency::with_engine(
-            self.store.clone(),
-            self.engine.clone(),
-        )
-        .run_phases(&key, &scope, &fp, self.flow())
-        .await
+        self.engine
+            .clone()
+            .with_transactions(self.store.clone())
+            .run_phases(&key, &scope, &fp, self.flow())
+            .await
     }
 
     /// [`World::run`] again while the key is in progress (for at most 30 s).
@@ -188,7 +183,10 @@ impl World {
             let (engine, store, flow) = (self.engine.clone(), self.store.clone(), self.flow());
             tokio::spawn(async move {
                 let (key, scope, fp) = World::key();
-                engine.run_phases(&store, &key, &scope, &fp, flow).await
+                engine
+                    .with_transactions(store.clone())
+                    .run_phases(&key, &scope, &fp, flow)
+                    .await
             })
         };
         self.payments.acted_and_hung().await;
@@ -238,13 +236,10 @@ fn slow_then_fast(schema: &str) -> Phases<PostgresStore, i64, String> {
     Phases::<PostgresStore, (), String>::new("slow-then-fast")
         .phase(
             "slow",
-            move |tx: &mut PostgresTransaction, (): (), _: PhaseContext| {
+            move |tx: &mut sqlx::PgConnection, (): (), _: PhaseContext| {
                 let sql = first.clone();
                 Box::pin(async move {
-                    let id: i64 = sqlx::query_scalar(&sql)
-                        .fetch_one(tx.connection())
-                        .await
-                        .unwrap();
+                    let id: i64 = sqlx::query_scalar(&sql).fetch_one(&mut *tx).await.unwrap();
                     tokio::time::sleep(LONG_LEASE * 5 / 2).await;
                     Ok(Ok(id))
                 })
@@ -256,10 +251,10 @@ fn slow_then_fast(schema: &str) -> Phases<PostgresStore, i64, String> {
         )
         .phase(
             "fast",
-            move |tx: &mut PostgresTransaction, ride: i64, _: PhaseContext| {
+            move |tx: &mut sqlx::PgConnection, ride: i64, _: PhaseContext| {
                 let sql = last.clone();
                 Box::pin(async move {
-                    sqlx::query(&sql).execute(tx.connection()).await.unwrap();
+                    sqlx::query(&sql).execute(&mut *tx).await.unwrap();
                     Ok(Ok(ride))
                 })
             },
@@ -285,20 +280,22 @@ async fn a_phase_longer_than_the_lease_is_followed_by_the_next_at_every_level() 
             );
             tokio::spawn(async move {
                 let (key, scope, fp) = World::key();
-                engine.run_phases(&store, &key, &scope, &fp, flow).await
+                engine
+                    .with_transactions(store.clone())
+                    .run_phases(&key, &scope, &fp, flow)
+                    .await
             })
         };
         // The record's lease has passed (at the two snapshot levels); the phase runs on.
         tokio::time::sleep(LONG_LEASE * 3 / 2).await;
         let completer = {
             let schema = schema.clone();
-            idempotency_core::Completer::new(w.engine.clone(), Arc::new(w.store.clone()))
+            idempotency_core::Completer::new(&w.engine.with_transactions(w.store.clone()))
                 .operation("slow-then-fast", move || slow_then_fast(&schema))
         };
         let (key, scope, fp) = World::key();
-        let duplicate = w
-            .engine
-            .run_phases(&w.store, &key, &scope, &fp, slow_then_fast(&schema));
+        let engine = w.engine.with_transactions(w.store.clone());
+        let duplicate = engine.run_phases(&key, &scope, &fp, slow_then_fast(&schema));
         let (duplicate, round) = tokio::join!(duplicate, completer.run_once());
         the_holder_kept_it(level, holder.await.unwrap(), duplicate, round, &w).await;
     }
@@ -317,7 +314,7 @@ async fn the_completer_finishes_a_dead_holders_operation_at_every_level() {
         );
         let make = move || flow(payments.clone(), schema.clone());
         let completer =
-            idempotency_core::Completer::new(w.engine.clone(), Arc::new(w.store.clone()))
+            idempotency_core::Completer::new(&w.engine.with_transactions(w.store.clone()))
                 .operation("book-ride", make);
         // The dead holder's heartbeat stopped with it: its lease passes (a heartbeat that
         // was on its way when it died may still land: rounds go on until one finishes it).
@@ -453,23 +450,21 @@ async fn a_long_middle_phase_is_not_taken_over_when_it_commits_at_every_level() 
             Phases::<PostgresStore, (), String>::new("fast-slow")
                 .phase(
                     "fast",
-                    move |tx: &mut PostgresTransaction, (): (), _: PhaseContext| {
+                    move |tx: &mut sqlx::PgConnection, (): (), _: PhaseContext| {
                         let sql = first.clone();
                         Box::pin(async move {
-                            let id: i64 = sqlx::query_scalar(&sql)
-                                .fetch_one(tx.connection())
-                                .await
-                                .unwrap();
+                            let id: i64 =
+                                sqlx::query_scalar(&sql).fetch_one(&mut *tx).await.unwrap();
                             Ok(Ok(id))
                         })
                     },
                 )
                 .phase(
                     "slow",
-                    move |tx: &mut PostgresTransaction, ride: i64, _: PhaseContext| {
+                    move |tx: &mut sqlx::PgConnection, ride: i64, _: PhaseContext| {
                         let sql = slow.clone();
                         Box::pin(async move {
-                            sqlx::query(&sql).execute(tx.connection()).await.unwrap();
+                            sqlx::query(&sql).execute(&mut *tx).await.unwrap();
                             tokio::time::sleep(LONG_LEASE * 5 / 2).await;
                             Ok(Ok(ride))
                         })
@@ -477,7 +472,7 @@ async fn a_long_middle_phase_is_not_taken_over_when_it_commits_at_every_level() 
                 )
                 .phase(
                     "last",
-                    |_: &mut PostgresTransaction, ride: i64, _: PhaseContext| {
+                    |_: &mut sqlx::PgConnection, ride: i64, _: PhaseContext| {
                         Box::pin(async move { Ok(Ok(ride)) })
                     },
                 )
@@ -487,15 +482,18 @@ async fn a_long_middle_phase_is_not_taken_over_when_it_commits_at_every_level() 
             let (store, flow) = (w.store.clone(), flow.clone()());
             tokio::spawn(async move {
                 let (key, scope, fp) = World::key();
-                late.run_phases(&store, &key, &scope, &fp, flow).await
+                late.with_transactions(store.clone())
+                    .run_phases(&key, &scope, &fp, flow)
+                    .await
             })
         };
         tokio::time::sleep(LONG_LEASE * 3 / 2).await;
         let completer =
-            idempotency_core::Completer::new(w.engine.clone(), Arc::new(w.store.clone()))
+            idempotency_core::Completer::new(&w.engine.with_transactions(w.store.clone()))
                 .operation("fast-slow", flow.clone());
         let (key, scope, fp) = World::key();
-        let duplicate = w.engine.run_phases(&w.store, &key, &scope, &fp, flow());
+        let engine = w.engine.with_transactions(w.store.clone());
+        let duplicate = engine.run_phases(&key, &scope, &fp, flow());
         let (duplicate, round) = tokio::join!(duplicate, completer.run_once());
         the_holder_kept_it(level, holder.await.unwrap(), duplicate, round, &w).await;
     }

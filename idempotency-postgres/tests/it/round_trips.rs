@@ -23,7 +23,7 @@ use idempotency_core::{
 };
 use idempotency_postgres::sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
 use idempotency_postgres::sqlx::{self, Executor};
-use idempotency_postgres::{PostgresIdempotency, PostgresStore};
+use idempotency_postgres::PostgresStore;
 use idempotency_testing::pg_wire::{CountingProxy, Counts};
 use std::str::FromStr;
 use std::sync::Arc;
@@ -337,8 +337,10 @@ async fn round_trips(kind: PoolKind) {
 
     // The transactional engine with a one-insert work: claim, BEGIN, insert, complete_in,
     // COMMIT.
-    let pg_engine =
-        PostgresIdempotency::new(store.clone(), Policy::default().heartbeat(None)).unwrap();
+    let pg_engine = Idempotency::builder(store.clone())
+        .policy(Policy::default().heartbeat(None))
+        .build()
+        .unwrap();
     let orders = format!(r#""{}".orders"#, rig._guard.schema);
     common::exec(&format!("CREATE TABLE {orders} (id bigserial PRIMARY KEY)")).await;
     let insert: Arc<str> = format!("INSERT INTO {orders} DEFAULT VALUES").into();

@@ -3,6 +3,7 @@
 #![allow(clippy::unwrap_used)]
 
 use crate::common;
+use idempotency_core::Idempotency;
 
 use common::Isolation;
 use idempotency_core::{
@@ -10,7 +11,7 @@ use idempotency_core::{
     IdempotencyStore, Policy, Reclaim, Record, RecordId, RecordStatus, Scope,
 };
 use idempotency_postgres::sqlx;
-use idempotency_postgres::{PostgresIdempotency, PostgresStore};
+use idempotency_postgres::PostgresStore;
 use std::time::Duration;
 
 fn request(lease: Duration, ttl: Duration) -> ClaimRequest {
@@ -321,11 +322,10 @@ async fn extreme_durations_clamp() {
             assert_eq!(store.purge_expired(100).await.unwrap(), 0);
 
             // Through the transactional engine with a policy of huge lease and TTL.
-            let engine = PostgresIdempotency::new(
-                store.clone(),
-                Policy::default().lease(huge).retention(huge),
-            )
-            .unwrap();
+            let engine = Idempotency::builder(store.clone())
+                .policy(Policy::default().lease(huge).retention(huge))
+                .build()
+                .unwrap();
             let (key, scope, fp) = (
                 IdempotencyKey::random(),
                 Scope::new("tokens").unwrap(),

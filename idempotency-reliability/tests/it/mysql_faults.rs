@@ -11,7 +11,7 @@ use idempotency_core::{
 };
 use idempotency_mysql::sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use idempotency_mysql::sqlx::{self, Connection, Executor, MySqlPool};
-use idempotency_mysql::{MySqlIdempotency, MySqlStore};
+use idempotency_mysql::MySqlStore;
 use idempotency_reliability::soak::{soak, EngineRunner, Report, Runner, SoakConfig};
 use idempotency_reliability::storm::{
     calibrate, cancellation_storm, next_calls_succeed, storm_keys_settle, StormSize,
@@ -282,8 +282,10 @@ async fn killed_during_exactly_once_never_lost_never_twice() {
          `key` VARCHAR(255) NOT NULL, token BIGINT NOT NULL) ENGINE = InnoDB"
     ))
     .await;
-    let engine =
-        MySqlIdempotency::new(store.clone(), Policy::default().lease(LEASE)).expect("engine");
+    let engine = Idempotency::builder(store.clone())
+        .policy(Policy::default().lease(LEASE))
+        .build()
+        .expect("engine");
     let run = |key: IdempotencyKey| {
         let (engine, effects) = (engine.clone(), effects.clone());
         async move {

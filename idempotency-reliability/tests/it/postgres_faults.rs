@@ -10,7 +10,7 @@ use idempotency_core::{
     Policy, RecordId, RecordStatus, Refusal, Scope,
 };
 use idempotency_postgres::sqlx::{self, Connection, PgPool};
-use idempotency_postgres::{PostgresIdempotency, PostgresStore};
+use idempotency_postgres::PostgresStore;
 use idempotency_reliability::soak::{EngineRunner, Runner};
 use idempotency_reliability::storm::{
     calibrate, cancellation_storm, next_calls_succeed, storm_keys_settle, StormSize,
@@ -227,8 +227,10 @@ async fn kill_commit_once(schema: &str, effects: Arc<str>, lease: Duration) -> S
         .table("records")
         .build(app_pool(&app, 2).await)
         .expect("valid names");
-    let engine =
-        PostgresIdempotency::new(store.clone(), Policy::default().lease(lease)).expect("engine");
+    let engine = Idempotency::builder(store.clone())
+        .policy(Policy::default().lease(lease))
+        .build()
+        .expect("engine");
     let key = IdempotencyKey::random();
     let id = RecordId::new(key.clone(), scope());
     let killer = {
@@ -456,7 +458,10 @@ async fn cancelled_begin_leaves_no_transaction_open() {
     let pool = pg::pool(Isolation::ReadCommitted, 1).await;
     let store = store_on(pool.clone(), &guard);
     store.migrate().await.expect("migrate");
-    let engine = PostgresIdempotency::new(store, Policy::default()).expect("engine");
+    let engine = Idempotency::builder(store)
+        .policy(Policy::default())
+        .build()
+        .expect("engine");
     let mut in_transaction = 0;
     for i in 0..400u64 {
         let key = IdempotencyKey::random();

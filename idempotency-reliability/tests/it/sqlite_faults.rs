@@ -15,7 +15,7 @@ use idempotency_reliability::storm::{
     calibrate, cancellation_storm, next_calls_succeed, storm_key, storm_keys_settle, StormSize,
 };
 use idempotency_sqlite::rusqlite::{self, params};
-use idempotency_sqlite::{ConnectionMode, SqliteIdempotency, SqliteStore};
+use idempotency_sqlite::{ConnectionMode, SqliteStore};
 use rand::Rng;
 use runners::sqlite::SqliteTransactionalRunner;
 use std::collections::HashMap;
@@ -262,20 +262,25 @@ fn child_process_entry() {
             "hold" => {
                 let key = IdempotencyKey::new(std::env::var(KEY).expect("key")).expect("key");
                 let k = key.to_string();
-                let r = SqliteIdempotency::with_engine(store.clone(), engine.clone())
+                let r = engine
+                    .clone()
+                    .with_transactions(store.clone())
                     .run_in_transaction(&key, &scope(), &fingerprint(&key), move |tx, _| {
-                        tx.execute(
-                            "INSERT INTO effects (scope, key, value) VALUES (?1, ?2, 1)",
-                            params![scope().as_str(), k],
-                        )
-                        .map_err(|e| e.to_string())?;
-                        // Straight to the file descriptor: `println!` may be captured by
-                        // the test harness.
-                        let mut out = std::io::stdout().lock();
-                        out.write_all(b"HOLDING\n").map_err(|e| e.to_string())?;
-                        out.flush().map_err(|e| e.to_string())?;
-                        std::thread::sleep(Duration::from_secs(60));
-                        Ok::<u64, String>(1)
+                        let k = k.clone();
+                        Box::pin(tx.run(move |tx| {
+                            tx.execute(
+                                "INSERT INTO effects (scope, key, value) VALUES (?1, ?2, 1)",
+                                params![scope().as_str(), k],
+                            )
+                            .map_err(|e| e.to_string())?;
+                            // Straight to the file descriptor: `println!` may be captured by
+                            // the test harness.
+                            let mut out = std::io::stdout().lock();
+                            out.write_all(b"HOLDING\n").map_err(|e| e.to_string())?;
+                            out.flush().map_err(|e| e.to_string())?;
+                            std::thread::sleep(Duration::from_secs(60));
+                            Ok::<u64, String>(1)
+                        }))
                     })
                     .await;
                 panic!("the holder was not killed: {r:?}");
@@ -299,22 +304,27 @@ fn child_process_entry() {
                     };
                     let value = pid * 1_000_000 + n;
                     let k = key.to_string();
-                    let _ = SqliteIdempotency::with_engine(store.clone(), engine.clone())
+                    let _ = engine
+                        .clone()
+                        .with_transactions(store.clone())
                         .run_in_transaction(&key, &scope(), &fingerprint(&key), move |tx, _| {
-                            tx.execute(
-                                "INSERT INTO effects (scope, key, value) VALUES (?1, ?2, ?3)",
-                                params![
-                                    scope().as_str(),
-                                    k,
-                                    i64::try_from(value).map_err(|e| e.to_string())?
-                                ],
-                            )
-                            .map_err(|e| e.to_string())?;
-                            std::thread::sleep(pause);
-                            if fail {
-                                return Err("injected".to_owned());
-                            }
-                            Ok::<u64, String>(value)
+                            let k = k.clone();
+                            Box::pin(tx.run(move |tx| {
+                                tx.execute(
+                                    "INSERT INTO effects (scope, key, value) VALUES (?1, ?2, ?3)",
+                                    params![
+                                        scope().as_str(),
+                                        k,
+                                        i64::try_from(value).map_err(|e| e.to_string())?
+                                    ],
+                                )
+                                .map_err(|e| e.to_string())?;
+                                std::thread::sleep(pause);
+                                if fail {
+                                    return Err("injected".to_owned());
+                                }
+                                Ok::<u64, String>(value)
+                            }))
                         })
                         .await;
                 }
@@ -343,18 +353,23 @@ async fn run_once(
     value: u64,
 ) -> Result<Answer<Result<u64, String>>, Error> {
     let k = key.to_string();
-    SqliteIdempotency::with_engine(store.clone(), engine.clone())
+    engine
+        .clone()
+        .with_transactions(store.clone())
         .run_in_transaction(key, &scope(), &fingerprint(key), move |tx, _| {
-            tx.execute(
-                "INSERT INTO effects (scope, key, value) VALUES (?1, ?2, ?3)",
-                params![
-                    scope().as_str(),
-                    k,
-                    i64::try_from(value).map_err(|e| e.to_string())?
-                ],
-            )
-            .map_err(|e| e.to_string())?;
-            Ok::<u64, String>(value)
+            let k = k.clone();
+            Box::pin(tx.run(move |tx| {
+                tx.execute(
+                    "INSERT INTO effects (scope, key, value) VALUES (?1, ?2, ?3)",
+                    params![
+                        scope().as_str(),
+                        k,
+                        i64::try_from(value).map_err(|e| e.to_string())?
+                    ],
+                )
+                .map_err(|e| e.to_string())?;
+                Ok::<u64, String>(value)
+            }))
         })
         .await
 }

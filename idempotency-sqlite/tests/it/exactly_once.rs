@@ -12,7 +12,7 @@ use idempotency_core::{
     RecordStatus, Refusal, Scope,
 };
 use idempotency_sqlite::rusqlite::{self, params, TransactionBehavior};
-use idempotency_sqlite::{ConnectionMode, SqliteIdempotency, SqliteStore};
+use idempotency_sqlite::{ConnectionMode, SqliteStore};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{Notify, Semaphore};
@@ -170,9 +170,12 @@ async fn case1_lease_takeover_rolls_back_the_stale_holder() {
                 let (store, engine) = (store_a.clone(), engine_a.clone());
                 tokio::spawn(async move {
                     let k = key.to_string();
-                    SqliteIdempotency::with_engine(store.clone(), engine.clone())
+                    engine
+                        .clone()
+                        .with_transactions(store.clone())
                         .run_in_transaction(&key, &scope(), &fp, move |tx, _ctx| {
-                            place_order(tx, &k, "stale holder")
+                            let k = k.clone();
+                            Box::pin(tx.run(move |tx| place_order(tx, &k, "stale holder")))
                         })
                         .await
                 })
@@ -197,10 +200,15 @@ async fn case1_lease_takeover_rolls_back_the_stale_holder() {
                 let (store, engine) = (store_b.clone(), engine_b.clone());
                 tokio::spawn(async move {
                     let k = key.to_string();
-                    SqliteIdempotency::with_engine(store.clone(), engine.clone())
+                    engine
+                        .clone()
+                        .with_transactions(store.clone())
                         .run_in_transaction(&key, &scope(), &fp, move |tx, ctx| {
-                            assert_eq!(ctx.token, first.next(), "the takeover reclaims");
-                            place_order(tx, &k, "new holder")
+                            let k = k.clone();
+                            Box::pin(tx.run(move |tx| {
+                                assert_eq!(ctx.token, first.next(), "the takeover reclaims");
+                                place_order(tx, &k, "new holder")
+                            }))
                         })
                         .await
                 })
@@ -239,9 +247,13 @@ async fn case1_lease_takeover_rolls_back_the_stale_holder() {
             assert_eq!(rec.status, RecordStatus::Completed);
             assert_eq!(rec.token, first.next());
             // A later retry replays the new holder's order id.
-            let again = SqliteIdempotency::with_engine(store_b.clone(), engine_b.clone())
-                .run_in_transaction(key, &scope(), &fp, |_, _| -> Result<i64, String> {
-                    panic!("a completed key must not run again")
+            let again = engine_b
+                .clone()
+                .with_transactions(store_b.clone())
+                .run_in_transaction(key, &scope(), &fp, move |tx, _| {
+                    Box::pin(tx.run(move |_| -> Result<i64, String> {
+                        panic!("a completed key must not run again")
+                    }))
                 })
                 .await
                 .unwrap();
@@ -265,9 +277,12 @@ async fn case1_complete_in_refuses_a_stale_token_and_the_caller_rolls_back() {
         };
         clock.advance(LEASE);
         let k = key.to_string();
-        let fresh = SqliteIdempotency::with_engine(store.clone(), engine.clone())
+        let fresh = engine
+            .clone()
+            .with_transactions(store.clone())
             .run_in_transaction(&key, &scope(), &fp, move |tx, _| {
-                place_order(tx, &k, "new holder")
+                let k = k.clone();
+                Box::pin(tx.run(move |tx| place_order(tx, &k, "new holder")))
             })
             .await
             .unwrap();
@@ -338,11 +353,16 @@ async fn case2_crash_before_commit_lets_the_retry_run_once() {
             std::mem::forget(lease); // the crashed holder never settles or releases
 
             assert!(orders_for(&store, key.as_str()).await.is_empty());
-            let early = SqliteIdempotency::with_engine(store.clone(), engine.clone())
-                .run_in_transaction(&key, &scope(), &fp, |_, _| -> Result<i64, String> {
-                    panic!("the lease is still live")
-                })
-                .await;
+            let early =
+                engine
+                    .clone()
+                    .with_transactions(store.clone())
+                    .run_in_transaction(&key, &scope(), &fp, move |tx, _| {
+                        Box::pin(tx.run(move |_| -> Result<i64, String> {
+                            panic!("the lease is still live")
+                        }))
+                    })
+                    .await;
             assert!(
                 matches!(early, Ok(Answer::Refused(Refusal::InProgress { .. }))),
                 "{early:?}"
@@ -350,10 +370,15 @@ async fn case2_crash_before_commit_lets_the_retry_run_once() {
 
             clock.advance(LEASE);
             let k = key.to_string();
-            let retry = SqliteIdempotency::with_engine(store.clone(), engine.clone())
+            let retry = engine
+                .clone()
+                .with_transactions(store.clone())
                 .run_in_transaction(&key, &scope(), &fp, move |tx, ctx| {
-                    assert_eq!(ctx.token, first.next());
-                    place_order(tx, &k, "retry")
+                    let k = k.clone();
+                    Box::pin(tx.run(move |tx| {
+                        assert_eq!(ctx.token, first.next());
+                        place_order(tx, &k, "retry")
+                    }))
                 })
                 .await
                 .unwrap();
@@ -381,10 +406,13 @@ async fn case2_panic_after_the_business_write_rolls_back_and_releases_the_key() 
     let (s, e, k) = (store.clone(), engine.clone(), key.clone());
     let crashed = tokio::spawn(async move {
         let kk = k.to_string();
-        SqliteIdempotency::with_engine(s.clone(), e.clone())
-            .run_in_transaction(&k, &scope(), &fp, move |tx, _| -> Result<i64, String> {
-                place_order(tx, &kk, "panicking holder").unwrap();
-                panic!("the holder dies after its business write");
+        e.with_transactions(s.clone())
+            .run_in_transaction(&k, &scope(), &fp, move |tx, _| {
+                let kk = kk.clone();
+                Box::pin(tx.run(move |tx| -> Result<i64, String> {
+                    place_order(tx, &kk, "panicking holder").unwrap();
+                    panic!("the holder dies after its business write");
+                }))
             })
             .await
     })
@@ -403,9 +431,12 @@ async fn case2_panic_after_the_business_write_rolls_back_and_releases_the_key() 
     }
     assert!(released, "the abandoned key must be released");
     let k = key.to_string();
-    let retry = SqliteIdempotency::with_engine(store.clone(), engine.clone())
+    let retry = engine
+        .clone()
+        .with_transactions(store.clone())
         .run_in_transaction(&key, &scope(), &fp, move |tx, _| {
-            place_order(tx, &k, "retry")
+            let k = k.clone();
+            Box::pin(tx.run(move |tx| place_order(tx, &k, "retry")))
         })
         .await
         .unwrap();
@@ -422,10 +453,15 @@ async fn a_work_error_rolls_back_and_releases_the_key() {
     let key = IdempotencyKey::random();
     let fp = Fingerprint::from_bytes(b"order");
     let k = key.to_string();
-    let first = SqliteIdempotency::with_engine(store.clone(), engine.clone())
-        .run_in_transaction(&key, &scope(), &fp, move |tx, _| -> Result<i64, String> {
-            place_order(tx, &k, "declined").unwrap();
-            Err("card declined".to_string())
+    let first = engine
+        .clone()
+        .with_transactions(store.clone())
+        .run_in_transaction(&key, &scope(), &fp, move |tx, _| {
+            let k = k.clone();
+            Box::pin(tx.run(move |tx| -> Result<i64, String> {
+                place_order(tx, &k, "declined").unwrap();
+                Err("card declined".to_string())
+            }))
         })
         .await
         .unwrap();
@@ -438,9 +474,12 @@ async fn a_work_error_rolls_back_and_releases_the_key() {
         .unwrap();
     assert_eq!(rec.status, RecordStatus::Failed);
     let k = key.to_string();
-    let second = SqliteIdempotency::with_engine(store.clone(), engine.clone())
+    let second = engine
+        .clone()
+        .with_transactions(store.clone())
         .run_in_transaction(&key, &scope(), &fp, move |tx, _| {
-            place_order(tx, &k, "accepted")
+            let k = k.clone();
+            Box::pin(tx.run(move |tx| place_order(tx, &k, "accepted")))
         })
         .await
         .unwrap();
@@ -460,7 +499,7 @@ async fn a_cancelled_call_rolls_back_and_frees_the_connection() {
     ] {
         let (store, clock, _dir) = shop(mode).await;
         let engine = Idempotency::new(Arc::new(store.clone()), policy()).unwrap();
-        let exactly_once = SqliteIdempotency::with_engine(store.clone(), engine.clone());
+        let exactly_once = engine.with_transactions(store.clone());
         let key = IdempotencyKey::random();
         let fp = Fingerprint::from_bytes(b"order");
         let (wrote, written) = std::sync::mpsc::channel::<()>();
@@ -469,13 +508,17 @@ async fn a_cancelled_call_rolls_back_and_frees_the_connection() {
             let (exactly_once, key, fp, k) =
                 (exactly_once.clone(), key.clone(), fp, key.to_string());
             tokio::spawn(async move {
+                let mut once = Some((k, wrote, may_go_on));
                 exactly_once
                     .run_in_transaction(&key, &scope(), &fp, move |tx, _| {
-                        let id = place_order(tx, &k, "cancelled");
-                        wrote.send(()).unwrap();
-                        // Returns only once its caller is gone.
-                        let _ = may_go_on.recv_timeout(Duration::from_secs(30));
-                        id
+                        let (k, wrote, may_go_on) = once.take().expect("SQLite runs the work once");
+                        Box::pin(tx.run(move |tx| {
+                            let id = place_order(tx, &k, "cancelled");
+                            wrote.send(()).unwrap();
+                            // Returns only once its caller is gone.
+                            let _ = may_go_on.recv_timeout(Duration::from_secs(30));
+                            id
+                        }))
                     })
                     .await
             })
@@ -493,7 +536,8 @@ async fn a_cancelled_call_rolls_back_and_frees_the_connection() {
         let placed = tokio::time::timeout(
             Duration::from_secs(30),
             exactly_once.run_in_transaction(&other, &scope(), &fp, move |tx, _| {
-                place_order(tx, &o, "other")
+                let o = o.clone();
+                Box::pin(tx.run(move |tx| place_order(tx, &o, "other")))
             }),
         )
         .await
@@ -505,7 +549,8 @@ async fn a_cancelled_call_rolls_back_and_frees_the_connection() {
         let k = key.to_string();
         let early = exactly_once
             .run_in_transaction(&key, &scope(), &fp, move |tx, _| {
-                place_order(tx, &k, "early")
+                let k = k.clone();
+                Box::pin(tx.run(move |tx| place_order(tx, &k, "early")))
             })
             .await;
         assert!(
@@ -516,7 +561,8 @@ async fn a_cancelled_call_rolls_back_and_frees_the_connection() {
         let k = key.to_string();
         let retry = exactly_once
             .run_in_transaction(&key, &scope(), &fp, move |tx, _| {
-                place_order(tx, &k, "retry")
+                let k = k.clone();
+                Box::pin(tx.run(move |tx| place_order(tx, &k, "retry")))
             })
             .await
             .unwrap();

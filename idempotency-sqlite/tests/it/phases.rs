@@ -112,7 +112,9 @@ impl World {
     async fn run(&self) -> Result<Answer<Result<Receipt, String>>, Error> {
         let (key, scope, fp) = Self::key();
         // Through the store's wrapper: the store is not passed a second time.
-        idempotency_sqlite::SqliteIdempotency::with_engine(self.store.clone(), self.engine.clone())
+        self.engine
+            .clone()
+            .with_transactions(self.store.clone())
             .run_phases(&key, &scope, &fp, flow(self.payments.clone()))
             .await
     }
@@ -128,7 +130,8 @@ impl World {
         let task = tokio::spawn(async move {
             let (key, scope, fp) = Self::key();
             engine
-                .run_phases(&store, &key, &scope, &fp, flow(payments))
+                .with_transactions(store.clone())
+                .run_phases(&key, &scope, &fp, flow(payments))
                 .await
         });
         self.payments.acted_and_hung().await;
@@ -341,7 +344,7 @@ async fn sqlite_passes_every_recovery_point_case() {
 
 fn completer(w: &World) -> idempotency_core::Completer<SqliteStore> {
     let payments = w.payments.clone();
-    idempotency_core::Completer::new(w.engine.clone(), Arc::new(w.store.clone()))
+    idempotency_core::Completer::new(&w.engine.with_transactions(w.store.clone()))
         .operation("book-ride", move || flow(payments.clone()))
 }
 
@@ -390,7 +393,7 @@ async fn the_completer_leaves_other_operations_and_plain_keys_alone() {
     };
     drop(lease);
     w.clock.advance(LEASE + Duration::from_secs(1));
-    let nobody = idempotency_core::Completer::new(w.engine.clone(), Arc::new(w.store.clone()));
+    let nobody = idempotency_core::Completer::new(&w.engine.with_transactions(w.store.clone()));
     let round = nobody.run_once().await.unwrap();
     assert_eq!(
         (round.found, round.unknown, round.completed),
@@ -509,7 +512,10 @@ async fn abandon(w: &World, name: &'static str, key: &str) {
     let key = IdempotencyKey::new(key).unwrap();
     let task = tokio::spawn(async move {
         let (_, scope, fp) = World::key();
-        engine.run_phases(&store, &key, &scope, &fp, flow).await
+        engine
+            .with_transactions(store.clone())
+            .run_phases(&key, &scope, &fp, flow)
+            .await
     });
     // The first phase and its recovery point committed before the call.
     reached.notified().await;
@@ -709,7 +715,7 @@ async fn the_completer_never_starts_an_operation() {
         }
     };
     let flow = Arc::new(flow);
-    let completer = idempotency_core::Completer::new(w.engine.clone(), Arc::new(w.store.clone()))
+    let completer = idempotency_core::Completer::new(&w.engine.with_transactions(w.store.clone()))
         .operation("ship", {
             let flow = flow.clone();
             move || flow()
@@ -732,13 +738,8 @@ async fn the_completer_never_starts_an_operation() {
     let (_, scope, fp) = World::key();
     let fresh = w
         .engine
-        .run_phases(
-            &w.store,
-            &IdempotencyKey::new("ship-b").unwrap(),
-            &scope,
-            &fp,
-            flow(),
-        )
+        .with_transactions(w.store.clone())
+        .run_phases(&IdempotencyKey::new("ship-b").unwrap(), &scope, &fp, flow())
         .await
         .unwrap();
     assert!(matches!(fresh, Answer::Executed(Ok(()))), "{fresh:?}");
@@ -779,7 +780,10 @@ async fn the_completer_skips_an_operation_not_past_its_first_phase() {
     let task = tokio::spawn(async move {
         let (_, scope, fp) = World::key();
         let key = IdempotencyKey::new("notify-1").unwrap();
-        engine.run_phases(&store, &key, &scope, &fp, first).await
+        engine
+            .with_transactions(store.clone())
+            .run_phases(&key, &scope, &fp, first)
+            .await
     });
     while calls.load(Ordering::SeqCst) == 0 {
         tokio::time::sleep(Duration::from_millis(5)).await;
@@ -787,7 +791,7 @@ async fn the_completer_skips_an_operation_not_past_its_first_phase() {
     task.abort();
     let _ = task.await;
     w.clock.advance(LEASE + Duration::from_secs(1));
-    let completer = idempotency_core::Completer::new(w.engine.clone(), Arc::new(w.store.clone()))
+    let completer = idempotency_core::Completer::new(&w.engine.with_transactions(w.store.clone()))
         .operation("notify", move || flow(false));
     let round = completer.run_once().await.unwrap();
     assert_eq!((round.found, round.skipped), (1, 1), "{round}");

@@ -60,7 +60,7 @@ fn app(permits: usize) -> (Router, Arc<App>) {
         .build()
         .unwrap();
     let app = Arc::new(App {
-        engine: engine.clone(),
+        engine: engine.clone().into(),
         started: AtomicU64::new(0),
         finished: AtomicU64::new(0),
         gate: Semaphore::new(permits),

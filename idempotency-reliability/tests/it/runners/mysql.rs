@@ -3,6 +3,7 @@
 //! the rows can be counted.
 
 use futures::future::BoxFuture;
+use idempotency_core::Idempotency;
 use idempotency_core::{Fingerprint, IdempotencyKey, IdempotencyStore, Scope};
 use idempotency_mysql::sqlx;
 use idempotency_mysql::{MySqlIdempotency, MySqlStore};
@@ -37,8 +38,14 @@ impl MySqlTransactionalRunner {
         .await
         .expect("create the effects table");
         Self {
-            engine: MySqlIdempotency::new(store.clone(), soak_policy(lease, true)).expect("policy"),
-            stall_engine: MySqlIdempotency::new(store, soak_policy(lease, false)).expect("policy"),
+            engine: Idempotency::builder(store.clone())
+                .policy(soak_policy(lease, true))
+                .build()
+                .expect("policy"),
+            stall_engine: Idempotency::builder(store)
+                .policy(soak_policy(lease, false))
+                .build()
+                .expect("policy"),
             effects,
         }
     }

@@ -3,6 +3,7 @@
 //! the rows can be counted.
 
 use futures::future::BoxFuture;
+use idempotency_core::Idempotency;
 use idempotency_core::{Fingerprint, IdempotencyKey, IdempotencyStore, Scope};
 use idempotency_postgres::sqlx;
 use idempotency_postgres::{PostgresIdempotency, PostgresStore};
@@ -35,9 +36,13 @@ impl PgTransactionalRunner {
         .await
         .expect("create the effects table");
         Self {
-            engine: PostgresIdempotency::new(store.clone(), soak_policy(lease, true))
+            engine: Idempotency::builder(store.clone())
+                .policy(soak_policy(lease, true))
+                .build()
                 .expect("policy"),
-            stall_engine: PostgresIdempotency::new(store, soak_policy(lease, false))
+            stall_engine: Idempotency::builder(store)
+                .policy(soak_policy(lease, false))
+                .build()
                 .expect("policy"),
             effects,
         }

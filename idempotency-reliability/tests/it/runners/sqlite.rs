@@ -5,7 +5,7 @@ use futures::future::BoxFuture;
 use idempotency_core::{Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, Scope};
 use idempotency_reliability::soak::{RunResult, Runner, Work, BUSINESS_WRITE_FAILED};
 use idempotency_sqlite::rusqlite::params;
-use idempotency_sqlite::{SqliteIdempotency, SqliteStore};
+use idempotency_sqlite::SqliteStore;
 use std::sync::Arc;
 
 /// `SqliteIdempotency::run_in_transaction`: the work inserts its row into `effects` in the completion's
@@ -30,15 +30,20 @@ impl Runner for SqliteTransactionalRunner {
         let (store, engine) = (self.store.clone(), self.engine.clone());
         Box::pin(async move {
             let (s, k) = (scope.as_str().to_owned(), key.as_str().to_owned());
-            SqliteIdempotency::with_engine(store.clone(), engine.clone())
+            engine
+                .clone()
+                .with_transactions(store.clone())
                 .run_in_transaction(&key, &scope, &fingerprint, move |tx, _ctx| {
-                    tx.execute(
-                        "INSERT INTO effects (scope, key, value) VALUES (?1, ?2, ?3)",
-                        params![s, k, i64::try_from(work.value).map_err(|e| e.to_string())?],
-                    )
-                    .map_err(|e| format!("{BUSINESS_WRITE_FAILED}: {e}"))?;
-                    std::thread::sleep(work.duration);
-                    Ok::<u64, String>(work.value)
+                    let (s, k) = (s.clone(), k.clone());
+                    Box::pin(tx.run(move |tx| {
+                        tx.execute(
+                            "INSERT INTO effects (scope, key, value) VALUES (?1, ?2, ?3)",
+                            params![s, k, i64::try_from(work.value).map_err(|e| e.to_string())?],
+                        )
+                        .map_err(|e| format!("{BUSINESS_WRITE_FAILED}: {e}"))?;
+                        std::thread::sleep(work.duration);
+                        Ok::<u64, String>(work.value)
+                    }))
                 })
                 .await
         })
