@@ -10,10 +10,9 @@
 #![no_main]
 
 use arbitrary::Arbitrary;
-use idempotency_core::{
-    decode_replay, Claim, ClaimRequest, Fingerprint, IdempotencyKey, IdempotencyStore, RecordId,
-    RecordStatus, Scope,
-};
+use idempotency_core::{Fingerprint, IdempotencyKey, IdempotencyStore, RecordId, Scope};
+use idempotency_core::store::{Claim, ClaimRequest, RecordStatus};
+use idempotency_core::protocol::decode_replay;
 use idempotency_postgres::sqlx;
 use idempotency_postgres::PostgresStore;
 use libfuzzer_sys::fuzz_target;

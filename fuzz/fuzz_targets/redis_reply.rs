@@ -6,7 +6,8 @@
 #![no_main]
 
 use arbitrary::Arbitrary;
-use idempotency_core::{decode_replay, IdempotencyKey, RecordId, Scope};
+use idempotency_core::{IdempotencyKey, RecordId, Scope};
+use idempotency_core::protocol::decode_replay;
 use idempotency_redis::__fuzz;
 use idempotency_redis::redis::Value;
 use libfuzzer_sys::fuzz_target;

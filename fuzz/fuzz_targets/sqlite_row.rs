@@ -5,7 +5,8 @@
 #![no_main]
 
 use arbitrary::Arbitrary;
-use idempotency_core::{decode_replay, RecordStatus};
+use idempotency_core::store::RecordStatus;
+use idempotency_core::protocol::decode_replay;
 use idempotency_sqlite::__fuzz;
 use libfuzzer_sys::fuzz_target;
 use rusqlite::types::Value;

@@ -4,9 +4,11 @@
 #![allow(clippy::unwrap_used)]
 
 use idempotency_bad_inputs::{documented, literal, literals, rows, Row};
+use idempotency_core::protocol::decode_replay;
+use idempotency_core::store::{ClaimRequest, Record, RecordStatus, Timestamp};
 use idempotency_core::{
-    decode_replay, ClaimRequest, FencingToken, Fingerprint, Idempotency, IdempotencyKey,
-    IdempotencyStore, Policy, Record, RecordId, RecordStatus, Scope, Timestamp,
+    FencingToken, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, Policy, RecordId,
+    Scope,
 };
 use idempotency_memory::MemoryStore;
 use idempotency_postgres::PostgresStore;

@@ -5,10 +5,8 @@ use axum::routing::post;
 use axum::Router;
 use criterion::{black_box, criterion_main, Criterion};
 use http_body_util::BodyExt;
-use idempotency_core::{
-    decide, DecisionOptions, FencingToken, Fingerprint, IdempotencyKey, Record, RecordId,
-    RecordStatus, Scope, Timestamp,
-};
+use idempotency_core::store::{decide, DecisionOptions, Record, RecordStatus, Timestamp};
+use idempotency_core::{FencingToken, Fingerprint, IdempotencyKey, RecordId, Scope};
 use idempotency_core::{Idempotency, Policy};
 use idempotency_memory::MemoryStore;
 use idempotency_tower::IdempotencyLayer;

@@ -10,7 +10,7 @@
 
 use crate::harness::{Backend, Cleanup, Counted, Kind, RawBaseline, RoundTripCounter};
 use async_trait::async_trait;
-use idempotency_core::BoxError;
+use idempotency_core::store::BoxError;
 use idempotency_dynamodb::aws_sdk_dynamodb::config::interceptors::{
     AfterDeserializationInterceptorContextRef, BeforeSerializationInterceptorContextMut,
     BeforeTransmitInterceptorContextRef,

@@ -3,9 +3,10 @@
 use crate::stats::Summary;
 use async_trait::async_trait;
 use futures::future::BoxFuture;
+use idempotency_core::store::{BoxError, Claim, ClaimRequest};
 use idempotency_core::{
-    Answer, BoxError, Claim, ClaimRequest, Error, Fingerprint, Idempotency, IdempotencyKey,
-    IdempotencyStore, Policy, RecordId, Refusal, Scope,
+    Answer, Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, Policy, RecordId,
+    Refusal, Scope,
 };
 use serde::{Deserialize, Serialize};
 use std::any::Any;

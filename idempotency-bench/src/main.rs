@@ -14,7 +14,8 @@ mod sqlite;
 mod stats;
 
 use harness::{Backend, Budget, Counted};
-use idempotency_core::{BoxError, RecordId};
+use idempotency_core::store::BoxError;
+use idempotency_core::RecordId;
 use stats::{fmt_latency, Summary};
 use std::time::Duration;
 
@@ -729,10 +730,10 @@ async fn batches(b: &Backend, run: &str, targets: &mut Targets) -> Result<(), Bo
                 })
                 .collect()
         };
-        let requests = |ids: &[RecordId]| -> Vec<idempotency_core::ClaimRequest> {
+        let requests = |ids: &[RecordId]| -> Vec<idempotency_core::store::ClaimRequest> {
             ids.iter()
                 .map(|id| {
-                    idempotency_core::ClaimRequest::new(
+                    idempotency_core::store::ClaimRequest::new(
                         id.clone(),
                         harness::fingerprint(),
                         Duration::from_secs(30),
@@ -746,8 +747,8 @@ async fn batches(b: &Backend, run: &str, targets: &mut Targets) -> Result<(), Bo
         let mut settlements = Vec::with_capacity(BATCH);
         for (id, answer) in many.iter().zip(store.claim_many(&requests(&many)).await) {
             match answer? {
-                idempotency_core::Claim::Claimed { token, .. } => {
-                    settlements.push(idempotency_core::Settlement::complete(
+                idempotency_core::store::Claim::Claimed { token, .. } => {
+                    settlements.push(idempotency_core::store::Settlement::complete(
                         id.clone(),
                         token,
                         harness::engine_outcome().to_vec(),
@@ -758,7 +759,7 @@ async fn batches(b: &Backend, run: &str, targets: &mut Targets) -> Result<(), Bo
             }
         }
         for answer in store.settle_many(&settlements).await {
-            if answer? != idempotency_core::Cas::Applied {
+            if answer? != idempotency_core::store::Cas::Applied {
                 return Err("a settlement of a batch was fenced".into());
             }
         }
@@ -766,11 +767,11 @@ async fn batches(b: &Backend, run: &str, targets: &mut Targets) -> Result<(), Bo
         let started = std::time::Instant::now();
         for req in requests(&one) {
             match store.claim(&req).await? {
-                idempotency_core::Claim::Claimed { token, .. } => {
+                idempotency_core::store::Claim::Claimed { token, .. } => {
                     let cas = store
                         .complete(&req.id, token, harness::engine_outcome(), ttl)
                         .await?;
-                    if cas != idempotency_core::Cas::Applied {
+                    if cas != idempotency_core::store::Cas::Applied {
                         return Err("a single completion was fenced".into());
                     }
                 }
@@ -826,7 +827,7 @@ async fn claim_all<'i>(
     use futures::{StreamExt, TryStreamExt};
     futures::stream::iter(ids)
         .map(|id| async move {
-            let req = idempotency_core::ClaimRequest::new(
+            let req = idempotency_core::store::ClaimRequest::new(
                 id.clone(),
                 harness::fingerprint(),
                 Duration::from_secs(30),
@@ -834,7 +835,7 @@ async fn claim_all<'i>(
             )
             .with_count_hit(false);
             match store.claim(&req).await? {
-                idempotency_core::Claim::Claimed { token, .. } => Ok((id, token)),
+                idempotency_core::store::Claim::Claimed { token, .. } => Ok((id, token)),
                 _ => Err::<_, BoxError>("round-trip claim found an existing key".into()),
             }
         })
@@ -857,7 +858,7 @@ async fn complete_all(
                 .complete(id, *token, outcome, Duration::from_secs(3600))
                 .await?
             {
-                idempotency_core::Cas::Applied => Ok(()),
+                idempotency_core::store::Cas::Applied => Ok(()),
                 other => Err::<_, BoxError>(format!("completion answered {other:?}").into()),
             }
         })

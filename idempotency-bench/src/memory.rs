@@ -3,7 +3,8 @@
 use crate::harness::{self, Backend, RawBaseline};
 use crate::harness::{Filled, Kind, Scaling};
 use async_trait::async_trait;
-use idempotency_core::{BoxError, RecordId};
+use idempotency_core::store::BoxError;
+use idempotency_core::RecordId;
 use idempotency_memory::MemoryStore;
 use parking_lot::Mutex;
 use std::any::Any;

@@ -8,7 +8,7 @@
 
 use crate::harness::{Backend, Cleanup, Counted, Kind, RawBaseline, RoundTripCounter};
 use async_trait::async_trait;
-use idempotency_core::BoxError;
+use idempotency_core::store::BoxError;
 use idempotency_mysql::sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions, MySqlSslMode};
 use idempotency_mysql::sqlx::{self, ConnectOptions, Connection, Executor, MySqlPool};
 use idempotency_mysql::MySqlStore;

@@ -9,9 +9,9 @@
 
 use crate::stats::{fmt_latency, Summary};
 use futures::future::BoxFuture;
+use idempotency_core::store::{BoxError, RecoveryPoints};
 use idempotency_core::{
-    BoxError, Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, PhaseContext,
-    Phases, RecoveryPoints, Scope,
+    Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, PhaseContext, Phases, Scope,
 };
 use std::sync::Arc;
 use std::time::{Duration, Instant};

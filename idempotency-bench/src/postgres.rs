@@ -10,7 +10,8 @@ use crate::harness::{
 };
 use crate::harness::{Filled, Kind, Scaling};
 use async_trait::async_trait;
-use idempotency_core::{BoxError, IdempotencyKey, IdempotencyStore, RecordId};
+use idempotency_core::store::BoxError;
+use idempotency_core::{IdempotencyKey, IdempotencyStore, RecordId};
 use idempotency_postgres::sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
 use idempotency_postgres::sqlx::{self, Connection, PgConnection, PgPool};
 use idempotency_postgres::PostgresStore;

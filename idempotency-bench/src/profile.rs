@@ -5,7 +5,8 @@
 
 use crate::harness::{self, RawBaseline};
 use crate::memory::RawMemory;
-use idempotency_core::{BoxError, Claim, ClaimRequest, IdempotencyKey, RecordId};
+use idempotency_core::store::{BoxError, Claim, ClaimRequest};
+use idempotency_core::{IdempotencyKey, RecordId};
 use idempotency_memory::MemoryStore;
 use std::sync::Arc;
 use std::time::{Duration, Instant};

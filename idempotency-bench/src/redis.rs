@@ -10,7 +10,8 @@ use crate::harness::{
     Backend, Cleanup, Counted, Floors, RawBaseline, RoundTripCounter, ScriptFloor,
 };
 use async_trait::async_trait;
-use idempotency_core::{BoxError, RecordId};
+use idempotency_core::store::BoxError;
+use idempotency_core::RecordId;
 use idempotency_redis::redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use idempotency_redis::redis::{self, AsyncCommands};
 use idempotency_redis::RedisStore;

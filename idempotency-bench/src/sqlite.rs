@@ -5,7 +5,7 @@
 use crate::harness::{Backend, RawBaseline};
 use crate::harness::{Filled, Kind, Prepared, Scaling};
 use async_trait::async_trait;
-use idempotency_core::BoxError;
+use idempotency_core::store::BoxError;
 use idempotency_sqlite::{ConnectionMode, SqliteStore};
 use std::sync::Arc;
 

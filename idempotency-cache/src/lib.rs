@@ -1,10 +1,11 @@
 #![doc = include_str!("../README.md")]
 
 use async_trait::async_trait;
-use idempotency_core::{
-    Cas, Claim, ClaimRequest, Clock, Error, Failure, FencingToken, Fingerprint, IdempotencyStore,
-    Reclaim, Record, RecordId, RecordStatus, Settlement, SystemClock, Timestamp,
+use idempotency_core::store::{
+    Cas, Claim, ClaimRequest, Clock, Failure, Reclaim, Record, RecordStatus, Settlement,
+    SystemClock, Timestamp,
 };
+use idempotency_core::{Error, FencingToken, Fingerprint, IdempotencyStore, RecordId};
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

@@ -1,10 +1,10 @@
 //! A store wrapper that injects the faults real stores have: writes that fail, and writes that
 //! apply but whose answer is lost.
 
-use idempotency_core::{
-    async_trait, Cas, Claim, ClaimRequest, Error, Failure, FencingToken, Fingerprint,
-    IdempotencyStore, Reclaim, Record, RecordId, Settlement,
+use idempotency_core::store::{
+    async_trait, Cas, Claim, ClaimRequest, Failure, Reclaim, Record, Settlement,
 };
+use idempotency_core::{Error, FencingToken, Fingerprint, IdempotencyStore, RecordId};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;

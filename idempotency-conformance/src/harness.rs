@@ -1,7 +1,8 @@
 //! What a factory hands each case, and how time is moved.
 
 use futures::future::BoxFuture;
-use idempotency_core::{Clock, IdempotencyStore, ManualClock, Timestamp};
+use idempotency_core::store::{Clock, ManualClock, Timestamp};
+use idempotency_core::IdempotencyStore;
 use std::any::Any;
 use std::fmt;
 use std::sync::Arc;

@@ -133,7 +133,7 @@ macro_rules! __with_case_list {
 ///
 /// ```
 /// use idempotency_conformance::TestStore;
-/// use idempotency_core::ManualClock;
+/// use idempotency_core::store::ManualClock;
 /// use idempotency_memory::MemoryStore;
 /// use std::sync::Arc;
 ///

@@ -7,10 +7,11 @@
 //! `begin`, `advance_in`, `commit` or `rollback`, `recovery_point`) and returns what was
 //! wrong, so a test can also check that a broken store fails the case meant for it.
 
-use idempotency_core::{
-    AbandonedQuery, Begin, CommitError, Error, Failure, Fingerprint, Idempotency, IdempotencyKey,
-    Lease, RecordId, RecoveryPoint, RecoveryPoints, Scope,
+use idempotency_core::protocol::{Begin, Lease};
+use idempotency_core::store::{
+    AbandonedQuery, CommitError, Failure, RecoveryPoint, RecoveryPoints,
 };
+use idempotency_core::{Error, Fingerprint, Idempotency, IdempotencyKey, RecordId, Scope};
 use std::future::Future;
 use std::pin::Pin;
 use std::time::Duration;
@@ -116,8 +117,8 @@ async fn advance<S: RecoveryPoints>(
     commit: bool,
 ) -> Result<Result<(), Error>, String> {
     let mut tx = match store.begin(lease).await {
-        Ok(idempotency_core::Begun::Open(tx)) => tx,
-        Ok(idempotency_core::Begun::Locked { transaction, .. }) => transaction,
+        Ok(idempotency_core::store::Begun::Open(tx)) => tx,
+        Ok(idempotency_core::store::Begun::Locked { transaction, .. }) => transaction,
         Ok(_) => return Err("begin answered something unknown".to_owned()),
         // A store whose transaction locks the record first may find it another holder's
         // at once.
@@ -218,7 +219,7 @@ async fn listed<S: RecoveryPoints>(
     query: &AbandonedQuery,
     ids: &[RecordId],
     when: &str,
-) -> Result<Vec<idempotency_core::Abandoned>, String> {
+) -> Result<Vec<idempotency_core::store::Abandoned>, String> {
     let all = store
         .abandoned(query)
         .await
@@ -234,7 +235,9 @@ async fn listed<S: RecoveryPoints>(
     Ok(sorted(mine))
 }
 
-fn sorted(mut all: Vec<idempotency_core::Abandoned>) -> Vec<idempotency_core::Abandoned> {
+fn sorted(
+    mut all: Vec<idempotency_core::store::Abandoned>,
+) -> Vec<idempotency_core::store::Abandoned> {
     all.sort_by(|a, b| a.id.key.as_str().cmp(b.id.key.as_str()));
     all
 }
@@ -447,7 +450,7 @@ pub async fn recovery_case<S: RecoveryPoints>(
             (kit.pass)(kit.lease + Duration::from_millis(50)).await;
             let late = listed(store, &query, &ids, "after the leases passed").await?;
             let want = [&id, failed_id]
-                .map(|id| idempotency_core::Abandoned {
+                .map(|id| idempotency_core::store::Abandoned {
                     id: id.clone(),
                     fingerprint: Fingerprint::from_bytes(b"op"),
                     operation: first.operation.clone(),
@@ -475,7 +478,7 @@ pub async fn recovery_case<S: RecoveryPoints>(
             (kit.pass)(kit.lease + Duration::from_millis(50)).await;
             let query = AbandonedQuery::new([op], 10_000);
             let expect =
-                |found: Vec<idempotency_core::Abandoned>, want: &[&RecordId], what: &str| {
+                |found: Vec<idempotency_core::store::Abandoned>, want: &[&RecordId], what: &str| {
                     let found: Vec<_> = found.into_iter().map(|a| a.id).collect();
                     let want: Vec<RecordId> = want.iter().map(|&id| id.clone()).collect();
                     if found == sorted_ids(want.clone()) {

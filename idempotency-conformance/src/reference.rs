@@ -11,7 +11,8 @@
 //!
 //! ```
 //! use idempotency_conformance::reference::{RefClaim, ReferenceStore};
-//! use idempotency_core::{Cas, Fingerprint, Timestamp};
+//! use idempotency_core::Fingerprint;
+//! use idempotency_core::store::{Cas, Timestamp};
 //! use std::time::Duration;
 //!
 //! let mut store = ReferenceStore::new();
@@ -26,10 +27,10 @@
 //! assert_eq!(store.complete(&"key", token, b"again", day, now), Cas::Fenced);
 //! ```
 
-use idempotency_core::{
-    claim_retention, Cas, Failure, FencingToken, Fingerprint, Reclaim, Record, RecordId,
-    RecordStatus, Timestamp,
+use idempotency_core::store::{
+    claim_retention, Cas, Failure, Reclaim, Record, RecordStatus, Timestamp,
 };
+use idempotency_core::{FencingToken, Fingerprint, RecordId};
 use std::collections::BTreeMap;
 use std::hash::{Hash, Hasher};
 use std::time::Duration;
@@ -100,7 +101,7 @@ impl RefRecord {
         }
     }
 
-    /// The record as a store returns it, for [`idempotency_core::decide`]. The timestamps
+    /// The record as a store returns it, for [`idempotency_core::store::decide`]. The timestamps
     /// the contract leaves open (`created_at`, `updated_at`) are set to `now`.
     pub fn to_record(&self, id: RecordId, now: Timestamp) -> Record {
         Record {
@@ -120,7 +121,7 @@ impl RefRecord {
     }
 }
 
-/// What [`ReferenceStore::claim`] answers: [`idempotency_core::Claim`] without the parts the
+/// What [`ReferenceStore::claim`] answers: [`idempotency_core::store::Claim`] without the parts the
 /// contract does not fix.
 #[derive(Clone, PartialEq, Eq, Debug)]
 pub enum RefClaim {

@@ -65,7 +65,8 @@ impl Default for DecisionOptions {
 /// any) and the store's clock `now`.
 ///
 /// ```
-/// use idempotency_core::{decide, Decision, DecisionOptions, Fingerprint, Timestamp};
+/// use idempotency_core::Fingerprint;
+/// use idempotency_core::store::{decide, Decision, DecisionOptions, Timestamp};
 ///
 /// let fp = Fingerprint::from_bytes(b"body");
 /// assert_eq!(decide(None, &fp, Timestamp::now(), DecisionOptions::default()), Decision::Claim);

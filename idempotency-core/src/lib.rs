@@ -16,18 +16,17 @@ pub mod phases;
 mod policy;
 mod record;
 mod scope;
-mod store;
+pub mod store;
 mod time;
 pub mod transaction;
 
 pub use answer::{Answer, Refusal};
 pub use completer::{Completer, CompleterRound, CompleterStats};
-pub use decision::{decide, Decision, DecisionOptions};
 pub use engine::{
-    decode_replay, BatchMessage, BatchReport, Begin, Disposition, Idempotency, IdempotencyBuilder,
-    Lease, MessageOutcome, MessageReport, WorkContext,
+    BatchMessage, BatchReport, Idempotency, IdempotencyBuilder, MessageOutcome, MessageReport,
+    WorkContext,
 };
-pub use error::{BoxError, Error, Operation, StoreCall};
+pub use error::{Error, Operation};
 pub use fingerprint::{
     canonical_json, canonical_json_slice, is_json_media_type, Fingerprint, FingerprintBuilder,
 };
@@ -36,21 +35,30 @@ pub use maintenance::{
     Maintain, Maintenance, PurgeStats, DEFAULT_PURGE_BATCH, DEFAULT_PURGE_EVERY,
 };
 pub use observe::{loggable_key, Event};
-pub use phases::{
-    phase_key, Abandoned, AbandonedQuery, PhaseContext, Phases, RecoveryPoint, RecoveryPoints,
-};
+pub use phases::{PhaseContext, Phases};
 pub use policy::{ErrorOutcomes, InFlight, Policy, SettleRetry};
-pub use record::{
-    claim_retention, Cas, Claim, ClaimRequest, Failure, FencingToken, Reclaim, Record, RecordId,
-    RecordStatus,
-};
+pub use record::{FencingToken, RecordId};
 pub use scope::{Scope, ScopeError};
-pub use store::{IdempotencyStore, Settle, Settlement};
-pub use time::{duration_millis, Clock, ManualClock, SystemClock, Timestamp, MAX_DURATION};
-pub use transaction::{
-    encode_outcome, Begun, CommitError, SharedClaim, TransactionEnd, TransactionalStore,
-    MAX_TRANSACTION_ATTEMPTS,
-};
+pub use store::IdempotencyStore;
+pub use transaction::TransactionalStore;
 
-/// Re-exported so store implementations use the same `async_trait` as the trait.
-pub use async_trait::async_trait;
+// What moved into `store` and `protocol`, under its short name inside the crate.
+pub(crate) use decision::{decide, Decision, DecisionOptions};
+pub(crate) use engine::{decode_replay, Begin, Lease};
+pub(crate) use phases::RecoveryPoints;
+pub(crate) use record::{Cas, Claim, ClaimRequest, Failure, Reclaim, Record, RecordStatus};
+pub(crate) use store::{Settle, Settlement};
+pub(crate) use time::Timestamp;
+
+/// The manual protocol, for callers who drive a claim themselves instead of handing the
+/// engine a closure: [`Idempotency::begin`] answers a [`Begin`]; a [`Begin::Execute`] holds a
+/// [`Lease`], which the caller settles (complete, fail, release) when the work ends, and a
+/// [`Begin::Replay`] holds the stored [`Record`], read back with [`decode_replay`]. The
+/// engine's `run`, `run_in_transaction`, `run_phases` and `run_batch`, and the HTTP layer, do
+/// all of this for you; use it when none of them fits (the completion written in a
+/// transaction of your own, say, as the SQL stores' `complete_in` allows).
+pub mod protocol {
+    pub use crate::engine::{decode_replay, Begin, Disposition, Lease};
+    pub use crate::record::{Failure, FencingToken, Record, RecordId, RecordStatus};
+    pub use crate::transaction::{encode_outcome, SharedClaim, TransactionEnd};
+}

@@ -252,9 +252,10 @@ async fn purge_loop(
 mod tests {
     use super::*;
     use crate::{
-        async_trait, Cas, Claim, ClaimRequest, Error, Failure, FencingToken, Fingerprint,
-        IdempotencyStore, Reclaim, Record, RecordId,
+        Cas, Claim, ClaimRequest, Error, Failure, FencingToken, Fingerprint, IdempotencyStore,
+        Reclaim, Record, RecordId,
     };
+    use async_trait::async_trait;
     use std::collections::VecDeque;
     use std::sync::Mutex;
     use std::time::Instant;

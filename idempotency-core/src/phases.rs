@@ -145,7 +145,7 @@ pub trait RecoveryPoints: TransactionalStore {
     /// condition fails (only the holder moves the recovery point, so a moved one means the
     /// record is no longer this holder's).
     ///
-    /// A store whose transactions keep the lease in the process ([`Begun::Locked`](crate::Begun))
+    /// A store whose transactions keep the lease in the process ([`Begun::Locked`](crate::store::Begun))
     /// must also renew the holder's lease for [`Lease::lease`] with it: the record's own lease
     /// may have passed while the phase held the row, and whoever waits for the row would
     /// otherwise take the operation over the moment the phase commits.

@@ -53,7 +53,8 @@ impl FencingToken {
     /// expired record holding `replaced` (if any): `max(replaced + 1, now in µs)`, at least 1.
     ///
     /// ```
-    /// use idempotency_core::{FencingToken, Timestamp};
+    /// use idempotency_core::FencingToken;
+    /// use idempotency_core::store::Timestamp;
     ///
     /// let now = Timestamp::from_millis(1_700_000_000_000);
     /// assert_eq!(FencingToken::fresh(now, None), FencingToken(1_700_000_000_000_000));
@@ -144,10 +145,10 @@ impl Failure {
     /// refused through every try; `detail` says why. The work ran and may have acted, so
     /// while the record is kept no request runs under the key again: the same request is
     /// told it failed for good, and another payload is a mismatch, as against a stored
-    /// outcome ([`crate::decide`]). Its message starts with [`Failure::OUTCOME_NOT_STORED`].
+    /// outcome ([`crate::store::decide`]). Its message starts with [`Failure::OUTCOME_NOT_STORED`].
     ///
     /// ```
-    /// use idempotency_core::Failure;
+    /// use idempotency_core::store::Failure;
     ///
     /// let f = Failure::outcome_not_stored("an item over 400 KB");
     /// assert!(f.is_outcome_not_stored() && !f.retryable);
@@ -167,7 +168,7 @@ impl Failure {
     /// it records this way; the caller still gets the whole error.
     ///
     /// ```
-    /// use idempotency_core::Failure;
+    /// use idempotency_core::store::Failure;
     ///
     /// let f = Failure::retryable("é".repeat(5000)).bounded();
     /// assert!(f.message.len() <= Failure::MAX_MESSAGE && f.message.ends_with('…'));
@@ -241,6 +242,7 @@ impl Record {
     ///
     /// ```
     /// # use idempotency_core::*;
+    /// # use idempotency_core::store::*;
     /// # let id = RecordId::new(IdempotencyKey::new("k").unwrap(), Scope::new("s").unwrap());
     /// let now = Timestamp::from_millis(1_000);
     /// let mut record = Record {
@@ -310,7 +312,8 @@ pub fn claim_retention(lease: Duration, ttl: Duration) -> Duration {
 /// [`ClaimRequest::new`], so that a field added later does not break your code.
 ///
 /// ```
-/// use idempotency_core::{ClaimRequest, Fingerprint, IdempotencyKey, RecordId, Scope};
+/// use idempotency_core::{Fingerprint, IdempotencyKey, RecordId, Scope};
+/// use idempotency_core::store::ClaimRequest;
 /// use std::time::Duration;
 ///
 /// let id = RecordId::new(IdempotencyKey::new("k-1").unwrap(), Scope::new("orders").unwrap());

@@ -1,9 +1,23 @@
-//! The storage contract every backend implements.
+//! The store author's API: the storage contract every backend implements
+//! ([`IdempotencyStore`]), the records it keeps and the answers it gives, exactly-once
+//! completion inside a database transaction ([`TransactionalStore`]), recovery points for
+//! multi-step operations ([`RecoveryPoints`]), the clocks, and the engine's decision function.
+//! STORES.md in the repository walks through writing one, and `idempotency-conformance`
+//! proves it.
 
-use crate::{
-    Cas, Claim, ClaimRequest, Error, Failure, FencingToken, Fingerprint, Reclaim, Record, RecordId,
+pub use crate::decision::{decide, Decision, DecisionOptions};
+pub use crate::error::{BoxError, StoreCall};
+pub use crate::phases::{phase_key, Abandoned, AbandonedQuery, RecoveryPoint, RecoveryPoints};
+pub use crate::record::{
+    claim_retention, Cas, Claim, ClaimRequest, Failure, FencingToken, Reclaim, Record, RecordId,
+    RecordStatus,
 };
-use async_trait::async_trait;
+pub use crate::time::{duration_millis, Clock, ManualClock, SystemClock, Timestamp, MAX_DURATION};
+pub use crate::transaction::{Begun, CommitError, TransactionalStore, MAX_TRANSACTION_ATTEMPTS};
+/// Re-exported so store implementations use the same `async_trait` as the trait.
+pub use async_trait::async_trait;
+
+use crate::{Error, Fingerprint};
 use std::fmt::Debug;
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,7 +30,7 @@ use std::time::Duration;
 /// absent.
 ///
 /// Stores hold no policy: whether to replay, refuse or reclaim is decided by
-/// [`crate::decide`] in the engine. Implement this trait for your own database and prove it
+/// [`crate::store::decide`] in the engine. Implement this trait for your own database and prove it
 /// with the `idempotency-conformance` kit.
 ///
 /// The trait is object-safe: `Arc<dyn IdempotencyStore>` works, and `Arc<T>`/`Box<T>` forward.

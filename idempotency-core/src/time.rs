@@ -9,7 +9,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 ///
 /// Leases and expiry are decided by the store's clock (Postgres `now()`, Redis `TIME`, the
 /// process clock for the memory and SQLite stores), so every timestamp in a [`crate::Record`]
-/// and every `now` handed to [`crate::decide`] comes from the same clock.
+/// and every `now` handed to [`crate::store::decide`] comes from the same clock.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
 pub struct Timestamp(i64);
 
@@ -111,7 +111,7 @@ impl Clock for SystemClock {
 /// set by NTP or an operator does.
 ///
 /// ```
-/// use idempotency_core::{Clock, ManualClock};
+/// use idempotency_core::store::{Clock, ManualClock};
 /// use std::time::Duration;
 ///
 /// let clock = ManualClock::new();

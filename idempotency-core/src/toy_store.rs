@@ -1,7 +1,5 @@
-use idempotency_core::{
-    async_trait, Cas, Claim, ClaimRequest, Error, Failure, FencingToken, Fingerprint,
-    IdempotencyStore, Reclaim, Record, RecordId, RecordStatus, Timestamp,
-};
+use idempotency_core::{Error, FencingToken, Fingerprint, IdempotencyStore, RecordId};
+use idempotency_core::store::{async_trait, Cas, Claim, ClaimRequest, Failure, Reclaim, Record, RecordStatus, Timestamp};
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;

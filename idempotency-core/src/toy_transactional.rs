@@ -1,4 +1,6 @@
-use idempotency_core::{Begun, CommitError, Idempotency, IdempotencyKey, Lease, Scope};
+use idempotency_core::{Idempotency, IdempotencyKey, Scope};
+use idempotency_core::store::{Begun, CommitError};
+use idempotency_core::protocol::Lease;
 use idempotency_core::{Answer, TransactionalStore};
 use std::sync::Arc;
 
@@ -27,6 +29,13 @@ impl TransactionalStore for ToyBank {
 
     fn connection(tx: &mut ToyTransaction) -> &mut ToyTransaction {
         tx
+    }
+
+
+    fn connection_ref(tx: &ToyTransaction) -> &ToyTransaction {
+
+        tx
+
     }
 
     fn work_error(error: Error) -> Error {

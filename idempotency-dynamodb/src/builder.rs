@@ -2,7 +2,7 @@
 
 use crate::names::Names;
 use crate::{DynamoError, DynamoStore};
-use idempotency_core::{Clock, SystemClock};
+use idempotency_core::store::{Clock, SystemClock};
 use std::sync::Arc;
 use std::time::Duration;
 

@@ -3,9 +3,8 @@
 use crate::names::Names;
 use aws_sdk_dynamodb::primitives::Blob;
 use aws_sdk_dynamodb::types::AttributeValue;
-use idempotency_core::{
-    Error, Failure, FencingToken, Fingerprint, Record, RecordId, RecordStatus, Timestamp,
-};
+use idempotency_core::store::{Failure, Record, RecordStatus, Timestamp};
+use idempotency_core::{Error, FencingToken, Fingerprint, RecordId};
 use std::collections::HashMap;
 
 /// An item as the SDK carries it.

@@ -12,10 +12,9 @@ use aws_sdk_dynamodb::operation::transact_write_items::TransactWriteItemsError;
 use aws_sdk_dynamodb::types::{
     ConditionCheck, Delete, Put, ReturnValuesOnConditionCheckFailure, TransactWriteItem, Update,
 };
-use idempotency_core::{
-    async_trait, Begun, CommitError, Error, FencingToken, Lease, RecordId, RecordStatus,
-    TransactionalStore,
-};
+use idempotency_core::protocol::Lease;
+use idempotency_core::store::{async_trait, Begun, CommitError, RecordStatus};
+use idempotency_core::{Error, FencingToken, RecordId, TransactionalStore};
 
 /// How many writes one transaction's work may add: DynamoDB's limit of 100 actions per
 /// `TransactWriteItems`, less the record's completion.
@@ -308,6 +307,10 @@ impl TransactionalStore for DynamoStore {
     type WorkError = Error;
 
     fn connection(transaction: &mut DynamoTransaction) -> &mut DynamoTransaction {
+        transaction
+    }
+
+    fn connection_ref(transaction: &DynamoTransaction) -> &DynamoTransaction {
         transaction
     }
 

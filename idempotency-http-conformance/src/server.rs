@@ -9,9 +9,9 @@ use axum::response::Response;
 use axum::routing::post;
 use axum::Router;
 use bytes::Bytes;
+use idempotency_core::store::{Cas, Claim, ClaimRequest, Failure, Reclaim, Record};
 use idempotency_core::{
-    Cas, Claim, ClaimRequest, Error, Failure, FencingToken, Fingerprint, Idempotency,
-    IdempotencyStore, Policy, Reclaim, Record, RecordId,
+    Error, FencingToken, Fingerprint, Idempotency, IdempotencyStore, Policy, RecordId,
 };
 use idempotency_tower::{IdempotencyLayer, RoutePart};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

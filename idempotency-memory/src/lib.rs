@@ -3,11 +3,11 @@
 use async_trait::async_trait;
 use foldhash::fast::RandomState;
 use hashbrown::hash_table::{Entry, HashTable};
-use idempotency_core::{
-    claim_retention, Cas, Claim, ClaimRequest, Clock, Error, Failure, FencingToken, Fingerprint,
-    IdempotencyStore, Reclaim, Record, RecordId, RecordStatus, Settle, Settlement, SystemClock,
-    Timestamp,
+use idempotency_core::store::{
+    claim_retention, Cas, Claim, ClaimRequest, Clock, Failure, Reclaim, Record, RecordStatus,
+    Settle, Settlement, SystemClock, Timestamp,
 };
+use idempotency_core::{Error, FencingToken, Fingerprint, IdempotencyStore, RecordId};
 use parking_lot::Mutex;
 use std::hash::BuildHasher;
 use std::sync::Arc;
@@ -86,7 +86,7 @@ pub struct MemoryStoreBuilder {
 
 impl MemoryStoreBuilder {
     /// The clock that decides leases and expiry (default: the system clock; a
-    /// [`idempotency_core::ManualClock`] in tests).
+    /// [`idempotency_core::store::ManualClock`] in tests).
     pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
         self.clock = clock;
         self
@@ -392,7 +392,8 @@ impl IdempotencyStore for MemoryStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use idempotency_core::{IdempotencyKey, ManualClock, Scope};
+    use idempotency_core::store::ManualClock;
+    use idempotency_core::{IdempotencyKey, Scope};
 
     fn request(i: usize, ttl: Duration) -> ClaimRequest {
         ClaimRequest::new(

@@ -3,10 +3,10 @@
 
 use crate::world::{Mode, Variant, World};
 use idempotency_conformance::reference::{RefClaim, RefRecord, ReferenceStore};
-use idempotency_core::{
-    decide, Cas, Decision, DecisionOptions, Failure, FencingToken, IdempotencyKey, InFlight,
-    Reclaim, RecordId, RecordStatus, Scope, Timestamp,
+use idempotency_core::store::{
+    decide, Cas, Decision, DecisionOptions, Failure, Reclaim, RecordStatus, Timestamp,
 };
+use idempotency_core::{FencingToken, IdempotencyKey, InFlight, RecordId, Scope};
 use std::fmt::Write as _;
 use std::time::Duration;
 

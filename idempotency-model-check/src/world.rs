@@ -1,7 +1,8 @@
 //! The world to explore: its clients, its policy, its clock and the variant of the protocol.
 
 use idempotency_conformance::reference::Flaw;
-use idempotency_core::{Fingerprint, InFlight, Policy, Timestamp};
+use idempotency_core::store::Timestamp;
+use idempotency_core::{Fingerprint, InFlight, Policy};
 use std::time::Duration;
 
 /// One tick of the world's clock. Policy durations are whole numbers of ticks.

@@ -2,9 +2,8 @@
 //! is reported as corrupt, never trusted.
 
 use crate::error::{map_sqlx, Effect};
-use idempotency_core::{
-    Error, Failure, FencingToken, Fingerprint, Record, RecordId, RecordStatus, Timestamp,
-};
+use idempotency_core::store::{Failure, Record, RecordStatus, Timestamp};
+use idempotency_core::{Error, FencingToken, Fingerprint, RecordId};
 use sqlx::mysql::MySqlRow;
 use sqlx::Row;
 

@@ -5,10 +5,9 @@
 use crate::abandon::CloseIfAbandoned;
 use crate::error::{is_conflict, is_connection_loss, map_sqlx, Effect};
 use crate::{MySqlError, MySqlStore};
-use idempotency_core::{
-    async_trait, Begun, CommitError, Error, Lease, RecoveryPoint, RecoveryPoints,
-    TransactionalStore,
-};
+use idempotency_core::protocol::Lease;
+use idempotency_core::store::{async_trait, Begun, CommitError, RecoveryPoint, RecoveryPoints};
+use idempotency_core::{Error, TransactionalStore};
 use sqlx::pool::PoolConnection;
 use sqlx::{Database, MySql, MySqlConnection, TransactionManager};
 use std::time::Duration;
@@ -17,7 +16,7 @@ type Manager = <MySql as Database>::TransactionManager;
 
 /// A transaction on one of the store's pooled connections, as
 /// [`Idempotency::run_in_transaction`](idempotency_core::Idempotency::run_in_transaction)
-/// gives it to the work: write through [`MySqlTransaction::connection`].
+/// keeps it: the work, a phase and a held transaction get its `MySqlConnection`.
 ///
 /// Dropped before it committed or rolled back (the work panicked, the call was cancelled,
 /// the lease was lost mid-statement), its connection is closed rather than handed back to
@@ -78,6 +77,10 @@ impl TransactionalStore for MySqlStore {
 
     fn connection(transaction: &mut MySqlTransaction) -> &mut MySqlConnection {
         transaction.connection()
+    }
+
+    fn connection_ref(transaction: &MySqlTransaction) -> &MySqlConnection {
+        &transaction.conn
     }
 
     fn work_error(error: sqlx::Error) -> Error {
@@ -215,8 +218,8 @@ impl RecoveryPoints for MySqlStore {
 
     async fn abandoned(
         &self,
-        query: &idempotency_core::AbandonedQuery,
-    ) -> Result<Vec<Result<idempotency_core::Abandoned, Error>>, Error> {
+        query: &idempotency_core::store::AbandonedQuery,
+    ) -> Result<Vec<Result<idempotency_core::store::Abandoned, Error>>, Error> {
         self.list_abandoned(query).await
     }
 }

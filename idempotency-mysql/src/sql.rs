@@ -7,7 +7,7 @@
 //! Time: `now` is the server's `UTC_TIMESTAMP(6)`, which is fixed for the duration of a
 //! statement, as microseconds since the Unix epoch (`TIMESTAMPDIFF` between two `DATETIME`
 //! values: no session time zone takes part). Every timestamp is stored as `BIGINT`
-//! milliseconds since the epoch, the unit of [`idempotency_core::Timestamp`].
+//! milliseconds since the epoch, the unit of [`idempotency_core::store::Timestamp`].
 
 use crate::TableName;
 

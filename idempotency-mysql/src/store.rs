@@ -8,10 +8,11 @@ use crate::sql::Statements;
 use crate::{MySqlError, MySqlStoreBuilder, TableName};
 use async_trait::async_trait;
 use futures::future::BoxFuture;
-use idempotency_core::{
-    claim_retention, duration_millis, Cas, Claim, ClaimRequest, Error, Failure, FencingToken,
-    Fingerprint, IdempotencyStore, Reclaim, Record, RecordId, RecordStatus, Timestamp,
+use idempotency_core::store::{
+    claim_retention, duration_millis, Cas, Claim, ClaimRequest, Failure, Reclaim, Record,
+    RecordStatus, Timestamp,
 };
+use idempotency_core::{Error, FencingToken, Fingerprint, IdempotencyStore, RecordId};
 use rand::Rng;
 use sqlx::mysql::{MySqlArguments, MySqlQueryResult, MySqlRow};
 use sqlx::query::Query;
@@ -191,7 +192,7 @@ impl MySqlStore {
 
     /// Moves the recovery point of `id`'s record held by `token` from phase `from` (`None`:
     /// it has none) to `to`, inside the caller's transaction on `tx`, for
-    /// [`RecoveryPoints::advance_in`](idempotency_core::RecoveryPoints::advance_in).
+    /// [`RecoveryPoints::advance_in`](idempotency_core::store::RecoveryPoints::advance_in).
     /// [`Error::LeaseLost`] when the record is not that holder's live Pending record at that
     /// phase.
     pub(crate) async fn advance_in(
@@ -200,7 +201,7 @@ impl MySqlStore {
         id: &RecordId,
         token: FencingToken,
         from: Option<u16>,
-        to: &idempotency_core::RecoveryPoint,
+        to: &idempotency_core::store::RecoveryPoint,
     ) -> Result<(), Error> {
         let (Ok(t), Ok(origin)) = (i64::try_from(token.0), i64::try_from(to.origin)) else {
             return Err(Error::LeaseLost { token });
@@ -259,12 +260,12 @@ impl MySqlStore {
     }
 
     /// The live operations whose holder is gone that `query` asks for (see
-    /// [`RecoveryPoints::abandoned`](idempotency_core::RecoveryPoints::abandoned)); a row
+    /// [`RecoveryPoints::abandoned`](idempotency_core::store::RecoveryPoints::abandoned)); a row
     /// that does not read back is listed as its error.
     pub(crate) async fn list_abandoned(
         &self,
-        query: &idempotency_core::AbandonedQuery,
-    ) -> Result<Vec<Result<idempotency_core::Abandoned, Error>>, Error> {
+        query: &idempotency_core::store::AbandonedQuery,
+    ) -> Result<Vec<Result<idempotency_core::store::Abandoned, Error>>, Error> {
         if query.operations.is_empty() {
             return Ok(Vec::new());
         }
@@ -293,7 +294,7 @@ impl MySqlStore {
         Ok(rows
             .into_iter()
             .map(|row| {
-                idempotency_core::Abandoned::from_columns(
+                idempotency_core::store::Abandoned::from_columns(
                     &utf8(get(&row, 0, &self.quoted)?, "scope")?,
                     &utf8(get(&row, 1, &self.quoted)?, "key")?,
                     &get::<Vec<u8>>(&row, 2, &self.quoted)?,
@@ -308,7 +309,7 @@ impl MySqlStore {
     pub(crate) async fn read_recovery_point(
         &self,
         id: &RecordId,
-    ) -> Result<Option<idempotency_core::RecoveryPoint>, Error> {
+    ) -> Result<Option<idempotency_core::store::RecoveryPoint>, Error> {
         let row = self
             .run(Effect::None, OnLoss::Resend, Optional, || {
                 sqlx::query(&self.sql.point)
@@ -324,7 +325,7 @@ impl MySqlStore {
                 "the record of {id} has an operation name that is not UTF-8"
             )));
         };
-        idempotency_core::RecoveryPoint::from_columns(
+        idempotency_core::store::RecoveryPoint::from_columns(
             &format_args!("the record of {id} in {}", self.quoted),
             name,
             get::<Option<i32>>(&row, 1, &self.quoted)?.map(i64::from),

@@ -11,10 +11,10 @@ use crate::decode::{decode_record, get};
 use crate::error::Effect;
 use crate::store::{All, OnLoss};
 use crate::PostgresStore;
-use idempotency_core::{
-    claim_retention, duration_millis, Cas, Claim, ClaimRequest, Error, FencingToken, RecordId,
-    Settle, Settlement, Timestamp,
+use idempotency_core::store::{
+    claim_retention, duration_millis, Cas, Claim, ClaimRequest, Settle, Settlement, Timestamp,
 };
+use idempotency_core::{Error, FencingToken, RecordId};
 use sqlx::postgres::PgRow;
 use std::collections::HashMap;
 

@@ -228,10 +228,11 @@ pub(crate) enum Effect {
 /// core takes it: [`Error::Backend`] with the sqlx error as its source, so that a conflict (a
 /// serialization failure, a deadlock) is told apart
 /// ([`is_conflict`](idempotency_core::TransactionalStore::is_conflict)) and the transaction
-/// runs again, and any other error releases the key. The Postgres engine's `run_in_transaction`
-/// applies it to its work's outer `Err`; a phase of a multi-step operation
-/// ([`Phases::phase`](idempotency_core::Phases::phase)) returns its database errors through
-/// it: `.await.map_err(database_error)?`. It never blames the store's table: the statement
+/// runs again, and any other error releases the key. The store's
+/// [`TransactionalStore::work_error`](idempotency_core::TransactionalStore::work_error) applies
+/// it to the `sqlx::Error` a work or a phase returns with `?`: call it yourself only where you
+/// hand core an [`Error`] (and, say, test [`Idempotency::is_conflict`](idempotency_core::Idempotency::is_conflict)
+/// on it). It never blames the store's table: the statement
 /// was the work's, on its own tables.
 pub fn database_error(e: sqlx::Error) -> Error {
     Error::Backend {

@@ -7,15 +7,16 @@ use crate::error::{
 };
 use crate::store::Level;
 use crate::PostgresStore;
-use idempotency_core::{
-    async_trait, Abandoned, AbandonedQuery, Begun, CommitError, Error, Lease, RecoveryPoint,
-    RecoveryPoints, TransactionalStore,
+use idempotency_core::protocol::Lease;
+use idempotency_core::store::{
+    async_trait, Abandoned, AbandonedQuery, Begun, CommitError, RecoveryPoint, RecoveryPoints,
 };
+use idempotency_core::{Error, TransactionalStore};
 use sqlx::{PgConnection, Postgres};
 
 /// A transaction on one of the store's pooled connections, as
 /// [`Idempotency::run_in_transaction`](idempotency_core::Idempotency::run_in_transaction)
-/// gives it to the work: write through [`PostgresTransaction::connection`].
+/// keeps it: the work, a phase and a held transaction get its `PgConnection`.
 #[derive(Debug)]
 pub struct PostgresTransaction {
     tx: sqlx::Transaction<'static, Postgres>,
@@ -38,6 +39,10 @@ impl TransactionalStore for PostgresStore {
 
     fn connection(transaction: &mut PostgresTransaction) -> &mut PgConnection {
         transaction.connection()
+    }
+
+    fn connection_ref(transaction: &PostgresTransaction) -> &PgConnection {
+        &transaction.tx
     }
 
     fn work_error(error: sqlx::Error) -> Error {

@@ -58,7 +58,7 @@ use idempotency_core::Idempotency;
 ///   back. A serialization failure or deadlock (SQLSTATE 40001, 40P01), in the work's own
 ///   statements as in the completion or the commit, runs the whole transaction again,
 ///   `work` included (at most
-///   [`MAX_TRANSACTION_ATTEMPTS`](idempotency_core::MAX_TRANSACTION_ATTEMPTS) runs in all),
+///   [`MAX_TRANSACTION_ATTEMPTS`](idempotency_core::store::MAX_TRANSACTION_ATTEMPTS) runs in all),
 ///   so `work` must only act through the connection it is given. Any other database error
 ///   (or a conflict on the last run) releases the key, since nothing committed, and is
 ///   returned as [`Error::Backend`](idempotency_core::Error::Backend) whose source is the sqlx error

@@ -4,7 +4,7 @@
 //! transaction. They are sent as prepared statements, which sqlx caches per connection.
 //!
 //! Time: `now` is `statement_timestamp()` truncated to milliseconds (the unit of
-//! [`idempotency_core::Timestamp`]), evaluated once per statement. It is the database's clock,
+//! [`idempotency_core::store::Timestamp`]), evaluated once per statement. It is the database's clock,
 //! so app servers with skewed clocks agree; unlike `now()` it is not frozen at the start of a
 //! caller's transaction, which matters for [`crate::PostgresStore::complete_in`]. `now_us` is
 //! the same instant in whole microseconds since the Unix epoch, untruncated: the clock part of

@@ -8,10 +8,11 @@ use crate::sql::Statements;
 use crate::{PostgresError, PostgresStoreBuilder, TableName};
 use async_trait::async_trait;
 use futures::future::BoxFuture;
-use idempotency_core::{
-    claim_retention, duration_millis, Cas, Claim, ClaimRequest, Error, Failure, FencingToken,
-    Fingerprint, IdempotencyStore, Reclaim, Record, RecordId, Settlement, Timestamp,
+use idempotency_core::store::{
+    claim_retention, duration_millis, Cas, Claim, ClaimRequest, Failure, Reclaim, Record,
+    Settlement, Timestamp,
 };
+use idempotency_core::{Error, FencingToken, Fingerprint, IdempotencyStore, RecordId};
 use rand::Rng;
 use sqlx::postgres::{PgArguments, PgQueryResult, PgRow};
 use sqlx::query::Query;
@@ -219,7 +220,7 @@ impl PostgresStore {
 
     /// Moves the recovery point of `id`'s record held by `token` from phase `from` (`None`:
     /// it has none) to `to`, inside the caller's transaction on `tx`, for
-    /// [`RecoveryPoints::advance_in`](idempotency_core::RecoveryPoints::advance_in).
+    /// [`RecoveryPoints::advance_in`](idempotency_core::store::RecoveryPoints::advance_in).
     /// [`Error::LeaseLost`] when the record is not that holder's live Pending record at that
     /// phase. The holder's lease is renewed for `lease` with it.
     pub(crate) async fn advance_in(
@@ -228,7 +229,7 @@ impl PostgresStore {
         id: &RecordId,
         token: FencingToken,
         from: Option<u16>,
-        to: &idempotency_core::RecoveryPoint,
+        to: &idempotency_core::store::RecoveryPoint,
         lease: Duration,
     ) -> Result<(), Error> {
         let (Ok(t), Ok(origin)) = (i64::try_from(token.0), i64::try_from(to.origin)) else {
@@ -259,11 +260,11 @@ impl PostgresStore {
     }
 
     /// The live operations whose holder is gone that `query` asks for (see
-    /// [`RecoveryPoints::abandoned`](idempotency_core::RecoveryPoints::abandoned)).
+    /// [`RecoveryPoints::abandoned`](idempotency_core::store::RecoveryPoints::abandoned)).
     pub(crate) async fn list_abandoned(
         &self,
-        query: &idempotency_core::AbandonedQuery,
-    ) -> Result<Vec<Result<idempotency_core::Abandoned, Error>>, Error> {
+        query: &idempotency_core::store::AbandonedQuery,
+    ) -> Result<Vec<Result<idempotency_core::store::Abandoned, Error>>, Error> {
         let limit = i64::try_from(query.limit).unwrap_or(i64::MAX);
         let attempts = i32::try_from(query.max_attempts).unwrap_or(i32::MAX);
         // Seconds, at most a century (an interval the server can subtract from now).
@@ -280,7 +281,7 @@ impl PostgresStore {
         Ok(rows
             .iter()
             .map(|row| {
-                idempotency_core::Abandoned::from_columns(
+                idempotency_core::store::Abandoned::from_columns(
                     &get::<String>(row, "scope", &self.qualified)?,
                     &get::<String>(row, "key", &self.qualified)?,
                     &get::<Vec<u8>>(row, "fingerprint", &self.qualified)?,
@@ -295,7 +296,7 @@ impl PostgresStore {
     pub(crate) async fn read_recovery_point(
         &self,
         id: &RecordId,
-    ) -> Result<Option<idempotency_core::RecoveryPoint>, Error> {
+    ) -> Result<Option<idempotency_core::store::RecoveryPoint>, Error> {
         let row = self
             .run(Effect::None, OnLoss::Resend, Optional, || {
                 sqlx::query(&self.sql.point)
@@ -304,7 +305,7 @@ impl PostgresStore {
             })
             .await?;
         let Some(row) = row else { return Ok(None) };
-        idempotency_core::RecoveryPoint::from_columns(
+        idempotency_core::store::RecoveryPoint::from_columns(
             &format_args!("the record of {id} in {}", self.qualified),
             get(&row, "op_name", &self.qualified)?,
             get::<Option<i32>>(&row, "op_phase", &self.qualified)?.map(i64::from),

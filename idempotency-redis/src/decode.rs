@@ -3,10 +3,8 @@
 //! A record is stored as one string in the encoding `idk1` that [`crate::scripts`]
 //! describes; [`decode_record`] reads it and checks every rule a record must keep.
 
-use idempotency_core::{
-    Cas, Claim, Error, Failure, FencingToken, Fingerprint, Reclaim, Record, RecordId, RecordStatus,
-    Timestamp,
-};
+use idempotency_core::store::{Cas, Claim, Failure, Reclaim, Record, RecordStatus, Timestamp};
+use idempotency_core::{Error, FencingToken, Fingerprint, RecordId};
 use redis::Value;
 
 /// The encoding's tag and version, the record's first four bytes.

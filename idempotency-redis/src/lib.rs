@@ -23,7 +23,8 @@ pub use store::RedisStore;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod __fuzz {
-    use idempotency_core::{Cas, Claim, Error, Reclaim, Record, RecordId};
+    use idempotency_core::store::{Cas, Claim, Reclaim, Record};
+    use idempotency_core::{Error, RecordId};
     use redis::Value;
 
     /// Decodes a stored record (the bytes at its key).

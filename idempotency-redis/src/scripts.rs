@@ -30,7 +30,7 @@
 //!
 //! A script checks the tag, the length and the status once, with one `struct.unpack`, rather
 //! than a pattern per field; the client decodes the same bytes and checks every rule of
-//! [`idempotency_core::Record::validate`]. Anything else at the key (another type, another
+//! [`idempotency_core::store::Record::validate`]. Anything else at the key (another type, another
 //! encoding, a truncated string) is refused before anything is written.
 //!
 //! # Arguments and replies

@@ -5,10 +5,10 @@ use crate::error::{call_error, read_error, NotAcknowledged};
 use crate::sentinel::SentinelConnection;
 use crate::{keys, scripts};
 use async_trait::async_trait;
-use idempotency_core::{
-    duration_millis, Cas, Claim, ClaimRequest, Error, Failure, FencingToken, Fingerprint,
-    IdempotencyStore, Reclaim, Record, RecordId, Settle, Settlement,
+use idempotency_core::store::{
+    duration_millis, Cas, Claim, ClaimRequest, Failure, Reclaim, Record, Settle, Settlement,
 };
+use idempotency_core::{Error, FencingToken, Fingerprint, IdempotencyStore, RecordId};
 use redis::aio::ConnectionManager;
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, ErrorKind, RedisError, Value};
@@ -20,7 +20,8 @@ use std::time::Duration;
 // every sum the scripts compute stays an exact integer in Lua's doubles: a stored expiry (at
 // most 15 digits) plus a retention, or now plus two capped durations, stays below 2^53.
 const _: () = assert!(
-    1_000_000_000_000_000 + 2 * (idempotency_core::MAX_DURATION.as_millis() as i64) < 1 << 53
+    1_000_000_000_000_000 + 2 * (idempotency_core::store::MAX_DURATION.as_millis() as i64)
+        < 1 << 53
 );
 
 /// The connection the store talks through: every kind multiplexes concurrent calls over
@@ -678,7 +679,7 @@ mod tests {
     fn durations_stay_exact_in_lua() {
         assert_eq!(
             duration_millis(Duration::MAX),
-            duration_millis(idempotency_core::MAX_DURATION)
+            duration_millis(idempotency_core::store::MAX_DURATION)
         );
         assert_eq!(duration_millis(Duration::from_micros(1)), 1);
     }

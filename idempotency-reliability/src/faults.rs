@@ -18,10 +18,8 @@
 
 use crate::ledger::{Ledger, RecordingStore};
 use idempotency_conformance::{Fault, FlakyOp, FlakyStore};
-use idempotency_core::{
-    async_trait, Cas, Claim, ClaimRequest, Error, Failure, FencingToken, Fingerprint,
-    IdempotencyStore, Reclaim, Record, RecordId,
-};
+use idempotency_core::store::{async_trait, Cas, Claim, ClaimRequest, Failure, Reclaim, Record};
+use idempotency_core::{Error, FencingToken, Fingerprint, IdempotencyStore, RecordId};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::collections::HashMap;

@@ -5,7 +5,7 @@ use crate::exec::Executor;
 use crate::schema::validate_table_name;
 use crate::sql::Sql;
 use crate::store::{Inner, SqliteStore, Synchronous};
-use idempotency_core::{Clock, SystemClock};
+use idempotency_core::store::{Clock, SystemClock};
 use rusqlite::{Connection, OpenFlags};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

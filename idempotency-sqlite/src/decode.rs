@@ -1,9 +1,7 @@
 //! Row decoding: a stored row becomes a `Record` only if a correct store could have written it.
 
-use idempotency_core::{
-    Error, Failure, FencingToken, Fingerprint, IdempotencyKey, Record, RecordId, RecordStatus,
-    Scope, Timestamp,
-};
+use idempotency_core::store::{Failure, Record, RecordStatus, Timestamp};
+use idempotency_core::{Error, FencingToken, Fingerprint, IdempotencyKey, RecordId, Scope};
 use rusqlite::Row;
 
 fn column<T: rusqlite::types::FromSql>(row: &Row<'_>, i: usize, name: &str) -> Result<T, Error> {

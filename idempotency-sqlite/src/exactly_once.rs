@@ -3,10 +3,9 @@
 //! run inside it, the commit.
 
 use crate::{SqliteError, SqliteStore};
-use idempotency_core::{
-    async_trait, Begun, CommitError, Error, Lease, RecoveryPoint, RecoveryPoints,
-    TransactionalStore,
-};
+use idempotency_core::protocol::Lease;
+use idempotency_core::store::{async_trait, Begun, CommitError, RecoveryPoint, RecoveryPoints};
+use idempotency_core::{Error, TransactionalStore};
 use rusqlite::{Transaction, TransactionBehavior};
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::mpsc;
@@ -76,6 +75,10 @@ impl TransactionalStore for SqliteStore {
     type WorkError = Error;
 
     fn connection(transaction: &mut SqliteTransaction) -> &mut SqliteTransaction {
+        transaction
+    }
+
+    fn connection_ref(transaction: &SqliteTransaction) -> &SqliteTransaction {
         transaction
     }
 
@@ -208,8 +211,8 @@ impl RecoveryPoints for SqliteStore {
 
     async fn abandoned(
         &self,
-        query: &idempotency_core::AbandonedQuery,
-    ) -> Result<Vec<Result<idempotency_core::Abandoned, Error>>, Error> {
+        query: &idempotency_core::store::AbandonedQuery,
+    ) -> Result<Vec<Result<idempotency_core::store::Abandoned, Error>>, Error> {
         self.list_abandoned(query).await
     }
 }

@@ -25,7 +25,8 @@ pub use store::{SqliteStore, Synchronous};
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod __fuzz {
-    use idempotency_core::{Error, Record};
+    use idempotency_core::store::Record;
+    use idempotency_core::Error;
 
     /// The columns [`decode_record`] reads, in order.
     pub const COLUMNS: &str = crate::sql::COLUMNS;

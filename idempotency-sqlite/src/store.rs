@@ -6,10 +6,11 @@ use crate::exec::{Executor, WriteStats};
 use crate::schema;
 use crate::sql::Sql;
 use async_trait::async_trait;
-use idempotency_core::{
-    claim_retention, Cas, Claim, ClaimRequest, Clock, Error, Failure, FencingToken, Fingerprint,
-    IdempotencyStore, Reclaim, Record, RecordId, RecordStatus, Settle, Settlement, Timestamp,
+use idempotency_core::store::{
+    claim_retention, Cas, Claim, ClaimRequest, Clock, Failure, Reclaim, Record, RecordStatus,
+    Settle, Settlement, Timestamp,
 };
+use idempotency_core::{Error, FencingToken, Fingerprint, IdempotencyStore, RecordId};
 use rusqlite::{params, Connection, ToSql, Transaction};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -129,7 +130,7 @@ impl SqliteStore {
     /// Otherwise returns [`Error::LeaseLost`] and writes nothing: drop `tx` (it rolls back,
     /// taking your business writes with it) and return the error. Nothing becomes visible
     /// until you commit `tx`; once you have, call
-    /// [`idempotency_core::Lease::settled_externally`].
+    /// [`idempotency_core::protocol::Lease::settled_externally`].
     pub fn complete_in(
         &self,
         tx: &Transaction<'_>,
@@ -147,7 +148,7 @@ impl SqliteStore {
 
     /// Moves the recovery point of `id`'s record held by `token` from phase `from` (`None`:
     /// it has none) to `to`, inside the caller's open transaction `tx`, for
-    /// [`RecoveryPoints::advance_in`](idempotency_core::RecoveryPoints::advance_in).
+    /// [`RecoveryPoints::advance_in`](idempotency_core::store::RecoveryPoints::advance_in).
     /// [`Error::LeaseLost`] when the record is not that holder's live Pending record at that
     /// phase.
     pub fn advance_in(
@@ -156,7 +157,7 @@ impl SqliteStore {
         id: &RecordId,
         token: FencingToken,
         from: Option<u16>,
-        to: &idempotency_core::RecoveryPoint,
+        to: &idempotency_core::store::RecoveryPoint,
     ) -> Result<(), Error> {
         let now = self.inner.clock.now();
         let Ok(origin) = i64::try_from(to.origin) else {
@@ -183,7 +184,7 @@ impl SqliteStore {
     pub(crate) async fn read_recovery_point(
         &self,
         id: &RecordId,
-    ) -> Result<Option<idempotency_core::RecoveryPoint>, Error> {
+    ) -> Result<Option<idempotency_core::store::RecoveryPoint>, Error> {
         let id = id.clone();
         let inner = self.inner.clone();
         self.inner
@@ -193,11 +194,11 @@ impl SqliteStore {
     }
 
     /// The live operations whose holder is gone that `query` asks for (see
-    /// [`RecoveryPoints::abandoned`](idempotency_core::RecoveryPoints::abandoned)).
+    /// [`RecoveryPoints::abandoned`](idempotency_core::store::RecoveryPoints::abandoned)).
     pub(crate) async fn list_abandoned(
         &self,
-        query: &idempotency_core::AbandonedQuery,
-    ) -> Result<Vec<Result<idempotency_core::Abandoned, Error>>, Error> {
+        query: &idempotency_core::store::AbandonedQuery,
+    ) -> Result<Vec<Result<idempotency_core::store::Abandoned, Error>>, Error> {
         let inner = self.inner.clone();
         let query = query.clone();
         self.inner
@@ -532,8 +533,8 @@ impl Inner {
         &self,
         conn: &Connection,
         now: Timestamp,
-        query: &idempotency_core::AbandonedQuery,
-    ) -> Result<Vec<Result<idempotency_core::Abandoned, Error>>, Error> {
+        query: &idempotency_core::store::AbandonedQuery,
+    ) -> Result<Vec<Result<idempotency_core::store::Abandoned, Error>>, Error> {
         let limit = i64::try_from(query.limit).unwrap_or(i64::MAX);
         let operations =
             serde_json::to_string(&query.operations).map_err(|source| Error::Codec { source })?;
@@ -570,7 +571,7 @@ impl Inner {
                         reason: format!("an abandoned operation in {:?}", self.table),
                         source: Some(Box::new(e)),
                     })?;
-                idempotency_core::Abandoned::from_columns(
+                idempotency_core::store::Abandoned::from_columns(
                     &scope,
                     &key,
                     &fingerprint,
@@ -586,7 +587,7 @@ impl Inner {
         conn: &Connection,
         id: &RecordId,
         now: Timestamp,
-    ) -> Result<Option<idempotency_core::RecoveryPoint>, Error> {
+    ) -> Result<Option<idempotency_core::store::RecoveryPoint>, Error> {
         use rusqlite::OptionalExtension;
         type Row = (Option<String>, Option<i64>, Option<i64>, Option<Vec<u8>>);
         let mut stmt = conn
@@ -602,7 +603,7 @@ impl Inner {
         match row {
             None => Ok(None),
             Some((operation, phase, origin, state)) => {
-                idempotency_core::RecoveryPoint::from_columns(
+                idempotency_core::store::RecoveryPoint::from_columns(
                     &format_args!("the record of {id}"),
                     operation,
                     phase,

@@ -12,9 +12,10 @@
 //!   committing. The retry is refused while the lease lives, then runs: one order.
 #![allow(clippy::unwrap_used)]
 
+use idempotency_core::store::RecordStatus;
 use idempotency_core::{
     Answer, Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, InFlight, Policy,
-    RecordId, RecordStatus, Refusal, Scope,
+    RecordId, Refusal, Scope,
 };
 use idempotency_sqlite::rusqlite::{params, TransactionBehavior};
 use idempotency_sqlite::{ConnectionMode, SqliteStore};
@@ -465,7 +466,8 @@ async fn child_crash() {
     let store = SqliteStore::open(&db).await.unwrap();
     let engine = Idempotency::new(Arc::new(store.clone()), crash_policy()).unwrap();
     let id = RecordId::new(k.clone(), scope());
-    let idempotency_core::Begin::Execute(_lease) = engine.begin(&id, &fingerprint()).await.unwrap()
+    let idempotency_core::protocol::Begin::Execute(_lease) =
+        engine.begin(&id, &fingerprint()).await.unwrap()
     else {
         panic!("the key is fresh");
     };

@@ -1,9 +1,7 @@
 //! The local DynamoDB stand-in the DynamoDB store's tests run against, and a table per test.
 
-use idempotency_core::{
-    Cas, Claim, ClaimRequest, Clock, Error, Failure, FencingToken, Fingerprint, IdempotencyStore,
-    Reclaim, Record, RecordId,
-};
+use idempotency_core::store::{Cas, Claim, ClaimRequest, Clock, Failure, Reclaim, Record};
+use idempotency_core::{Error, FencingToken, Fingerprint, IdempotencyStore, RecordId};
 use idempotency_dynamodb::aws_sdk_dynamodb::{
     self,
     config::{BehaviorVersion, Credentials, Region},

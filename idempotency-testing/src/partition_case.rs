@@ -3,9 +3,9 @@
 //! the partition heals the store works again and shows what really happened.
 
 use crate::partition::PartitionProxy;
+use idempotency_core::store::{Cas, Claim, ClaimRequest, Failure, Record, RecordStatus};
 use idempotency_core::{
-    Answer, Cas, Claim, ClaimRequest, Error, Failure, FencingToken, Fingerprint, IdempotencyKey,
-    IdempotencyStore, Record, RecordId, RecordStatus, Scope,
+    Answer, Error, FencingToken, Fingerprint, IdempotencyKey, IdempotencyStore, RecordId, Scope,
 };
 use std::future::Future;
 use std::pin::Pin;

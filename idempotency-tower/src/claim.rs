@@ -6,10 +6,9 @@ use crate::problem::{ProblemJson, Refusal};
 use bytes::Bytes;
 use futures::future::BoxFuture;
 use http::Response;
-use idempotency_core::{
-    Error, FencingToken, Lease, RecordId, SharedClaim, TransactionEnd, TransactionalStore,
-    WorkContext,
-};
+use idempotency_core::protocol::Lease;
+use idempotency_core::transaction::{SharedClaim, TransactionEnd};
+use idempotency_core::{Error, FencingToken, RecordId, TransactionalStore, WorkContext};
 use std::convert::Infallible;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};

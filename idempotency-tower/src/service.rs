@@ -17,10 +17,11 @@ use futures::FutureExt;
 use http::{HeaderName, HeaderValue, Request, Response, Version};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
+use idempotency_core::protocol::{Begin, Lease};
+use idempotency_core::store::Failure;
 use idempotency_core::Refusal as EngineRefusal;
 use idempotency_core::{
-    loggable_key, Begin, Error, Failure, Fingerprint, IdempotencyKey, Lease, RecordId, Scope,
-    ScopeError,
+    loggable_key, Error, Fingerprint, IdempotencyKey, RecordId, Scope, ScopeError,
 };
 use std::fmt;
 use std::panic::AssertUnwindSafe;
@@ -172,7 +173,7 @@ fn in_progress_retry_after(config: &Config, retry_after: Duration, began: Instan
         .min(config.max_retry_after)
 }
 
-fn system_time(t: idempotency_core::Timestamp) -> Option<SystemTime> {
+fn system_time(t: idempotency_core::store::Timestamp) -> Option<SystemTime> {
     let ms = u64::try_from(t.as_millis()).ok()?;
     UNIX_EPOCH.checked_add(Duration::from_millis(ms))
 }

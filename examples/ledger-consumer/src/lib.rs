@@ -223,27 +223,15 @@ impl Ledger {
             .connect(&config.postgres_url)
             .await?;
         let schema = &config.schema;
-        let mut conn = store.pool().acquire().await?;
-        sqlx::query(&format!("CREATE SCHEMA IF NOT EXISTS \"{schema}\""))
-            .execute(&mut *conn)
-            .await?;
-        sqlx::query(&format!(
-            "CREATE TABLE IF NOT EXISTS \"{schema}\".effects (
-                 seq bigserial PRIMARY KEY,
-                 message_id text NOT NULL,
-                 account text NOT NULL,
-                 amount_cents bigint NOT NULL)"
+        sqlx::raw_sql(&format!(
+            "CREATE SCHEMA IF NOT EXISTS \"{schema}\";
+             CREATE TABLE IF NOT EXISTS \"{schema}\".effects (seq bigserial PRIMARY KEY,
+                 message_id text NOT NULL, account text NOT NULL, amount_cents bigint NOT NULL);
+             CREATE TABLE IF NOT EXISTS \"{schema}\".balances (account text PRIMARY KEY,
+                 cents bigint NOT NULL);"
         ))
-        .execute(&mut *conn)
+        .execute(store.pool())
         .await?;
-        sqlx::query(&format!(
-            "CREATE TABLE IF NOT EXISTS \"{schema}\".balances (
-                 account text PRIMARY KEY,
-                 cents bigint NOT NULL)"
-        ))
-        .execute(&mut *conn)
-        .await?;
-        drop(conn);
         store.migrate().await?;
         Ok(Self {
             idempotency: Idempotency::builder(store)
@@ -435,10 +423,8 @@ impl Ledger {
             Ok(t) => t,
             Err(e) => return Handled::Rejected(format!("not a transfer: {e}")),
         };
-        let key = match IdempotencyKey::new(transfer.id.clone()) {
-            Ok(k) => k,
-            Err(e) => return Handled::Rejected(format!("unusable id: {e}")),
-        };
+        // The same key for the transfer's id in every process, whatever the id looks like.
+        let key = IdempotencyKey::derive("ledger-transfers", &transfer.id);
         let fingerprint = Fingerprint::from_bytes(&message.payload);
         let schema = self.config.schema.clone();
         let delay = self.config.work_delay;

@@ -4,10 +4,13 @@
 #![allow(clippy::unwrap_used)]
 
 use idempotency_cache::ReplayCache;
+use idempotency_core::store::{
+    async_trait, Cas, Claim, ClaimRequest, Clock, Failure, ManualClock, Reclaim, Record,
+    RecordStatus, Settle, Settlement,
+};
 use idempotency_core::{
-    async_trait, Answer, Cas, Claim, ClaimRequest, Clock, Error, Failure, FencingToken,
-    Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, ManualClock, Policy, Reclaim,
-    Record, RecordId, RecordStatus, Refusal, Scope, Settle, Settlement,
+    Answer, Error, FencingToken, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore,
+    Policy, RecordId, Refusal, Scope,
 };
 use idempotency_memory::MemoryStore;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -222,7 +225,7 @@ async fn never_served_past_expiry_whatever_the_clock_offset() {
     for offset_secs in [-20i64, 0, 20] {
         let cache_clock = ManualClock::new();
         let store_clock = ManualClock::new();
-        store_clock.set(idempotency_core::Timestamp::from_millis(
+        store_clock.set(idempotency_core::store::Timestamp::from_millis(
             cache_clock.now().as_millis() + offset_secs * 1000,
         ));
         let (cache, claims) = cached(&store_clock, &cache_clock, |b| {
@@ -443,7 +446,7 @@ async fn a_wall_clock_stepped_back_extends_no_entry() {
         assert_eq!(cache.stats().fills, 1);
         // The application's wall clock steps back an hour; then time passes on both hosts
         // until the entry's time is up (the record's expiry, or `max_age`).
-        cache_clock.set(idempotency_core::Timestamp::from_millis(
+        cache_clock.set(idempotency_core::store::Timestamp::from_millis(
             cache_clock.now().as_millis() - 3_600_000,
         ));
         let up = ttl.min(max_age);

@@ -3,7 +3,7 @@
 
 use idempotency_cache::ReplayCache;
 use idempotency_conformance::{process_clock, TestStore};
-use idempotency_core::ManualClock;
+use idempotency_core::store::ManualClock;
 use idempotency_memory::MemoryStore;
 use std::sync::Arc;
 

@@ -5,9 +5,8 @@ use super::{
     present, request, unique_id, with_hits,
 };
 use crate::TestStore;
-use idempotency_core::{
-    Cas, Claim, Failure, FencingToken, IdempotencyKey, Reclaim, RecordId, RecordStatus, Scope,
-};
+use idempotency_core::store::{Cas, Claim, Failure, Reclaim, RecordStatus};
+use idempotency_core::{FencingToken, IdempotencyKey, RecordId, Scope};
 
 /// Fail, then reclaim: the failure is stored, the holder's further writes are refused, and a
 /// reclaim bumps the token, increments `attempts`, replaces the fingerprint and clears the

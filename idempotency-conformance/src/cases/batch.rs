@@ -4,9 +4,10 @@
 
 use super::{fp, must_claim, present, request, unique_id};
 use crate::TestStore;
-use idempotency_core::{
-    Cas, Claim, ClaimRequest, Failure, FencingToken, Record, RecordId, RecordStatus, Settlement,
+use idempotency_core::store::{
+    Cas, Claim, ClaimRequest, Failure, Record, RecordStatus, Settlement,
 };
+use idempotency_core::{FencingToken, RecordId};
 use std::collections::HashMap;
 use std::sync::Arc;
 

@@ -2,9 +2,11 @@
 
 use super::{fp, present};
 use crate::TestStore;
+use idempotency_core::protocol::Begin;
+use idempotency_core::store::{Failure, RecordStatus};
 use idempotency_core::{
-    Answer, Begin, Error, Failure, Fingerprint, Idempotency, IdempotencyKey, InFlight, Policy,
-    RecordId, RecordStatus, Refusal, Scope,
+    Answer, Error, Fingerprint, Idempotency, IdempotencyKey, InFlight, Policy, RecordId, Refusal,
+    Scope,
 };
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -96,7 +98,7 @@ pub async fn engine_concurrent_runs_execute_once(t: TestStore) {
 
 /// A work that panics may have acted before it panicked (charged, then failed to build its
 /// answer): the key is settled for good, with a permanent failure in the outcome's place
-/// ([`idempotency_core::Failure::outcome_not_stored`]). The panic goes on to the caller; a
+/// ([`idempotency_core::store::Failure::outcome_not_stored`]). The panic goes on to the caller; a
 /// retry is refused with [`Refusal::OutcomeLost`], also after the lease has passed, another
 /// payload with [`Refusal::KeyReused`], and neither runs the work.
 pub async fn engine_panic_holds_key(t: TestStore) {
@@ -128,7 +130,7 @@ pub async fn engine_panic_holds_key(t: TestStore) {
         r.status == RecordStatus::Failed
             && r.failure
                 .as_ref()
-                .is_some_and(idempotency_core::Failure::is_outcome_not_stored),
+                .is_some_and(idempotency_core::store::Failure::is_outcome_not_stored),
         "a panicking work must settle the key with the outcome-not-stored failure, found {r:?}"
     );
     let runs = Arc::new(AtomicUsize::new(0));

@@ -3,9 +3,11 @@
 
 use super::fp;
 use crate::{Fault, FlakyOp, FlakyStore, TestStore};
+use idempotency_core::protocol::Begin;
+use idempotency_core::store::Failure;
 use idempotency_core::{
-    BatchMessage, BatchReport, Begin, Error, Failure, Idempotency, IdempotencyKey, MessageOutcome,
-    Policy, RecordId, Refusal, Scope,
+    BatchMessage, BatchReport, Error, Idempotency, IdempotencyKey, MessageOutcome, Policy,
+    RecordId, Refusal, Scope,
 };
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -500,7 +502,7 @@ pub async fn engine_batch_keeps_every_message_leased_until_settled(t: TestStore)
         let record = t.store.get(&address(0)).await.expect("get");
         if record
             .as_ref()
-            .is_some_and(|r| r.status == idempotency_core::RecordStatus::Completed)
+            .is_some_and(|r| r.status == idempotency_core::store::RecordStatus::Completed)
         {
             break;
         }
@@ -630,7 +632,10 @@ pub async fn engine_batch_panics_never_abandon_other_messages(t: TestStore) {
                 .await
                 .expect("get")
                 .expect("the record");
-            assert_eq!(record.status, idempotency_core::RecordStatus::Completed);
+            assert_eq!(
+                record.status,
+                idempotency_core::store::RecordStatus::Completed
+            );
         } else {
             assert!(
                 matches!(m.outcome, MessageOutcome::Panicked) && !m.redeliver,

@@ -4,9 +4,11 @@
 
 use super::{fp, present};
 use crate::{Fault, FlakyOp, FlakyStore, TestStore, TimeControl};
+use idempotency_core::protocol::Begin;
+use idempotency_core::store::{Failure, Reclaim, RecordStatus};
 use idempotency_core::{
-    Answer, Begin, Error, Failure, Idempotency, IdempotencyKey, IdempotencyStore, InFlight, Policy,
-    Reclaim, RecordId, RecordStatus, Refusal, Scope,
+    Answer, Error, Idempotency, IdempotencyKey, IdempotencyStore, InFlight, Policy, RecordId,
+    Refusal, Scope,
 };
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -549,7 +551,9 @@ pub async fn engine_permanent_failure_is_final(t: TestStore) {
             &scope,
             &fp("f"),
             |_: &Result<String, String>| {
-                idempotency_core::Disposition::Release(Failure::permanent("card declined"))
+                idempotency_core::protocol::Disposition::Release(Failure::permanent(
+                    "card declined",
+                ))
             },
             move |_| async move {
                 runs.fetch_add(1, Ordering::SeqCst);

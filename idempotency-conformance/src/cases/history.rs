@@ -4,10 +4,8 @@
 
 use super::{absent, concurrent_claims, fp, must_claim, present, request, unique_id};
 use crate::{TestStore, TimeControl};
-use idempotency_core::{
-    Cas, Claim, Failure, FencingToken, IdempotencyKey, Reclaim, Record, RecordId, RecordStatus,
-    Scope, Timestamp,
-};
+use idempotency_core::store::{Cas, Claim, Failure, Reclaim, Record, RecordStatus, Timestamp};
+use idempotency_core::{FencingToken, IdempotencyKey, RecordId, Scope};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Barrier;
@@ -375,7 +373,7 @@ pub async fn deadlines_follow_the_store_clock(t: TestStore) {
     // Whole milliseconds either way: the store may round its clock.
     let tolerance = 2;
     let window = |before: Timestamp, after: Timestamp, d: Duration| {
-        let d = idempotency_core::duration_millis(d);
+        let d = idempotency_core::store::duration_millis(d);
         (
             before.as_millis() + d - tolerance,
             after.as_millis() + d + tolerance,

@@ -25,10 +25,8 @@ pub use races::*;
 pub use time::*;
 
 use crate::TestStore;
-use idempotency_core::{
-    Cas, Claim, ClaimRequest, FencingToken, Fingerprint, IdempotencyKey, Record, RecordId,
-    RecordStatus, Scope, Timestamp,
-};
+use idempotency_core::store::{Cas, Claim, ClaimRequest, Record, RecordStatus, Timestamp};
+use idempotency_core::{FencingToken, Fingerprint, IdempotencyKey, RecordId, Scope};
 use std::sync::Arc;
 use std::time::Duration;
 

@@ -4,10 +4,10 @@
 use crate::reference::{RefClaim, RefRecord, ReferenceStore};
 use crate::{TestStore, TimeControl};
 use futures::StreamExt;
-use idempotency_core::{
-    Cas, Claim, ClaimRequest, Clock, Error, Failure, FencingToken, Fingerprint, IdempotencyKey,
-    Reclaim, Record, RecordId, RecordStatus, Scope, Timestamp,
+use idempotency_core::store::{
+    Cas, Claim, ClaimRequest, Clock, Failure, Reclaim, Record, RecordStatus, Timestamp,
 };
+use idempotency_core::{Error, FencingToken, Fingerprint, IdempotencyKey, RecordId, Scope};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::fmt::Write as _;
@@ -74,7 +74,7 @@ struct Env<'a> {
     /// Whether durations and time steps are on a manual clock (exact timestamps, time steps
     /// allowed) or a real one (long durations only, no time steps, so nothing expires or
     /// passes during a run and the model needs no timing).
-    manual: Option<idempotency_core::ManualClock>,
+    manual: Option<idempotency_core::store::ManualClock>,
     run: String,
 }
 

@@ -4,10 +4,10 @@ use super::{
     fp, must_claim, must_complete, must_observe_at, present, request, unique_id, with_hits,
 };
 use crate::{TestStore, TimeControl};
-use idempotency_core::{
-    Cas, Claim, ClaimRequest, Clock, Failure, FencingToken, Fingerprint, IdempotencyStore, Reclaim,
-    Record, RecordStatus,
+use idempotency_core::store::{
+    Cas, Claim, ClaimRequest, Clock, Failure, Reclaim, Record, RecordStatus,
 };
+use idempotency_core::{FencingToken, Fingerprint, IdempotencyStore};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;

@@ -5,9 +5,8 @@ use super::{
     request, unique_id,
 };
 use crate::{TestStore, TimeControl};
-use idempotency_core::{
-    Cas, Claim, ClaimRequest, Failure, FencingToken, Reclaim, Record, RecordStatus,
-};
+use idempotency_core::store::{Cas, Claim, ClaimRequest, Failure, Reclaim, Record, RecordStatus};
+use idempotency_core::FencingToken;
 
 /// Claims `req` and settles it: `Completed`, `Failed`, or left `Pending`.
 async fn make(
@@ -352,7 +351,7 @@ pub async fn extend_moves_lease(t: TestStore) {
         "a refused extend changed the record"
     );
     let manual_now = match &t.time {
-        TimeControl::Manual(clock) => Some(idempotency_core::Clock::now(clock)),
+        TimeControl::Manual(clock) => Some(idempotency_core::store::Clock::now(clock)),
         TimeControl::Real => None,
     };
     for (id, token) in [(&a, token_a), (&b, token_b)] {

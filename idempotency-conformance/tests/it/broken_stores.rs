@@ -4,10 +4,11 @@
 //! Each broken store wraps a correct `MemoryStore` and breaks one primitive.
 
 use idempotency_conformance::{all_cases, process_clock, run_case, CaseFn, TestStore};
-use idempotency_core::{
-    async_trait, Cas, Claim, ClaimRequest, Clock, Error, Failure, FencingToken, Fingerprint,
-    IdempotencyStore, ManualClock, Reclaim, Record, RecordId, RecordStatus, SystemClock, Timestamp,
+use idempotency_core::store::{
+    async_trait, Cas, Claim, ClaimRequest, Clock, Failure, ManualClock, Reclaim, Record,
+    RecordStatus, SystemClock, Timestamp,
 };
+use idempotency_core::{Error, FencingToken, Fingerprint, IdempotencyStore, RecordId};
 use idempotency_memory::MemoryStore;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;

@@ -7,9 +7,11 @@
 include!("../../../idempotency-core/src/toy_store.rs");
 
 use idempotency_conformance::recovery::{recovery_case, recovery_cases, RecoveryCase, RecoveryKit};
+use idempotency_core::protocol::Lease;
+use idempotency_core::store::{Begun, CommitError, RecoveryPoint, RecoveryPoints};
 use idempotency_core::{
-    Answer, Begun, CommitError, ErrorOutcomes, Idempotency, IdempotencyKey, Lease, PhaseContext,
-    Phases, Policy, RecoveryPoint, RecoveryPoints, Refusal, Scope, TransactionalStore,
+    Answer, ErrorOutcomes, Idempotency, IdempotencyKey, PhaseContext, Phases, Policy, Refusal,
+    Scope, TransactionalStore,
 };
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -111,6 +113,10 @@ impl TransactionalStore for Bank {
         tx
     }
 
+    fn connection_ref(tx: &Tx) -> &Tx {
+        tx
+    }
+
     fn work_error(error: Error) -> Error {
         error
     }
@@ -189,8 +195,8 @@ impl RecoveryPoints for Bank {
 
     async fn abandoned(
         &self,
-        query: &idempotency_core::AbandonedQuery,
-    ) -> Result<Vec<Result<idempotency_core::Abandoned, Error>>, Error> {
+        query: &idempotency_core::store::AbandonedQuery,
+    ) -> Result<Vec<Result<idempotency_core::store::Abandoned, Error>>, Error> {
         let tables = self.tables();
         let ids: Vec<RecordId> = tables.points.keys().cloned().collect();
         let flaw = |f: Flaw| self.flaw == Some(f);
@@ -229,7 +235,7 @@ impl RecoveryPoints for Bank {
             if let Some((fingerprint, written)) = record {
                 found.push((
                     written,
-                    idempotency_core::Abandoned {
+                    idempotency_core::store::Abandoned {
                         id,
                         fingerprint,
                         operation: point.operation,
@@ -592,7 +598,7 @@ async fn a_first_phase_that_calls_out_gets_one_key_for_every_holder() {
 
 #[tokio::test]
 async fn phase_keys_differ_by_phase_operation_record_and_request() {
-    use idempotency_core::phase_key;
+    use idempotency_core::store::phase_key;
     let id = RecordId::new(
         IdempotencyKey::new("k").expect("key"),
         Scope::new("rides").expect("scope"),

@@ -31,7 +31,7 @@ impl<S: TransactionalStore> Idempotency<S> {
     /// failed statement returns: the transaction rolls back, and a conflict with a concurrent
     /// transaction (a serialization failure, a deadlock:
     /// [`TransactionalStore::is_conflict`]) runs it again, `work` included, at most
-    /// [`MAX_TRANSACTION_ATTEMPTS`](crate::MAX_TRANSACTION_ATTEMPTS) times; any other
+    /// [`MAX_TRANSACTION_ATTEMPTS`](crate::store::MAX_TRANSACTION_ATTEMPTS) times; any other
     /// database error releases the key (nothing committed) and is returned. So `work` acts
     /// only through the connection it is given, never commits, and returns the database
     /// errors it meets rather than swallowing them.
@@ -281,7 +281,7 @@ pub(crate) async fn renew_kept<T, E>(
 /// A short random pause before a transaction runs again after its `attempt`th run
 /// conflicted: up to 2^attempt ms (at most 128 ms), so that transactions that conflicted with
 /// each other do not meet again at once.
-async fn back_off(attempt: u32) {
+pub(crate) async fn back_off(attempt: u32) {
     let ceiling_micros = 1_000u64 << attempt.min(7);
     // Any randomness will do: a v4 UUID's bits.
     let random = uuid::Uuid::new_v4().as_u64_pair().0;
@@ -289,58 +289,88 @@ async fn back_off(attempt: u32) {
 }
 
 /// `now + d`, saturating far in the future instead of overflowing.
-fn later(now: Instant, d: Duration) -> Instant {
+pub(crate) fn later(now: Instant, d: Duration) -> Instant {
     now.checked_add(d)
         .unwrap_or_else(|| now + Duration::from_secs(100 * 366 * 24 * 3600))
 }
 
 /// Runs `work` while the transaction holds the record locked, keeping the lease in the
-/// process: every heartbeat interval (per [`Policy::heartbeat`]) renews it for a lease's
-/// length. Returns `None`, dropping (cancelling) the work, once the lease passes without a
-/// renewal: the heartbeat is off and the work outlived the lease, or the task was not polled
-/// for a whole lease (the process stalled). A work that ends after its lease passed also
-/// gets `None`. Renewals stop at `work_deadline` ([`Lease::work_deadline`]), so a hung work
-/// is cancelled then.
+/// process ([`Deadline::keep`]). Returns `None`, dropping (cancelling) the work, once the
+/// lease passes without a renewal: the heartbeat is off and the work outlived the lease, or
+/// the task was not polled for a whole lease (the process stalled). A work that ends after
+/// its lease passed also gets `None`.
 async fn keep_alive<F: Future>(
     policy: &Policy,
     until: Instant,
     work_deadline: Instant,
     work: F,
 ) -> Option<F::Output> {
-    let every = policy
-        .heartbeat
-        .map(|fraction| policy.lease.mul_f64(fraction).max(Duration::from_millis(1)));
-    // The deadline, as microseconds after `base` (an atomic, so the future stays `Send`).
-    let base = Instant::now();
-    let micros = |t: Instant| u64::try_from(t.saturating_duration_since(base).as_micros());
-    let deadline = AtomicU64::new(micros(until).unwrap_or(u64::MAX));
-    let deadline_at = || {
-        base.checked_add(Duration::from_micros(deadline.load(Ordering::Relaxed)))
-            .unwrap_or_else(|| later(base, Duration::MAX))
-    };
-    let beat = async {
+    let deadline = Deadline::new(until);
+    let work = std::pin::pin!(work);
+    let beat = std::pin::pin!(deadline.keep(policy, work_deadline));
+    match futures::future::select(work, beat).await {
+        futures::future::Either::Left((out, _)) => (!deadline.passed()).then_some(out),
+        futures::future::Either::Right(((), _work)) => None,
+    }
+}
+
+/// A lease kept in the process while a transaction holds its record locked: the instant it
+/// passes, renewed by [`Deadline::keep`].
+#[derive(Debug)]
+pub(crate) struct Deadline {
+    base: Instant,
+    /// Microseconds after `base` (an atomic, so that futures holding it stay `Send`).
+    micros: AtomicU64,
+}
+
+impl Deadline {
+    pub(crate) fn new(until: Instant) -> Self {
+        let deadline = Self {
+            base: Instant::now(),
+            micros: AtomicU64::new(u64::MAX),
+        };
+        deadline.set(until);
+        deadline
+    }
+
+    fn set(&self, t: Instant) {
+        let micros = u64::try_from(t.saturating_duration_since(self.base).as_micros());
+        self.micros
+            .store(micros.unwrap_or(u64::MAX), Ordering::Relaxed);
+    }
+
+    fn at(&self) -> Instant {
+        self.base
+            .checked_add(Duration::from_micros(self.micros.load(Ordering::Relaxed)))
+            .unwrap_or_else(|| later(self.base, Duration::MAX))
+    }
+
+    /// Whether the lease has passed.
+    pub(crate) fn passed(&self) -> bool {
+        Instant::now() >= self.at()
+    }
+
+    /// Renews the lease for a lease's length every heartbeat interval (per
+    /// [`Policy::heartbeat`]; never with the heartbeat off), up to `work_deadline`
+    /// ([`Lease::work_deadline`]) and never past it, so a hung work loses its lease then.
+    /// Returns once the lease has passed without a renewal.
+    pub(crate) async fn keep(&self, policy: &Policy, work_deadline: Instant) {
+        let every = policy
+            .heartbeat
+            .map(|fraction| policy.lease.mul_f64(fraction).max(Duration::from_millis(1)));
         loop {
             let next = match every {
-                Some(every) => later(Instant::now(), every).min(deadline_at()),
-                None => deadline_at(),
+                Some(every) => later(Instant::now(), every).min(self.at()),
+                None => self.at(),
             };
             tokio::time::sleep_until(next.into()).await;
             let now = Instant::now();
-            if now >= deadline_at() {
+            if now >= self.at() {
                 return;
             }
-            // Renewed up to the end of the maximum work time, never past it: a work that
-            // hangs loses its lease then, and is cancelled and rolled back.
             if every.is_some() && now < work_deadline {
-                let renewed = later(now, policy.lease).min(work_deadline);
-                deadline.store(micros(renewed).unwrap_or(u64::MAX), Ordering::Relaxed);
+                self.set(later(now, policy.lease).min(work_deadline));
             }
         }
-    };
-    let work = std::pin::pin!(work);
-    let beat = std::pin::pin!(beat);
-    match futures::future::select(work, beat).await {
-        futures::future::Either::Left((out, _)) => (Instant::now() < deadline_at()).then_some(out),
-        futures::future::Either::Right(((), _work)) => None,
     }
 }

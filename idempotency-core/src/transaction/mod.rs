@@ -27,9 +27,11 @@
 //! | panicked (its transaction rolled back) | the panic | released at once | the panic, resumed |
 
 pub(crate) mod driver;
+mod held;
 mod shared;
 mod store;
 
+pub use held::{HeldTransaction, Started};
 pub use shared::SharedClaim;
 
 pub use store::{Begun, CommitError, TransactionalStore, MAX_TRANSACTION_ATTEMPTS};

@@ -30,7 +30,7 @@ use std::time::Duration;
 #[async_trait]
 pub trait TransactionalStore: Send + Sync {
     /// An open transaction, as the store keeps it between the steps.
-    type Transaction: Send;
+    type Transaction: Send + 'static;
 
     /// What the work writes through ([`TransactionalStore::connection`] of the
     /// transaction): the connection the transaction runs on (a `PgConnection`), or the
@@ -43,6 +43,10 @@ pub trait TransactionalStore: Send + Sync {
 
     /// The connection of `transaction`, as the work is handed it.
     fn connection(transaction: &mut Self::Transaction) -> &mut Self::Connection;
+
+    /// The connection of `transaction`, read-only (what a
+    /// [`HeldTransaction`](crate::transaction::HeldTransaction) derefs to).
+    fn connection_ref(transaction: &Self::Transaction) -> &Self::Connection;
 
     /// A database error of the work as an [`Error`], the way
     /// [`TransactionalStore::is_conflict`] reads it (for a driver's error, an
@@ -142,6 +146,10 @@ impl<S: TransactionalStore + ?Sized> TransactionalStore for std::sync::Arc<S> {
 
     fn connection(transaction: &mut Self::Transaction) -> &mut Self::Connection {
         S::connection(transaction)
+    }
+
+    fn connection_ref(transaction: &Self::Transaction) -> &Self::Connection {
+        S::connection_ref(transaction)
     }
 
     fn work_error(error: Self::WorkError) -> Error {

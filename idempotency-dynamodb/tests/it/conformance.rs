@@ -14,7 +14,7 @@ fn capabilities() -> idempotency_conformance::Capabilities {
 
 mod manual_clock {
     use idempotency_conformance::TestStore;
-    use idempotency_core::ManualClock;
+    use idempotency_core::store::ManualClock;
     use std::sync::Arc;
 
     async fn factory() -> TestStore {
@@ -32,7 +32,7 @@ mod manual_clock {
 
 mod system_clock {
     use idempotency_conformance::{process_clock, TestStore};
-    use idempotency_core::SystemClock;
+    use idempotency_core::store::SystemClock;
     use std::sync::Arc;
 
     async fn factory() -> TestStore {

@@ -12,9 +12,10 @@ use aws_sdk_dynamodb::config::interceptors::{
 };
 use aws_sdk_dynamodb::config::{ConfigBag, Intercept, RuntimeComponents};
 use aws_sdk_dynamodb::types::{AttributeValue, Put, Update};
+use idempotency_core::store::{Claim, ClaimRequest, ManualClock, RecordStatus};
 use idempotency_core::{
-    Answer, Claim, ClaimRequest, Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore,
-    ManualClock, Policy, RecordId, RecordStatus, Refusal, Scope,
+    Answer, Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, Policy, RecordId,
+    Refusal, Scope,
 };
 use idempotency_dynamodb::{DynamoError, DynamoStore, MAX_TRANSACTION_WRITES};
 use idempotency_testing::dynamodb as common;
@@ -232,7 +233,7 @@ async fn a_fenced_completion_cancels_the_writes_of_the_holder_that_lost_its_leas
                 // The lease passes while the work runs, and another holder takes the key.
                 clock.advance(LEASE + Duration::from_secs(1));
                 let begun = taker.begin(&id, &fingerprint()).await.unwrap();
-                let idempotency_core::Begin::Execute(lease) = begun else {
+                let idempotency_core::protocol::Begin::Execute(lease) = begun else {
                     panic!("the passed lease was not taken over");
                 };
                 lease.complete(b"{\"Ok\":8}").await.unwrap();
@@ -565,7 +566,7 @@ async fn a_conflict_runs_the_work_again_and_its_writes_apply_once() {
 /// exactly one caller of each key runs the work.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_callers_of_one_key_apply_its_writes_once() {
-    let (store, _guard) = common::store(Arc::new(idempotency_core::SystemClock))
+    let (store, _guard) = common::store(Arc::new(idempotency_core::store::SystemClock))
         .await
         .unwrap();
     let engine = Arc::new(engine(&store));

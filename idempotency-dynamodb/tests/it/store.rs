@@ -13,10 +13,12 @@ use aws_sdk_dynamodb::config::interceptors::{
 };
 use aws_sdk_dynamodb::config::{ConfigBag, Intercept, RuntimeComponents};
 use aws_sdk_dynamodb::types::AttributeValue;
+use idempotency_core::store::{
+    Cas, Claim, ClaimRequest, Clock, Failure, ManualClock, Reclaim, RecordStatus, Timestamp,
+};
 use idempotency_core::{
-    Answer, Cas, Claim, ClaimRequest, Clock, Error, Failure, FencingToken, Fingerprint,
-    Idempotency, IdempotencyKey, IdempotencyStore, ManualClock, Policy, Reclaim, RecordId,
-    RecordStatus, Refusal, Scope, Timestamp,
+    Answer, Error, FencingToken, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore,
+    Policy, RecordId, Refusal, Scope,
 };
 use idempotency_dynamodb::{DynamoError, DynamoStore, MAX_OUTCOME_BYTES};
 use std::collections::BTreeMap;

@@ -5,7 +5,8 @@ use crate::server::{control, Outage, TestServer};
 use bytes::Bytes;
 use http::{HeaderName, Method, StatusCode};
 use idempotency_conformance::{Fault, FlakyOp, FlakyStore, TestStore};
-use idempotency_core::{ClaimRequest, Fingerprint, IdempotencyKey, InFlight, Policy, RecordId};
+use idempotency_core::store::ClaimRequest;
+use idempotency_core::{Fingerprint, IdempotencyKey, InFlight, Policy, RecordId};
 use idempotency_tower::{http_scope, OnUnstored, Refusal};
 use reqwest::header::HeaderMap;
 use serde_json::{json, Value};
@@ -184,7 +185,7 @@ async fn seed(store: &TestStore, id: &RecordId, fp: Fingerprint, status: StatusC
         ))
         .await
         .expect("claim");
-    let idempotency_core::Claim::Claimed { token, .. } = claim else {
+    let idempotency_core::store::Claim::Claimed { token, .. } = claim else {
         panic!("fresh key must be claimed: {claim:?}")
     };
     let stored = idempotency_tower::StoredResponse {

@@ -238,7 +238,7 @@ pub async fn corrupt_stored_response_is_500(store: TestStore) {
         ))
         .await
         .expect("claim");
-    let idempotency_core::Claim::Claimed { token, .. } = claim else {
+    let idempotency_core::store::Claim::Claimed { token, .. } = claim else {
         panic!("fresh key must be claimed: {claim:?}")
     };
     store

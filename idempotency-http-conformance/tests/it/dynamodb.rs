@@ -3,7 +3,7 @@
 //! starts it). Each case gets a table of its own, deleted afterwards.
 
 use idempotency_conformance::TestStore;
-use idempotency_core::SystemClock;
+use idempotency_core::store::SystemClock;
 use std::sync::Arc;
 
 async fn factory() -> TestStore {

@@ -1,6 +1,6 @@
 //! The conformance kit on the memory store, on a manual clock.
 use idempotency_conformance::TestStore;
-use idempotency_core::ManualClock;
+use idempotency_core::store::ManualClock;
 use idempotency_memory::MemoryStore;
 use std::sync::Arc;
 

@@ -3,9 +3,9 @@
 #![allow(clippy::unwrap_used)]
 
 use idempotency_conformance::{Fault, FlakyOp, FlakyStore};
+use idempotency_core::store::ManualClock;
 use idempotency_core::{
-    Answer, Error, Fingerprint, Idempotency, IdempotencyKey, ManualClock, Policy, Refusal, Scope,
-    SettleRetry,
+    Answer, Error, Fingerprint, Idempotency, IdempotencyKey, Policy, Refusal, Scope, SettleRetry,
 };
 use idempotency_memory::MemoryStore;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -84,7 +84,8 @@ async fn huge_wait_backoffs_do_not_overflow() {
     let scope = Scope::new("t|wait").unwrap();
     let fp = Fingerprint::from_bytes(b"x");
     let id = idempotency_core::RecordId::new(key.clone(), scope.clone());
-    let idempotency_core::Begin::Execute(_held) = engine.begin(&id, &fp).await.unwrap() else {
+    let idempotency_core::protocol::Begin::Execute(_held) = engine.begin(&id, &fp).await.unwrap()
+    else {
         panic!("a fresh key replayed");
     };
     let started = std::time::Instant::now();

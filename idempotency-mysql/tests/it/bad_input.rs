@@ -5,9 +5,9 @@
 use crate::common;
 
 use common::{Isolation, TableGuard};
+use idempotency_core::store::ClaimRequest;
 use idempotency_core::{
-    ClaimRequest, Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, Policy,
-    RecordId, Scope,
+    Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, Policy, RecordId, Scope,
 };
 use idempotency_mysql::sqlx::{self, Executor};
 use idempotency_mysql::{MySqlError, MySqlStore, TableName, MAX_TABLE_NAME_LEN};
@@ -418,23 +418,23 @@ async fn a_failure_message_longer_than_its_column_is_cut_not_refused() {
     let (store, _guard) = common::store(Isolation::ReadCommitted).await;
     let request = request();
     let token = match store.claim(&request).await.unwrap() {
-        idempotency_core::Claim::Claimed { token, .. } => token,
+        idempotency_core::store::Claim::Claimed { token, .. } => token,
         other => panic!("a fresh key was found: {other:?}"),
     };
     // 100 KiB of two-, three- and four-byte characters: a cut at a byte count would land
     // inside one.
     let message = "é€𝄞".repeat(100 * 1024 / 9);
-    let failure = idempotency_core::Failure::permanent(message.clone());
+    let failure = idempotency_core::store::Failure::permanent(message.clone());
     let cas = store
         .fail(&request.id, token, &failure, Duration::from_secs(3600))
         .await
         .unwrap();
-    assert_eq!(cas, idempotency_core::Cas::Applied);
+    assert_eq!(cas, idempotency_core::store::Cas::Applied);
     let record = store.get(&request.id).await.unwrap().unwrap();
-    assert_eq!(record.status, idempotency_core::RecordStatus::Failed);
+    assert_eq!(record.status, idempotency_core::store::RecordStatus::Failed);
     let kept = record.failure.unwrap().message;
     assert!(
-        kept.len() <= idempotency_core::Failure::MAX_MESSAGE
+        kept.len() <= idempotency_core::store::Failure::MAX_MESSAGE
             && message.starts_with(kept.trim_end_matches('…')),
         "kept {} bytes that are not the start of the message",
         kept.len()

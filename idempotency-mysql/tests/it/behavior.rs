@@ -9,10 +9,10 @@ use idempotency_core::Idempotency;
 
 use common::proxy::CountingProxy;
 use common::{Isolation, TableGuard};
-use idempotency_core::{
-    Cas, Claim, ClaimRequest, Error, Failure, Fingerprint, IdempotencyKey, IdempotencyStore,
-    Reclaim, RecordId, RecordStatus, Scope, Timestamp,
+use idempotency_core::store::{
+    Cas, Claim, ClaimRequest, Failure, Reclaim, RecordStatus, Timestamp,
 };
+use idempotency_core::{Error, Fingerprint, IdempotencyKey, IdempotencyStore, RecordId, Scope};
 use idempotency_mysql::sqlx::mysql::{MySqlPoolOptions, MySqlSslMode};
 use idempotency_mysql::sqlx::{self, Connection, Executor};
 use idempotency_mysql::{MySqlError, MySqlStore};

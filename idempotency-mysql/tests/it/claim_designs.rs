@@ -17,9 +17,8 @@ use crate::common;
 
 use common::proxy::CountingProxy;
 use common::{Isolation, TableGuard};
-use idempotency_core::{
-    Claim, ClaimRequest, Fingerprint, IdempotencyKey, IdempotencyStore, RecordId, Scope,
-};
+use idempotency_core::store::{Claim, ClaimRequest};
+use idempotency_core::{Fingerprint, IdempotencyKey, IdempotencyStore, RecordId, Scope};
 use idempotency_mysql::sqlx::mysql::MySqlSslMode;
 use idempotency_mysql::sqlx::{self, Executor, MySqlPool};
 use idempotency_mysql::MySqlStore;

@@ -9,9 +9,11 @@ use crate::common;
 use idempotency_core::Idempotency;
 
 use common::{Isolation, TableGuard};
+use idempotency_core::protocol::Begin;
+use idempotency_core::store::RecordStatus;
 use idempotency_core::{
-    Answer, Begin, Error, FencingToken, Fingerprint, IdempotencyKey, IdempotencyStore, InFlight,
-    Policy, RecordId, RecordStatus, Refusal, Scope,
+    Answer, Error, FencingToken, Fingerprint, IdempotencyKey, IdempotencyStore, InFlight, Policy,
+    RecordId, Refusal, Scope,
 };
 use idempotency_mysql::sqlx::{self, Connection, Executor, MySqlConnection};
 use idempotency_mysql::{MySqlError, MySqlIdempotency, MySqlStore};
@@ -1348,5 +1350,73 @@ fn insert_ref(
             sqlx::query(&sql).bind(value).execute(&mut *tx).await?;
             Ok(Ok(()))
         })
+    }
+}
+
+/// A transaction the caller holds (`begin_transaction`), at each level: duplicates run
+/// nothing twice and replay the one order's answer; dropped after its insert, it rolls back
+/// and releases the key, and the next caller places the only order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_held_transaction_commits_once_and_a_dropped_one_leaves_nothing() {
+    use idempotency_core::transaction::Started;
+    for level in Isolation::ALL {
+        let rig = setup(level, 12).await;
+        let engine: MySqlIdempotency = Idempotency::builder(rig.store.clone()).build().unwrap();
+        let place = |key: IdempotencyKey, by: String| {
+            let (engine, orders) = (engine.clone(), rig.orders.clone());
+            async move {
+                let started = Instant::now();
+                loop {
+                    assert!(started.elapsed() < Duration::from_secs(60), "no answer");
+                    match engine
+                        .begin_transaction::<String, String>(&key, &scope(), &fingerprint())
+                        .await
+                        .unwrap()
+                    {
+                        Started::Begun(mut tx) => {
+                            insert_order(&mut tx, &orders, &key, &by).await.unwrap();
+                            match tx.commit(by.clone()).await {
+                                Ok(by) => return by,
+                                // A deadlock: everything rolled back, the key released.
+                                Err(e) if engine.is_conflict(&e) => continue,
+                                Err(e) => panic!("commit: {e}"),
+                            }
+                        }
+                        Started::Replayed(answer) => return answer.unwrap(),
+                        Started::Refused(Refusal::InProgress { .. }) => {
+                            tokio::time::sleep(Duration::from_millis(10)).await;
+                        }
+                        Started::Refused(other) => panic!("refused: {other}"),
+                    }
+                }
+            }
+        };
+        for _ in 0..3 {
+            let key = IdempotencyKey::random();
+            let callers: Vec<_> = (0..6)
+                .map(|i| tokio::spawn(place(key.clone(), format!("c{i}"))))
+                .collect();
+            let mut answers = Vec::new();
+            for caller in callers {
+                answers.push(caller.await.unwrap());
+            }
+            let placed = orders_for(&rig.orders, &key).await;
+            assert_eq!(placed.len(), 1, "{level:?}: one order per key: {placed:?}");
+            assert!(answers.iter().all(|a| *a == placed[0]), "{answers:?}");
+        }
+        let key = IdempotencyKey::random();
+        let Started::Begun(mut tx) = engine
+            .begin_transaction::<String, String>(&key, &scope(), &fingerprint())
+            .await
+            .unwrap()
+        else {
+            panic!("a new key begins");
+        };
+        insert_order(&mut tx, &rig.orders, &key, "dropped")
+            .await
+            .unwrap();
+        drop(tx);
+        assert_eq!(place(key.clone(), "retry".into()).await, "retry");
+        assert_eq!(orders_for(&rig.orders, &key).await, ["retry"], "{level:?}");
     }
 }

@@ -10,8 +10,9 @@ use crate::common;
 use idempotency_core::Idempotency;
 
 use common::TableGuard;
+use idempotency_core::store::RecordStatus;
 use idempotency_core::{
-    Error, Fingerprint, IdempotencyKey, IdempotencyStore, Policy, RecordId, RecordStatus, Scope,
+    Error, Fingerprint, IdempotencyKey, IdempotencyStore, Policy, RecordId, Scope,
 };
 use idempotency_mysql::sqlx::mysql::{MySqlConnectOptions, MySqlSslMode};
 use idempotency_mysql::sqlx::{self, Connection};

@@ -13,9 +13,11 @@ use crate::common;
 use common::proxy::{CountingProxy, Counts};
 use common::{Isolation, TableGuard};
 use futures::future::BoxFuture;
+use idempotency_core::protocol::Begin;
+use idempotency_core::store::{Claim, ClaimRequest, Failure};
 use idempotency_core::{
-    Begin, Claim, ClaimRequest, Failure, Fingerprint, Idempotency, IdempotencyKey,
-    IdempotencyStore, Policy, RecordId, Scope, WorkContext,
+    Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, Policy, RecordId, Scope,
+    WorkContext,
 };
 use idempotency_mysql::sqlx::mysql::MySqlSslMode;
 use idempotency_mysql::sqlx::{self, Executor};

@@ -5,9 +5,9 @@
 use crate::common;
 
 use common::{Isolation, SchemaGuard};
+use idempotency_core::store::{Claim, ClaimRequest};
 use idempotency_core::{
-    Claim, ClaimRequest, Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, Policy,
-    RecordId, Scope,
+    Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, Policy, RecordId, Scope,
 };
 use idempotency_postgres::sqlx;
 use idempotency_postgres::{PostgresError, PostgresStore};

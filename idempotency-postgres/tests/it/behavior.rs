@@ -7,9 +7,9 @@ use crate::common;
 use idempotency_core::Idempotency;
 
 use common::{Isolation, SchemaGuard};
+use idempotency_core::store::{Claim, ClaimRequest, RecordStatus};
 use idempotency_core::{
-    Answer, Claim, ClaimRequest, Fingerprint, IdempotencyKey, IdempotencyStore, Policy, RecordId,
-    RecordStatus, Scope,
+    Answer, Fingerprint, IdempotencyKey, IdempotencyStore, Policy, RecordId, Scope,
 };
 use idempotency_postgres::sqlx::{self, Executor};
 use idempotency_postgres::{PostgresError, PostgresStore};

@@ -5,7 +5,7 @@ use crate::common;
 
 use common::Isolation;
 use idempotency_conformance::TestStore;
-use idempotency_core::Timestamp;
+use idempotency_core::store::Timestamp;
 use std::sync::Arc;
 
 async fn factory(level: Isolation) -> TestStore {

@@ -8,9 +8,10 @@
 use crate::common;
 
 use common::{url_with, SchemaGuard};
+use idempotency_core::protocol::Begin;
+use idempotency_core::store::RecordStatus;
 use idempotency_core::{
-    Begin, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, Policy, RecordId,
-    RecordStatus, Scope,
+    Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, Policy, RecordId, Scope,
 };
 use idempotency_postgres::sqlx;
 use idempotency_postgres::PostgresStore;
@@ -219,8 +220,8 @@ struct RestartAfterClaim {
 impl IdempotencyStore for RestartAfterClaim {
     async fn claim(
         &self,
-        request: &idempotency_core::ClaimRequest,
-    ) -> Result<idempotency_core::Claim, idempotency_core::Error> {
+        request: &idempotency_core::store::ClaimRequest,
+    ) -> Result<idempotency_core::store::Claim, idempotency_core::Error> {
         let claimed = self.inner.claim(request).await;
         fill_pool(&self.inner).await;
         assert!(kill_backends(&self.app).await >= i64::from(POOL));
@@ -232,16 +233,16 @@ impl IdempotencyStore for RestartAfterClaim {
         token: idempotency_core::FencingToken,
         outcome: &[u8],
         ttl: Duration,
-    ) -> Result<idempotency_core::Cas, idempotency_core::Error> {
+    ) -> Result<idempotency_core::store::Cas, idempotency_core::Error> {
         self.inner.complete(id, token, outcome, ttl).await
     }
     async fn fail(
         &self,
         id: &RecordId,
         token: idempotency_core::FencingToken,
-        failure: &idempotency_core::Failure,
+        failure: &idempotency_core::store::Failure,
         ttl: Duration,
-    ) -> Result<idempotency_core::Cas, idempotency_core::Error> {
+    ) -> Result<idempotency_core::store::Cas, idempotency_core::Error> {
         self.inner.fail(id, token, failure, ttl).await
     }
     async fn extend(
@@ -249,7 +250,7 @@ impl IdempotencyStore for RestartAfterClaim {
         id: &RecordId,
         token: idempotency_core::FencingToken,
         lease: Duration,
-    ) -> Result<idempotency_core::Cas, idempotency_core::Error> {
+    ) -> Result<idempotency_core::store::Cas, idempotency_core::Error> {
         self.inner.extend(id, token, lease).await
     }
     async fn reclaim(
@@ -259,7 +260,7 @@ impl IdempotencyStore for RestartAfterClaim {
         fingerprint: &Fingerprint,
         lease: Duration,
         ttl: Duration,
-    ) -> Result<idempotency_core::Reclaim, idempotency_core::Error> {
+    ) -> Result<idempotency_core::store::Reclaim, idempotency_core::Error> {
         self.inner
             .reclaim(id, expected, fingerprint, lease, ttl)
             .await
@@ -267,7 +268,7 @@ impl IdempotencyStore for RestartAfterClaim {
     async fn get(
         &self,
         id: &RecordId,
-    ) -> Result<Option<idempotency_core::Record>, idempotency_core::Error> {
+    ) -> Result<Option<idempotency_core::store::Record>, idempotency_core::Error> {
         self.inner.get(id).await
     }
     async fn purge_expired(&self, batch: usize) -> Result<u64, idempotency_core::Error> {

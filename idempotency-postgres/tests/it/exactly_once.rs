@@ -9,9 +9,11 @@ use crate::common;
 use idempotency_core::Idempotency;
 
 use common::{Isolation, SchemaGuard};
+use idempotency_core::protocol::Begin;
+use idempotency_core::store::{Claim, ClaimRequest, Reclaim, RecordStatus};
 use idempotency_core::{
-    Answer, Begin, Claim, ClaimRequest, Error, FencingToken, Fingerprint, IdempotencyKey,
-    IdempotencyStore, InFlight, Policy, Reclaim, RecordId, RecordStatus, Refusal, Scope,
+    Answer, Error, FencingToken, Fingerprint, IdempotencyKey, IdempotencyStore, InFlight, Policy,
+    RecordId, Refusal, Scope,
 };
 use idempotency_postgres::sqlx::{self, Connection, PgConnection};
 use idempotency_postgres::{PostgresIdempotency, PostgresStore};
@@ -90,8 +92,11 @@ async fn lease_takeover(level: Isolation) {
         .build()
         .unwrap();
     // The retry waits while the key is in progress (a loaded machine may still be rolling the
-    // stalled holder back when the retry comes), then takes it over.
-    let retry_policy = policy.in_flight(InFlight::wait(Duration::from_secs(30)));
+    // stalled holder back when the retry comes), then takes it over. Its own lease is long: a
+    // loaded machine between its takeover and its transaction's lock must not fence it.
+    let retry_policy = policy
+        .lease(Duration::from_secs(5))
+        .in_flight(InFlight::wait(Duration::from_secs(30)));
     let retry = Idempotency::builder(store.clone())
         .policy(retry_policy)
         .build()
@@ -906,6 +911,10 @@ async fn long_work_short_ttl_serializable() {
 // whose callers give up must not leave the small pool's connections behind blocked statements.
 
 async fn duplicates_of_a_held_key(level: Isolation) {
+    // The holder keeps its lease in its process, renewed every third of it: a stall of the
+    // holder's task for a whole lease (a loaded machine) would end its transaction, and a
+    // duplicate would then rightly take the key over. 1.5 s keeps that out of the scenario.
+    const LONG_LEASE: Duration = Duration::from_millis(1500);
     const POOL: u32 = 3;
     let (store, _guard, orders) = setup(level, POOL).await;
     let policy = Policy::default().lease(LONG_LEASE);
@@ -1623,7 +1632,7 @@ async fn the_works_own_database_error_releases_the_key_and_is_returned() {
 // the key is released for a later retry.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_work_that_conflicts_on_every_run_gives_up_and_releases_the_key() {
-    let attempts = usize::try_from(idempotency_core::MAX_TRANSACTION_ATTEMPTS).unwrap();
+    let attempts = usize::try_from(idempotency_core::store::MAX_TRANSACTION_ATTEMPTS).unwrap();
     let (store, guard, _orders) = setup(Isolation::RepeatableRead, 4).await;
     let accounts = accounts(&guard.schema).await;
     let engine = Idempotency::builder(store.clone())

@@ -8,10 +8,8 @@ use crate::common;
 use idempotency_core::Idempotency;
 
 use futures::future::join_all;
-use idempotency_core::{
-    Claim, ClaimRequest, Fingerprint, IdempotencyKey, IdempotencyStore, RecordId, RecordStatus,
-    Scope,
-};
+use idempotency_core::store::{Claim, ClaimRequest, RecordStatus};
+use idempotency_core::{Fingerprint, IdempotencyKey, IdempotencyStore, RecordId, Scope};
 use idempotency_postgres::sqlx::{self, Connection};
 use idempotency_postgres::PostgresStore;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

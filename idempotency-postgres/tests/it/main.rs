@@ -9,6 +9,7 @@ mod behavior;
 mod conformance;
 mod dead_connections;
 mod exactly_once;
+mod held;
 mod kept_connections;
 mod partition;
 mod phases;

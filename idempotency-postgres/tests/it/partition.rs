@@ -10,7 +10,8 @@ use crate::common;
 use idempotency_core::Idempotency;
 
 use common::SchemaGuard;
-use idempotency_core::{Error, Fingerprint, IdempotencyKey, Policy, RecordStatus, Scope};
+use idempotency_core::store::RecordStatus;
+use idempotency_core::{Error, Fingerprint, IdempotencyKey, Policy, Scope};
 use idempotency_postgres::sqlx;
 use idempotency_postgres::{PostgresError, PostgresStore};
 use idempotency_testing::partition::PartitionProxy;

@@ -375,12 +375,12 @@ async fn the_holder_kept_it(
 #[derive(Debug)]
 struct LateRenewals(PostgresStore);
 
-#[idempotency_core::async_trait]
+#[idempotency_core::store::async_trait]
 impl idempotency_core::IdempotencyStore for LateRenewals {
     async fn claim(
         &self,
-        request: &idempotency_core::ClaimRequest,
-    ) -> Result<idempotency_core::Claim, Error> {
+        request: &idempotency_core::store::ClaimRequest,
+    ) -> Result<idempotency_core::store::Claim, Error> {
         self.0.claim(request).await
     }
     async fn complete(
@@ -389,16 +389,16 @@ impl idempotency_core::IdempotencyStore for LateRenewals {
         token: idempotency_core::FencingToken,
         outcome: &[u8],
         ttl: Duration,
-    ) -> Result<idempotency_core::Cas, Error> {
+    ) -> Result<idempotency_core::store::Cas, Error> {
         self.0.complete(id, token, outcome, ttl).await
     }
     async fn fail(
         &self,
         id: &idempotency_core::RecordId,
         token: idempotency_core::FencingToken,
-        failure: &idempotency_core::Failure,
+        failure: &idempotency_core::store::Failure,
         ttl: Duration,
-    ) -> Result<idempotency_core::Cas, Error> {
+    ) -> Result<idempotency_core::store::Cas, Error> {
         self.0.fail(id, token, failure, ttl).await
     }
     async fn extend(
@@ -406,7 +406,7 @@ impl idempotency_core::IdempotencyStore for LateRenewals {
         id: &idempotency_core::RecordId,
         token: idempotency_core::FencingToken,
         lease: Duration,
-    ) -> Result<idempotency_core::Cas, Error> {
+    ) -> Result<idempotency_core::store::Cas, Error> {
         tokio::time::sleep(LONG_LEASE / 10).await;
         self.0.extend(id, token, lease).await
     }
@@ -417,13 +417,13 @@ impl idempotency_core::IdempotencyStore for LateRenewals {
         fingerprint: &Fingerprint,
         lease: Duration,
         ttl: Duration,
-    ) -> Result<idempotency_core::Reclaim, Error> {
+    ) -> Result<idempotency_core::store::Reclaim, Error> {
         self.0.reclaim(id, expected, fingerprint, lease, ttl).await
     }
     async fn get(
         &self,
         id: &idempotency_core::RecordId,
-    ) -> Result<Option<idempotency_core::Record>, Error> {
+    ) -> Result<Option<idempotency_core::store::Record>, Error> {
         self.0.get(id).await
     }
     async fn purge_expired(&self, batch: usize) -> Result<u64, Error> {

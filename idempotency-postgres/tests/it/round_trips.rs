@@ -17,9 +17,11 @@ use crate::common;
 
 use common::{Isolation, SchemaGuard};
 use futures::future::BoxFuture;
+use idempotency_core::protocol::Begin;
+use idempotency_core::store::{Claim, ClaimRequest, Failure, Settlement};
 use idempotency_core::{
-    Begin, Claim, ClaimRequest, Failure, Fingerprint, Idempotency, IdempotencyKey,
-    IdempotencyStore, Policy, RecordId, Scope, Settlement, WorkContext,
+    Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, Policy, RecordId, Scope,
+    WorkContext,
 };
 use idempotency_postgres::sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
 use idempotency_postgres::sqlx::{self, Executor};
@@ -239,7 +241,7 @@ async fn round_trips(kind: PoolKind) {
     let (settled, settle_many) = rig.count(store.settle_many(&settlements)).await;
     assert!(settled
         .into_iter()
-        .all(|cas| cas.unwrap() == idempotency_core::Cas::Applied));
+        .all(|cas| cas.unwrap() == idempotency_core::store::Cas::Applied));
     table.push(("settle_many, 100 completions", settle_many));
     let uncounted_batch: Vec<ClaimRequest> = batch
         .iter()

@@ -6,9 +6,10 @@ use crate::common;
 use idempotency_core::Idempotency;
 
 use common::Isolation;
+use idempotency_core::store::{Cas, Claim, ClaimRequest, Failure, Reclaim, Record, RecordStatus};
 use idempotency_core::{
-    Answer, Cas, Claim, ClaimRequest, Error, Failure, FencingToken, Fingerprint, IdempotencyKey,
-    IdempotencyStore, Policy, Reclaim, Record, RecordId, RecordStatus, Scope,
+    Answer, Error, FencingToken, Fingerprint, IdempotencyKey, IdempotencyStore, Policy, RecordId,
+    Scope,
 };
 use idempotency_postgres::sqlx;
 use idempotency_postgres::PostgresStore;
@@ -346,5 +347,5 @@ async fn extreme_durations_clamp() {
 
 /// The process clock in milliseconds (the database runs on this machine in the tests).
 fn chrono_now_ms() -> i64 {
-    idempotency_core::Timestamp::now().as_millis()
+    idempotency_core::store::Timestamp::now().as_millis()
 }

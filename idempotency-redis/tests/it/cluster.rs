@@ -35,7 +35,8 @@ scenario_tests!(
 /// must reach every primary (each node's SCAN finds some), each readable through the cluster
 /// client.
 async fn records_spread_over_every_primary(h: support::Harness) {
-    use idempotency_core::{Claim, ClaimRequest, Fingerprint, IdempotencyStore};
+    use idempotency_core::store::{Claim, ClaimRequest};
+    use idempotency_core::{Fingerprint, IdempotencyStore};
     use std::time::Duration;
 
     let ids: Vec<_> = (0..60)

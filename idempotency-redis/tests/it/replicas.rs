@@ -4,10 +4,8 @@
 //! and a new one attached.
 #![allow(clippy::unwrap_used)]
 
-use idempotency_core::{
-    Cas, Claim, ClaimRequest, Error, Fingerprint, IdempotencyKey, IdempotencyStore, RecordId,
-    RecordStatus, Scope,
-};
+use idempotency_core::store::{Cas, Claim, ClaimRequest, RecordStatus};
+use idempotency_core::{Error, Fingerprint, IdempotencyKey, IdempotencyStore, RecordId, Scope};
 use idempotency_redis::{redis, RedisStore};
 use idempotency_testing::redis_server::RedisServer;
 use std::time::{Duration, Instant};

@@ -4,9 +4,9 @@
 //! free loopback ports.
 #![allow(clippy::unwrap_used)]
 
+use idempotency_core::store::{Cas, Claim, ClaimRequest, RecordStatus};
 use idempotency_core::{
-    Cas, Claim, ClaimRequest, Error, FencingToken, Fingerprint, IdempotencyKey, IdempotencyStore,
-    RecordId, RecordStatus, Scope,
+    Error, FencingToken, Fingerprint, IdempotencyKey, IdempotencyStore, RecordId, Scope,
 };
 use idempotency_redis::{redis, NotAcknowledged, RedisStore};
 use idempotency_testing::redis_server::SentinelGroup;
@@ -49,7 +49,7 @@ async fn completed(store: &RedisStore) -> RecordId {
 async fn get_until_answered(
     store: &RedisStore,
     id: &RecordId,
-) -> (Option<idempotency_core::Record>, usize) {
+) -> (Option<idempotency_core::store::Record>, usize) {
     let start = Instant::now();
     let mut failures = 0;
     loop {

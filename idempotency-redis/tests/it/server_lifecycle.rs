@@ -3,10 +3,8 @@
 
 use crate::support;
 
-use idempotency_core::{
-    Cas, Claim, ClaimRequest, Error, Fingerprint, IdempotencyKey, IdempotencyStore, Reclaim,
-    RecordId, RecordStatus, Scope,
-};
+use idempotency_core::store::{Cas, Claim, ClaimRequest, Reclaim, RecordStatus};
+use idempotency_core::{Error, Fingerprint, IdempotencyKey, IdempotencyStore, RecordId, Scope};
 use idempotency_redis::RedisStore;
 use std::time::{Duration, Instant};
 use support::{free_port, RedisServer};
@@ -130,7 +128,7 @@ async fn tokens_keep_growing_after_the_dataset_is_lost() {
         new > old,
         "after the dataset was lost the key got token {new}, not above {old}"
     );
-    let failure = idempotency_core::Failure::retryable("stale");
+    let failure = idempotency_core::store::Failure::retryable("stale");
     assert_eq!(
         store
             .complete(&key, old, b"stale", HOUR)
@@ -285,7 +283,7 @@ async fn each_operation_is_one_evalsha() {
         .fail(
             &warm,
             token,
-            &idempotency_core::Failure::retryable("x"),
+            &idempotency_core::store::Failure::retryable("x"),
             HOUR,
         )
         .await
@@ -318,7 +316,7 @@ async fn each_operation_is_one_evalsha() {
             .fail(
                 &rid,
                 token,
-                &idempotency_core::Failure::retryable("x"),
+                &idempotency_core::store::Failure::retryable("x"),
                 HOUR,
             )
             .await

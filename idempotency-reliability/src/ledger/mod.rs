@@ -30,10 +30,8 @@ mod tests;
 
 pub use check::{check, Findings, SeenCompleted};
 
-use idempotency_core::{
-    async_trait, Cas, Claim, ClaimRequest, Error, Failure, FencingToken, Fingerprint,
-    IdempotencyStore, Reclaim, Record, RecordId,
-};
+use idempotency_core::store::{async_trait, Cas, Claim, ClaimRequest, Failure, Reclaim, Record};
+use idempotency_core::{Error, FencingToken, Fingerprint, IdempotencyStore, RecordId};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};

@@ -10,9 +10,11 @@ use crate::ledger::{self, ExecEnd, Execution, SeenCompleted};
 use crate::model::{Call, ExpiringOnceRegister, OnceRegister, Response, Timed};
 use futures::future::BoxFuture;
 use idempotency_conformance::Fault;
+use idempotency_core::protocol::decode_replay;
+use idempotency_core::store::RecordStatus;
 use idempotency_core::{
-    decode_replay, Answer, Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore,
-    Policy, RecordId, RecordStatus, Scope, WorkContext,
+    Answer, Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, Policy, RecordId,
+    Scope, WorkContext,
 };
 use idempotency_tower::StoredResponse;
 use rand::rngs::StdRng;

@@ -2,7 +2,7 @@
 //! (SIGKILL) and started again in the middle of a history-checked soak. (Throttling and lost
 //! answers run in `tests/it/soak.rs`, `soak_dynamodb_flaky_network`.)
 
-use idempotency_core::SystemClock;
+use idempotency_core::store::SystemClock;
 use idempotency_reliability::soak::{soak, EngineRunner, Report, Runner, SoakConfig, OPS_VAR};
 use idempotency_testing::dynamodb::{free_port, store_at, MotoServer};
 use std::sync::Arc;

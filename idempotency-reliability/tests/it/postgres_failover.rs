@@ -13,10 +13,8 @@
 
 use crate::runners;
 
-use idempotency_core::{
-    Cas, Claim, ClaimRequest, Fingerprint, IdempotencyKey, IdempotencyStore, RecordId,
-    RecordStatus, Scope,
-};
+use idempotency_core::store::{Cas, Claim, ClaimRequest, RecordStatus};
+use idempotency_core::{Fingerprint, IdempotencyKey, IdempotencyStore, RecordId, Scope};
 use idempotency_postgres::PostgresStore;
 use idempotency_reliability::soak::{soak, Expect, FailoverRun, Instances, Runner, SoakConfig};
 use idempotency_testing::partition::PartitionProxy;

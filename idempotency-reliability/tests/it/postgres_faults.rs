@@ -5,9 +5,10 @@
 
 use crate::runners;
 
+use idempotency_core::store::{Claim, ClaimRequest, RecordStatus};
 use idempotency_core::{
-    Answer, Claim, ClaimRequest, Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore,
-    Policy, RecordId, RecordStatus, Refusal, Scope,
+    Answer, Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, Policy, RecordId,
+    Refusal, Scope,
 };
 use idempotency_postgres::sqlx::{self, Connection, PgPool};
 use idempotency_postgres::PostgresStore;
@@ -438,7 +439,8 @@ async fn cancellation_storm_leaves_no_connection_in_a_transaction() {
             .expect("get")
             .expect("settled");
         assert_eq!(record.status, RecordStatus::Completed);
-        let stored: Result<u64, String> = idempotency_core::decode_replay(&record).expect("decode");
+        let stored: Result<u64, String> =
+            idempotency_core::protocol::decode_replay(&record).expect("decode");
         assert_eq!(
             rows.get(key.as_str()).cloned().unwrap_or_default(),
             vec![stored.expect("ok")],

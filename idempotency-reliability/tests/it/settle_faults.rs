@@ -3,9 +3,11 @@
 //! `LeaseLost` ("fenced, nothing stored") although its outcome had been stored and replayed.
 
 use idempotency_conformance::{Fault, FlakyOp, FlakyStore};
+use idempotency_core::protocol::Begin;
+use idempotency_core::store::{Failure, Reclaim, RecordStatus};
 use idempotency_core::{
-    Begin, Error, Failure, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, Policy,
-    Reclaim, RecordId, RecordStatus, Scope, SettleRetry,
+    Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, Policy, RecordId, Scope,
+    SettleRetry,
 };
 use idempotency_memory::MemoryStore;
 use std::sync::Arc;

@@ -6,7 +6,8 @@
 
 use crate::runners;
 
-use idempotency_core::{IdempotencyStore, SystemClock};
+use idempotency_core::store::SystemClock;
+use idempotency_core::IdempotencyStore;
 use idempotency_mysql::MySqlStore;
 use idempotency_postgres::PostgresStore;
 use idempotency_redis::RedisStore;
@@ -234,12 +235,12 @@ async fn soak_redis_cluster() {
 #[derive(Debug)]
 struct IgnoresFencing(idempotency_memory::MemoryStore);
 
-#[idempotency_core::async_trait]
+#[idempotency_core::store::async_trait]
 impl IdempotencyStore for IgnoresFencing {
     async fn claim(
         &self,
-        request: &idempotency_core::ClaimRequest,
-    ) -> Result<idempotency_core::Claim, idempotency_core::Error> {
+        request: &idempotency_core::store::ClaimRequest,
+    ) -> Result<idempotency_core::store::Claim, idempotency_core::Error> {
         self.0.claim(request).await
     }
     async fn complete(
@@ -248,17 +249,17 @@ impl IdempotencyStore for IgnoresFencing {
         token: idempotency_core::FencingToken,
         outcome: &[u8],
         ttl: std::time::Duration,
-    ) -> Result<idempotency_core::Cas, idempotency_core::Error> {
+    ) -> Result<idempotency_core::store::Cas, idempotency_core::Error> {
         self.0.complete(id, token, outcome, ttl).await?;
-        Ok(idempotency_core::Cas::Applied)
+        Ok(idempotency_core::store::Cas::Applied)
     }
     async fn fail(
         &self,
         id: &idempotency_core::RecordId,
         token: idempotency_core::FencingToken,
-        failure: &idempotency_core::Failure,
+        failure: &idempotency_core::store::Failure,
         ttl: std::time::Duration,
-    ) -> Result<idempotency_core::Cas, idempotency_core::Error> {
+    ) -> Result<idempotency_core::store::Cas, idempotency_core::Error> {
         self.0.fail(id, token, failure, ttl).await
     }
     async fn extend(
@@ -266,7 +267,7 @@ impl IdempotencyStore for IgnoresFencing {
         id: &idempotency_core::RecordId,
         token: idempotency_core::FencingToken,
         lease: std::time::Duration,
-    ) -> Result<idempotency_core::Cas, idempotency_core::Error> {
+    ) -> Result<idempotency_core::store::Cas, idempotency_core::Error> {
         self.0.extend(id, token, lease).await
     }
     async fn reclaim(
@@ -276,13 +277,13 @@ impl IdempotencyStore for IgnoresFencing {
         fingerprint: &idempotency_core::Fingerprint,
         lease: std::time::Duration,
         ttl: std::time::Duration,
-    ) -> Result<idempotency_core::Reclaim, idempotency_core::Error> {
+    ) -> Result<idempotency_core::store::Reclaim, idempotency_core::Error> {
         self.0.reclaim(id, expected, fingerprint, lease, ttl).await
     }
     async fn get(
         &self,
         id: &idempotency_core::RecordId,
-    ) -> Result<Option<idempotency_core::Record>, idempotency_core::Error> {
+    ) -> Result<Option<idempotency_core::store::Record>, idempotency_core::Error> {
         self.0.get(id).await
     }
     async fn purge_expired(&self, batch: usize) -> Result<u64, idempotency_core::Error> {
@@ -320,12 +321,12 @@ async fn soak_catches_a_store_that_ignores_fencing() {
 #[derive(Debug)]
 struct LyingHeartbeat(idempotency_memory::MemoryStore);
 
-#[idempotency_core::async_trait]
+#[idempotency_core::store::async_trait]
 impl IdempotencyStore for LyingHeartbeat {
     async fn claim(
         &self,
-        request: &idempotency_core::ClaimRequest,
-    ) -> Result<idempotency_core::Claim, idempotency_core::Error> {
+        request: &idempotency_core::store::ClaimRequest,
+    ) -> Result<idempotency_core::store::Claim, idempotency_core::Error> {
         self.0.claim(request).await
     }
     async fn complete(
@@ -334,16 +335,16 @@ impl IdempotencyStore for LyingHeartbeat {
         token: idempotency_core::FencingToken,
         outcome: &[u8],
         ttl: std::time::Duration,
-    ) -> Result<idempotency_core::Cas, idempotency_core::Error> {
+    ) -> Result<idempotency_core::store::Cas, idempotency_core::Error> {
         self.0.complete(id, token, outcome, ttl).await
     }
     async fn fail(
         &self,
         id: &idempotency_core::RecordId,
         token: idempotency_core::FencingToken,
-        failure: &idempotency_core::Failure,
+        failure: &idempotency_core::store::Failure,
         ttl: std::time::Duration,
-    ) -> Result<idempotency_core::Cas, idempotency_core::Error> {
+    ) -> Result<idempotency_core::store::Cas, idempotency_core::Error> {
         self.0.fail(id, token, failure, ttl).await
     }
     async fn extend(
@@ -351,8 +352,8 @@ impl IdempotencyStore for LyingHeartbeat {
         _id: &idempotency_core::RecordId,
         _token: idempotency_core::FencingToken,
         _lease: std::time::Duration,
-    ) -> Result<idempotency_core::Cas, idempotency_core::Error> {
-        Ok(idempotency_core::Cas::Applied)
+    ) -> Result<idempotency_core::store::Cas, idempotency_core::Error> {
+        Ok(idempotency_core::store::Cas::Applied)
     }
     async fn reclaim(
         &self,
@@ -361,13 +362,13 @@ impl IdempotencyStore for LyingHeartbeat {
         fingerprint: &idempotency_core::Fingerprint,
         lease: std::time::Duration,
         ttl: std::time::Duration,
-    ) -> Result<idempotency_core::Reclaim, idempotency_core::Error> {
+    ) -> Result<idempotency_core::store::Reclaim, idempotency_core::Error> {
         self.0.reclaim(id, expected, fingerprint, lease, ttl).await
     }
     async fn get(
         &self,
         id: &idempotency_core::RecordId,
-    ) -> Result<Option<idempotency_core::Record>, idempotency_core::Error> {
+    ) -> Result<Option<idempotency_core::store::Record>, idempotency_core::Error> {
         self.0.get(id).await
     }
     async fn purge_expired(&self, batch: usize) -> Result<u64, idempotency_core::Error> {
@@ -434,12 +435,12 @@ struct PurgeFails {
     calls: std::sync::atomic::AtomicU64,
 }
 
-#[idempotency_core::async_trait]
+#[idempotency_core::store::async_trait]
 impl IdempotencyStore for PurgeFails {
     async fn claim(
         &self,
-        request: &idempotency_core::ClaimRequest,
-    ) -> Result<idempotency_core::Claim, idempotency_core::Error> {
+        request: &idempotency_core::store::ClaimRequest,
+    ) -> Result<idempotency_core::store::Claim, idempotency_core::Error> {
         self.inner.claim(request).await
     }
     async fn complete(
@@ -448,16 +449,16 @@ impl IdempotencyStore for PurgeFails {
         token: idempotency_core::FencingToken,
         outcome: &[u8],
         ttl: std::time::Duration,
-    ) -> Result<idempotency_core::Cas, idempotency_core::Error> {
+    ) -> Result<idempotency_core::store::Cas, idempotency_core::Error> {
         self.inner.complete(id, token, outcome, ttl).await
     }
     async fn fail(
         &self,
         id: &idempotency_core::RecordId,
         token: idempotency_core::FencingToken,
-        failure: &idempotency_core::Failure,
+        failure: &idempotency_core::store::Failure,
         ttl: std::time::Duration,
-    ) -> Result<idempotency_core::Cas, idempotency_core::Error> {
+    ) -> Result<idempotency_core::store::Cas, idempotency_core::Error> {
         self.inner.fail(id, token, failure, ttl).await
     }
     async fn extend(
@@ -465,7 +466,7 @@ impl IdempotencyStore for PurgeFails {
         id: &idempotency_core::RecordId,
         token: idempotency_core::FencingToken,
         lease: std::time::Duration,
-    ) -> Result<idempotency_core::Cas, idempotency_core::Error> {
+    ) -> Result<idempotency_core::store::Cas, idempotency_core::Error> {
         self.inner.extend(id, token, lease).await
     }
     async fn reclaim(
@@ -475,7 +476,7 @@ impl IdempotencyStore for PurgeFails {
         fingerprint: &idempotency_core::Fingerprint,
         lease: std::time::Duration,
         ttl: std::time::Duration,
-    ) -> Result<idempotency_core::Reclaim, idempotency_core::Error> {
+    ) -> Result<idempotency_core::store::Reclaim, idempotency_core::Error> {
         self.inner
             .reclaim(id, expected, fingerprint, lease, ttl)
             .await
@@ -483,7 +484,7 @@ impl IdempotencyStore for PurgeFails {
     async fn get(
         &self,
         id: &idempotency_core::RecordId,
-    ) -> Result<Option<idempotency_core::Record>, idempotency_core::Error> {
+    ) -> Result<Option<idempotency_core::store::Record>, idempotency_core::Error> {
         self.inner.get(id).await
     }
     async fn purge_expired(&self, batch: usize) -> Result<u64, idempotency_core::Error> {

@@ -6,9 +6,11 @@
 
 use crate::runners;
 
+use idempotency_core::protocol::decode_replay;
+use idempotency_core::store::RecordStatus;
 use idempotency_core::{
-    decode_replay, Answer, Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore,
-    Policy, RecordId, RecordStatus, Refusal, Scope,
+    Answer, Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, Policy, RecordId,
+    Refusal, Scope,
 };
 use idempotency_reliability::soak::{soak_policy, EngineRunner, Runner};
 use idempotency_reliability::storm::{

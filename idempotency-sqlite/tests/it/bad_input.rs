@@ -4,7 +4,8 @@
 use crate::common;
 
 use common::{id, manual_store, req};
-use idempotency_core::{Claim, Error, Fingerprint, Idempotency, IdempotencyStore, Policy};
+use idempotency_core::store::Claim;
+use idempotency_core::{Error, Fingerprint, Idempotency, IdempotencyStore, Policy};
 use idempotency_sqlite::{ConnectionMode, SqliteError, SqliteStore};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

@@ -2,7 +2,7 @@
 //! connection modes.
 
 use idempotency_conformance::TestStore;
-use idempotency_core::ManualClock;
+use idempotency_core::store::ManualClock;
 use idempotency_sqlite::{ConnectionMode, SqliteStore};
 use std::sync::Arc;
 

@@ -6,10 +6,13 @@
 use crate::common;
 
 use async_trait::async_trait;
+use idempotency_core::protocol::Begin;
+use idempotency_core::store::{
+    Cas, Claim, ClaimRequest, Failure, ManualClock, Reclaim, Record, RecordStatus,
+};
 use idempotency_core::{
-    Answer, Begin, Cas, Claim, ClaimRequest, Error, Failure, FencingToken, Fingerprint,
-    Idempotency, IdempotencyKey, IdempotencyStore, ManualClock, Policy, Reclaim, Record, RecordId,
-    RecordStatus, Refusal, Scope,
+    Answer, Error, FencingToken, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore,
+    Policy, RecordId, Refusal, Scope,
 };
 use idempotency_sqlite::rusqlite::{self, params, TransactionBehavior};
 use idempotency_sqlite::{ConnectionMode, SqliteStore};
@@ -161,7 +164,7 @@ async fn case1_lease_takeover_rolls_back_the_stale_holder() {
         let keys: Vec<IdempotencyKey> = (0..KEYS).map(|_| IdempotencyKey::random()).collect();
         let fp = Fingerprint::from_json(&serde_json::json!({"sku": "A1", "qty": 1}));
         // Every holder claims before the clock moves: its token comes from this reading.
-        let first = FencingToken::fresh(idempotency_core::Clock::now(&clock), None);
+        let first = FencingToken::fresh(idempotency_core::store::Clock::now(&clock), None);
 
         let holders: Vec<_> = keys
             .iter()
@@ -570,5 +573,84 @@ async fn a_cancelled_call_rolls_back_and_frees_the_connection() {
         let orders = orders_for(&store, key.as_str()).await;
         assert_eq!(orders.len(), 1, "{orders:?}");
         assert_eq!(orders[0].1, "retry");
+    }
+}
+
+/// A transaction the caller holds (`begin_transaction`): duplicates in flight queue behind it
+/// or are told the key is in progress, then replay its answer; one order per key. Dropped after
+/// its insert, it rolls back and the key is released: the next caller places the only order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_held_transaction_commits_once_and_a_dropped_one_leaves_nothing() {
+    use idempotency_core::transaction::Started;
+    for mode in [
+        ConnectionMode::DedicatedThread,
+        ConnectionMode::BlockingPool { connections: 3 },
+    ] {
+        let (store, _clock, _dir) = shop(mode).await;
+        let engine = Idempotency::builder(store.clone())
+            .policy(policy())
+            .build()
+            .unwrap();
+        let place = |key: IdempotencyKey, by: String| {
+            let engine = engine.clone();
+            async move {
+                let started = std::time::Instant::now();
+                loop {
+                    assert!(started.elapsed() < Duration::from_secs(60), "no answer");
+                    let fp = Fingerprint::from_bytes(b"order");
+                    match engine
+                        .begin_transaction::<i64, String>(&key, &scope(), &fp)
+                        .await
+                        .unwrap()
+                    {
+                        Started::Begun(mut tx) => {
+                            let k = key.to_string();
+                            let id = tx.run(move |t| place_order(t, &k, &by)).await.unwrap();
+                            return tx.commit(id.unwrap()).await.unwrap();
+                        }
+                        Started::Replayed(answer) => return answer.unwrap(),
+                        Started::Refused(Refusal::InProgress { .. }) => {
+                            tokio::time::sleep(Duration::from_millis(10)).await;
+                        }
+                        Started::Refused(other) => panic!("refused: {other}"),
+                    }
+                }
+            }
+        };
+        for _ in 0..4 {
+            let key = IdempotencyKey::random();
+            let callers: Vec<_> = (0..6)
+                .map(|i| tokio::spawn(place(key.clone(), format!("c{i}"))))
+                .collect();
+            let mut answers = Vec::new();
+            for caller in callers {
+                answers.push(caller.await.unwrap());
+            }
+            let placed = orders_for(&store, key.as_str()).await;
+            assert_eq!(placed.len(), 1, "{mode:?}: one order per key: {placed:?}");
+            assert!(answers.iter().all(|id| *id == placed[0].0), "{answers:?}");
+        }
+
+        let key = IdempotencyKey::random();
+        let fp = Fingerprint::from_bytes(b"order");
+        let Started::Begun(mut tx) = engine
+            .begin_transaction::<i64, String>(&key, &scope(), &fp)
+            .await
+            .unwrap()
+        else {
+            panic!("a new key begins");
+        };
+        let k = key.to_string();
+        tx.run(move |t| place_order(t, &k, "dropped"))
+            .await
+            .unwrap()
+            .unwrap();
+        drop(tx);
+        let id = place(key.clone(), "retry".into()).await;
+        assert_eq!(
+            orders_for(&store, key.as_str()).await,
+            [(id, "retry".to_owned())],
+            "{mode:?}"
+        );
     }
 }

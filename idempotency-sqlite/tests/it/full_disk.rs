@@ -7,7 +7,8 @@
 
 use crate::common;
 
-use idempotency_core::{Cas, Claim, FencingToken, IdempotencyStore, RecordId, RecordStatus};
+use idempotency_core::store::{Cas, Claim, RecordStatus};
+use idempotency_core::{FencingToken, IdempotencyStore, RecordId};
 use idempotency_sqlite::{ConnectionMode, SqliteError, SqliteStore};
 use std::time::Duration;
 

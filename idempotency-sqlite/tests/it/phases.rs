@@ -7,9 +7,10 @@
 use crate::common;
 
 use idempotency_conformance::recovery::ForeignService;
+use idempotency_core::store::{Clock, ManualClock};
 use idempotency_core::{
-    Answer, Clock, Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, ManualClock,
-    PhaseContext, Phases, Policy, Refusal, Scope,
+    Answer, Error, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, PhaseContext,
+    Phases, Policy, Refusal, Scope,
 };
 use idempotency_sqlite::rusqlite::{self, params};
 use idempotency_sqlite::{ConnectionMode, SqliteStore, SqliteTransaction};
@@ -383,7 +384,7 @@ async fn the_completer_leaves_other_operations_and_plain_keys_alone() {
         IdempotencyKey::new("p-1").unwrap(),
         Scope::new("plain").unwrap(),
     );
-    let idempotency_core::Begin::Execute(lease) = w
+    let idempotency_core::protocol::Begin::Execute(lease) = w
         .engine
         .begin(&plain, &Fingerprint::from_bytes(b"p"))
         .await

@@ -4,10 +4,8 @@
 use crate::common;
 
 use common::{id, manual_store, req};
-use idempotency_core::{
-    Cas, Claim, Failure, FencingToken, Fingerprint, IdempotencyStore, Reclaim, RecordStatus,
-    Settlement,
-};
+use idempotency_core::store::{Cas, Claim, Failure, Reclaim, RecordStatus, Settlement};
+use idempotency_core::{FencingToken, Fingerprint, IdempotencyStore};
 use idempotency_sqlite::ConnectionMode;
 use std::time::Duration;
 
@@ -238,9 +236,9 @@ trait NowMs {
     fn now_ms(&self) -> i64;
 }
 
-impl NowMs for idempotency_core::ManualClock {
+impl NowMs for idempotency_core::store::ManualClock {
     fn now_ms(&self) -> i64 {
-        idempotency_core::Clock::now(self).as_millis()
+        idempotency_core::store::Clock::now(self).as_millis()
     }
 }
 

@@ -4,7 +4,7 @@
 
 use aws_sdk_dynamodb::config::interceptors::BeforeTransmitInterceptorContextRef;
 use aws_sdk_dynamodb::config::{ConfigBag, Intercept, RuntimeComponents};
-use idempotency_core::ManualClock;
+use idempotency_core::store::ManualClock;
 use idempotency_dynamodb::DynamoStore;
 use idempotency_testing::dynamodb as common;
 use std::collections::BTreeMap;

@@ -6,7 +6,7 @@
 pub(crate) mod scenarios;
 
 use idempotency_conformance::{Capabilities, ServerClock, TestStore};
-use idempotency_core::Timestamp;
+use idempotency_core::store::Timestamp;
 use idempotency_redis::{RedisStore, RedisStoreBuilder};
 pub(crate) use idempotency_testing::redis_server::*;
 use std::sync::Arc;

@@ -2,9 +2,11 @@
 
 use super::{Harness, Raw};
 use idempotency_conformance::cases::unique_id;
+use idempotency_core::store::{
+    Cas, Claim, ClaimRequest, Failure, Reclaim, RecordStatus, Settlement,
+};
 use idempotency_core::{
-    Cas, Claim, ClaimRequest, Error, Failure, FencingToken, Fingerprint, IdempotencyKey,
-    IdempotencyStore, Reclaim, RecordId, RecordStatus, Scope, Settlement,
+    Error, FencingToken, Fingerprint, IdempotencyKey, IdempotencyStore, RecordId, Scope,
 };
 use idempotency_redis::RedisStore;
 use std::sync::Arc;

@@ -1,7 +1,8 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
-use idempotency_core::{ClaimRequest, Fingerprint, IdempotencyKey, ManualClock, RecordId, Scope};
+use idempotency_core::store::{ClaimRequest, ManualClock};
+use idempotency_core::{Fingerprint, IdempotencyKey, RecordId, Scope};
 use idempotency_sqlite::{ConnectionMode, SqliteStore};
 use std::sync::Arc;
 use std::time::Duration;
