@@ -24,7 +24,10 @@ use std::time::Duration;
 use tokio::sync::Notify;
 
 /// The store, its schema guard and the schema-qualified `orders` table beside it.
-async fn setup(level: Isolation, pool_size: u32) -> (PostgresStore, SchemaGuard, Arc<str>) {
+pub(crate) async fn setup(
+    level: Isolation,
+    pool_size: u32,
+) -> (PostgresStore, SchemaGuard, Arc<str>) {
     let (store, guard) = common::store_with(level, pool_size).await;
     let orders = format!(r#""{}".orders"#, guard.schema);
     common::exec(&format!(
@@ -54,7 +57,7 @@ async fn insert_order(
 /// The committed orders for `key`, by who placed them.
 /// Read on a connection of its own at READ COMMITTED: an observer that never fails to
 /// serialize, whatever level the store's sessions run at.
-async fn orders_for(_store: &PostgresStore, orders: &str, key: &IdempotencyKey) -> Vec<String> {
+pub(crate) async fn orders_for(orders: &str, key: &IdempotencyKey) -> Vec<String> {
     let mut conn = common::admin().await;
     sqlx::query_scalar(&format!(
         "SELECT placed_by FROM {orders} WHERE ref = $1 ORDER BY id"
@@ -65,11 +68,11 @@ async fn orders_for(_store: &PostgresStore, orders: &str, key: &IdempotencyKey) 
     .expect("count orders")
 }
 
-fn scope() -> Scope {
+pub(crate) fn scope() -> Scope {
     Scope::new("tenant-1|POST /orders").unwrap()
 }
 
-fn fingerprint() -> Fingerprint {
+pub(crate) fn fingerprint() -> Fingerprint {
     Fingerprint::from_json(&serde_json::json!({"sku": "A1", "qty": 2}))
 }
 
@@ -202,7 +205,7 @@ async fn takeover_pair(engine: PostgresIdempotency, retry: PostgresIdempotency, 
         "the stale holder must be fenced, got {stale:?}"
     );
     assert_eq!(
-        orders_for(engine.store(), &orders, &key).await,
+        orders_for(&orders, &key).await,
         vec!["retry".to_owned()],
         "exactly one order, the retry's: the stale holder's transaction rolled back"
     );
@@ -384,7 +387,7 @@ async fn retry_runs_once(
         "the retry reclaimed the released key"
     );
     assert_eq!(
-        orders_for(engine.store(), orders, key).await,
+        orders_for(orders, key).await,
         vec!["retry".to_owned()],
         "exactly one order: the dropped transaction committed nothing"
     );
@@ -530,7 +533,7 @@ async fn kill_once(store: PostgresStore, orders: Arc<str>, level: Isolation) -> 
         .await
         .unwrap()
         .expect("the record is never lost");
-    let placed = orders_for(&store, &orders, &key).await;
+    let placed = orders_for(&orders, &key).await;
     match record.status {
         RecordStatus::Completed => {
             assert_eq!(
@@ -616,7 +619,7 @@ async fn kill_once(store: PostgresStore, orders: Arc<str>, level: Isolation) -> 
                 );
             }
             assert_eq!(
-                orders_for(&store, &orders, &key).await,
+                orders_for(&orders, &key).await,
                 vec!["holder".to_owned()],
                 "after the retry: exactly one order"
             );
@@ -699,7 +702,7 @@ async fn killed_connection_through_engine_helper() {
             Err(e @ Error::Backend { .. }) if e.find_source::<sqlx::Error>().is_some() => {}
             other => panic!("expected the work's database error, got {other:?}"),
         }
-        assert!(orders_for(&store, &orders, &key).await.is_empty());
+        assert!(orders_for(&orders, &key).await.is_empty());
         let record = store
             .get(&RecordId::new(key.clone(), scope()))
             .await
@@ -805,7 +808,7 @@ async fn long_work(level: Isolation) {
     let out = holder.await.expect("holder task");
     let reclaim = reclaim.await.expect("reclaim task");
     let duplicate = duplicate.await.expect("duplicate task");
-    let placed = orders_for(&store, &orders, &key).await;
+    let placed = orders_for(&orders, &key).await;
     let record = store.get(&id).await.unwrap().expect("the record");
     let runs = runs.load(Ordering::SeqCst);
     assert!(
@@ -877,7 +880,7 @@ async fn long_work_short_ttl(level: Isolation) {
             })
             .await
     };
-    let placed = orders_for(&store, &orders, &key).await;
+    let placed = orders_for(&orders, &key).await;
     assert!(
         matches!(out, Ok(Answer::Executed(Ok(7)))) && placed == vec!["slow".to_owned()],
         "{level:?}: 3 s of work with a 1 s lease and TTL got {out:?}, orders {placed:?}, \
@@ -1101,7 +1104,7 @@ async fn duplicates_of_a_held_key(level: Isolation) {
         "{level:?}: no duplicate ran the work"
     );
     assert_eq!(
-        orders_for(&store, &orders, &key).await,
+        orders_for(&orders, &key).await,
         vec!["holder".to_owned()],
         "{level:?}: one order"
     );
@@ -1315,7 +1318,7 @@ async fn commit_cut(level: Isolation, cut: CommitCut) {
         .await
         .unwrap()
         .expect("the record is never lost");
-    let placed = orders_for(&store, &orders, &key).await;
+    let placed = orders_for(&orders, &key).await;
     match cut {
         CommitCut::AfterCommit => assert!(
             record.status == RecordStatus::Completed && placed == vec!["first".to_owned()],
@@ -1334,7 +1337,7 @@ async fn commit_cut(level: Isolation, cut: CommitCut) {
         .run_in_transaction(&key, &scope(), &fingerprint(), work("retry"))
         .await
         .expect("the retry");
-    let placed = orders_for(&store, &orders, &key).await;
+    let placed = orders_for(&orders, &key).await;
     let runs = runs.load(Ordering::SeqCst);
     match cut {
         CommitCut::AfterCommit => {

@@ -3,24 +3,13 @@
 //! dropped, refused or past its lease, nothing of it stays and the key is a retry's.
 #![allow(clippy::unwrap_used)]
 
-use crate::common::{self, Isolation, SchemaGuard};
+use crate::common::Isolation;
+use crate::exactly_once::{fingerprint, orders_for, scope, setup};
 use idempotency_core::transaction::Started;
-use idempotency_core::{Error, Fingerprint, Idempotency, IdempotencyKey, Refusal, Scope};
+use idempotency_core::{Error, Idempotency, IdempotencyKey, Refusal};
 use idempotency_postgres::sqlx::{self, PgConnection};
-use idempotency_postgres::{PostgresIdempotency, PostgresStore};
-use std::sync::Arc;
+use idempotency_postgres::PostgresIdempotency;
 use std::time::{Duration, Instant};
-
-/// The store, its schema guard and the schema-qualified `orders` table beside it.
-async fn setup(level: Isolation) -> (PostgresStore, SchemaGuard, Arc<str>) {
-    let (store, guard) = common::store_with(level, 24).await;
-    let orders = format!(r#""{}".orders"#, guard.schema);
-    common::exec(&format!(
-        "CREATE TABLE {orders} (id bigserial PRIMARY KEY, ref text NOT NULL, placed_by text NOT NULL)"
-    ))
-    .await;
-    (store, guard, orders.into())
-}
 
 async fn insert(
     conn: &mut PgConnection,
@@ -36,26 +25,6 @@ async fn insert(
     .execute(conn)
     .await
     .map(|_| ())
-}
-
-/// The committed orders for `key`, read on a connection of its own.
-async fn orders_for(orders: &str, key: &IdempotencyKey) -> Vec<String> {
-    let mut conn = common::admin().await;
-    sqlx::query_scalar(&format!(
-        "SELECT placed_by FROM {orders} WHERE ref = $1 ORDER BY id"
-    ))
-    .bind(key.as_str())
-    .fetch_all(&mut conn)
-    .await
-    .unwrap()
-}
-
-fn scope() -> Scope {
-    Scope::new("tenant-1|POST /orders").unwrap()
-}
-
-fn fingerprint() -> Fingerprint {
-    Fingerprint::from_bytes(b"A1 x2")
 }
 
 /// One caller: begins until it gets an answer (a key in progress is asked again, within a
@@ -100,7 +69,7 @@ async fn place(
 }
 
 async fn duplicates_commit_one_order(level: Isolation) {
-    let (store, _guard, orders) = setup(level).await;
+    let (store, _guard, orders) = setup(level, 24).await;
     let engine = Idempotency::builder(store).build().unwrap();
     for _ in 0..6 {
         let key = IdempotencyKey::random();
@@ -141,7 +110,7 @@ async fn held_duplicates_commit_one_order_serializable() {
 /// Dropped after its insert (a `?`, an early return), refused, or rolled back: nothing of it
 /// stays, the key is released, and the next caller's order is the only one.
 async fn ended_without_commit(level: Isolation) {
-    let (store, _guard, orders) = setup(level).await;
+    let (store, _guard, orders) = setup(level, 24).await;
     let engine = Idempotency::builder(store).build().unwrap();
     for end in ["drop", "refuse", "rollback"] {
         let key = IdempotencyKey::random();
@@ -194,7 +163,7 @@ async fn held_ended_without_commit_serializable() {
 /// (`LeaseLost`), everything rolls back, and a retry then places the order. One order either
 /// way, the retry's.
 async fn past_its_lease(level: Isolation) {
-    let (store, _guard, orders) = setup(level).await;
+    let (store, _guard, orders) = setup(level, 24).await;
     let lease = Duration::from_millis(300);
     // The stalled holder's engine; the retries use one with the default lease.
     let stalling = Idempotency::builder(store.clone())
@@ -261,7 +230,7 @@ async fn held_past_its_lease_serializable() {
 /// or in the process where the record is locked), a duplicate is told the key is in progress
 /// all along, and the commit goes through.
 async fn kept_alive(level: Isolation) {
-    let (store, _guard, orders) = setup(level).await;
+    let (store, _guard, orders) = setup(level, 24).await;
     let lease = Duration::from_millis(900);
     let engine = Idempotency::builder(store).lease(lease).build().unwrap();
     let key = IdempotencyKey::random();
