@@ -8,6 +8,12 @@ use std::time::{Duration, Instant};
 /// Calls that must be answered after the recovery for a run to count.
 const ANSWERED_AFTER: usize = 500;
 
+/// Calls a failover soak makes after the recovery before it ends
+/// ([`Ending::end_after`](super::Ending::end_after)): four times what a run must have answered
+/// after it, so that a run ends as soon as it has met its failover, however slowly a loaded
+/// machine makes its calls.
+pub const CALLS_AFTER_RECOVERY: usize = 4 * ANSWERED_AFTER;
+
 /// What a failover must do to the history of a [`FailoverRun`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Expect {

@@ -30,7 +30,7 @@ mod failover;
 mod run;
 
 pub use crate::faults::WorkFault;
-pub use failover::{heavy_run, Expect, FailoverRun};
+pub use failover::{heavy_run, Expect, FailoverRun, CALLS_AFTER_RECOVERY};
 pub use run::soak;
 
 /// The env var that sets the number of operations of a soak run.
@@ -179,6 +179,52 @@ pub struct SoakConfig {
     /// Set once the workers' calls have all ended, before the final reads: a fault schedule
     /// of the caller's own (a partition, a crash) that runs beside the soak stops there.
     pub calls_over: Arc<AtomicBool>,
+    /// Ends the calls before `ops` once a fault schedule beside the soak has met what it
+    /// came for (a failover recovered from, enough partitions): `ops` is then only the bound.
+    pub ending: Arc<Ending>,
+}
+
+/// When a soak's calls end: after [`SoakConfig::ops`] calls, or earlier, a given number of
+/// calls after a fault schedule beside the soak asked for it ([`Ending::end_after`]). A
+/// schedule that waits for its fault to happen and then ends the run makes the soak as long
+/// as the fault needs, not as long as a fixed count of calls takes on a loaded machine.
+#[derive(Debug)]
+pub struct Ending {
+    /// Calls started so far.
+    started: AtomicUsize,
+    /// No call starts at or past this sequence number (`usize::MAX` until asked).
+    limit: AtomicUsize,
+}
+
+impl Default for Ending {
+    fn default() -> Self {
+        Self {
+            started: AtomicUsize::new(0),
+            limit: AtomicUsize::new(usize::MAX),
+        }
+    }
+}
+
+impl Ending {
+    /// Lets `calls` more calls start, then ends the run (or keeps the earlier end if one was
+    /// asked for already).
+    pub fn end_after(&self, calls: usize) {
+        let now = self.started.load(Ordering::SeqCst);
+        self.limit
+            .fetch_min(now.saturating_add(calls), Ordering::SeqCst);
+    }
+
+    /// Calls started so far.
+    pub fn started(&self) -> usize {
+        self.started.load(Ordering::SeqCst)
+    }
+
+    /// The next call's sequence number, or `None` when the run's calls are over (`ops`
+    /// reached, or the end asked for).
+    fn next(&self, ops: usize) -> Option<usize> {
+        let seq = self.started.fetch_add(1, Ordering::SeqCst);
+        (seq < ops.min(self.limit.load(Ordering::SeqCst))).then_some(seq)
+    }
 }
 
 impl SoakConfig {
@@ -218,6 +264,7 @@ impl SoakConfig {
             seed,
             business_writes_may_fail: false,
             calls_over: Arc::default(),
+            ending: Arc::default(),
         }
     }
 }
@@ -464,7 +511,7 @@ impl Runner for EngineRunner {
 #[derive(Debug)]
 pub struct Instances {
     engines: Vec<EngineRunner>,
-    next: std::sync::atomic::AtomicUsize,
+    next: AtomicUsize,
 }
 
 impl Instances {

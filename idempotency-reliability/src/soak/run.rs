@@ -120,7 +120,6 @@ struct Shared {
     http: Option<HttpPath>,
     rig: Option<Arc<FaultRig>>,
     config: SoakConfig,
-    next: AtomicUsize,
     origin: Instant,
     counters: Arc<Counters>,
 }
@@ -152,10 +151,9 @@ async fn worker(shared: Arc<Shared>, seed: u64) -> Vec<Event> {
     let mut events = Vec::new();
     let c = &shared.config;
     loop {
-        let seq = shared.next.fetch_add(1, Ordering::Relaxed);
-        if seq >= c.ops {
+        let Some(seq) = c.ending.next(c.ops) else {
             return events;
-        }
+        };
         let space = pick(&c.mix.spaces, &mut rng, Space::Engine);
         let (first, n) = shared
             .spaces
@@ -389,7 +387,6 @@ pub async fn soak(runner: Arc<dyn Runner>, config: SoakConfig) -> Report {
         http,
         rig: rig.clone(),
         config: config.clone(),
-        next: AtomicUsize::new(0),
         origin,
         counters: Arc::new(Counters::default()),
     });

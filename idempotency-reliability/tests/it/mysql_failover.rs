@@ -18,7 +18,9 @@ use crate::runners;
 use idempotency_core::IdempotencyStore;
 use idempotency_mysql::sqlx::mysql::MySqlConnectOptions;
 use idempotency_mysql::MySqlStore;
-use idempotency_reliability::soak::{soak, Expect, FailoverRun, Instances, Runner, SoakConfig};
+use idempotency_reliability::soak::{
+    soak, Expect, FailoverRun, Instances, Runner, SoakConfig, CALLS_AFTER_RECOVERY,
+};
 use idempotency_testing::mariadb_server::{DataDir, MariadbServer, Replication};
 use idempotency_testing::mysql::{self as my, Isolation};
 use idempotency_testing::partition::PartitionProxy;
@@ -88,7 +90,7 @@ async fn failover_soak_once(replication: Replication, path: Path) -> Option<Fail
     let address = Arc::new(PartitionProxy::start(loopback(primary.0.port)).await);
 
     let mut config = SoakConfig::from_env(format!("mysql-failover-{replication:?}-{path:?}"));
-    // Long enough to outlast the failover, whatever the soak length.
+    // A bound: the chaos ends the run once it has met the failover.
     config.ops = config.ops.max(20_000);
     let runner: Arc<dyn Runner> = match path {
         Path::Engine => {
@@ -107,7 +109,7 @@ async fn failover_soak_once(replication: Replication, path: Path) -> Option<Fail
         }
     };
     let chaos = {
-        let address = address.clone();
+        let (address, ending) = (address.clone(), config.ending.clone());
         tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(1_500)).await;
             // The replication link is cut for a second (a network partition between the
@@ -124,7 +126,9 @@ async fn failover_soak_once(replication: Replication, path: Path) -> Option<Fail
             let (replica, replica_data) = replica;
             replica.promote().await;
             address.retarget(loopback(replica.port));
-            (replica, replica_data, crashed, Instant::now())
+            let switched = Instant::now();
+            ending.end_after(CALLS_AFTER_RECOVERY);
+            (replica, replica_data, crashed, switched)
         })
     };
     let report = soak(runner, config).await;

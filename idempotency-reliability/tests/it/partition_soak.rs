@@ -1,5 +1,5 @@
 //! Network partitions in the middle of a history-checked soak, per networked backend: the
-//! store reaches its server through a proxy that, again and again until the calls run out,
+//! store reaches its server through a proxy that, [`CUTS`] times (then the calls end),
 //! black-holes both directions or lets requests through and holds the answers, for a random
 //! time around the store's response timeout, then heals (or, after a long cut, severs every
 //! connection, as a server that gave up on its clients would). Every call ends in a defined
@@ -15,7 +15,7 @@ use crate::runners;
 use idempotency_mysql::MySqlStore;
 use idempotency_postgres::PostgresStore;
 use idempotency_redis::RedisStore;
-use idempotency_reliability::soak::{soak, EngineRunner, Report, Runner, SoakConfig};
+use idempotency_reliability::soak::{soak, Ending, EngineRunner, Report, Runner, SoakConfig};
 use idempotency_testing::mysql::{self as my, TableGuard};
 use idempotency_testing::partition::PartitionProxy;
 use idempotency_testing::postgres::{self as pg, SchemaGuard};
@@ -33,6 +33,13 @@ use std::time::{Duration, Instant};
 /// The stores' response timeout (and pool acquire timeout): a call through a cut gives up
 /// after it.
 const TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Cuts a run makes, half of each kind; then its calls end (the run's count of calls is only
+/// a bound), so a run is as long as its cuts, however slowly a loaded machine makes calls.
+const CUTS: usize = 16;
+
+/// Calls the soak makes after its last cut, before it ends.
+const CALLS_AFTER_CUTS: usize = 200;
 
 /// Cuts of each kind that must meet calls in flight for a run to count.
 const MIN_CUTS_IN_FLIGHT: usize = 4;
@@ -74,11 +81,16 @@ async fn sleep_unless_over(length: Duration, over: &AtomicBool) -> bool {
     over.load(Ordering::Relaxed)
 }
 
-/// Cuts the proxy until the soak's calls are over (then heals at once, so that the final
-/// reads get through): 0.2–0.7 s healthy, then a partition or held answers (taking turns) for
+/// Cuts the proxy [`CUTS`] times, then ends the soak's calls (or stops as soon as they are
+/// over, healing at once, so that the final reads get through): 0.2–0.7 s healthy, then a partition or held answers (taking turns) for
 /// 0.25–2.5 response timeouts, healed, or severed one time in three when the cut outlasted
 /// the timeout.
-async fn chaos(proxy: Arc<PartitionProxy>, over: Arc<AtomicBool>, seed: u64) -> Vec<Cut> {
+async fn chaos(
+    proxy: Arc<PartitionProxy>,
+    over: Arc<AtomicBool>,
+    ending: Arc<Ending>,
+    seed: u64,
+) -> Vec<Cut> {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut cuts = Vec::new();
     loop {
@@ -113,6 +125,10 @@ async fn chaos(proxy: Arc<PartitionProxy>, over: Arc<AtomicBool>, seed: u64) -> 
         if ended_early {
             return cuts;
         }
+        if cuts.len() == CUTS {
+            ending.end_after(CALLS_AFTER_CUTS);
+            return cuts;
+        }
     }
 }
 
@@ -126,11 +142,16 @@ async fn partition_soak_once(
     runner: Arc<dyn Runner>,
 ) -> bool {
     let mut config = SoakConfig::from_env(format!("{backend}-partitions"));
-    // Long enough for a dozen cuts, whatever the soak length.
+    // A bound: the chaos ends the calls after its cuts.
     config.ops = config.ops.max(ops);
     // A cut may kill a connection under the work's own business write.
     config.business_writes_may_fail = true;
-    let chaos = tokio::spawn(chaos(proxy.clone(), config.calls_over.clone(), config.seed));
+    let chaos = tokio::spawn(chaos(
+        proxy.clone(),
+        config.calls_over.clone(),
+        config.ending.clone(),
+        config.seed,
+    ));
     let report = tokio::time::timeout(RUN_LIMIT, soak(runner, config))
         .await
         .unwrap_or_else(|_| panic!("{backend}: the soak hung through a partition"));
@@ -192,7 +213,7 @@ async fn partition_soak_once(
 }
 
 /// Runs the scenario until a run meets enough cuts (at most five runs), each run making
-/// `ops` calls: enough for about a dozen cuts on this backend.
+/// `ops` calls at most (the chaos ends them after [`CUTS`] cuts).
 async fn partition_soak<F, Fut>(backend: &str, ops: usize, mut setup: F)
 where
     F: FnMut() -> Fut,

@@ -16,7 +16,9 @@ use crate::runners;
 use idempotency_core::store::{Cas, Claim, ClaimRequest, RecordStatus};
 use idempotency_core::{Fingerprint, IdempotencyKey, IdempotencyStore, RecordId, Scope};
 use idempotency_postgres::PostgresStore;
-use idempotency_reliability::soak::{soak, Expect, FailoverRun, Instances, Runner, SoakConfig};
+use idempotency_reliability::soak::{
+    soak, Expect, FailoverRun, Instances, Runner, SoakConfig, CALLS_AFTER_RECOVERY,
+};
 use idempotency_testing::partition::PartitionProxy;
 use idempotency_testing::pg_server::PgServer;
 use runners::postgres::PgTransactionalRunner;
@@ -79,7 +81,7 @@ async fn failover_soak_once(replication: Replication, path: Path) -> Option<Fail
         store
     };
     let mut config = SoakConfig::from_env(format!("postgres-failover-{replication:?}-{path:?}"));
-    // Long enough to outlast the failover, whatever the soak length.
+    // A bound: the chaos ends the run once it has met the failover.
     config.ops = config.ops.max(20_000);
     let runner: Arc<dyn Runner> = match path {
         Path::Engine => {
@@ -95,7 +97,7 @@ async fn failover_soak_once(replication: Replication, path: Path) -> Option<Fail
         }
     };
     let chaos = {
-        let address = address.clone();
+        let (address, ending) = (address.clone(), config.ending.clone());
         tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(1_500)).await;
             // The replication link is cut for a second (a network partition between the
@@ -110,7 +112,9 @@ async fn failover_soak_once(replication: Replication, path: Path) -> Option<Fail
             drop(link);
             standby.promote().await;
             address.retarget(loopback(standby.port));
-            (standby, crashed, Instant::now())
+            let switched = Instant::now();
+            ending.end_after(CALLS_AFTER_RECOVERY);
+            (standby, crashed, switched)
         })
     };
     let report = soak(runner, config).await;

@@ -5,6 +5,7 @@ use idempotency_core::Scope;
 use idempotency_redis::RedisStore;
 use idempotency_reliability::soak::{
     soak, EngineRunner, Expect, FailoverRun, Instances, Report, Runner, SoakConfig,
+    CALLS_AFTER_RECOVERY,
 };
 use idempotency_reliability::storm::{
     calibrate, cancellation_storm, next_calls_succeed, storm_keys_settle, StormSize,
@@ -194,7 +195,8 @@ async fn cancellation_storm_then_every_call_succeeds() {
 /// Two application instances, each with its own store (its own connection) from `connect`,
 /// with `wait_for_replicas(1, 2 s)` when `wait`: a call goes to one or the other, so one
 /// instance reads what the other wrote. The soak is long enough to outlast the failover and
-/// the rejoin, whatever its configured length.
+/// the rejoin, whatever its configured length (a bound: the chaos ends the run
+/// [`CALLS_AFTER_RECOVERY`] calls after the rejoin).
 async fn failover_runner<F, Fut>(
     topology: &str,
     wait: bool,
@@ -274,6 +276,7 @@ async fn failover_soak_once(wait: bool) -> Option<FailoverRun> {
         builder.connect_sentinel(group.sentinel_urls(), &group.name)
     })
     .await;
+    let ending = config.ending.clone();
     let mut chaos = tokio::task::spawn_blocking(move || {
         let mut group = group;
         std::thread::sleep(Duration::from_millis(1_500));
@@ -287,7 +290,9 @@ async fn failover_soak_once(wait: bool) -> Option<FailoverRun> {
         let new = group.wait_for_failover(old, Duration::from_secs(60));
         let promoted = Instant::now();
         group.rejoin(old, new);
-        (group, crashed, promoted, Instant::now())
+        let rejoined = Instant::now();
+        ending.end_after(CALLS_AFTER_RECOVERY);
+        (group, crashed, promoted, rejoined)
     });
     let report = soak_or_say_why(soak(runner, config), &mut chaos).await;
     let (_group, crashed, promoted, rejoined) = chaos.await.expect("chaos");
@@ -334,6 +339,7 @@ async fn cluster_failover_soak_once(wait: bool) -> Option<FailoverRun> {
         builder.connect_cluster(cluster.urls())
     })
     .await;
+    let ending = config.ending.clone();
     let mut chaos = tokio::task::spawn_blocking(move || {
         let mut cluster = cluster;
         std::thread::sleep(Duration::from_millis(1_500));
@@ -344,7 +350,9 @@ async fn cluster_failover_soak_once(wait: bool) -> Option<FailoverRun> {
         cluster.wait_for_failover(0, Duration::from_secs(60));
         let promoted = Instant::now();
         cluster.rejoin(0);
-        (cluster, crashed, promoted, Instant::now())
+        let rejoined = Instant::now();
+        ending.end_after(CALLS_AFTER_RECOVERY);
+        (cluster, crashed, promoted, rejoined)
     });
     let report = soak_or_say_why(soak(runner, config), &mut chaos).await;
     let (_cluster, crashed, promoted, rejoined) = chaos.await.expect("chaos");
