@@ -391,8 +391,35 @@ pub async fn flaky_store(
     network: FlakyNetwork,
     attempts: u32,
 ) -> Result<(DynamoStore, TableGuard), Error> {
-    let (created, guard) = store(clock.clone()).await?;
-    let config = client()
+    flaky_store_at(clock, network, attempts, url()).await
+}
+
+/// [`flaky_store`] on every stand-in [`urls`] lists, each key on one of them as in
+/// [`sharded_store`], every shard's client sending through `network`: for soaks, whose
+/// calls would otherwise queue at one stand-in that serves one request at a time.
+pub async fn sharded_flaky_store(
+    clock: Arc<dyn Clock>,
+    network: FlakyNetwork,
+    attempts: u32,
+) -> Result<(ShardedStore, Vec<TableGuard>), Error> {
+    let mut shards: Vec<Arc<dyn IdempotencyStore>> = Vec::new();
+    let mut guards = Vec::new();
+    for url in urls() {
+        let (store, guard) = flaky_store_at(clock.clone(), network.clone(), attempts, url).await?;
+        shards.push(Arc::new(store));
+        guards.push(guard);
+    }
+    Ok((ShardedStore { shards }, guards))
+}
+
+async fn flaky_store_at(
+    clock: Arc<dyn Clock>,
+    network: FlakyNetwork,
+    attempts: u32,
+    at: String,
+) -> Result<(DynamoStore, TableGuard), Error> {
+    let (created, guard) = store_at_url(clock.clone(), at.clone()).await?;
+    let config = client_at(&at)
         .config()
         .to_builder()
         .interceptor(network)

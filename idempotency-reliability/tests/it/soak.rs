@@ -392,15 +392,16 @@ async fn soak_catches_a_heartbeat_that_lies() {
     );
 }
 
-/// DynamoDB (the local stand-in), on the system clock: moto answers one request at a time,
-/// so the purger scans less often than on the other stores (a scan holds the stand-in).
+/// DynamoDB (a table on each local stand-in, each key on one of them), on the system clock:
+/// moto answers one request at a time, so the purger scans less often than on the other
+/// stores (a scan holds a stand-in).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn soak_dynamodb() {
     let mut config = SoakConfig::from_env("dynamodb");
     config.purge_every = std::time::Duration::from_millis(100);
-    let (store, _guard) = idempotency_testing::dynamodb::spread_store(Arc::new(SystemClock))
+    let (store, _guards) = idempotency_testing::dynamodb::sharded_store(Arc::new(SystemClock))
         .await
-        .expect("a table on the DynamoDB stand-in (bash .ci/services starts it)");
+        .expect("a table on each DynamoDB stand-in (bash .ci/services starts them)");
     run(engine(Arc::new(store), &config), config, Purge::Deletes).await;
 }
 
@@ -413,10 +414,13 @@ async fn soak_dynamodb_flaky_network() {
     let mut config = SoakConfig::from_env("dynamodb-flaky-network");
     config.purge_every = std::time::Duration::from_millis(100);
     let network = idempotency_testing::dynamodb::FlakyNetwork::new(0.05, 0.02, config.seed);
-    let (store, _guard) =
-        idempotency_testing::dynamodb::flaky_store(Arc::new(SystemClock), network.clone(), 4)
-            .await
-            .expect("a table on the DynamoDB stand-in (bash .ci/services starts it)");
+    let (store, _guards) = idempotency_testing::dynamodb::sharded_flaky_store(
+        Arc::new(SystemClock),
+        network.clone(),
+        4,
+    )
+    .await
+    .expect("a table on each DynamoDB stand-in (bash .ci/services starts them)");
     run(engine(Arc::new(store), &config), config, Purge::Deletes).await;
     eprintln!(
         "network faults: {} sends throttled, {} answers of applied writes lost",
