@@ -181,6 +181,8 @@ pub struct SoakConfig {
     pub calls_over: Arc<AtomicBool>,
     /// Ends the calls before `ops` once a fault schedule beside the soak has met what it
     /// came for (a failover recovered from, enough partitions): `ops` is then only the bound.
+    /// The sweep through the keys is paced by `ops`, so a run ended at half of them has swept
+    /// half of the keys (every key is still read at the end). One soak per `Ending`.
     pub ending: Arc<Ending>,
 }
 
@@ -214,7 +216,8 @@ impl Ending {
             .fetch_min(now.saturating_add(calls), Ordering::SeqCst);
     }
 
-    /// Calls started so far.
+    /// Calls started so far (once the calls are over, up to one more per worker: each
+    /// worker's last try to start one).
     pub fn started(&self) -> usize {
         self.started.load(Ordering::SeqCst)
     }
@@ -683,11 +686,11 @@ impl Report {
             .count()
     }
 
-    /// Calls made after `at` that were answered.
+    /// Calls made after `at` that were answered (the final reads are not calls).
     pub fn answered_after(&self, at: Instant) -> usize {
         self.events
             .iter()
-            .filter(|e| e.op.ret.is_some() && self.instant(e.op.call) > at)
+            .filter(|e| !e.is_final && e.op.ret.is_some() && self.instant(e.op.call) > at)
             .count()
     }
 

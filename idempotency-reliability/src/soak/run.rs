@@ -340,6 +340,12 @@ async fn worker(shared: Arc<Shared>, seed: u64) -> Vec<Event> {
 /// injects store faults, sends some calls through the HTTP layer and some to keys with a
 /// short retention while a purger runs, and checks the rig's ledger.
 pub async fn soak(runner: Arc<dyn Runner>, config: SoakConfig) -> Report {
+    assert_eq!(
+        config.ending.started(),
+        0,
+        "a SoakConfig's Ending serves one soak: give each run a config of its own, or a new \
+         Ending"
+    );
     install_panic_filter();
     let run_id: u64 = rand::thread_rng().gen();
     let run = format!("{run_id:016x}");

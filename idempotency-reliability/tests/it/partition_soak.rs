@@ -1,6 +1,6 @@
 //! Network partitions in the middle of a history-checked soak, per networked backend: the
-//! store reaches its server through a proxy that, [`CUTS`] times (then the calls end),
-//! black-holes both directions or lets requests through and holds the answers, for a random
+//! store reaches its server through a proxy that, [`CUTS`] times (the calls end during the
+//! last), black-holes both directions or lets requests through and holds the answers, for a random
 //! time around the store's response timeout, then heals (or, after a long cut, severs every
 //! connection, as a server that gave up on its clients would). Every call ends in a defined
 //! outcome (the checker treats a call that got no answer as unknown: it may apply later or
@@ -34,12 +34,10 @@ use std::time::{Duration, Instant};
 /// after it.
 const TIMEOUT: Duration = Duration::from_secs(1);
 
-/// Cuts a run makes, half of each kind; then its calls end (the run's count of calls is only
-/// a bound), so a run is as long as its cuts, however slowly a loaded machine makes calls.
-const CUTS: usize = 16;
-
-/// Calls the soak makes after its last cut, before it ends.
-const CALLS_AFTER_CUTS: usize = 200;
+/// Cuts a run makes, half of each kind; its calls end during the last (the run's count of
+/// calls is only a bound), so a run is as long as its cuts, however slowly a loaded machine
+/// makes calls.
+const CUTS: usize = 20;
 
 /// Cuts of each kind that must meet calls in flight for a run to count.
 const MIN_CUTS_IN_FLIGHT: usize = 4;
@@ -81,8 +79,9 @@ async fn sleep_unless_over(length: Duration, over: &AtomicBool) -> bool {
     over.load(Ordering::Relaxed)
 }
 
-/// Cuts the proxy [`CUTS`] times, then ends the soak's calls (or stops as soon as they are
-/// over, healing at once, so that the final reads get through): 0.2–0.7 s healthy, then a partition or held answers (taking turns) for
+/// Cuts the proxy until the soak's calls are over, then heals at once, so that the final
+/// reads get through; when the [`CUTS`]th cut begins, no call starts any more, and the cut
+/// lasts until the calls in flight have ended (at most ten timeouts). 0.2–0.7 s healthy, then a partition or held answers (taking turns) for
 /// 0.25–2.5 response timeouts, healed, or severed one time in three when the cut outlasted
 /// the timeout.
 async fn chaos(
@@ -103,11 +102,18 @@ async fn chaos(
         } else {
             CutKind::RepliesHeld
         };
-        let length = TIMEOUT.mul_f64(rng.gen_range(0.25..2.5));
+        let mut length = TIMEOUT.mul_f64(rng.gen_range(0.25..2.5));
         let at = Instant::now();
         match kind {
             CutKind::Partition => proxy.partition(),
             CutKind::RepliesHeld => proxy.hold_replies(),
+        }
+        if cuts.len() + 1 == CUTS {
+            // The last cut: no call starts any more, and the cut lasts until those in flight
+            // have ended (each within its timeouts; at most ten), then heals for the final
+            // reads.
+            ending.end_after(0);
+            length = 10 * TIMEOUT;
         }
         let ended_early = sleep_unless_over(length, &over).await;
         let severed = !ended_early && length > TIMEOUT && rng.gen_bool(1.0 / 3.0);
@@ -123,10 +129,6 @@ async fn chaos(
             severed,
         });
         if ended_early {
-            return cuts;
-        }
-        if cuts.len() == CUTS {
-            ending.end_after(CALLS_AFTER_CUTS);
             return cuts;
         }
     }
@@ -213,7 +215,7 @@ async fn partition_soak_once(
 }
 
 /// Runs the scenario until a run meets enough cuts (at most five runs), each run making
-/// `ops` calls at most (the chaos ends them after [`CUTS`] cuts).
+/// `ops` calls at most (the chaos ends them during its [`CUTS`]th cut).
 async fn partition_soak<F, Fut>(backend: &str, ops: usize, mut setup: F)
 where
     F: FnMut() -> Fut,

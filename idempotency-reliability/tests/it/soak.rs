@@ -70,6 +70,34 @@ async fn run(runner: Arc<dyn Runner>, config: SoakConfig, purge: Purge) {
     }
 }
 
+/// Calls answered after an instant count the soak's calls, never its final reads (a failover
+/// run must have had 500 calls answered after the recovery, not 300 and the reads of its
+/// 200 keys).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn answered_after_counts_calls_not_the_final_reads() {
+    let mut config = SoakConfig::from_env("answered-after");
+    config.ops = 500;
+    let over = config.calls_over.clone();
+    let calls_ended = tokio::spawn(async move {
+        while !over.load(std::sync::atomic::Ordering::SeqCst) {
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+        std::time::Instant::now()
+    });
+    let store = Arc::new(idempotency_memory::MemoryStore::new());
+    let runner = Arc::new(EngineRunner::new(store, config.lease));
+    let started = std::time::Instant::now();
+    let report = soak(runner, config).await;
+    let calls_ended = calls_ended.await.expect("the watcher");
+    report.assert_clean();
+    assert!(report.answered_after(started) > 0, "{report}");
+    assert_eq!(
+        report.answered_after(calls_ended),
+        0,
+        "only the final reads were made after the calls ended"
+    );
+}
+
 /// The engine over the fault rig: store faults, the ledger, the HTTP layer's engine and the
 /// short-retention engines.
 fn engine(store: Arc<dyn IdempotencyStore>, config: &SoakConfig) -> Arc<dyn Runner> {
