@@ -515,6 +515,31 @@ pub async fn engine_batch_keeps_every_message_leased_until_settled(t: TestStore)
     // The store's clock runs well past the lease, in steps the heartbeat keeps up with.
     let step = lease / 6;
     for _ in 0..10 {
+        if let crate::TimeControl::Manual(clock) = &t.time {
+            // The heartbeat runs on real time and a loaded store answers slowly: before the
+            // store's clock moves on, wait (boundedly) until the heartbeat has extended the
+            // batch's leases past the step, so that what the clock does cannot outrun it.
+            let past = idempotency_core::store::Clock::now(clock).saturating_add(2 * step);
+            let waited = std::time::Instant::now();
+            for i in [1, 2] {
+                loop {
+                    let record = t.store.get(&address(i)).await.expect("get");
+                    if record
+                        .as_ref()
+                        .and_then(|r| r.lease_until)
+                        .is_some_and(|until| until >= past)
+                    {
+                        break;
+                    }
+                    assert!(
+                        waited.elapsed() < Duration::from_secs(30),
+                        "the heartbeat did not extend message {i}'s lease past the store's \
+                         clock: {record:?}"
+                    );
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+        }
         t.advance(step).await;
         if matches!(t.time, crate::TimeControl::Manual(_)) {
             tokio::time::sleep(step).await;
