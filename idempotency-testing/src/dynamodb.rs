@@ -113,10 +113,19 @@ pub async fn spread_store(clock: Arc<dyn Clock>) -> Result<(DynamoStore, TableGu
 pub async fn sharded_store(
     clock: Arc<dyn Clock>,
 ) -> Result<(ShardedStore, Vec<TableGuard>), Error> {
+    sharded(|url| store_at_url(clock.clone(), url)).await
+}
+
+/// A [`ShardedStore`] over one store per stand-in [`urls`] lists, each made by `make`.
+async fn sharded<F, Fut>(make: F) -> Result<(ShardedStore, Vec<TableGuard>), Error>
+where
+    F: Fn(String) -> Fut,
+    Fut: std::future::Future<Output = Result<(DynamoStore, TableGuard), Error>>,
+{
     let mut shards: Vec<Arc<dyn IdempotencyStore>> = Vec::new();
     let mut guards = Vec::new();
     for url in urls() {
-        let (store, guard) = store_at_url(clock.clone(), url).await?;
+        let (store, guard) = make(url).await?;
         shards.push(Arc::new(store));
         guards.push(guard);
     }
@@ -402,14 +411,7 @@ pub async fn sharded_flaky_store(
     network: FlakyNetwork,
     attempts: u32,
 ) -> Result<(ShardedStore, Vec<TableGuard>), Error> {
-    let mut shards: Vec<Arc<dyn IdempotencyStore>> = Vec::new();
-    let mut guards = Vec::new();
-    for url in urls() {
-        let (store, guard) = flaky_store_at(clock.clone(), network.clone(), attempts, url).await?;
-        shards.push(Arc::new(store));
-        guards.push(guard);
-    }
-    Ok((ShardedStore { shards }, guards))
+    sharded(|url| flaky_store_at(clock.clone(), network.clone(), attempts, url)).await
 }
 
 async fn flaky_store_at(
