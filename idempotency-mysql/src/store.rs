@@ -121,24 +121,37 @@ impl MySqlStore {
     /// Safe to call at every start and from several processes at once
     /// (`CREATE TABLE IF NOT EXISTS`). A table of another shape under the same name is
     /// refused with [`MySqlError::TableShape`] and nothing is changed.
+    ///
+    /// Logs a warning when the server is not set up to keep what it showed across a crash
+    /// (see [`MySqlStore::verify`]).
     pub async fn migrate(&self) -> Result<(), MySqlError> {
         let mut conn = self
             .pool
             .acquire()
             .await
             .map_err(|source| MySqlError::Connect { source })?;
-        schema::migrate(&mut conn, &self.name).await
+        schema::migrate(&mut conn, &self.name).await?;
+        warn_unless_durable(&mut conn).await;
+        Ok(())
     }
 
     /// Checks that the table exists and has the shape this crate needs, without changing
     /// anything: [`MySqlError::MissingTable`] or [`MySqlError::TableShape`] otherwise.
+    ///
+    /// Also logs a warning (`tracing`, at `WARN`) when the server's settings let a crash lose
+    /// what other sessions already saw: `innodb_flush_log_at_trx_commit` other than 1 or 3,
+    /// the binary log off (InnoDB then shows a commit to other sessions before its redo record
+    /// is written, so a crash can undo a completion that retries were already answered from,
+    /// and the key runs again), or `sync_binlog = 0` (a power loss can lose commits).
     pub async fn verify(&self) -> Result<(), MySqlError> {
         let mut conn = self
             .pool
             .acquire()
             .await
             .map_err(|source| MySqlError::Connect { source })?;
-        schema::verify(&mut conn, &self.name).await
+        schema::verify(&mut conn, &self.name).await?;
+        warn_unless_durable(&mut conn).await;
+        Ok(())
     }
 
     /// The completion compare-and-swap, inside the caller's transaction.
@@ -767,5 +780,70 @@ impl IdempotencyStore for MySqlStore {
             })
             .await?;
         Ok(done.rows_affected())
+    }
+}
+
+/// What a server's durability settings lack for the store's guarantees across a crash, as
+/// sentences; empty when nothing.
+fn durability_gaps(flush_log_at_trx_commit: i64, log_bin: i64, sync_binlog: i64) -> Vec<String> {
+    let mut gaps = Vec::new();
+    if !matches!(flush_log_at_trx_commit, 1 | 3) {
+        gaps.push(format!(
+            "innodb_flush_log_at_trx_commit = {flush_log_at_trx_commit}: a crash can lose \
+             commits that were answered (set it to 1)"
+        ));
+    }
+    if log_bin == 0 {
+        gaps.push(
+            "the binary log is off: InnoDB shows a commit to other sessions before its redo \
+             record is written, so a crash can undo a completion that retries were already \
+             answered from, and the key runs again (start the server with log_bin and \
+             sync_binlog = 1)"
+                .to_owned(),
+        );
+    } else if sync_binlog == 0 {
+        gaps.push(
+            "sync_binlog = 0: a power loss or an operating system crash can lose commits \
+             (set it to 1)"
+                .to_owned(),
+        );
+    }
+    gaps
+}
+
+/// Reads the server's durability settings and logs what [`durability_gaps`] finds. A server
+/// that does not answer the question (a proxy, a permission) is only noted at `DEBUG`.
+async fn warn_unless_durable(conn: &mut sqlx::MySqlConnection) {
+    let settings = sqlx::query_as::<_, (i64, i64, i64)>(
+        "SELECT CAST(@@global.innodb_flush_log_at_trx_commit AS SIGNED),
+                CAST(@@global.log_bin AS SIGNED), CAST(@@global.sync_binlog AS SIGNED)",
+    )
+    .fetch_one(&mut *conn)
+    .await;
+    match settings {
+        Ok((flush, log_bin, sync_binlog)) => {
+            for gap in durability_gaps(flush, log_bin, sync_binlog) {
+                tracing::warn!(
+                    "MariaDB is not set up to keep what it showed across a crash: {gap}"
+                );
+            }
+        }
+        Err(e) => tracing::debug!(error = %e, "could not read the server's durability settings"),
+    }
+}
+
+#[cfg(test)]
+mod durability_tests {
+    use super::durability_gaps;
+
+    #[test]
+    fn only_the_binary_log_synced_at_every_commit_is_without_gaps() {
+        assert!(durability_gaps(1, 1, 1).is_empty());
+        assert!(durability_gaps(3, 1, 1).is_empty());
+        let gaps = durability_gaps(1, 0, 0);
+        assert_eq!(gaps.len(), 1);
+        assert!(gaps[0].contains("binary log is off"), "{gaps:?}");
+        assert!(durability_gaps(1, 1, 0)[0].contains("sync_binlog = 0"));
+        assert_eq!(durability_gaps(2, 0, 0).len(), 2);
     }
 }

@@ -101,6 +101,18 @@ impl MariadbServer {
         limit: Duration,
         options: &[String],
     ) -> Option<Self> {
+        Self::start_with_env(port, data, limit, options, &[])
+    }
+
+    /// As [`start_with`](Self::start_with), with `env` added to the server's environment
+    /// (for one, [`SlowRedo::env`]).
+    pub fn start_with_env(
+        port: u16,
+        data: &DataDir,
+        limit: Duration,
+        options: &[String],
+        env: &[(String, String)],
+    ) -> Option<Self> {
         let dir = data.path().to_owned();
         let mut cmd = Command::new("bash");
         cmd.arg("-c")
@@ -118,6 +130,7 @@ impl MariadbServer {
             .arg("--skip-grant-tables")
             .arg("--innodb-buffer-pool-size=32M")
             .args(options)
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::null());
@@ -207,6 +220,66 @@ impl MariadbServer {
     fn stop_watchdog(&mut self) {
         drop(self.stdin.take());
         let _ = self.watchdog.wait();
+    }
+}
+
+/// A slow disk under InnoDB's redo log, on demand: a small library loaded into `mariadbd`
+/// (`LD_PRELOAD`, built from C with `cc` on first use) makes every write to the redo log wait
+/// `delay` while [`hold`](Self::hold) is in force. A test can so crash the server at a known
+/// moment of a commit: after the statement has run, before its redo record is in the file.
+#[derive(Debug)]
+pub struct SlowRedo {
+    dir: tempfile::TempDir,
+    delay: Duration,
+}
+
+impl SlowRedo {
+    /// Builds the library; fails the test with what is missing when no C compiler is.
+    pub fn new(delay: Duration) -> Self {
+        let dir = tempfile::Builder::new()
+            .prefix("idem-slow-redo-")
+            .tempdir()
+            .expect("temp dir");
+        let source = dir.path().join("slow_redo.c");
+        std::fs::write(&source, include_str!("slow_redo.c")).expect("write the shim's source");
+        let out = Command::new("cc")
+            .args(["-shared", "-fPIC", "-O2", "-o"])
+            .arg(dir.path().join("slow_redo.so"))
+            .arg(&source)
+            .arg("-ldl")
+            .output()
+            .unwrap_or_else(|e| {
+                panic!("cannot run cc to build the redo-log shim ({e}); install gcc")
+            });
+        assert!(
+            out.status.success(),
+            "cc could not build the redo-log shim: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Self { dir, delay }
+    }
+
+    /// The environment a server is started with ([`MariadbServer::start_with_env`]).
+    pub fn env(&self) -> Vec<(String, String)> {
+        let path = |name: &str| self.dir.path().join(name).display().to_string();
+        vec![
+            ("LD_PRELOAD".to_owned(), path("slow_redo.so")),
+            ("SLOW_REDO_FLAG".to_owned(), path("hold")),
+            (
+                "SLOW_REDO_MS".to_owned(),
+                self.delay.as_millis().to_string(),
+            ),
+        ]
+    }
+
+    /// From now on, every write to the redo log waits the delay before it is made.
+    pub fn hold(&self) {
+        std::fs::write(self.dir.path().join("hold"), b"").expect("raise the shim's flag");
+    }
+
+    /// From now on, writes to the redo log go straight through again.
+    pub fn release(&self) {
+        let _ = std::fs::remove_file(self.dir.path().join("hold"));
     }
 }
 
