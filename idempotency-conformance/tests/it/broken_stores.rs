@@ -11,7 +11,8 @@ use idempotency_core::store::{
 use idempotency_core::{Error, FencingToken, Fingerprint, IdempotencyStore, RecordId};
 use idempotency_memory::MemoryStore;
 use std::panic::AssertUnwindSafe;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -200,24 +201,40 @@ impl IdempotencyStore for Broken {
     }
 }
 
-/// Runs every case against stores from `make`, each case on a fresh store, catching panics.
-/// Returns the names of the failed cases.
-fn failing_cases(make: impl Fn(ManualClock) -> Arc<dyn IdempotencyStore>) -> Vec<&'static str> {
-    let mut failed = Vec::new();
-    for (name, case) in all_cases() {
-        let clock = ManualClock::new();
-        let store = make(clock.clone());
-        let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            run_case(
-                move || async move { TestStore::manual_time(store, clock) },
-                move |t| bounded(case, t),
-            )
-        }));
-        if outcome.is_err() {
-            failed.push(name);
+/// Runs every case against stores from `make`, each case on a fresh store and clock, catching
+/// panics, `CASES_AT_ONCE` at a time (a case mostly waits on its tasks and its clock). Returns
+/// the names of the failed cases, in the kit's order.
+fn failing_cases(
+    make: impl Fn(ManualClock) -> Arc<dyn IdempotencyStore> + Sync,
+) -> Vec<&'static str> {
+    const CASES_AT_ONCE: usize = 4;
+    let cases = all_cases();
+    let next = AtomicUsize::new(0);
+    let failed = Mutex::new(Vec::new());
+    std::thread::scope(|scope| {
+        for _ in 0..CASES_AT_ONCE {
+            scope.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(&(name, case)) = cases.get(i) else {
+                    return;
+                };
+                let clock = ManualClock::new();
+                let store = make(clock.clone());
+                let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                    run_case(
+                        move || async move { TestStore::manual_time(store, clock) },
+                        move |t| bounded(case, t),
+                    )
+                }));
+                if outcome.is_err() {
+                    failed.lock().expect("the failed cases").push((i, name));
+                }
+            });
         }
-    }
-    failed
+    });
+    let mut failed = failed.into_inner().expect("the failed cases");
+    failed.sort_unstable();
+    failed.into_iter().map(|(_, name)| name).collect()
 }
 
 async fn bounded(case: CaseFn, t: TestStore) {
