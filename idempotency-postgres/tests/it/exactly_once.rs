@@ -1353,11 +1353,11 @@ async fn commit_cut(level: Isolation, cut: CommitCut) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn connection_lost_at_commit() {
-    for level in Isolation::ALL {
-        for cut in [CommitCut::AfterCommit, CommitCut::InsteadOfCommit] {
-            commit_cut(level, cut).await;
-        }
-    }
+    // Each level and cut on its own proxy, schema and pool, side by side.
+    futures::future::join_all(Isolation::ALL.into_iter().flat_map(|level| {
+        [CommitCut::AfterCommit, CommitCut::InsteadOfCommit].map(move |cut| commit_cut(level, cut))
+    }))
+    .await;
 }
 
 /// Work that counts its runs and inserts one order, returning its token.
