@@ -3,7 +3,9 @@
 moto's own server handles requests on many threads, and its DynamoDB checks a write's
 condition and applies the write as separate Python steps, so two racing conditional writes
 can both pass. DynamoDB applies each conditional write atomically; serving one request at a
-time keeps that true here (connections stay open and concurrent; their requests queue).
+time keeps that true here (connections stay open and concurrent; their requests queue). The
+HTTP/1.1 server below is a small one of our own on one asyncio loop: moto's app answers each
+request in turn, with no thread per connection.
 
 moto keeps its tables in memory. With IDEMPOTENCY_DYNAMODB_JOURNAL set to a file, every
 write it applied (a 2xx answer) is appended to that file and synced before it is answered,
@@ -14,6 +16,7 @@ store's conditions compare numbers its client sent, never moto's clock.)
 Usage: python dynamodb-local.py HOST PORT
 """
 
+import asyncio
 import base64
 import collections
 import copy
@@ -27,7 +30,6 @@ import threading
 from moto.dynamodb.comparisons import ConditionExpressionParser
 from moto.dynamodb.parsing.expressions import UpdateExpressionParser
 from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
-from werkzeug.serving import WSGIRequestHandler, run_simple
 from werkzeug.test import EnvironBuilder
 
 host, port = sys.argv[1], int(sys.argv[2])
@@ -80,12 +82,6 @@ ConditionExpressionParser._lex_condition_expression = lambda self: copy.deepcopy
     collections.deque(_lexed_condition(self.condition_expression))
 )
 
-
-class QuietHandler(WSGIRequestHandler):
-    """No log line per request (the tests send tens of thousands)."""
-
-    def log_request(self, *args, **kwargs):
-        pass
 
 WRITES = {
     "PutItem", "UpdateItem", "DeleteItem", "TransactWriteItems", "BatchWriteItem",
@@ -159,4 +155,98 @@ if journal_path:
         replay(journal_path)
     journal = open(journal_path, "ab")
 
-run_simple(host, port, serialised, threaded=True, request_handler=QuietHandler)
+# The HTTP server: one thread, one asyncio loop, HTTP/1.1 keep-alive. Requests are handled one
+# at a time by construction (the lock above is then never contended); werkzeug's threaded
+# server spent more of moto's time starting threads, handing the interpreter lock between
+# them and writing responses in pieces than moto spent answering.
+
+
+def environ_for(method, target, version, headers, body, peer):
+    path, _, query = target.partition("?")
+    environ = {
+        "REQUEST_METHOD": method,
+        "SCRIPT_NAME": "",
+        "PATH_INFO": path,
+        "QUERY_STRING": query,
+        "SERVER_NAME": host,
+        "SERVER_PORT": str(port),
+        "SERVER_PROTOCOL": version,
+        "REMOTE_ADDR": peer,
+        "wsgi.version": (1, 0),
+        "wsgi.url_scheme": "http",
+        "wsgi.input": io.BytesIO(body),
+        "wsgi.errors": sys.stderr,
+        "wsgi.multithread": False,
+        "wsgi.multiprocess": False,
+        "wsgi.run_once": False,
+        "CONTENT_LENGTH": str(len(body)),
+    }
+    for name, value in headers:
+        key = name.upper().replace("-", "_")
+        if key == "CONTENT_TYPE":
+            environ["CONTENT_TYPE"] = value
+        elif key != "CONTENT_LENGTH":
+            environ["HTTP_" + key] = value
+    return environ
+
+
+async def connection(reader, writer):
+    peer = (writer.get_extra_info("peername") or ("127.0.0.1",))[0]
+    try:
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+                return
+            lines = head.decode("latin-1").split("\r\n")
+            method, target, version = lines[0].split(" ", 2)
+            headers = []
+            for line in lines[1:]:
+                if line:
+                    name, _, value = line.partition(":")
+                    headers.append((name.strip(), value.strip()))
+            fields = {name.lower(): value for name, value in headers}
+            if "chunked" in fields.get("transfer-encoding", "").lower():
+                writer.write(b"HTTP/1.1 501 Not Implemented\r\nContent-Length: 0\r\n"
+                             b"Connection: close\r\n\r\n")
+                await writer.drain()
+                return
+            if fields.get("expect", "").lower() == "100-continue":
+                writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            length = int(fields.get("content-length") or 0)
+            body = await reader.readexactly(length) if length else b""
+            close = fields.get("connection", "").lower() == "close" or version != "HTTP/1.1"
+            answer = []
+
+            def start_response(status, response_headers, exc_info=None):
+                answer[:] = [status, response_headers]
+
+            response = b"".join(serialised(
+                environ_for(method, target, version, headers, body, peer), start_response))
+            status, response_headers = answer
+            out = ["HTTP/1.1 ", status, "\r\n"]
+            for name, value in response_headers:
+                if name.lower() not in ("content-length", "connection", "transfer-encoding"):
+                    out += [name, ": ", value, "\r\n"]
+            out += ["Content-Length: ", str(len(response)), "\r\n"]
+            if close:
+                out.append("Connection: close\r\n")
+            out.append("\r\n")
+            writer.write("".join(out).encode("latin-1") + response)
+            await writer.drain()
+            if close:
+                return
+    except ConnectionError:
+        return
+    finally:
+        writer.close()
+
+
+async def serve():
+    server = await asyncio.start_server(connection, host, port, limit=1 << 20, backlog=256)
+    print(f" * Running on http://{host}:{port}", file=sys.stderr, flush=True)
+    async with server:
+        await server.serve_forever()
+
+
+asyncio.run(serve())
