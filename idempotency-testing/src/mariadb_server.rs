@@ -224,8 +224,8 @@ impl MariadbServer {
 }
 
 /// A slow disk under InnoDB's redo log, on demand: a small library loaded into `mariadbd`
-/// (`LD_PRELOAD`, built from C with `cc` on first use) makes every write to the redo log wait
-/// `delay` while [`hold`](Self::hold) is in force. A test can so crash the server at a known
+/// (`LD_PRELOAD`, built from C with `cc` by [`new`](Self::new), in a second) makes every write
+/// to the redo log wait `delay` while [`hold`](Self::hold) is in force. A test can so crash the server at a known
 /// moment of a commit: after the statement has run, before its redo record is in the file.
 #[derive(Debug)]
 pub struct SlowRedo {
@@ -265,6 +265,7 @@ impl SlowRedo {
         vec![
             ("LD_PRELOAD".to_owned(), path("slow_redo.so")),
             ("SLOW_REDO_FLAG".to_owned(), path("hold")),
+            ("SLOW_REDO_ENGAGED".to_owned(), path("engaged")),
             (
                 "SLOW_REDO_MS".to_owned(),
                 self.delay.as_millis().to_string(),
@@ -280,6 +281,12 @@ impl SlowRedo {
     /// From now on, writes to the redo log go straight through again.
     pub fn release(&self) {
         let _ = std::fs::remove_file(self.dir.path().join("hold"));
+    }
+
+    /// Whether a server held a write back since this was made (if not, the library did not
+    /// take hold: the server writes its log some other way).
+    pub fn engaged(&self) -> bool {
+        self.dir.path().join("engaged").exists()
     }
 }
 

@@ -1,6 +1,6 @@
 //! The reliability campaign: each file a concern (a store's faults, a failover, a soak), all in
 //! one binary so that their tests run side by side (`cargo test -p idempotency-reliability
-//! --test it MODULE` runs one).
+//! --features campaign --test it MODULE` runs one).
 
 mod dynamodb_faults;
 mod mysql_failover;
