@@ -1354,10 +1354,10 @@ async fn commit_cut(level: Isolation, cut: CommitCut) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn connection_lost_at_commit() {
     // Each level and cut on its own proxy, schema and pool, side by side.
-    futures::future::join_all(Isolation::ALL.into_iter().flat_map(|level| {
-        [CommitCut::AfterCommit, CommitCut::InsteadOfCommit].map(move |cut| commit_cut(level, cut))
-    }))
-    .await;
+    let cuts = Isolation::ALL.into_iter().flat_map(|level| {
+        [CommitCut::AfterCommit, CommitCut::InsteadOfCommit].map(move |cut| (level, cut))
+    });
+    common::side_by_side(cuts, |(level, cut)| commit_cut(level, cut)).await;
 }
 
 /// Work that counts its runs and inserts one order, returning its token.

@@ -23,9 +23,9 @@ const LEVELS: [Isolation; 3] = [
     Isolation::Serializable,
 ];
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn postgres_passes_every_recovery_point_case_at_every_level() {
-    futures::future::join_all(LEVELS.map(|level| async move {
+    common::side_by_side(LEVELS, |level| async move {
         let (store, _guard) = common::store_with(level, 4).await;
         // The database's clock decides: time passes by sleeping, with room for a stalled
         // machine (a record expires only after its retention).
@@ -48,7 +48,7 @@ async fn postgres_passes_every_recovery_point_case_at_every_level() {
         if let Err(e) = recovery_cases(&kit).await {
             panic!("{level:?} {e}");
         }
-    }))
+    })
     .await;
 }
 
@@ -208,9 +208,9 @@ impl World {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_holder_that_died_after_the_charge_is_resumed_there_at_every_level() {
-    futures::future::join_all(LEVELS.map(|level| async move {
+    common::side_by_side(LEVELS, |level| async move {
         let w = World::new(level).await;
         w.run_and_die_after_charge().await;
         assert_eq!(w.counts().await, (1, 1, 0), "{level:?}: the ride committed");
@@ -225,7 +225,7 @@ async fn a_holder_that_died_after_the_charge_is_resumed_there_at_every_level() {
         let keys = w.payments.keys();
         assert!(keys.len() == 2 && keys[0] == keys[1], "{level:?}: {keys:?}");
         assert_eq!(w.run().await.unwrap(), Answer::Replayed(Ok((1, 1))));
-    }))
+    })
     .await;
 }
 
@@ -269,9 +269,9 @@ fn slow_then_fast(schema: &str) -> Phases<PostgresStore, i64, String> {
 /// still its own, and a duplicate request and a completer that come once the record's lease
 /// has passed, during the phase, are told the key is in progress (or, if they come after the
 /// end, get the replay), never take it over.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_phase_longer_than_the_lease_is_followed_by_the_next_at_every_level() {
-    futures::future::join_all(LEVELS.map(|level| async move {
+    common::side_by_side(LEVELS, |level| async move {
         let w = World::new(level).await;
         let schema = w.guard.schema.clone();
         let holder = {
@@ -300,15 +300,15 @@ async fn a_phase_longer_than_the_lease_is_followed_by_the_next_at_every_level() 
         let duplicate = engine.run_phases(&key, &scope, &fp, slow_then_fast(&schema));
         let (duplicate, round) = tokio::join!(duplicate, completer.run_once());
         the_holder_kept_it(level, holder.await.unwrap(), duplicate, round, &w).await;
-    }))
+    })
     .await;
 }
 
 /// The completer finishes an operation whose holder died after its charge, from the charge
 /// on, once the lease has passed; a client's retry then replays it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_completer_finishes_a_dead_holders_operation_at_every_level() {
-    futures::future::join_all(LEVELS.map(|level| async move {
+    common::side_by_side(LEVELS, |level| async move {
         let w = World::new(level).await;
         w.run_and_die_after_charge().await;
         let (payments, schema) = (
@@ -340,7 +340,7 @@ async fn the_completer_finishes_a_dead_holders_operation_at_every_level() {
         assert!(keys.len() == 2 && keys[0] == keys[1], "{level:?}: {keys:?}");
         assert_eq!(w.run().await.unwrap(), Answer::Replayed(Ok((1, 1))));
         assert_eq!(completer.run_once().await.unwrap().found, 0, "{level:?}");
-    }))
+    })
     .await;
 }
 
@@ -441,9 +441,9 @@ impl idempotency_core::IdempotencyStore for LateRenewals {
 /// row, and a duplicate request and a completer wait for the row. When the phase commits,
 /// its recovery point renews the lease in the same transaction, so neither takes the
 /// operation over before the holder's own renewal lands: the holder finishes it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_long_middle_phase_is_not_taken_over_when_it_commits_at_every_level() {
-    futures::future::join_all(LEVELS.map(|level| async move {
+    common::side_by_side(LEVELS, |level| async move {
         let w = World::new(level).await;
         let rides = format!(r#""{}".rides"#, w.guard.schema);
         let flow = move || {
@@ -500,6 +500,6 @@ async fn a_long_middle_phase_is_not_taken_over_when_it_commits_at_every_level() 
         let duplicate = engine.run_phases(&key, &scope, &fp, flow());
         let (duplicate, round) = tokio::join!(duplicate, completer.run_once());
         the_holder_kept_it(level, holder.await.unwrap(), duplicate, round, &w).await;
-    }))
+    })
     .await;
 }

@@ -84,3 +84,21 @@ pub(crate) async fn kept_store(level: Isolation, max: u32) -> (PostgresStore, Sc
     store.migrate().await.expect("migrate");
     (store, guard)
 }
+
+/// Runs `test` once per item of `each` (isolation levels, cuts), side by side on this task
+/// (every run has its own schema and pool). A run's panic is raised again once every run has
+/// ended, so one failure never cuts the others off mid-transaction.
+pub(crate) async fn side_by_side<T, F, Fut>(each: impl IntoIterator<Item = T>, test: F)
+where
+    F: Fn(T) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    use futures::FutureExt;
+    let runs = each
+        .into_iter()
+        .map(|t| std::panic::AssertUnwindSafe(test(t)).catch_unwind());
+    let ended = futures::future::join_all(runs).await;
+    if let Some(panic) = ended.into_iter().find_map(Result::err) {
+        std::panic::resume_unwind(panic);
+    }
+}
