@@ -26,6 +26,7 @@ import json
 import os
 import sys
 import threading
+import traceback
 
 from moto.dynamodb.comparisons import ConditionExpressionParser
 from moto.dynamodb.parsing.expressions import UpdateExpressionParser
@@ -186,8 +187,15 @@ def environ_for(method, target, version, headers, body, peer):
         if key == "CONTENT_TYPE":
             environ["CONTENT_TYPE"] = value
         elif key != "CONTENT_LENGTH":
-            environ["HTTP_" + key] = value
+            key = "HTTP_" + key
+            environ[key] = environ[key] + "," + value if key in environ else value
     return environ
+
+
+async def answer_and_close(writer, status):
+    writer.write(f"HTTP/1.1 {status}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                 .encode("latin-1"))
+    await writer.drain()
 
 
 async def connection(reader, writer):
@@ -198,32 +206,43 @@ async def connection(reader, writer):
                 head = await reader.readuntil(b"\r\n\r\n")
             except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
                 return
-            lines = head.decode("latin-1").split("\r\n")
-            method, target, version = lines[0].split(" ", 2)
-            headers = []
-            for line in lines[1:]:
-                if line:
-                    name, _, value = line.partition(":")
-                    headers.append((name.strip(), value.strip()))
-            fields = {name.lower(): value for name, value in headers}
+            try:
+                lines = head.decode("latin-1").split("\r\n")
+                method, target, version = lines[0].split(" ", 2)
+                headers = []
+                for line in lines[1:]:
+                    if line:
+                        name, _, value = line.partition(":")
+                        headers.append((name.strip(), value.strip()))
+                fields = {name.lower(): value for name, value in headers}
+                length = int(fields.get("content-length") or 0)
+            except ValueError:
+                await answer_and_close(writer, "400 Bad Request")
+                return
             if "chunked" in fields.get("transfer-encoding", "").lower():
-                writer.write(b"HTTP/1.1 501 Not Implemented\r\nContent-Length: 0\r\n"
-                             b"Connection: close\r\n\r\n")
-                await writer.drain()
+                await answer_and_close(writer, "501 Not Implemented")
                 return
             if fields.get("expect", "").lower() == "100-continue":
                 writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            length = int(fields.get("content-length") or 0)
-            body = await reader.readexactly(length) if length else b""
+            try:
+                body = await reader.readexactly(length) if length else b""
+            except asyncio.IncompleteReadError:
+                return
             close = fields.get("connection", "").lower() == "close" or version != "HTTP/1.1"
             answer = []
 
             def start_response(status, response_headers, exc_info=None):
                 answer[:] = [status, response_headers]
 
-            response = b"".join(serialised(
-                environ_for(method, target, version, headers, body, peer), start_response))
-            status, response_headers = answer
+            try:
+                response = b"".join(serialised(
+                    environ_for(method, target, version, headers, body, peer),
+                    start_response))
+                status, response_headers = answer
+            except Exception:
+                traceback.print_exc()
+                await answer_and_close(writer, "500 Internal Server Error")
+                return
             out = ["HTTP/1.1 ", status, "\r\n"]
             for name, value in response_headers:
                 if name.lower() not in ("content-length", "connection", "transfer-encoding"):
