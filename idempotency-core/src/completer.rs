@@ -1,7 +1,9 @@
 //! The completer: finishes multi-step operations whose holder died mid-way.
 
 use crate::phases::{Abandoned, AbandonedQuery, Phases, RecoveryPoints, Resumed};
-use crate::{Answer, Error, Idempotency};
+use crate::{
+    Answer, Error, ErrorMode, ErrorOutcomes, Idempotency, IdempotencyStore, ReleaseErrors,
+};
 use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
 use serde::{de::DeserializeOwned, Serialize};
@@ -13,13 +15,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// Runs one abandoned operation of a registered kind to its end.
-type Finish<S> =
-    Arc<dyn Fn(Idempotency, Arc<S>, Abandoned) -> BoxFuture<'static, Finished> + Send + Sync>;
+type Finish<S, M> = Arc<
+    dyn Fn(Idempotency<dyn IdempotencyStore, M>, Arc<S>, Abandoned) -> BoxFuture<'static, Finished>
+        + Send
+        + Sync,
+>;
 
 /// How one abandoned operation ended in the completer's hands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Finished {
-    /// Driven to its end: its outcome (a value, or an error the policy stores) is stored.
+    /// Driven to its end: its outcome (a value, or an error an engine that stores errors stored) is stored.
     Completed,
     /// Its last phase failed and the failure was recorded: a later round, or a retry,
     /// resumes it.
@@ -186,10 +191,10 @@ impl CompleterStats {
 /// operation. A completer never retries a failing operation in a tight loop or forever.
 /// A row the store cannot read is logged and counted in the round's errors, and does not
 /// take the place of another in the next round's batch.
-pub struct Completer<S: RecoveryPoints> {
-    engine: Idempotency,
+pub struct Completer<S: RecoveryPoints, M = ReleaseErrors> {
+    engine: Idempotency<dyn IdempotencyStore, M>,
     store: Arc<S>,
-    operations: HashMap<String, Finish<S>>,
+    operations: HashMap<String, Finish<S, M>>,
     batch: usize,
     concurrency: usize,
     max_attempts: u32,
@@ -202,7 +207,7 @@ pub struct Completer<S: RecoveryPoints> {
 /// At most this many unreadable rows are listed beyond a round's batch.
 const MAX_UNREADABLE_SKIPPED: usize = 10_000;
 
-impl<S: RecoveryPoints> fmt::Debug for Completer<S> {
+impl<S: RecoveryPoints, M> fmt::Debug for Completer<S, M> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut kinds: Vec<_> = self.operations.keys().collect();
         kinds.sort();
@@ -214,12 +219,12 @@ impl<S: RecoveryPoints> fmt::Debug for Completer<S> {
     }
 }
 
-impl<S: RecoveryPoints + 'static> Completer<S> {
+impl<S: RecoveryPoints + 'static, M: ErrorMode> Completer<S, M> {
     /// A completer over `engine`'s store, taking operations over with `engine` (its policy's
     /// lease and heartbeat apply to the completer's runs). Rounds list
     /// up to 100 operations and run up to 4 at once; a failed operation is taken up again
     /// after 10 seconds, and given up after 10 attempts.
-    pub fn new(engine: &Idempotency<S>) -> Self {
+    pub fn new(engine: &Idempotency<S, M>) -> Self {
         Self {
             engine: engine.erased(),
             store: engine.store().clone(),
@@ -264,11 +269,12 @@ impl<S: RecoveryPoints + 'static> Completer<S> {
     pub fn operation<T, E, F>(mut self, name: impl Into<String>, phases: F) -> Self
     where
         T: Serialize + DeserializeOwned + Send + 'static,
-        E: Serialize + DeserializeOwned + Display + Send + 'static,
+        E: Send + 'static,
+        M: ErrorOutcomes<E>,
         F: Fn() -> Phases<S, T, E> + Send + Sync + 'static,
     {
         let phases = Arc::new(phases);
-        let finish: Finish<S> = Arc::new(move |engine, store, abandoned| {
+        let finish: Finish<S, M> = Arc::new(move |engine, store, abandoned| {
             let phases = phases.clone();
             async move {
                 let Abandoned {
@@ -282,12 +288,10 @@ impl<S: RecoveryPoints + 'static> Completer<S> {
                     Ok(Resumed::TakenElsewhere) => Finished::TakenElsewhere,
                     Ok(Resumed::Ran(ran)) => match ran {
                         Answer::Executed(Ok(_)) => Finished::Completed,
-                        // Stored (the policy stores errors) or recorded as a failure: which one
-                        // is the policy's; a recorded one is listed again.
-                        Answer::Executed(Err(_)) => match engine.policy().errors {
-                            crate::ErrorOutcomes::Store => Finished::Completed,
-                            crate::ErrorOutcomes::RecordFailure => Finished::Failed,
-                        },
+                        // Stored (the engine stores errors) or recorded as a failure: a recorded
+                        // one is listed again.
+                        Answer::Executed(Err(_)) if M::STORES_ERRORS => Finished::Completed,
+                        Answer::Executed(Err(_)) => Finished::Failed,
                         Answer::Replayed(_) | Answer::Refused(_) => Finished::TakenElsewhere,
                     },
                     Err(Error::LeaseLost { .. }) => Finished::TakenElsewhere,

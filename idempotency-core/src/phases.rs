@@ -20,8 +20,8 @@
 //! once it is known to have succeeded.
 //!
 //! What becomes of the key when a phase does not commit follows the exactly-once rules of
-//! [`transaction`](crate::transaction): the work's error is stored or recorded as a failure
-//! per [`Policy::errors`](crate::Policy::errors), a fenced phase is `LeaseLost`, a commit of
+//! [`transaction`](crate::transaction): the work's error is recorded as a failure that
+//! releases the key (stored, by an engine that stores errors: [`ErrorOutcomes`]), a fenced phase is `LeaseLost`, a commit of
 //! unknown outcome holds the key. A store with recovery points keeps them when a record
 //! fails and when it is reclaimed, so a retry after a recorded failure also resumes.
 //!
@@ -34,10 +34,11 @@
 //! writes what the later ones need and returns it (a completer only ever takes over an
 //! operation past it); a foreign call first would leave a completer nothing to call with.
 
+use crate::engine::decode_stored;
 use crate::transaction::driver::{renew_kept, transaction, Seal};
 use crate::transaction::{TransactionEnd, TransactionalStore};
 use crate::{
-    decode_replay, Answer, Begin, Error, Failure, Fingerprint, Idempotency, IdempotencyKey, Lease,
+    Answer, Begin, Error, ErrorOutcomes, Failure, Fingerprint, Idempotency, IdempotencyKey, Lease,
     Operation, Reclaim, RecordId, RecordStatus, Scope,
 };
 use async_trait::async_trait;
@@ -45,7 +46,7 @@ use futures::future::BoxFuture;
 use futures::FutureExt;
 use serde::{de::DeserializeOwned, Serialize};
 use sha2::{Digest, Sha256};
-use std::fmt::{self, Display};
+use std::fmt;
 use std::future::Future;
 use std::marker::PhantomData;
 use std::panic::AssertUnwindSafe;
@@ -540,7 +541,7 @@ fn typed_end<T: DeserializeOwned, E>(end: TransactionEnd<Vec<u8>, E>) -> Transac
     }
 }
 
-impl<S: RecoveryPoints + 'static> Idempotency<S> {
+impl<S: RecoveryPoints + 'static, M> Idempotency<S, M> {
     /// Runs the multi-step operation `phases` once for `(scope, key)` on the engine's store,
     /// resuming at the record's recovery point when an earlier holder committed phases of it
     /// (see the [module documentation](crate::phases)).
@@ -562,14 +563,15 @@ impl<S: RecoveryPoints + 'static> Idempotency<S> {
     ) -> Result<Answer<Result<T, E>>, Error>
     where
         T: Serialize + DeserializeOwned + Send + 'static,
-        E: Serialize + DeserializeOwned + Display + Send + 'static,
+        E: Send + 'static,
+        M: ErrorOutcomes<E>,
     {
         self.run_phases_on(&**self.store(), key, scope, fingerprint, phases)
             .await
     }
 }
 
-impl<St: ?Sized> Idempotency<St> {
+impl<St: ?Sized, M> Idempotency<St, M> {
     /// [`Idempotency::run_phases`] on `store`, which must reach the same records as this
     /// engine's store.
     pub(crate) async fn run_phases_on<S, T, E>(
@@ -583,7 +585,8 @@ impl<St: ?Sized> Idempotency<St> {
     where
         S: RecoveryPoints,
         T: Serialize + DeserializeOwned + Send + 'static,
-        E: Serialize + DeserializeOwned + Display + Send + 'static,
+        E: Send + 'static,
+        M: ErrorOutcomes<E>,
     {
         let count = phase_count(&phases)?;
         let id = RecordId::new(key.clone(), scope.clone());
@@ -603,13 +606,19 @@ impl<St: ?Sized> Idempotency<St> {
             self
         };
         let lease = match engine.begin(&id, fingerprint).await? {
-            Begin::Replay(record) => return decode_replay(&record).map(Answer::Replayed),
+            Begin::Replay(record) => {
+                return decode_stored(&record, M::replayed).map(Answer::Replayed)
+            }
             Begin::Refused(refusal) => return Ok(Answer::Refused(refusal)),
             Begin::Execute(lease) => lease,
         };
         let point = match store.recovery_point(&lease).await {
             Ok(point) => point,
-            Err(e) => return lease.settle_transaction(Ok(rolled_back(e))).await,
+            Err(e) => {
+                return lease
+                    .settle_transaction::<M, _, _>(Ok(rolled_back(e)))
+                    .await
+            }
         };
         self.drive_phases(store, &id, fingerprint, lease, point, phases, count)
             .await
@@ -634,7 +643,8 @@ impl<St: ?Sized> Idempotency<St> {
     where
         S: RecoveryPoints,
         T: Serialize + DeserializeOwned + Send + 'static,
-        E: Serialize + DeserializeOwned + Display + Send + 'static,
+        E: Send + 'static,
+        M: ErrorOutcomes<E>,
     {
         let count = phase_count(&phases)?;
         let shown = crate::engine::loggable_record(id, self.policy());
@@ -684,7 +694,7 @@ impl<St: ?Sized> Idempotency<St> {
             }
             Err(e) => {
                 return lease
-                    .settle_transaction(Ok(rolled_back(e)))
+                    .settle_transaction::<M, _, _>(Ok(rolled_back(e)))
                     .await
                     .map(Resumed::Ran)
             }
@@ -710,7 +720,8 @@ impl<St: ?Sized> Idempotency<St> {
     where
         S: RecoveryPoints,
         T: Serialize + DeserializeOwned + Send + 'static,
-        E: Serialize + DeserializeOwned + Display + Send + 'static,
+        E: Send + 'static,
+        M: ErrorOutcomes<E>,
     {
         let id = id.clone();
         let operation = phases.operation.clone();
@@ -722,7 +733,9 @@ impl<St: ?Sized> Idempotency<St> {
                     found: p.operation,
                     phase: p.phase,
                 };
-                return lease.settle_transaction(Ok(rolled_back(e))).await;
+                return lease
+                    .settle_transaction::<M, _, _>(Ok(rolled_back(e)))
+                    .await;
             }
             Some(p) => (p.phase, p.origin, p.state, true),
             None => (0, lease.token().0, b"null".to_vec(), false),
@@ -808,7 +821,9 @@ impl<St: ?Sized> Idempotency<St> {
         })
         .catch_unwind()
         .await;
-        lease.settle_transaction(end.map(typed_end)).await
+        lease
+            .settle_transaction::<M, _, _>(end.map(typed_end))
+            .await
     }
 }
 

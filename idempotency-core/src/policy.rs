@@ -3,20 +3,6 @@
 use crate::{DecisionOptions, Error};
 use std::time::Duration;
 
-/// What the engine does with a work's `Err` result.
-#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
-#[non_exhaustive]
-pub enum ErrorOutcomes {
-    /// Record the attempt as a retryable failure and release the key, so a retry runs the
-    /// work again. The default: errors are usually transient, and a stored error would be
-    /// replayed forever.
-    #[default]
-    RecordFailure,
-    /// Store the error like a success and replay it (for deterministic errors such as a
-    /// validation failure).
-    Store,
-}
-
 /// What a request does while another attempt holds a live lease on its key.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
 pub enum InFlight {
@@ -108,8 +94,6 @@ pub struct Policy {
     pub lease: Duration,
     /// Retention: how long a settled record is kept (and replayed). Default 24 h.
     pub retention: Duration,
-    /// What happens to a work's `Err`. Default: recorded as a retryable failure.
-    pub errors: ErrorOutcomes,
     /// Whether a Failed record may be reclaimed by a request with a different fingerprint.
     /// Default `true`: a failed work took no effect, so a corrected retry may run. Never the
     /// failure that stands in for a work's lost outcome ([`crate::Failure::outcome_not_stored`]):
@@ -148,7 +132,6 @@ impl Default for Policy {
         Self {
             lease: Duration::from_secs(30),
             retention: Duration::from_secs(24 * 3600),
-            errors: ErrorOutcomes::default(),
             reclaim_failed_with_different_fingerprint: true,
             in_flight: InFlight::default(),
             heartbeat: Some(1.0 / 3.0),
@@ -169,11 +152,6 @@ impl Policy {
     /// Sets the retention of settled records.
     pub fn retention(mut self, retention: Duration) -> Self {
         self.retention = retention;
-        self
-    }
-    /// Sets what happens to a work's `Err`.
-    pub fn errors(mut self, errors: ErrorOutcomes) -> Self {
-        self.errors = errors;
         self
     }
     /// Sets whether a Failed record may be reclaimed with a different fingerprint.

@@ -51,7 +51,12 @@ pub use store::DynamoStore;
 /// }
 /// # Ok(()) }
 /// ```
-pub type DynamoIdempotency = idempotency_core::Idempotency<DynamoStore>;
+///
+/// `M` is what a work's `Err` does to its key: released by default
+/// ([`ReleaseErrors`](idempotency_core::ReleaseErrors)), stored on an engine built with
+/// `store_errors()` ([`StoreErrors`](idempotency_core::StoreErrors)).
+pub type DynamoIdempotency<M = idempotency_core::ReleaseErrors> =
+    idempotency_core::Idempotency<DynamoStore, M>;
 
 #[cfg(doc)]
 use idempotency_core::Idempotency;

@@ -52,8 +52,9 @@ use idempotency_core::Idempotency;
 ///   nothing, the transaction rolls back with all the work's writes, and the result is
 ///   [`Error::LeaseLost`](idempotency_core::Error::LeaseLost).
 /// - `Ok(Err(e))`, the work's own refusal (a declined payment, an invalid request): the
-///   transaction rolls back, then the error is handled per [`Policy::errors`](idempotency_core::Policy::errors) (by default
-///   the key is released for a retry) and returned as `Executed(Err(e))`.
+///   transaction rolls back, the key is released for a retry (or, on an engine built with
+///   `store_errors()`, the error is stored and replayed) and `e` is returned as
+///   `Executed(Err(e))`.
 /// - `Err(database_error)`, what `?` on a failed sqlx call returns: the transaction rolls
 ///   back. A deadlock (1213), a lock wait timeout (1205) or a row changed since the
 ///   snapshot (1020) in the work's own statements, or a deadlock or lock wait timeout in
@@ -97,4 +98,8 @@ use idempotency_core::Idempotency;
 /// engine to run it all again.
 ///
 /// A work that never returns holds the key as long as the heartbeat runs.
-pub type MySqlIdempotency = Idempotency<MySqlStore>;
+///
+/// `M` is what a work's `Err` does to its key: released by default
+/// ([`ReleaseErrors`](idempotency_core::ReleaseErrors)), stored on an engine built with
+/// `store_errors()` ([`StoreErrors`](idempotency_core::StoreErrors)).
+pub type MySqlIdempotency<M = idempotency_core::ReleaseErrors> = Idempotency<MySqlStore, M>;

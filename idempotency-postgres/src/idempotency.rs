@@ -52,8 +52,9 @@ use idempotency_core::Idempotency;
 ///   nothing, the transaction rolls back with all the work's writes, and the result is
 ///   [`Error::LeaseLost`](idempotency_core::Error::LeaseLost).
 /// - `Ok(Err(e))`, the work's own refusal (a declined payment, an invalid request): the
-///   transaction rolls back, then the error is handled per [`Policy::errors`](idempotency_core::Policy::errors) (by default
-///   the key is released for a retry) and returned as `Executed(Err(e))`.
+///   transaction rolls back, the key is released for a retry (or, on an engine built with
+///   `store_errors()`, the error is stored and replayed) and `e` is returned as
+///   `Executed(Err(e))`.
 /// - `Err(database_error)`, what `?` on a failed sqlx call returns: the transaction rolls
 ///   back. A serialization failure or deadlock (SQLSTATE 40001, 40P01), in the work's own
 ///   statements as in the completion or the commit, runs the whole transaction again,
@@ -111,4 +112,8 @@ use idempotency_core::Idempotency;
 ///
 /// A work that never returns holds the key as long as the heartbeat runs, at every level
 /// (and at REPEATABLE READ and SERIALIZABLE keeps the row locked).
-pub type PostgresIdempotency = Idempotency<PostgresStore>;
+///
+/// `M` is what a work's `Err` does to its key: released by default
+/// ([`ReleaseErrors`](idempotency_core::ReleaseErrors)), stored on an engine built with
+/// `store_errors()` ([`StoreErrors`](idempotency_core::StoreErrors)).
+pub type PostgresIdempotency<M = idempotency_core::ReleaseErrors> = Idempotency<PostgresStore, M>;

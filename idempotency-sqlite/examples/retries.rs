@@ -4,7 +4,7 @@
 //! `cargo run -p idempotency-sqlite --example retries` (the database lives in a temp dir).
 
 use idempotency_core::{Error, Fingerprint, Idempotency, IdempotencyKey, InFlight, Policy, Scope};
-use idempotency_sqlite::rusqlite::params;
+use idempotency_sqlite::rusqlite::{self, params};
 use idempotency_sqlite::SqliteStore;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -78,9 +78,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                             tx.execute(
                                 "INSERT INTO payments (payment_key, amount) VALUES (?1, 1999)",
                                 params![k],
-                            )
-                            .map_err(|e| e.to_string())?;
-                            Ok::<_, String>(format!("payment row {}", tx.last_insert_rowid()))
+                            )?;
+                            Ok::<_, rusqlite::Error>(format!(
+                                "payment row {}",
+                                tx.last_insert_rowid()
+                            ))
                         }))
                     })
                     .await;
@@ -117,7 +119,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
-fn report(n: usize, result: Result<idempotency_core::Answer<Result<String, String>>, Error>) {
+fn report<E: std::fmt::Debug>(
+    n: usize,
+    result: Result<idempotency_core::Answer<Result<String, E>>, Error>,
+) {
     match result {
         Ok(idempotency_core::Answer::Replayed(result)) => {
             println!("attempt {n}: replayed {result:?}")

@@ -22,9 +22,8 @@ use idempotency_core::Idempotency;
 ///     .run_in_transaction(&key, &scope, &fp, |tx, _ctx| {
 ///         // On the connection's thread, inside the transaction.
 ///         Box::pin(tx.run(|tx| {
-///             tx.execute("INSERT INTO orders (item) VALUES (?1)", params!["apples"])
-///                 .map_err(|e| e.to_string())?;
-///             Ok::<_, String>(tx.last_insert_rowid())
+///             tx.execute("INSERT INTO orders (item) VALUES (?1)", params!["apples"])?;
+///             Ok::<_, idempotency_sqlite::rusqlite::Error>(tx.last_insert_rowid())
 ///         }))
 ///     })
 ///     .await?;
@@ -53,10 +52,14 @@ use idempotency_core::Idempotency;
 /// - if the process dies before the commit, nothing was written and the key's lease
 ///   passes, so a retry runs the work again; either way the effect happens once.
 ///
-/// When `work` returns `Ok(Err(e))`, its writes roll back and the error follows the engine's
-/// [`Policy::errors`](idempotency_core::Policy::errors) (released for a retry by default)
-/// and is returned as `Executed(Err(e))`. The closure given to `run` holds the database's
+/// When `work` returns `Ok(Err(e))`, its writes roll back, the error is released for a retry
+/// (stored instead on an engine built with `store_errors()`) and is returned as
+/// `Executed(Err(e))`. The closure given to `run` holds the database's
 /// write lock: keep slow calls to other systems out of it. Holding that lock from its
 /// `BEGIN IMMEDIATE`, the transaction cannot conflict with another (no deadlock, no busy
 /// error midway), so unlike on Postgres and MySQL nothing here is run again.
-pub type SqliteIdempotency = Idempotency<SqliteStore>;
+///
+/// `M` is what a work's `Err` does to its key: released by default
+/// ([`ReleaseErrors`](idempotency_core::ReleaseErrors)), stored on an engine built with
+/// `store_errors()` ([`StoreErrors`](idempotency_core::StoreErrors)).
+pub type SqliteIdempotency<M = idempotency_core::ReleaseErrors> = Idempotency<SqliteStore, M>;

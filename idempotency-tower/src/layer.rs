@@ -7,7 +7,7 @@ use crate::problem::{ProblemJson, RefusalResponder};
 use crate::service::IdempotencyService;
 use http::request::Parts;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
-use idempotency_core::{Fingerprint, Idempotency, IdempotencyKey};
+use idempotency_core::{Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore};
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -95,12 +95,18 @@ impl IdempotencyLayer {
     /// recorded, the route part of the scope the request path ([`RoutePart::Path`]). The
     /// engine brings the store and the policy (lease, retention, in-flight behaviour, key
     /// hashing in logs).
-    pub fn per_caller<F>(engine: impl Into<Idempotency>, caller: F) -> Self
+    pub fn per_caller<F, M>(
+        engine: impl Into<Idempotency<dyn IdempotencyStore, M>>,
+        caller: F,
+    ) -> Self
     where
         F: Fn(&Parts) -> Option<String> + Send + Sync + 'static,
     {
         Self {
-            config: Arc::new(Config::new(engine.into(), Arc::new(caller))),
+            config: Arc::new(Config::new(
+                engine.into().releasing_errors(),
+                Arc::new(caller),
+            )),
         }
     }
 
@@ -111,10 +117,10 @@ impl IdempotencyLayer {
     /// when callers are not told apart and responses hold nothing of one caller's that
     /// another may not see; otherwise use [`IdempotencyLayer::per_caller`]. The defaults are
     /// those of [`IdempotencyLayer::per_caller`].
-    pub fn shared(engine: impl Into<Idempotency>) -> Self {
+    pub fn shared<M>(engine: impl Into<Idempotency<dyn IdempotencyStore, M>>) -> Self {
         Self {
             config: Arc::new(Config::new(
-                engine.into(),
+                engine.into().releasing_errors(),
                 Arc::new(|_: &Parts| Some("anonymous".to_owned())),
             )),
         }

@@ -9,9 +9,10 @@ include!("../../../idempotency-core/src/toy_store.rs");
 use idempotency_conformance::recovery::{recovery_case, recovery_cases, RecoveryCase, RecoveryKit};
 use idempotency_core::protocol::Lease;
 use idempotency_core::store::{Begun, CommitError, RecoveryPoint, RecoveryPoints};
+use idempotency_core::transaction::Started;
 use idempotency_core::{
-    Answer, ErrorOutcomes, Idempotency, IdempotencyKey, PhaseContext, Phases, Policy, Refusal,
-    Scope, TransactionalStore,
+    Answer, BatchMessage, Completer, Idempotency, IdempotencyKey, PhaseContext, Phases, Policy,
+    Refusal, Scope, TransactionalStore,
 };
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -351,6 +352,8 @@ struct World {
     key: IdempotencyKey,
     scope: Scope,
     fingerprint: Fingerprint,
+    /// Whether the engine stores a work's errors (`StoreErrors`) rather than releasing them.
+    stores_errors: bool,
 }
 
 impl World {
@@ -366,6 +369,15 @@ impl World {
             key: IdempotencyKey::new("ride-1").expect("key"),
             scope: Scope::new("rides").expect("scope"),
             fingerprint: Fingerprint::from_bytes(b"from A to B"),
+            stores_errors: false,
+        }
+    }
+
+    /// A world whose engine stores a work's errors and replays them.
+    fn storing_errors(policy: Policy) -> Self {
+        Self {
+            stores_errors: true,
+            ..Self::new(policy)
         }
     }
 
@@ -378,6 +390,14 @@ impl World {
     }
 
     async fn run(&self) -> Result<Answer<Result<Receipt, String>>, Error> {
+        if self.stores_errors {
+            return self
+                .engine
+                .storing_errors()
+                .with_transactions(self.bank.clone())
+                .run_phases(&self.key, &self.scope, &self.fingerprint, self.flow())
+                .await;
+        }
         self.engine
             .with_transactions(self.bank.clone())
             .run_phases(&self.key, &self.scope, &self.fingerprint, self.flow())
@@ -457,7 +477,7 @@ async fn a_holder_that_dies_after_the_charge_is_resumed_at_the_charge_with_the_s
 
 #[tokio::test]
 async fn a_failed_phase_is_recorded_and_a_retry_resumes_at_it() {
-    let w = World::new(Policy::default().errors(ErrorOutcomes::RecordFailure));
+    let w = World::new(Policy::default());
     w.receipt_fails.store(1, Ordering::SeqCst);
     let first = w.run().await.expect("ends");
     assert!(
@@ -480,7 +500,7 @@ async fn a_failed_phase_is_recorded_and_a_retry_resumes_at_it() {
 
 #[tokio::test]
 async fn a_stored_failure_ends_the_operation_and_is_replayed() {
-    let w = World::new(Policy::default().errors(ErrorOutcomes::Store));
+    let w = World::storing_errors(Policy::default());
     w.receipt_fails.store(1, Ordering::SeqCst);
     let first = w.run().await.expect("ends");
     let Answer::Executed(Err(e)) = first else {
@@ -730,7 +750,7 @@ async fn each_flawed_bank_fails_the_case_meant_for_it() {
 /// policy lets one-step work be reclaimed by another request after a failure).
 #[tokio::test]
 async fn a_failed_operation_is_not_taken_over_by_another_request() {
-    let w = World::new(Policy::default().errors(ErrorOutcomes::RecordFailure));
+    let w = World::new(Policy::default());
     assert!(w.engine.policy().reclaim_failed_with_different_fingerprint);
     w.receipt_fails.store(1, Ordering::SeqCst);
     let first = w.run().await.expect("ends");
@@ -757,4 +777,210 @@ async fn a_failed_operation_is_not_taken_over_by_another_request() {
         panic!("not resumed");
     };
     assert_eq!(w.counts(), (1, 1, 1));
+}
+
+/// An error type that is neither `Serialize` nor `Deserialize`: the default engine, which
+/// releases errors, takes it on every path; only an engine that stores errors asks for more.
+#[derive(Debug, Clone, PartialEq)]
+struct Declined(&'static str);
+
+impl std::fmt::Display for Declined {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "declined: {}", self.0)
+    }
+}
+
+/// A two-phase operation whose second phase declines while `declines` is above zero.
+fn declining_flow(declines: Arc<AtomicUsize>) -> Phases<Arc<Bank>, String, Declined> {
+    Phases::new("declining")
+        .phase("ride", |tx: &mut Tx, (): (), _ctx: PhaseContext| {
+            Box::pin(async move {
+                tx.rides.push("ride".to_owned());
+                Ok(Ok(1u32))
+            })
+        })
+        .phase("receipt", move |tx: &mut Tx, n: u32, _ctx: PhaseContext| {
+            let declined = declines.load(Ordering::SeqCst) > 0;
+            if declined {
+                declines.fetch_sub(1, Ordering::SeqCst);
+            }
+            Box::pin(async move {
+                if declined {
+                    return Ok(Err(Declined("receipt")));
+                }
+                tx.receipts.push(format!("receipt {n}"));
+                Ok(Ok(format!("receipt {n}")))
+            })
+        })
+}
+
+#[tokio::test]
+async fn an_error_type_that_cannot_be_stored_is_released_on_every_path() {
+    let bank = Arc::new(Bank::default());
+    let engine = Idempotency::new(bank.records.clone(), Policy::default())
+        .expect("policy")
+        .with_transactions(bank.clone());
+    let scope = Scope::new("declines").expect("scope");
+    let fp = Fingerprint::from_bytes(b"order");
+    let key = |k: &str| IdempotencyKey::new(k).expect("key");
+
+    // `run`: the error is released; the retry runs the work again and its value is replayed.
+    let runs = AtomicUsize::new(0);
+    let work = |fail: bool| {
+        let runs = &runs;
+        move |_ctx| async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            if fail {
+                Err(Declined("run"))
+            } else {
+                Ok(7u32)
+            }
+        }
+    };
+    let first = engine.run(&key("run"), &scope, &fp, work(true)).await;
+    assert_eq!(first.expect("runs"), Answer::Executed(Err(Declined("run"))));
+    let second = engine.run(&key("run"), &scope, &fp, work(false)).await;
+    assert_eq!(second.expect("runs"), Answer::Executed(Ok(7)));
+    let third = engine.run(&key("run"), &scope, &fp, work(true)).await;
+    assert_eq!(third.expect("replays"), Answer::Replayed(Ok(7)));
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        2,
+        "a retry after an error ran it again, once"
+    );
+
+    // `run_in_transaction`: the work's own refusal rolls back and releases the key.
+    let refuse = AtomicUsize::new(1);
+    let tx_key = key("tx");
+    let in_tx = || {
+        engine.run_in_transaction(&tx_key, &scope, &fp, |tx: &mut Tx, _ctx| {
+            let refused = refuse.fetch_sub(1, Ordering::SeqCst) > 0;
+            Box::pin(async move {
+                if refused {
+                    return Ok(Err(Declined("tx")));
+                }
+                tx.rides.push("tx".to_owned());
+                Ok(Ok(3u32))
+            })
+        })
+    };
+    assert_eq!(
+        in_tx().await.expect("runs"),
+        Answer::Executed(Err(Declined("tx")))
+    );
+    assert_eq!(in_tx().await.expect("runs"), Answer::Executed(Ok(3)));
+    assert_eq!(in_tx().await.expect("replays"), Answer::Replayed(Ok(3)));
+
+    // `begin_transaction`: a refusal releases the key for the next request.
+    let Started::Begun(tx) = engine
+        .begin_transaction::<u32, Declined>(&key("held"), &scope, &fp)
+        .await
+        .expect("begins")
+    else {
+        panic!("not begun");
+    };
+    assert_eq!(
+        tx.refuse(Declined("held")).await.expect("refused"),
+        Declined("held")
+    );
+    let Started::Begun(tx) = engine
+        .begin_transaction::<u32, Declined>(&key("held"), &scope, &fp)
+        .await
+        .expect("begins again")
+    else {
+        panic!("the refusal did not release the key");
+    };
+    assert_eq!(tx.commit(5).await.expect("commits"), 5);
+
+    // `run_batch`: a declined message is released and marked for redelivery.
+    let batch = vec![
+        BatchMessage::new(key("m1"), Fingerprint::from_bytes(b"1"), 1u32),
+        BatchMessage::new(key("m2"), Fingerprint::from_bytes(b"2"), 2u32),
+    ];
+    let report = engine
+        .run_batch(&scope, batch, 2, |n: u32, _ctx| async move {
+            if n == 2 {
+                Err(Declined("batch"))
+            } else {
+                Ok(n)
+            }
+        })
+        .await;
+    assert_eq!(report.redeliver(), vec![1]);
+
+    // `run_phases` and the completer: a declined phase is recorded as a failure after the
+    // phase before it committed; the completer finishes it without running that phase again.
+    let declines = Arc::new(AtomicUsize::new(1));
+    let first = engine
+        .run_phases(
+            &key("phases"),
+            &scope,
+            &fp,
+            declining_flow(declines.clone()),
+        )
+        .await;
+    assert_eq!(
+        first.expect("runs"),
+        Answer::Executed(Err(Declined("receipt")))
+    );
+    let flow = declines.clone();
+    let completer = Completer::new(&engine)
+        .retry_failed_after(Duration::ZERO)
+        .operation("declining", move || declining_flow(flow.clone()));
+    let round = completer.run_once().await.expect("a round");
+    assert_eq!((round.found, round.completed), (1, 1), "{round:?}");
+    let replay = engine
+        .run_phases(&key("phases"), &scope, &fp, declining_flow(declines))
+        .await;
+    assert_eq!(
+        replay.expect("replays"),
+        Answer::Replayed(Ok("receipt 1".to_owned()))
+    );
+    let tables = bank.tables();
+    assert_eq!(
+        (tables.rides.len(), tables.receipts.len()),
+        (2, 1),
+        "one ride for `run_in_transaction`, one for the operation; one receipt"
+    );
+}
+
+#[tokio::test]
+async fn an_engine_that_stores_errors_replays_them_and_one_that_releases_them_refuses_to_read_them()
+{
+    let bank = Arc::new(Bank::default());
+    let engine = Idempotency::new(bank.records.clone(), Policy::default()).expect("policy");
+    let storing = engine.storing_errors();
+    let (scope, fp) = (
+        Scope::new("stored").expect("scope"),
+        Fingerprint::from_bytes(b"x"),
+    );
+    let key = IdempotencyKey::new("declined").expect("key");
+    let runs = AtomicUsize::new(0);
+    let decline = |_ctx| async {
+        runs.fetch_add(1, Ordering::SeqCst);
+        Err::<u32, _>("insufficient funds".to_owned())
+    };
+    let first = storing.run(&key, &scope, &fp, decline).await.expect("runs");
+    assert_eq!(
+        first,
+        Answer::Executed(Err("insufficient funds".to_owned()))
+    );
+    let again = storing
+        .run(&key, &scope, &fp, decline)
+        .await
+        .expect("replays");
+    assert_eq!(
+        again,
+        Answer::Replayed(Err("insufficient funds".to_owned()))
+    );
+    // The releasing engine cannot decode the stored error into its `Declined`: it runs
+    // nothing and says the stored outcome does not fit, rather than running the work again.
+    let read = engine
+        .run(&key, &scope, &fp, |_ctx| async {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Err::<u32, _>(Declined("again"))
+        })
+        .await;
+    assert!(matches!(read, Err(Error::StoredOutcome { .. })), "{read:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the work ran once");
 }

@@ -1,10 +1,10 @@
 //! A queue consumer's batch of messages: claimed together, the new ones run, settled
 //! together, each message's fate reported in the shape a consumer acknowledges by.
 
-use super::{decode_replay, loggable_record, Acted, Idempotency, Lease};
+use super::{decode_stored, loggable_record, Acted, Idempotency, Lease};
 use crate::{
     ClaimRequest, Error, ErrorOutcomes, Failure, Fingerprint, IdempotencyKey, Operation, RecordId,
-    Refusal, Scope, Settle, Settlement,
+    Refusal, Scope, Settle, Settlement, Settling,
 };
 use futures::{FutureExt, StreamExt};
 use serde::{de::DeserializeOwned, Serialize};
@@ -139,15 +139,15 @@ type ToSettle = (
     futures::channel::oneshot::Sender<(Result<crate::Cas, Error>, Instant)>,
 );
 
-/// A message whose work ran without panicking: its result, how it is settled (`None`: it
+/// A message whose work ran without panicking: its result, how it is settled (`Err`: it
 /// cannot be encoded), and the answer to its first settlement (`None`: not sent, or lost).
 type Ran<R> = (
     R,
-    Option<Settle>,
+    Result<Settle, Error>,
     Option<(Result<crate::Cas, Error>, Instant)>,
 );
 
-impl<St: ?Sized> Idempotency<St> {
+impl<St: ?Sized, Er> Idempotency<St, Er> {
     /// Runs a batch of messages (a queue consumer's poll): each message's work runs at most
     /// once per key, a redelivered or duplicate message is answered with its stored outcome,
     /// and every message's fate comes back in one [`BatchReport`], with the indices to have
@@ -168,8 +168,8 @@ impl<St: ?Sized> Idempotency<St> {
     /// marked for redelivery. A message named twice in one batch runs once; the second is
     /// reported in progress (or replayed, once the first is stored).
     ///
-    /// Outcomes are classified as [`Idempotency::run`] does (per [`crate::Policy::errors`])
-    /// and stored as JSON. A panic in a message's work (in the closure, before it returns a
+    /// Outcomes are settled as [`Idempotency::run`] settles them (an `Err` released, or
+    /// stored by an engine that stores errors) and stored as JSON. A panic in a message's work (in the closure, before it returns a
     /// future, as much as in the future, or in the outcome's `Serialize`) settles that
     /// message's key for good and is reported as [`MessageOutcome::Panicked`]; every other
     /// message is settled as usual and the batch returns.
@@ -206,7 +206,8 @@ impl<St: ?Sized> Idempotency<St> {
     ) -> BatchReport<Result<T, E>>
     where
         T: Serialize + DeserializeOwned + Send,
-        E: Serialize + DeserializeOwned + std::fmt::Display + Send,
+        E: Send,
+        Er: ErrorOutcomes<E>,
         F: Fn(M, crate::WorkContext) -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
@@ -252,7 +253,7 @@ impl<St: ?Sized> Idempotency<St> {
                     message: message.message,
                 }),
                 Ok(Decided::Replay(record)) => {
-                    reports[index] = match decode_replay(&record) {
+                    reports[index] = match decode_stored(&record, Er::replayed) {
                         Ok(result) => Some(MessageReport {
                             outcome: MessageOutcome::Replayed(result),
                             redeliver: false,
@@ -270,7 +271,6 @@ impl<St: ?Sized> Idempotency<St> {
         // waits for a slot, runs, or waits for its settlement: no lease passes while this
         // consumer is alive. A message is settled as soon as its work ends, with the others
         // that ended meanwhile (one `settle_many` per group), never waiting for the slowest.
-        let errors = self.policy.errors;
         let slots = tokio::sync::Semaphore::new(concurrency.max(1));
         let (to_settle, mut settling) = futures::channel::mpsc::unbounded::<ToSettle>();
         let settler = async move {
@@ -320,11 +320,11 @@ impl<St: ?Sized> Idempotency<St> {
                         };
                         // The outcome's `Serialize` or the error's `Display` may panic too.
                         let settle = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                            classified(&result, errors)
+                            classified::<Er, T, E>(&result)
                         }))
                         .ok()?;
                         let first = match &settle {
-                            Some(settle) => {
+                            Ok(settle) => {
                                 let (reply, answer) = futures::channel::oneshot::channel();
                                 let settlement = Settlement {
                                     id: lease.id().clone(),
@@ -335,7 +335,7 @@ impl<St: ?Sized> Idempotency<St> {
                                 let _ = to_settle.unbounded_send((settlement, reply));
                                 answer.await.ok()
                             }
-                            None => None,
+                            Err(_) => None,
                         };
                         Some((result, settle, first))
                     })
@@ -366,7 +366,7 @@ impl<St: ?Sized> Idempotency<St> {
     }
 }
 
-impl<St: ?Sized> Idempotency<St> {
+impl<St: ?Sized, Er> Idempotency<St, Er> {
     /// Settles one message of a batch whose work ended (`None`: it panicked) and whose first
     /// settlement was answered: retries alone and reads back as [`Lease::complete`] does.
     async fn finish_message<T, E>(
@@ -374,11 +374,7 @@ impl<St: ?Sized> Idempotency<St> {
         index: usize,
         lease: Lease,
         ran: Option<Ran<Result<T, E>>>,
-    ) -> (usize, MessageOutcome<Result<T, E>>, bool)
-    where
-        T: Serialize,
-        E: Serialize,
-    {
+    ) -> (usize, MessageOutcome<Result<T, E>>, bool) {
         let Some((result, settle, first)) = ran else {
             tracing::warn!(
                 record = %loggable_record(lease.id(), &self.policy),
@@ -388,18 +384,14 @@ impl<St: ?Sized> Idempotency<St> {
             return (index, MessageOutcome::Panicked, false);
         };
         let (stored, released) = match settle {
-            Some(Settle::Complete(bytes)) => (
+            Ok(Settle::Complete(bytes)) => (
                 lease.complete_after(first, &bytes, Acted::Maybe).await,
                 false,
             ),
-            Some(Settle::Fail(failure)) => (lease.fail_after(first, failure).await, true),
-            None => {
+            Ok(Settle::Fail(failure)) => (lease.fail_after(first, failure).await, true),
+            Err(e) => {
                 // The outcome cannot be encoded: the work ran and its outcome is lost, final
                 // for every payload, as `run` records it.
-                let e = serde_json::to_vec(&result)
-                    .err()
-                    .map(|source| Error::Codec { source })
-                    .unwrap_or_else(|| Error::backend(false, "cannot encode"));
                 let _ = lease.fail(Failure::outcome_not_stored(&e)).await;
                 return (index, MessageOutcome::Failed(e), false);
             }
@@ -429,18 +421,17 @@ impl Decided {
     }
 }
 
-/// How a message's result is settled, per the policy's error outcomes; `None` when it
-/// cannot be encoded.
-fn classified<T, E>(result: &Result<T, E>, errors: ErrorOutcomes) -> Option<Settle>
+/// How a message's result is settled, per the engine's error outcomes; `Err` when it cannot
+/// be encoded.
+fn classified<Er, T, E>(result: &Result<T, E>) -> Result<Settle, Error>
 where
+    Er: ErrorOutcomes<E>,
     T: Serialize,
-    E: Serialize + std::fmt::Display,
 {
-    match (result, errors) {
-        (Err(e), ErrorOutcomes::RecordFailure) => {
-            Some(Settle::Fail(Failure::retryable(e.to_string()).bounded()))
-        }
-        _ => serde_json::to_vec(result).ok().map(Settle::Complete),
+    match Er::settling(result) {
+        Settling::Store(bytes) => Ok(Settle::Complete(bytes)),
+        Settling::Release(failure) => Ok(Settle::Fail(failure)),
+        Settling::Unencodable(e) => Err(e),
     }
 }
 

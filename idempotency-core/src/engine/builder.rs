@@ -1,7 +1,8 @@
 //! [`Idempotency::builder`]: an engine built from the store it owns.
 
 use super::Idempotency;
-use crate::{Error, ErrorOutcomes, IdempotencyStore, InFlight, Policy, SettleRetry};
+use crate::{Error, IdempotencyStore, InFlight, Policy, ReleaseErrors, SettleRetry, StoreErrors};
+use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -25,9 +26,10 @@ use std::time::Duration;
 /// ```
 #[derive(Debug)]
 #[must_use = "a builder does nothing until `build` is called"]
-pub struct IdempotencyBuilder<S> {
+pub struct IdempotencyBuilder<S, M = ReleaseErrors> {
     store: S,
     policy: Policy,
+    errors: PhantomData<M>,
 }
 
 impl Idempotency {
@@ -38,11 +40,12 @@ impl Idempotency {
         IdempotencyBuilder {
             store,
             policy: Policy::default(),
+            errors: PhantomData,
         }
     }
 }
 
-impl<S: IdempotencyStore + 'static> IdempotencyBuilder<S> {
+impl<S: IdempotencyStore + 'static, M> IdempotencyBuilder<S, M> {
     /// How long a holder may run before another caller may take the key over. Default 30 s.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.policy.lease = lease;
@@ -55,11 +58,39 @@ impl<S: IdempotencyStore + 'static> IdempotencyBuilder<S> {
         self
     }
 
-    /// What happens to a work's `Err`. Default: recorded as a retryable failure that releases
-    /// the key.
-    pub fn errors(mut self, errors: ErrorOutcomes) -> Self {
-        self.policy.errors = errors;
-        self
+    /// Stores a work's `Err` like a success and replays it to every retry, for deterministic
+    /// answers (a declined payment, an invalid request): the engine's error types are then
+    /// `Serialize + DeserializeOwned` ([`StoreErrors`]). Without it a work's `Err` is
+    /// recorded as a retryable failure that releases the key for a retry, and an error type
+    /// needs only `Display` ([`ReleaseErrors`]).
+    ///
+    /// ```
+    /// use idempotency_core::{Answer, Fingerprint, Idempotency, IdempotencyKey, Scope};
+    /// # async fn example(store: std::sync::Arc<dyn idempotency_core::IdempotencyStore>) -> Result<(), idempotency_core::Error> {
+    /// #[derive(serde::Serialize, serde::Deserialize, Debug)]
+    /// enum Declined { InsufficientFunds, CardExpired }
+    ///
+    /// let engine = Idempotency::builder(store).store_errors().build()?;
+    /// let (key, scope) = (IdempotencyKey::new("charge-9")?, Scope::new("charges")?);
+    /// let fp = Fingerprint::from_bytes(b"500 EUR");
+    /// let charge = |_ctx| async { Err::<u64, _>(Declined::CardExpired) };
+    /// assert!(matches!(
+    ///     engine.run(&key, &scope, &fp, charge).await?,
+    ///     Answer::Executed(Err(Declined::CardExpired))
+    /// ));
+    /// // A retry is answered the decline, without charging again.
+    /// assert!(matches!(
+    ///     engine.run(&key, &scope, &fp, charge).await?,
+    ///     Answer::Replayed(Err(Declined::CardExpired))
+    /// ));
+    /// # Ok(()) }
+    /// ```
+    pub fn store_errors(self) -> IdempotencyBuilder<S, StoreErrors> {
+        IdempotencyBuilder {
+            store: self.store,
+            policy: self.policy,
+            errors: PhantomData,
+        }
     }
 
     /// What a duplicate does while the first attempt runs. Default: answered at once as in
@@ -107,13 +138,14 @@ impl<S: IdempotencyStore + 'static> IdempotencyBuilder<S> {
     }
 
     /// The engine, or [`Error::Config`] naming the setting that is out of range.
-    pub fn build(self) -> Result<Idempotency<S>, Error> {
+    pub fn build(self) -> Result<Idempotency<S, M>, Error> {
         self.policy.validate()?;
         let owned = Arc::new(self.store);
         Ok(Idempotency {
             store: owned.clone(),
             owned,
             policy: Arc::new(self.policy),
+            errors: PhantomData,
         })
     }
 }

@@ -13,13 +13,15 @@ pub use lease::Lease;
 
 use crate::observe::{emit, loggable_key, Event};
 use crate::{
-    decide, Answer, Claim, ClaimRequest, Decision, Error, ErrorOutcomes, Failure, FencingToken,
-    Fingerprint, IdempotencyKey, IdempotencyStore, InFlight, Operation, Policy, Reclaim, Record,
-    RecordId, RecordStatus, Refusal, Scope, Timestamp,
+    decide, Answer, Claim, ClaimRequest, Decision, Error, ErrorMode, ErrorOutcomes, Failure,
+    FencingToken, Fingerprint, IdempotencyKey, IdempotencyStore, InFlight, Operation, Policy,
+    Reclaim, Record, RecordId, RecordStatus, Refusal, ReleaseErrors, Scope, Settling, StoreErrors,
+    Timestamp,
 };
 use futures::FutureExt;
 use serde::{de::DeserializeOwned, Serialize};
 use std::future::Future;
+use std::marker::PhantomData;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -81,6 +83,11 @@ pub enum Begin {
 /// what the HTTP layer and other generic code take: every typed engine converts into one
 /// (`engine.into()`), and does everything it does.
 ///
+/// `M` is what a work's `Err` does to its key: by default ([`ReleaseErrors`]) it is recorded
+/// as a retryable failure that releases the key, and the error type needs only `Display`;
+/// an engine built with [`IdempotencyBuilder::store_errors`] ([`StoreErrors`]) stores it and
+/// replays it to every retry, and the error type is `Serialize + DeserializeOwned`.
+///
 /// ```
 /// # use idempotency_core::*;
 /// # async fn example(store: impl IdempotencyStore + 'static) -> Result<(), Error> {
@@ -98,37 +105,43 @@ pub enum Begin {
 /// }
 /// # Ok(()) }
 /// ```
-pub struct Idempotency<S: ?Sized = dyn IdempotencyStore> {
+pub struct Idempotency<S: ?Sized = dyn IdempotencyStore, M = ReleaseErrors> {
     /// The store the engine owns, as its own type (for the transactional paths).
     owned: Arc<S>,
     /// The same store (or a decorator of it, see [`Idempotency::with_transactions`]), which
     /// every record call goes through.
     store: Arc<dyn IdempotencyStore>,
     policy: Arc<Policy>,
+    errors: PhantomData<M>,
 }
 
-impl<S: ?Sized> Clone for Idempotency<S> {
+impl<S: ?Sized, M> Clone for Idempotency<S, M> {
     fn clone(&self) -> Self {
         Self {
             owned: self.owned.clone(),
             store: self.store.clone(),
             policy: self.policy.clone(),
+            errors: PhantomData,
         }
     }
 }
 
-impl<S: ?Sized> std::fmt::Debug for Idempotency<S> {
+impl<S: ?Sized, M: ErrorMode> std::fmt::Debug for Idempotency<S, M> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Idempotency")
             .field("store", &self.store)
             .field("policy", &self.policy)
+            .field("errors", &M::default())
             .finish()
     }
 }
 
-/// An engine over a store of a known type is an engine over any store.
-impl<S: IdempotencyStore + 'static> From<Idempotency<S>> for Idempotency {
-    fn from(engine: Idempotency<S>) -> Self {
+/// An engine over a store of a known type is an engine over any store, with the same
+/// treatment of errors.
+impl<S: IdempotencyStore + 'static, M> From<Idempotency<S, M>>
+    for Idempotency<dyn IdempotencyStore, M>
+{
+    fn from(engine: Idempotency<S, M>) -> Self {
         engine.erased()
     }
 }
@@ -142,11 +155,12 @@ impl Idempotency {
             owned: store.clone(),
             store,
             policy: Arc::new(policy),
+            errors: PhantomData,
         })
     }
 }
 
-impl<S: ?Sized> Idempotency<S> {
+impl<S: ?Sized, M> Idempotency<S, M> {
     /// The store the engine owns.
     pub fn store(&self) -> &Arc<S> {
         &self.owned
@@ -163,11 +177,34 @@ impl<S: ?Sized> Idempotency<S> {
     /// metrics, tracing or injected faults to the calls), whose calls must reach `store`'s
     /// records, or the completion inside a transaction will not find the record it claimed.
     /// An engine built over the store itself needs none of this.
-    pub fn with_transactions<T>(&self, store: T) -> Idempotency<T> {
+    pub fn with_transactions<T>(&self, store: T) -> Idempotency<T, M> {
         Idempotency {
             owned: Arc::new(store),
             store: self.store.clone(),
             policy: self.policy.clone(),
+            errors: PhantomData,
+        }
+    }
+
+    /// This engine, storing a work's `Err` and replaying it to every retry ([`StoreErrors`]),
+    /// over the same store with the same policy: for one path of a service whose errors are
+    /// deterministic answers (a declined payment), beside others that release them.
+    pub fn storing_errors(&self) -> Idempotency<S, StoreErrors> {
+        self.with_errors()
+    }
+
+    /// This engine, recording a work's `Err` as a retryable failure that releases the key
+    /// ([`ReleaseErrors`], the default), over the same store with the same policy.
+    pub fn releasing_errors(&self) -> Idempotency<S, ReleaseErrors> {
+        self.with_errors()
+    }
+
+    fn with_errors<N>(&self) -> Idempotency<S, N> {
+        Idempotency {
+            owned: self.owned.clone(),
+            store: self.store.clone(),
+            policy: self.policy.clone(),
+            errors: PhantomData,
         }
     }
 
@@ -177,11 +214,12 @@ impl<S: ?Sized> Idempotency<S> {
     }
 
     /// This engine as an engine over any store.
-    pub(crate) fn erased(&self) -> Idempotency {
+    pub(crate) fn erased(&self) -> Idempotency<dyn IdempotencyStore, M> {
         Idempotency {
             owned: self.store.clone(),
             store: self.store.clone(),
             policy: self.policy.clone(),
+            errors: PhantomData,
         }
     }
 
@@ -192,13 +230,15 @@ impl<S: ?Sized> Idempotency<S> {
             owned: self.owned.clone(),
             store: self.store.clone(),
             policy: Arc::new(policy),
+            errors: PhantomData,
         })
     }
 
     /// Runs `work` once for `(scope, key)`.
     ///
-    /// `Ok` outcomes are stored and replayed; `Err` outcomes follow [`Policy::errors`]: by
-    /// default they release the key for a retry and are returned as `Executed(Err(e))`.
+    /// `Ok` outcomes are stored and replayed; `Err` outcomes follow the engine's `M`: by
+    /// default ([`ReleaseErrors`]) they release the key for a retry and are returned as
+    /// `Executed(Err(e))`; an engine that stores errors ([`StoreErrors`]) replays them.
     /// A duplicate while the first attempt runs is refused with [`Refusal::InProgress`] (or
     /// waits, per [`Policy::in_flight`]); a different fingerprint with
     /// [`Refusal::KeyReused`]. `Err` means that something broke.
@@ -211,21 +251,17 @@ impl<S: ?Sized> Idempotency<S> {
     ) -> Result<Answer<Result<T, E>>, Error>
     where
         T: Serialize + DeserializeOwned + Send,
-        E: Serialize + DeserializeOwned + std::fmt::Display + Send,
+        E: Send,
+        M: ErrorOutcomes<E>,
         F: FnOnce(WorkContext) -> Fut + Send,
         Fut: Future<Output = Result<T, E>> + Send,
     {
-        let errors = self.policy.errors;
-        self.run_with(
+        self.run_settled(
             key,
             scope,
             fingerprint,
-            move |r: &Result<T, E>| match (r, errors) {
-                (Ok(_), _) | (Err(_), ErrorOutcomes::Store) => Disposition::Store,
-                (Err(e), ErrorOutcomes::RecordFailure) => {
-                    Disposition::Release(Failure::retryable(e.to_string()))
-                }
-            },
+            M::settling,
+            |record| decode_stored(record, M::replayed),
             work,
         )
         .await
@@ -247,6 +283,41 @@ impl<S: ?Sized> Idempotency<S> {
         F: FnOnce(WorkContext) -> Fut + Send,
         Fut: Future<Output = R> + Send,
     {
+        self.run_settled(
+            key,
+            scope,
+            fingerprint,
+            |result: &R| match classify(result) {
+                Disposition::Store => match serde_json::to_vec(result) {
+                    Ok(bytes) => Settling::Store(bytes),
+                    Err(source) => Settling::Unencodable(Error::Codec { source }),
+                },
+                Disposition::Release(failure) => Settling::Release(failure),
+            },
+            decode_replay,
+            work,
+        )
+        .await
+    }
+
+    /// Runs `work` once for `(scope, key)`: `settling` says what is done with its outcome,
+    /// `replayed` reads a stored one back.
+    async fn run_settled<R, C, D, F, Fut>(
+        &self,
+        key: &IdempotencyKey,
+        scope: &Scope,
+        fingerprint: &Fingerprint,
+        settling: C,
+        replayed: D,
+        work: F,
+    ) -> Result<Answer<R>, Error>
+    where
+        R: Send,
+        C: FnOnce(&R) -> Settling + Send,
+        D: FnOnce(&Record) -> Result<R, Error> + Send,
+        F: FnOnce(WorkContext) -> Fut + Send,
+        Fut: Future<Output = R> + Send,
+    {
         let span = tracing::info_span!(
             "idempotency.run",
             scope = %scope,
@@ -259,7 +330,7 @@ impl<S: ?Sized> Idempotency<S> {
             let request =
                 self.claim_request(RecordId::new(key.clone(), scope.clone()), fingerprint);
             let lease = match self.begin_request(request).await? {
-                Begin::Replay(record) => return decode_replay(&record).map(Answer::Replayed),
+                Begin::Replay(record) => return replayed(&record).map(Answer::Replayed),
                 Begin::Refused(refusal) => return Ok(Answer::Refused(refusal)),
                 Begin::Execute(lease) => lease,
             };
@@ -276,20 +347,14 @@ impl<S: ?Sized> Idempotency<S> {
                     std::panic::resume_unwind(panic);
                 }
             };
-            match classify(&result) {
-                Disposition::Store => {
-                    let bytes =
-                        serde_json::to_vec(&result).map_err(|source| Error::Codec { source });
-                    match bytes {
-                        Ok(bytes) => lease.complete(&bytes).await?,
-                        Err(e) => {
-                            // The work ran: its outcome is lost, final for every payload.
-                            let _ = lease.fail(Failure::outcome_not_stored(&e)).await;
-                            return Err(e);
-                        }
-                    }
+            match settling(&result) {
+                Settling::Store(bytes) => lease.complete(&bytes).await?,
+                Settling::Unencodable(e) => {
+                    // The work ran: its outcome is lost, final for every payload.
+                    let _ = lease.fail(Failure::outcome_not_stored(&e)).await;
+                    return Err(e);
                 }
-                Disposition::Release(failure) => lease.fail(failure).await?,
+                Settling::Release(failure) => lease.fail(failure).await?,
             }
             Ok(Answer::Executed(result))
         }
@@ -518,11 +583,20 @@ pub(crate) fn loggable_record(id: &RecordId, policy: &Policy) -> String {
 /// Decodes a Completed record's outcome as JSON into `R`: [`Error::StoredOutcome`] when it is
 /// JSON of another shape, [`Error::CorruptRecord`] when it is not JSON at all.
 pub fn decode_replay<R: DeserializeOwned>(record: &Record) -> Result<R, Error> {
+    decode_stored(record, |bytes| serde_json::from_slice(bytes))
+}
+
+/// Decodes a Completed record's outcome with `decode`, its errors told apart as
+/// [`decode_replay`] does.
+pub(crate) fn decode_stored<R>(
+    record: &Record,
+    decode: impl FnOnce(&[u8]) -> Result<R, serde_json::Error>,
+) -> Result<R, Error> {
     let bytes = record
         .outcome
         .as_deref()
         .ok_or_else(|| Error::corrupt(format!("completed record {} has no outcome", record.id)))?;
-    serde_json::from_slice(bytes).map_err(|source| {
+    decode(bytes).map_err(|source| {
         if source.is_data() {
             // JSON, of another shape than the caller's type.
             Error::StoredOutcome { source }

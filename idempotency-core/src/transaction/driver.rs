@@ -2,20 +2,20 @@
 
 use super::MAX_TRANSACTION_ATTEMPTS;
 use super::{encode_outcome, Begun, CommitError, TransactionEnd, TransactionalStore};
+use crate::engine::decode_stored;
 use crate::{
-    decode_replay, Answer, Begin, Cas, Error, Fingerprint, Idempotency, IdempotencyKey, Lease,
+    Answer, Begin, Cas, Error, ErrorOutcomes, Fingerprint, Idempotency, IdempotencyKey, Lease,
     Policy, RecordId, Scope, WorkContext,
 };
 use futures::future::BoxFuture;
 use futures::FutureExt;
 use serde::{de::DeserializeOwned, Serialize};
-use std::fmt::Display;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-impl<S: TransactionalStore> Idempotency<S> {
+impl<S: TransactionalStore, M> Idempotency<S, M> {
     /// Runs `work` once for `(scope, key)` with its writes and the record's completion in
     /// **one transaction** of the engine's store, so they commit together or not at all.
     ///
@@ -26,8 +26,8 @@ impl<S: TransactionalStore> Idempotency<S> {
     /// `Ok(Ok(value))` the completion runs in the same transaction, which then commits.
     ///
     /// `work` returns `Ok(result)`, the work's own answer (`Ok(Err(e))` is a refusal of
-    /// yours, a declined payment: the transaction rolls back and `e` follows
-    /// [`Policy::errors`](crate::Policy::errors)), or `Err(database_error)`, what `?` on a
+    /// yours, a declined payment: the transaction rolls back and `e` is released, or stored
+    /// by an engine that stores errors: [`ErrorOutcomes`]), or `Err(database_error)`, what `?` on a
     /// failed statement returns: the transaction rolls back, and a conflict with a concurrent
     /// transaction (a serialization failure, a deadlock:
     /// [`TransactionalStore::is_conflict`]) runs it again, `work` included, at most
@@ -39,7 +39,7 @@ impl<S: TransactionalStore> Idempotency<S> {
     /// | the transaction… | the key | you get |
     /// |---|---|---|
     /// | committed | completed: retries replay `value` | `Ok(Answer::Executed(Ok(value)))` |
-    /// | rolled back on the work's `Ok(Err(e))` | per [`Policy::errors`](crate::Policy::errors) (by default released) | `Ok(Answer::Executed(Err(e)))` |
+    /// | rolled back on the work's `Ok(Err(e))` | released (stored by an engine that stores errors) | `Ok(Answer::Executed(Err(e)))` |
     /// | rolled back on a database error, after the last conflict, or a refused commit | released | `Err(error)` |
     /// | was fenced: its lease passed and another holder took the key over | the other holder's | `Err(Error::LeaseLost)` |
     /// | sent its commit and lost the answer | held until its lease passes; a retry then replays or runs it | `Err(Error::OutcomeUnknown)` |
@@ -59,7 +59,8 @@ impl<S: TransactionalStore> Idempotency<S> {
     ) -> Result<Answer<Result<T, E>>, Error>
     where
         T: Serialize + DeserializeOwned + Send + 'static,
-        E: Serialize + DeserializeOwned + Display + Send + 'static,
+        E: Send + 'static,
+        M: ErrorOutcomes<E>,
         F: for<'c> FnMut(
                 &'c mut S::Connection,
                 WorkContext,
@@ -75,7 +76,7 @@ impl<S: TransactionalStore> Idempotency<S> {
     }
 }
 
-impl<St: ?Sized> Idempotency<St> {
+impl<St: ?Sized, M> Idempotency<St, M> {
     /// [`Idempotency::run_in_transaction`] on `store`, which must reach the same records as
     /// this engine's store, with `work` on the store's transaction itself.
     pub(crate) async fn run_in_transaction_on<S, T, E, F>(
@@ -89,7 +90,8 @@ impl<St: ?Sized> Idempotency<St> {
     where
         S: TransactionalStore,
         T: Serialize + DeserializeOwned + Send,
-        E: Serialize + DeserializeOwned + Display + Send,
+        E: Send,
+        M: ErrorOutcomes<E>,
         F: for<'t> FnMut(
                 &'t mut S::Transaction,
                 WorkContext,
@@ -98,14 +100,16 @@ impl<St: ?Sized> Idempotency<St> {
     {
         let id = RecordId::new(key.clone(), scope.clone());
         let lease = match self.begin(&id, fingerprint).await? {
-            Begin::Replay(record) => return decode_replay(&record).map(Answer::Replayed),
+            Begin::Replay(record) => {
+                return decode_stored(&record, M::replayed).map(Answer::Replayed)
+            }
             Begin::Refused(refusal) => return Ok(Answer::Refused(refusal)),
             Begin::Execute(lease) => lease,
         };
         let end = AssertUnwindSafe(transaction(store, &lease, &mut work, &Complete, &mut false))
             .catch_unwind()
             .await;
-        lease.settle_transaction(end).await
+        lease.settle_transaction::<M, _, _>(end).await
     }
 }
 

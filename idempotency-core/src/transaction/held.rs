@@ -5,12 +5,13 @@
 use super::driver::{back_off, later, renew_kept, Deadline};
 use super::MAX_TRANSACTION_ATTEMPTS;
 use super::{encode_outcome, Begun, CommitError, TransactionEnd, TransactionalStore};
+use crate::engine::decode_stored;
 use crate::{
-    decode_replay, Begin, Error, Failure, Fingerprint, Idempotency, IdempotencyKey, Lease,
-    RecordId, Refusal, Scope, WorkContext,
+    Begin, Error, ErrorOutcomes, Failure, Fingerprint, Idempotency, IdempotencyKey, Lease,
+    RecordId, Refusal, ReleaseErrors, Scope, WorkContext,
 };
 use serde::{de::DeserializeOwned, Serialize};
-use std::fmt::{self, Display};
+use std::fmt;
 use std::marker::PhantomData;
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
@@ -22,12 +23,12 @@ use tokio::task::JoinHandle;
 /// outcome of an earlier run, or a refusal.
 #[derive(Debug)]
 #[must_use = "a Begun transaction must be committed, or it rolls back when dropped"]
-pub enum Started<S: TransactionalStore + 'static, T, E> {
+pub enum Started<S: TransactionalStore + 'static, T, E, M = ReleaseErrors> {
     /// The key is yours and a transaction is open: write through it, then
     /// [`commit`](HeldTransaction::commit) it.
-    Begun(HeldTransaction<S, T, E>),
-    /// The work ran before: its stored outcome (`Err` is a refusal of yours that
-    /// [`Policy::errors`](crate::Policy::errors) stored).
+    Begun(HeldTransaction<S, T, E, M>),
+    /// The work ran before: its stored outcome (`Err` is a refusal of yours, stored by an
+    /// engine that stores errors).
     Replayed(Result<T, E>),
     /// Nothing runs, and there is nothing to replay: the key is in progress elsewhere, was
     /// used with another request, failed for good or lost its outcome.
@@ -64,9 +65,10 @@ pub enum Started<S: TransactionalStore + 'static, T, E> {
 /// a conflict with a concurrent transaction (a serialization failure, a deadlock): the commit
 /// returns the error and the key is released; [`Idempotency::is_conflict`] tells it, and you
 /// start over, or use `run_in_transaction`, which does it for you.
-pub struct HeldTransaction<S: TransactionalStore + 'static, T, E> {
+pub struct HeldTransaction<S: TransactionalStore + 'static, T, E, M = ReleaseErrors> {
     held: Option<Held<S>>,
     _outcome: PhantomData<fn() -> (T, E)>,
+    _errors: PhantomData<M>,
 }
 
 struct Held<S: TransactionalStore + 'static> {
@@ -116,7 +118,7 @@ impl Keeper {
     }
 }
 
-impl<S: TransactionalStore + 'static> Idempotency<S> {
+impl<S: TransactionalStore + 'static, M> Idempotency<S, M> {
     /// Claims `(scope, key)` and, when the work is yours to run, opens a transaction of the
     /// engine's store for you to write in: a [`Started::Begun`] holding a
     /// [`HeldTransaction`], or the stored outcome of an earlier run
@@ -151,14 +153,17 @@ impl<S: TransactionalStore + 'static> Idempotency<S> {
         key: &IdempotencyKey,
         scope: &Scope,
         fingerprint: &Fingerprint,
-    ) -> Result<Started<S, T, E>, Error>
+    ) -> Result<Started<S, T, E, M>, Error>
     where
         T: Serialize + DeserializeOwned + Send + 'static,
-        E: Serialize + DeserializeOwned + Display + Send + 'static,
+        E: Send + 'static,
+        M: ErrorOutcomes<E>,
     {
         let id = RecordId::new(key.clone(), scope.clone());
         let lease = match self.begin(&id, fingerprint).await? {
-            Begin::Replay(record) => return decode_replay(&record).map(Started::Replayed),
+            Begin::Replay(record) => {
+                return decode_stored(&record, M::replayed).map(Started::Replayed)
+            }
             Begin::Refused(refusal) => return Ok(Started::Refused(refusal)),
             Begin::Execute(lease) => lease,
         };
@@ -172,10 +177,10 @@ impl<S: TransactionalStore + 'static> Idempotency<S> {
                     back_off(attempt).await;
                 }
                 Err(Error::LeaseLost { .. }) => {
-                    return Err(settle::<T, E>(lease, TransactionEnd::LeaseLost).await)
+                    return Err(settle::<M, T, E>(lease, TransactionEnd::LeaseLost).await)
                 }
                 // Nothing began: the key is released.
-                Err(e) => return Err(settle::<T, E>(lease, TransactionEnd::RolledBack(e)).await),
+                Err(e) => return Err(settle::<M, T, E>(lease, TransactionEnd::RolledBack(e)).await),
             }
         };
         let (transaction, keeper) = match begun {
@@ -210,6 +215,7 @@ impl<S: TransactionalStore + 'static> Idempotency<S> {
                 runtime: tokio::runtime::Handle::current(),
             }),
             _outcome: PhantomData,
+            _errors: PhantomData,
         }))
     }
 
@@ -222,23 +228,24 @@ impl<S: TransactionalStore + 'static> Idempotency<S> {
 }
 
 /// Settles `lease` after an end that is not a commit, and returns the caller's error.
-async fn settle<T, E>(lease: Lease, end: TransactionEnd<T, E>) -> Error
+async fn settle<M, T, E>(lease: Lease, end: TransactionEnd<T, E>) -> Error
 where
+    M: ErrorOutcomes<E>,
     T: Serialize,
-    E: Serialize + Display,
 {
-    match lease.settle_transaction(Ok(end)).await {
+    match lease.settle_transaction::<M, T, E>(Ok(end)).await {
         Err(e) => e,
         // Only a work's own refusal settles as an answer, and it is not settled here.
         Ok(_) => Error::backend(false, "the transaction ended without a commit"),
     }
 }
 
-impl<S, T, E> HeldTransaction<S, T, E>
+impl<S, T, E, M> HeldTransaction<S, T, E, M>
 where
     S: TransactionalStore + 'static,
     T: Serialize + DeserializeOwned + Send + 'static,
-    E: Serialize + DeserializeOwned + Display + Send + 'static,
+    E: Send + 'static,
+    M: ErrorOutcomes<E>,
 {
     /// The claim's context (record and fencing token).
     pub fn context(&self) -> Option<WorkContext> {
@@ -268,13 +275,14 @@ where
                 lease.settled_externally();
                 Ok(value)
             }
-            (lease, end) => Err(settle(lease, end).await),
+            (lease, end) => Err(settle::<M, T, E>(lease, end).await),
         }
     }
 
     /// Rolls everything back and answers the work's own refusal `error` (a declined payment,
-    /// an invalid request): it follows [`Policy::errors`](crate::Policy::errors), by default
-    /// releasing the key for a retry, or stored, so that retries get it back. Returns
+    /// an invalid request): by default the key is released for a retry; an engine that
+    /// stores errors ([`StoreErrors`](crate::StoreErrors)) stores it, so that retries get it
+    /// back. Returns
     /// `error`, or the store's error when it could not be recorded.
     pub async fn refuse(mut self, error: E) -> Result<E, Error> {
         let Some(mut held) = self.held.take() else {
@@ -286,11 +294,11 @@ where
         // refusal is recorded (fenced if someone took the key over meanwhile).
         let mut kept = held.keeper.in_process();
         if let Err(end) = renew_kept::<T, E>(&held.lease, &mut kept).await {
-            return Err(settle(held.lease, end).await);
+            return Err(settle::<M, T, E>(held.lease, end).await);
         }
         match held
             .lease
-            .settle_transaction::<T, E>(Ok(TransactionEnd::WorkFailed(error)))
+            .settle_transaction::<M, T, E>(Ok(TransactionEnd::WorkFailed(error)))
             .await?
         {
             crate::Answer::Executed(Err(error)) => Ok(error),
@@ -360,7 +368,7 @@ async fn release(lease: Lease) {
         .await;
 }
 
-impl<S: TransactionalStore + 'static, T, E> Deref for HeldTransaction<S, T, E> {
+impl<S: TransactionalStore + 'static, T, E, M> Deref for HeldTransaction<S, T, E, M> {
     type Target = S::Connection;
 
     fn deref(&self) -> &S::Connection {
@@ -371,7 +379,7 @@ impl<S: TransactionalStore + 'static, T, E> Deref for HeldTransaction<S, T, E> {
     }
 }
 
-impl<S: TransactionalStore + 'static, T, E> DerefMut for HeldTransaction<S, T, E> {
+impl<S: TransactionalStore + 'static, T, E, M> DerefMut for HeldTransaction<S, T, E, M> {
     fn deref_mut(&mut self) -> &mut S::Connection {
         match &mut self.held {
             Some(held) => S::connection(&mut held.transaction),
@@ -385,7 +393,7 @@ fn unreachable_connection() -> ! {
     panic!("a HeldTransaction is used after it ended")
 }
 
-impl<S: TransactionalStore + 'static, T, E> Drop for HeldTransaction<S, T, E> {
+impl<S: TransactionalStore + 'static, T, E, M> Drop for HeldTransaction<S, T, E, M> {
     fn drop(&mut self) {
         let Some(mut held) = self.held.take() else {
             return;
@@ -411,7 +419,7 @@ impl<S: TransactionalStore + 'static, T, E> Drop for HeldTransaction<S, T, E> {
     }
 }
 
-impl<S: TransactionalStore + 'static, T, E> fmt::Debug for HeldTransaction<S, T, E> {
+impl<S: TransactionalStore + 'static, T, E, M> fmt::Debug for HeldTransaction<S, T, E, M> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("HeldTransaction")
             .field("lease", &self.held.as_ref().map(|held| &held.lease))

@@ -20,7 +20,7 @@
 //! | the transaction… | [`TransactionEnd`] | the key | the caller gets |
 //! |---|---|---|---|
 //! | committed the work's writes and the completion | `Committed(v)` | completed (by the commit) | `Executed(Ok(v))` |
-//! | rolled back because the work answered `Ok(Err(e))`, its own refusal | `WorkFailed(e)` | per [`Policy::errors`](crate::Policy::errors): released, or `Err(e)` stored | `Executed(Err(e))` |
+//! | rolled back because the work answered `Ok(Err(e))`, its own refusal | `WorkFailed(e)` | released, or `Err(e)` stored by an engine that stores errors ([`ErrorOutcomes`]) | `Executed(Err(e))` |
 //! | rolled back because the completion was fenced, or the lease kept in the process passed | `LeaseLost` | another holder's, or left to be reclaimed: untouched | [`Error::LeaseLost`] |
 //! | rolled back before its commit (a failed `BEGIN`, a database error of the work, its outer `Err`, or of the completion, an encoding error, a refused commit), when it was not a conflict or was one on the last run | `RolledBack(e)` | released at once (nothing took effect) | `e` |
 //! | ended with a commit whose outcome is unknown | `Unknown(e)` | held until its lease passes | `e` |
@@ -36,9 +36,8 @@ pub use shared::SharedClaim;
 
 pub use store::{Begun, CommitError, TransactionalStore, MAX_TRANSACTION_ATTEMPTS};
 
-use crate::{Answer, Error, ErrorOutcomes, Failure, Lease};
+use crate::{Answer, Error, ErrorOutcomes, Failure, Lease, Settling};
 use serde::Serialize;
-use std::fmt::Display;
 
 /// How one exactly-once transaction ended, as a store reports it to
 /// [`Lease::settle_transaction`]. See the [module documentation](self) for what each end
@@ -67,7 +66,7 @@ pub enum TransactionEnd<T, E> {
 
 /// The bytes a transactional store writes with the completion: the work's result as JSON,
 /// the format [`Idempotency::run`](crate::Idempotency::run) stores and
-/// [`decode_replay`](crate::decode_replay) reads. A result that cannot be encoded is an
+/// [`decode_replay`](crate::protocol::decode_replay) reads. A result that cannot be encoded is an
 /// [`Error::Codec`]; report it as [`TransactionEnd::RolledBack`].
 pub fn encode_outcome<R: Serialize>(result: &R) -> Result<Vec<u8>, Error> {
     serde_json::to_vec(result).map_err(|source| Error::Codec { source })
@@ -77,17 +76,19 @@ impl Lease {
     /// Settles the lease after the exactly-once transaction it ran under ended as `end`
     /// (`Err` with the panic's payload when the transaction's future panicked), by the rules
     /// in the [module documentation](crate::transaction): the one place those rules live.
+    /// `M` is the engine's treatment of errors (a work's own refusal is released, or stored,
+    /// as [`ErrorOutcomes`] says).
     ///
     /// # Panics
     ///
     /// Resumes a panic given in `end` once the key is released.
-    pub async fn settle_transaction<T, E>(
+    pub async fn settle_transaction<M, T, E>(
         self,
         end: std::thread::Result<TransactionEnd<T, E>>,
     ) -> Result<Answer<Result<T, E>>, Error>
     where
+        M: ErrorOutcomes<E>,
         T: Serialize,
-        E: Serialize + Display,
     {
         let end = match end {
             Ok(end) => end,
@@ -103,25 +104,17 @@ impl Lease {
             }
             TransactionEnd::WorkFailed(e) => {
                 let result: Result<T, E> = Err(e);
-                match self.policy().errors {
+                match M::settling(&result) {
                     // Nothing of the work is kept by this path (its transaction rolled back, or
                     // a foreign phase failed, which a retry calls again under the same phase
                     // key): an outcome that cannot be stored holds the key until the lease
                     // passes rather than closing it for good.
-                    ErrorOutcomes::Store => match encode_outcome(&result) {
-                        Ok(bytes) => self.complete_without_effects(&bytes).await?,
-                        Err(codec) => {
-                            let _ = self.fail(Failure::permanent(codec.to_string())).await;
-                            return Err(codec);
-                        }
-                    },
-                    ErrorOutcomes::RecordFailure => {
-                        let message = match &result {
-                            Err(e) => e.to_string(),
-                            Ok(_) => String::new(),
-                        };
-                        self.fail(Failure::retryable(message)).await?;
+                    Settling::Store(bytes) => self.complete_without_effects(&bytes).await?,
+                    Settling::Unencodable(codec) => {
+                        let _ = self.fail(Failure::permanent(codec.to_string())).await;
+                        return Err(codec);
                     }
+                    Settling::Release(failure) => self.fail(failure).await?,
                 }
                 Ok(Answer::Executed(result))
             }
