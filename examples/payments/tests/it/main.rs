@@ -5,7 +5,7 @@
 use idempotency::postgres::sqlx;
 use idempotency::reqwest::{IdempotentRequestExt, IdempotentResponseExt};
 use idempotency::IdempotencyKey;
-use payments_api::{Config, NewPayment, Payment, Running};
+use payments_api::{Config, NewPayment, NewRefund, Payment, Refund, Running};
 use reqwest::StatusCode;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -26,6 +26,8 @@ impl Service {
             schema: schema.clone(),
             retention,
             purge_every,
+            complete_every: Duration::from_millis(100),
+            retry_refunds_after: Duration::from_millis(200),
         };
         let running = payments_api::start(&config, 0).await.unwrap();
         Self { running, schema }
@@ -45,6 +47,29 @@ impl Service {
         .fetch_one(self.running.store.pool())
         .await
         .unwrap()
+    }
+
+    /// How many refunds of `payment` the service wrote, how many of them are marked refunded,
+    /// and how many the card provider made.
+    async fn refunds(&self, payment: i64) -> (i64, i64, i64) {
+        sqlx::query_as(&format!(
+            "SELECT count(*), count(r.reference), \
+                    (SELECT count(*) FROM \"{0}\".provider_refunds WHERE payment = $1) \
+             FROM \"{0}\".payments_refunds r WHERE r.payment = $1",
+            self.schema
+        ))
+        .bind(payment)
+        .fetch_one(self.running.store.pool())
+        .await
+        .unwrap()
+    }
+
+    /// Pays `cents` for `merchant` under a key of its own.
+    async fn pay(&self, client: &reqwest::Client, merchant: &str, cents: i64) -> Payment {
+        let key = format!("pay-{merchant}-{cents}");
+        let (status, _, body) = settle(client, &self.url(), merchant, &key, &eur(cents)).await;
+        assert_eq!(status, StatusCode::CREATED, "{body}");
+        serde_json::from_str(&body).unwrap()
     }
 
     async fn stop(self) {
@@ -71,7 +96,7 @@ async fn settle(
     url: &str,
     merchant: &str,
     key: &str,
-    body: &NewPayment,
+    body: &impl serde::Serialize,
 ) -> (StatusCode, bool, String) {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
@@ -294,4 +319,96 @@ async fn the_demo_pays_once() {
         dropped.is_ok_and(|s| s.success()),
         "the demo's schema was not dropped"
     );
+}
+
+/// Eight refunds at once under one key: one refund row, one call that reached the card
+/// provider's refund, one answer; a refund of more than the payment has left is `422`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_retries_of_a_refund_refund_once() {
+    let service =
+        Service::start("refund", Duration::from_secs(3600), Duration::from_secs(60)).await;
+    let client = reqwest::Client::new();
+    let paid = service.pay(&client, "shop-1", 1000).await;
+    let url = format!("{}/{}/refunds", service.url(), paid.id);
+    let body = NewRefund { cents: 300 };
+    let answers = futures::future::join_all(
+        (0..8).map(|_| settle(&client, &url, "shop-1", "refund-1", &body)),
+    )
+    .await;
+    assert_eq!(
+        answers.iter().filter(|(_, replayed, _)| !replayed).count(),
+        1,
+        "{answers:?}"
+    );
+    for (status, _, text) in &answers {
+        assert_eq!(*status, StatusCode::CREATED, "{text}");
+        assert_eq!(text, &answers[0].2, "two different answers");
+    }
+    let refund: Refund = serde_json::from_str(&answers[0].2).unwrap();
+    assert_eq!((refund.payment, refund.cents), (paid.id, 300));
+    assert_eq!(service.refunds(paid.id).await, (1, 1, 1));
+
+    // 700 cents are left: more is refused, and nothing is refunded.
+    let (status, _, text) = settle(
+        &client,
+        &url,
+        "shop-1",
+        "refund-2",
+        &NewRefund { cents: 701 },
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{text}");
+    assert!(text.contains("700 cents left"), "{text}");
+    // Another merchant's payment is not found.
+    let (status, _, _) = settle(&client, &url, "shop-2", "refund-1", &NewRefund { cents: 1 }).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_eq!(service.refunds(paid.id).await, (1, 1, 1));
+    service.stop().await;
+}
+
+/// The card provider is down when a refund is asked for: the request is answered `503`, the
+/// refund row stays written, and the completer finishes the refund on its own (the provider
+/// refunds once); a retry of the key is then answered with that refund.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refund_the_provider_failed_is_finished_by_the_completer() {
+    let service = Service::start(
+        "completer",
+        Duration::from_secs(3600),
+        Duration::from_secs(60),
+    )
+    .await;
+    let client = reqwest::Client::new();
+    let paid = service.pay(&client, "shop-1", 500).await;
+    let url = format!("{}/{}/refunds", service.url(), paid.id);
+    let body = NewRefund { cents: 200 };
+    service
+        .running
+        .provider
+        .outage
+        .store(1, std::sync::atomic::Ordering::SeqCst);
+    let (status, _, text) = settle(&client, &url, "shop-1", "refund-1", &body).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{text}");
+    assert_eq!(
+        service.refunds(paid.id).await,
+        (1, 0, 0),
+        "written, not refunded"
+    );
+
+    // The completer takes the failed refund up after 200 ms and runs its last two phases.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while service.refunds(paid.id).await != (1, 1, 1) {
+        assert!(
+            Instant::now() < deadline,
+            "the completer did not finish the refund: {:?}",
+            service.refunds(paid.id).await
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (status, replayed, text) = settle(&client, &url, "shop-1", "refund-1", &body).await;
+    assert_eq!(status, StatusCode::CREATED, "{text}");
+    assert!(replayed, "the retry ran the refund again");
+    let refund: Refund = serde_json::from_str(&text).unwrap();
+    assert_eq!((refund.payment, refund.cents), (paid.id, 200));
+    assert_eq!(service.refunds(paid.id).await, (1, 1, 1));
+    service.stop().await;
 }
