@@ -1310,14 +1310,23 @@ async fn commit_cut(level: Isolation, cut: CommitCut) {
         "{level:?} {cut:?}: a connection lost at COMMIT is an unknown outcome: {first:?}"
     );
     let holder = store.get(&id).await.unwrap().expect("the record").token;
-    // The dropped lease writes nothing (the key is held until its lease passes). Give the
-    // server a moment to end the cut session, rolling back what it had not committed.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let record = store
-        .get(&id)
-        .await
-        .unwrap()
-        .expect("the record is never lost");
+    // The dropped lease writes nothing (the key is held until its lease passes). A COMMIT
+    // that reached the server may still be applying when the client hears of the cut: the
+    // record may only ever be Pending, then Completed, so wait for a Completed one when the
+    // commit was sent (a commit that never arrived can never complete it, early or late).
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let record = loop {
+        let record = store
+            .get(&id)
+            .await
+            .unwrap()
+            .expect("the record is never lost");
+        let applying = cut == CommitCut::AfterCommit && record.status == RecordStatus::Pending;
+        if !applying || std::time::Instant::now() >= deadline {
+            break record;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     let placed = orders_for(&orders, &key).await;
     match cut {
         CommitCut::AfterCommit => assert!(
