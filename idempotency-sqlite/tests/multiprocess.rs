@@ -25,7 +25,6 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const PROCESSES: usize = 4;
@@ -236,7 +235,10 @@ async fn child_race() {
         .lease(Duration::from_secs(30))
         .count_hits(true)
         .in_flight(InFlight::wait(Duration::from_secs(60)));
-    let engine = Idempotency::new(Arc::new(store.clone()), policy).unwrap();
+    let engine = Idempotency::builder(store.clone())
+        .policy(policy)
+        .build()
+        .unwrap();
     println!("ready");
     std::io::stdout().flush().unwrap();
     while !go.exists() {
@@ -255,8 +257,6 @@ async fn child_race() {
                     let result = if i % 2 == 0 {
                         let name = k.to_string();
                         engine
-                            .clone()
-                            .with_transactions(store.clone())
                             .run_in_transaction(&k, &scope(), &fingerprint(), move |tx, _| {
                                 let name = name.clone();
                                 Box::pin(tx.run(move |tx| {
@@ -358,7 +358,10 @@ async fn parent_crash() {
         .await
         .unwrap()
         .unwrap();
-    let engine = Idempotency::new(Arc::new(store.clone()), crash_policy()).unwrap();
+    let engine = Idempotency::builder(store.clone())
+        .policy(crash_policy())
+        .build()
+        .unwrap();
     let count = |k: String| {
         let store = store.clone();
         async move {
@@ -396,8 +399,6 @@ async fn parent_crash() {
             "the uncommitted order is gone"
         );
         let early = engine
-            .clone()
-            .with_transactions(store.clone())
             .run_in_transaction(&k, &scope(), &fingerprint(), move |tx, _| {
                 Box::pin(tx.run(move |_| -> Result<i64, String> {
                     panic!("the crashed holder's lease is still live")
@@ -420,8 +421,6 @@ async fn parent_crash() {
             .expect("the crashed claim's record");
         let name = k.to_string();
         let retry = engine
-            .clone()
-            .with_transactions(store.clone())
             .run_in_transaction(&k, &scope(), &fingerprint(), move |tx, ctx| {
                 let name = name.clone();
                 Box::pin(tx.run(move |tx| {
@@ -442,8 +441,6 @@ async fn parent_crash() {
             .unwrap();
         assert!(matches!(retry, Answer::Executed(Ok(_))), "{retry:?}");
         let again = engine
-            .clone()
-            .with_transactions(store.clone())
             .run_in_transaction(&k, &scope(), &fingerprint(), move |tx, _| {
                 Box::pin(
                     tx.run(move |_| -> Result<i64, String> { panic!("completed: must replay") }),
@@ -464,7 +461,10 @@ async fn child_crash() {
     let db = PathBuf::from(std::env::var(DB).unwrap());
     let k = IdempotencyKey::new(std::env::var("IDEMPOTENCY_SQLITE_KEY").unwrap()).unwrap();
     let store = SqliteStore::open(&db).await.unwrap();
-    let engine = Idempotency::new(Arc::new(store.clone()), crash_policy()).unwrap();
+    let engine = Idempotency::builder(store.clone())
+        .policy(crash_policy())
+        .build()
+        .unwrap();
     let id = RecordId::new(k.clone(), scope());
     let idempotency_core::protocol::Begin::Execute(_lease) =
         engine.begin(&id, &fingerprint()).await.unwrap()

@@ -39,8 +39,11 @@ fn fingerprint() -> Fingerprint {
     Fingerprint::from_bytes(b"one order")
 }
 
-fn engine(store: &DynamoStore) -> Idempotency {
-    Idempotency::new(Arc::new(store.clone()), Policy::default().lease(LEASE)).unwrap()
+fn engine(store: &DynamoStore) -> Idempotency<DynamoStore> {
+    Idempotency::builder(store.clone())
+        .policy(Policy::default().lease(LEASE))
+        .build()
+        .unwrap()
 }
 
 /// A business item beside the records, in the same table (its own partition key).
@@ -97,13 +100,12 @@ async fn exists(store: &DynamoStore, pk: &str) -> bool {
 
 /// Runs the standard work for `k`: bump its counter, and count the runs.
 async fn run_bump(
-    engine: &Idempotency,
+    engine: &Idempotency<DynamoStore>,
     store: &DynamoStore,
     k: &str,
     runs: &Arc<AtomicUsize>,
 ) -> Result<Answer<Result<u32, String>>, Error> {
     engine
-        .with_transactions(store.clone())
         .run_in_transaction(&key(k), &scope(), &fingerprint(), |tx, _| {
             let (update, runs) = (bump(store, k), runs.clone());
             Box::pin(async move {
@@ -139,14 +141,13 @@ async fn writes_and_completion_commit_in_one_request_and_a_retry_replays() {
 
 /// Bumps a counter and puts the order `name`, which must not exist yet.
 async fn run_order(
-    engine: &Idempotency,
+    engine: &Idempotency<DynamoStore>,
     store: &DynamoStore,
     k: &str,
     name: &str,
 ) -> Result<Answer<Result<u32, String>>, Error> {
     let (put, update) = (order(store, name), bump(store, "cancelled"));
     engine
-        .with_transactions(store.clone())
         .run_in_transaction(&key(k), &scope(), &fingerprint(), |tx, _| {
             let (put, update) = (put.clone(), update.clone());
             Box::pin(async move {
@@ -202,7 +203,6 @@ async fn work_that_fails_writes_nothing() {
     let engine = engine(&store);
     let update = bump(&store, "declined");
     let outcome = engine
-        .with_transactions(store.clone())
         .run_in_transaction(&key("d"), &scope(), &fingerprint(), |tx, _| {
             let update = update.clone();
             Box::pin(async move {
@@ -224,7 +224,6 @@ async fn a_fenced_completion_cancels_the_writes_of_the_holder_that_lost_its_leas
     let id = RecordId::new(key("f"), scope());
     let update = bump(&store, "fenced");
     let result = slow
-        .with_transactions(store.clone())
         .run_in_transaction(&key("f"), &scope(), &fingerprint(), |tx, _| {
             let (update, clock, taker, id) =
                 (update.clone(), clock.clone(), taker.clone(), id.clone());
@@ -261,7 +260,6 @@ async fn at_most_99_writes_beside_the_completion_refused_before_anything_is_sent
 
     let writes = many(MAX_TRANSACTION_WRITES + 1);
     let e = engine
-        .with_transactions(store.clone())
         .run_in_transaction(&key("too-many"), &scope(), &fingerprint(), |tx, _| {
             let writes = writes.clone();
             Box::pin(async move {
@@ -286,7 +284,6 @@ async fn at_most_99_writes_beside_the_completion_refused_before_anything_is_sent
 
     let writes = many(MAX_TRANSACTION_WRITES);
     let outcome = engine
-        .with_transactions(store.clone())
         .run_in_transaction(&key("full"), &scope(), &fingerprint(), |tx, _| {
             let writes = writes.clone();
             Box::pin(async move {
@@ -443,11 +440,10 @@ async fn an_applied_transaction_whose_record_was_replaced_before_the_resend_is_u
     let script = Script::default();
     let (store, clock, _guard) = intercepted_store(script.clone()).await;
     let retention = Duration::from_secs(1);
-    let engine = Idempotency::new(
-        Arc::new(store.clone()),
-        Policy::default().lease(LEASE).retention(retention),
-    )
-    .unwrap();
+    let engine = Idempotency::builder(store.clone())
+        .policy(Policy::default().lease(LEASE).retention(retention))
+        .build()
+        .unwrap();
     let other = DynamoStore::builder()
         .table(store.table())
         .clock(Arc::new(clock.clone()))

@@ -26,17 +26,18 @@ async fn mysql_passes_every_recovery_point_case_at_every_level() {
         // The database's clock decides: time passes by sleeping, with room for a stalled
         // machine (a record expires only after its retention).
         let (lease, ttl) = (Duration::from_secs(1), Duration::from_secs(2));
-        let engine = Idempotency::new(
-            Arc::new(store.clone()),
-            Policy::default()
-                .lease(lease)
-                .retention(ttl)
-                .heartbeat(None),
-        )
-        .unwrap();
+        let engine = Idempotency::builder(store.clone())
+            .policy(
+                Policy::default()
+                    .lease(lease)
+                    .retention(ttl)
+                    .heartbeat(None),
+            )
+            .build()
+            .unwrap();
         let kit = RecoveryKit {
             store,
-            engine,
+            engine: engine.into(),
             lease,
             ttl,
             pass: Box::new(|d| Box::pin(tokio::time::sleep(d))),
@@ -84,10 +85,9 @@ fn flow(
 }
 
 struct World {
-    store: MySqlStore,
     tables: Arc<(String, String)>,
     _guards: (TableGuard, TableGuard, TableGuard),
-    engine: Idempotency,
+    engine: Idempotency<MySqlStore>,
     payments: Arc<ForeignService>,
 }
 
@@ -111,15 +111,15 @@ impl World {
             tables.1
         ))
         .await;
-        let engine = Idempotency::new(
-            Arc::new(store.clone()),
-            Policy::default()
-                .lease(LEASE)
-                .retention(Duration::from_secs(3600)),
-        )
-        .unwrap();
+        let engine = Idempotency::builder(store.clone())
+            .policy(
+                Policy::default()
+                    .lease(LEASE)
+                    .retention(Duration::from_secs(3600)),
+            )
+            .build()
+            .unwrap();
         Self {
-            store,
             tables,
             _guards: (records, rides, receipts),
             engine,
@@ -142,11 +142,7 @@ impl World {
     async fn run(&self) -> Result<Answer<Result<(i64, i64), String>>, Error> {
         let (key, scope, fp) = Self::key();
         // Through the store's wrapper: the store is not passed a second time.
-        self.engine
-            .clone()
-            .with_transactions(self.store.clone())
-            .run_phases(&key, &scope, &fp, self.flow())
-            .await
+        self.engine.run_phases(&key, &scope, &fp, self.flow()).await
     }
 
     /// [`World::run`] again while the key is in progress (for at most 30 s).
@@ -168,13 +164,10 @@ impl World {
     async fn run_and_die_after_charge(&self) {
         self.payments.hang_after_acting(1);
         let task = {
-            let (engine, store, flow) = (self.engine.clone(), self.store.clone(), self.flow());
+            let (engine, flow) = (self.engine.clone(), self.flow());
             tokio::spawn(async move {
                 let (key, scope, fp) = World::key();
-                engine
-                    .with_transactions(store.clone())
-                    .run_phases(&key, &scope, &fp, flow)
-                    .await
+                engine.run_phases(&key, &scope, &fp, flow).await
             })
         };
         self.payments.acted_and_hung().await;
@@ -279,9 +272,7 @@ async fn the_completer_finishes_a_dead_holders_operation_at_every_level() {
         w.run_and_die_after_charge().await;
         let (payments, tables) = (w.payments.clone(), w.tables.clone());
         let make = move || flow(payments.clone(), tables.clone());
-        let completer =
-            idempotency_core::Completer::new(&w.engine.with_transactions(w.store.clone()))
-                .operation("book-ride", make);
+        let completer = idempotency_core::Completer::new(&w.engine).operation("book-ride", make);
         // The dead holder's heartbeat stopped with it: its lease passes (a heartbeat that
         // was on its way when it died may still land: rounds go on until one finishes it).
         tokio::time::sleep(LEASE + Duration::from_millis(200)).await;

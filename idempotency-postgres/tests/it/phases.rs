@@ -30,17 +30,18 @@ async fn postgres_passes_every_recovery_point_case_at_every_level() {
         // The database's clock decides: time passes by sleeping, with room for a stalled
         // machine (a record expires only after its retention).
         let (lease, ttl) = (Duration::from_secs(1), Duration::from_secs(2));
-        let engine = Idempotency::new(
-            Arc::new(store.clone()),
-            Policy::default()
-                .lease(lease)
-                .retention(ttl)
-                .heartbeat(None),
-        )
-        .unwrap();
+        let engine = Idempotency::builder(store.clone())
+            .policy(
+                Policy::default()
+                    .lease(lease)
+                    .retention(ttl)
+                    .heartbeat(None),
+            )
+            .build()
+            .unwrap();
         let kit = RecoveryKit {
             store,
-            engine,
+            engine: engine.into(),
             lease,
             ttl,
             pass: Box::new(|d| Box::pin(tokio::time::sleep(d))),
@@ -94,7 +95,7 @@ fn flow(
 struct World {
     store: PostgresStore,
     guard: SchemaGuard,
-    engine: Idempotency,
+    engine: Idempotency<PostgresStore>,
     payments: Arc<ForeignService>,
 }
 
@@ -105,15 +106,13 @@ const LEASE: Duration = Duration::from_secs(1);
 const LONG_LEASE: Duration = Duration::from_secs(2);
 
 /// An engine over `store` with [`LONG_LEASE`].
-fn long_engine(store: Arc<dyn idempotency_core::IdempotencyStore>) -> Idempotency {
-    Idempotency::new(
-        store,
-        Policy::default()
-            .lease(LONG_LEASE)
-            .heartbeat(Some(0.1))
-            .retention(Duration::from_secs(3600)),
-    )
-    .unwrap()
+fn long_engine<S: idempotency_core::IdempotencyStore + 'static>(store: S) -> Idempotency<S> {
+    Idempotency::builder(store)
+        .lease(LONG_LEASE)
+        .heartbeat(Some(0.1))
+        .retention(Duration::from_secs(3600))
+        .build()
+        .unwrap()
 }
 
 impl World {
@@ -125,13 +124,14 @@ impl World {
             s = guard.schema
         ))
         .await;
-        let engine = Idempotency::new(
-            Arc::new(store.clone()),
-            Policy::default()
-                .lease(LEASE)
-                .retention(Duration::from_secs(3600)),
-        )
-        .unwrap();
+        let engine = Idempotency::builder(store.clone())
+            .policy(
+                Policy::default()
+                    .lease(LEASE)
+                    .retention(Duration::from_secs(3600)),
+            )
+            .build()
+            .unwrap();
         Self {
             store,
             guard,
@@ -155,11 +155,7 @@ impl World {
     async fn run(&self) -> Result<Answer<Result<(i64, i64), String>>, Error> {
         let (key, scope, fp) = Self::key();
         // Through the store's wrapper: the store is not passed a second time.
-        self.engine
-            .clone()
-            .with_transactions(self.store.clone())
-            .run_phases(&key, &scope, &fp, self.flow())
-            .await
+        self.engine.run_phases(&key, &scope, &fp, self.flow()).await
     }
 
     /// [`World::run`] again while the key is in progress (for at most 30 s).
@@ -181,13 +177,10 @@ impl World {
     async fn run_and_die_after_charge(&self) {
         self.payments.hang_after_acting(1);
         let task = {
-            let (engine, store, flow) = (self.engine.clone(), self.store.clone(), self.flow());
+            let (engine, flow) = (self.engine.clone(), self.flow());
             tokio::spawn(async move {
                 let (key, scope, fp) = World::key();
-                engine
-                    .with_transactions(store.clone())
-                    .run_phases(&key, &scope, &fp, flow)
-                    .await
+                engine.run_phases(&key, &scope, &fp, flow).await
             })
         };
         self.payments.acted_and_hung().await;
@@ -275,28 +268,21 @@ async fn a_phase_longer_than_the_lease_is_followed_by_the_next_at_every_level() 
         let w = World::new(level).await;
         let schema = w.guard.schema.clone();
         let holder = {
-            let (engine, store, flow) = (
-                long_engine(Arc::new(w.store.clone())),
-                w.store.clone(),
-                slow_then_fast(&schema),
-            );
+            let (engine, flow) = (long_engine(w.store.clone()), slow_then_fast(&schema));
             tokio::spawn(async move {
                 let (key, scope, fp) = World::key();
-                engine
-                    .with_transactions(store.clone())
-                    .run_phases(&key, &scope, &fp, flow)
-                    .await
+                engine.run_phases(&key, &scope, &fp, flow).await
             })
         };
         // The record's lease has passed (at the two snapshot levels); the phase runs on.
         tokio::time::sleep(LONG_LEASE * 3 / 2).await;
         let completer = {
             let schema = schema.clone();
-            idempotency_core::Completer::new(&w.engine.with_transactions(w.store.clone()))
+            idempotency_core::Completer::new(&w.engine)
                 .operation("slow-then-fast", move || slow_then_fast(&schema))
         };
         let (key, scope, fp) = World::key();
-        let engine = w.engine.with_transactions(w.store.clone());
+        let engine = w.engine.clone();
         let duplicate = engine.run_phases(&key, &scope, &fp, slow_then_fast(&schema));
         let (duplicate, round) = tokio::join!(duplicate, completer.run_once());
         the_holder_kept_it(level, holder.await.unwrap(), duplicate, round, &w).await;
@@ -316,9 +302,7 @@ async fn the_completer_finishes_a_dead_holders_operation_at_every_level() {
             Arc::<str>::from(w.guard.schema.as_str()),
         );
         let make = move || flow(payments.clone(), schema.clone());
-        let completer =
-            idempotency_core::Completer::new(&w.engine.with_transactions(w.store.clone()))
-                .operation("book-ride", make);
+        let completer = idempotency_core::Completer::new(&w.engine).operation("book-ride", make);
         // The dead holder's heartbeat stopped with it: its lease passes (a heartbeat that
         // was on its way when it died may still land: rounds go on until one finishes it).
         tokio::time::sleep(LEASE + Duration::from_millis(200)).await;
@@ -481,22 +465,22 @@ async fn a_long_middle_phase_is_not_taken_over_when_it_commits_at_every_level() 
                     },
                 )
         };
-        let late = long_engine(Arc::new(LateRenewals(w.store.clone())));
+        let late = long_engine(LateRenewals(w.store.clone()));
         let holder = {
             let (store, flow) = (w.store.clone(), flow.clone()());
             tokio::spawn(async move {
                 let (key, scope, fp) = World::key();
-                late.with_transactions(store.clone())
+                // Record calls through the decorator, phases in the store's transactions.
+                late.with_transactions(store)
                     .run_phases(&key, &scope, &fp, flow)
                     .await
             })
         };
         tokio::time::sleep(LONG_LEASE * 3 / 2).await;
         let completer =
-            idempotency_core::Completer::new(&w.engine.with_transactions(w.store.clone()))
-                .operation("fast-slow", flow.clone());
+            idempotency_core::Completer::new(&w.engine).operation("fast-slow", flow.clone());
         let (key, scope, fp) = World::key();
-        let engine = w.engine.with_transactions(w.store.clone());
+        let engine = w.engine.clone();
         let duplicate = engine.run_phases(&key, &scope, &fp, flow());
         let (duplicate, round) = tokio::join!(duplicate, completer.run_once());
         the_holder_kept_it(level, holder.await.unwrap(), duplicate, round, &w).await;

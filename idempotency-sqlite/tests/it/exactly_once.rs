@@ -160,7 +160,10 @@ async fn case1_lease_takeover_rolls_back_the_stale_holder() {
             release: release.clone(),
         };
         let engine_a = Idempotency::new(Arc::new(stalling), policy()).unwrap();
-        let engine_b = Idempotency::new(Arc::new(store_b.clone()), policy()).unwrap();
+        let engine_b = Idempotency::builder(store_b.clone())
+            .policy(policy())
+            .build()
+            .unwrap();
         let keys: Vec<IdempotencyKey> = (0..KEYS).map(|_| IdempotencyKey::random()).collect();
         let fp = Fingerprint::from_json(&serde_json::json!({"sku": "A1", "qty": 1}));
         // Every holder claims before the clock moves: its token comes from this reading.
@@ -173,8 +176,9 @@ async fn case1_lease_takeover_rolls_back_the_stale_holder() {
                 let (store, engine) = (store_a.clone(), engine_a.clone());
                 tokio::spawn(async move {
                     let k = key.to_string();
+                    // The engine's record calls go through the stalling decorator; its
+                    // transactions are the store's own.
                     engine
-                        .clone()
                         .with_transactions(store.clone())
                         .run_in_transaction(&key, &scope(), &fp, move |tx, _ctx| {
                             let k = k.clone();
@@ -200,12 +204,10 @@ async fn case1_lease_takeover_rolls_back_the_stale_holder() {
             .iter()
             .cloned()
             .map(|key| {
-                let (store, engine) = (store_b.clone(), engine_b.clone());
+                let engine = engine_b.clone();
                 tokio::spawn(async move {
                     let k = key.to_string();
                     engine
-                        .clone()
-                        .with_transactions(store.clone())
                         .run_in_transaction(&key, &scope(), &fp, move |tx, ctx| {
                             let k = k.clone();
                             Box::pin(tx.run(move |tx| {
@@ -251,8 +253,6 @@ async fn case1_lease_takeover_rolls_back_the_stale_holder() {
             assert_eq!(rec.token, first.next());
             // A later retry replays the new holder's order id.
             let again = engine_b
-                .clone()
-                .with_transactions(store_b.clone())
                 .run_in_transaction(key, &scope(), &fp, move |tx, _| {
                     Box::pin(tx.run(move |_| -> Result<i64, String> {
                         panic!("a completed key must not run again")
@@ -270,7 +270,10 @@ async fn case1_lease_takeover_rolls_back_the_stale_holder() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn case1_complete_in_refuses_a_stale_token_and_the_caller_rolls_back() {
     let (store, clock, _dir) = shop(ConnectionMode::DedicatedThread).await;
-    let engine = Idempotency::new(Arc::new(store.clone()), policy()).unwrap();
+    let engine = Idempotency::builder(store.clone())
+        .policy(policy())
+        .build()
+        .unwrap();
     for _ in 0..10 {
         let key = IdempotencyKey::random();
         let id = RecordId::new(key.clone(), scope());
@@ -281,8 +284,6 @@ async fn case1_complete_in_refuses_a_stale_token_and_the_caller_rolls_back() {
         clock.advance(LEASE);
         let k = key.to_string();
         let fresh = engine
-            .clone()
-            .with_transactions(store.clone())
             .run_in_transaction(&key, &scope(), &fp, move |tx, _| {
                 let k = k.clone();
                 Box::pin(tx.run(move |tx| place_order(tx, &k, "new holder")))
@@ -331,7 +332,10 @@ async fn case2_crash_before_commit_lets_the_retry_run_once() {
         ConnectionMode::BlockingPool { connections: 2 },
     ] {
         let (store, clock, _dir) = shop(mode).await;
-        let engine = Idempotency::new(Arc::new(store.clone()), policy()).unwrap();
+        let engine = Idempotency::builder(store.clone())
+            .policy(policy())
+            .build()
+            .unwrap();
         for _ in 0..10 {
             let key = IdempotencyKey::random();
             let id = RecordId::new(key.clone(), scope());
@@ -358,8 +362,6 @@ async fn case2_crash_before_commit_lets_the_retry_run_once() {
             assert!(orders_for(&store, key.as_str()).await.is_empty());
             let early =
                 engine
-                    .clone()
-                    .with_transactions(store.clone())
                     .run_in_transaction(&key, &scope(), &fp, move |tx, _| {
                         Box::pin(tx.run(move |_| -> Result<i64, String> {
                             panic!("the lease is still live")
@@ -374,8 +376,6 @@ async fn case2_crash_before_commit_lets_the_retry_run_once() {
             clock.advance(LEASE);
             let k = key.to_string();
             let retry = engine
-                .clone()
-                .with_transactions(store.clone())
                 .run_in_transaction(&key, &scope(), &fp, move |tx, ctx| {
                     let k = k.clone();
                     Box::pin(tx.run(move |tx| {
@@ -403,7 +403,10 @@ async fn case2_crash_before_commit_lets_the_retry_run_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn case2_panic_after_the_business_write_rolls_back_and_releases_the_key() {
     let (store, _clock, _dir) = shop(ConnectionMode::DedicatedThread).await;
-    let engine = Idempotency::new(Arc::new(store.clone()), policy()).unwrap();
+    let engine = Idempotency::builder(store.clone())
+        .policy(policy())
+        .build()
+        .unwrap();
     let key = IdempotencyKey::random();
     let fp = Fingerprint::from_bytes(b"order");
     let (s, e, k) = (store.clone(), engine.clone(), key.clone());
@@ -435,8 +438,6 @@ async fn case2_panic_after_the_business_write_rolls_back_and_releases_the_key() 
     assert!(released, "the abandoned key must be released");
     let k = key.to_string();
     let retry = engine
-        .clone()
-        .with_transactions(store.clone())
         .run_in_transaction(&key, &scope(), &fp, move |tx, _| {
             let k = k.clone();
             Box::pin(tx.run(move |tx| place_order(tx, &k, "retry")))
@@ -452,13 +453,14 @@ async fn case2_panic_after_the_business_write_rolls_back_and_releases_the_key() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_work_error_rolls_back_and_releases_the_key() {
     let (store, _clock, _dir) = shop(ConnectionMode::DedicatedThread).await;
-    let engine = Idempotency::new(Arc::new(store.clone()), policy()).unwrap();
+    let engine = Idempotency::builder(store.clone())
+        .policy(policy())
+        .build()
+        .unwrap();
     let key = IdempotencyKey::random();
     let fp = Fingerprint::from_bytes(b"order");
     let k = key.to_string();
     let first = engine
-        .clone()
-        .with_transactions(store.clone())
         .run_in_transaction(&key, &scope(), &fp, move |tx, _| {
             let k = k.clone();
             Box::pin(tx.run(move |tx| -> Result<i64, String> {
@@ -478,8 +480,6 @@ async fn a_work_error_rolls_back_and_releases_the_key() {
     assert_eq!(rec.status, RecordStatus::Failed);
     let k = key.to_string();
     let second = engine
-        .clone()
-        .with_transactions(store.clone())
         .run_in_transaction(&key, &scope(), &fp, move |tx, _| {
             let k = k.clone();
             Box::pin(tx.run(move |tx| place_order(tx, &k, "accepted")))
@@ -501,8 +501,11 @@ async fn a_cancelled_call_rolls_back_and_frees_the_connection() {
         ConnectionMode::BlockingPool { connections: 2 },
     ] {
         let (store, clock, _dir) = shop(mode).await;
-        let engine = Idempotency::new(Arc::new(store.clone()), policy()).unwrap();
-        let exactly_once = engine.with_transactions(store.clone());
+        let engine = Idempotency::builder(store.clone())
+            .policy(policy())
+            .build()
+            .unwrap();
+        let exactly_once = engine;
         let key = IdempotencyKey::random();
         let fp = Fingerprint::from_bytes(b"order");
         let (wrote, written) = std::sync::mpsc::channel::<()>();

@@ -68,7 +68,7 @@ fn flow(payments: Arc<ForeignService>) -> Phases<SqliteStore, Receipt, String> {
 struct World {
     store: SqliteStore,
     clock: ManualClock,
-    engine: Idempotency,
+    engine: Idempotency<SqliteStore>,
     payments: Arc<ForeignService>,
     _dir: tempfile::TempDir,
 }
@@ -86,13 +86,14 @@ impl World {
             .await
             .unwrap()
             .unwrap();
-        let engine = Idempotency::new(
-            Arc::new(store.clone()),
-            Policy::default()
-                .lease(LEASE)
-                .retention(Duration::from_secs(3600)),
-        )
-        .unwrap();
+        let engine = Idempotency::builder(store.clone())
+            .policy(
+                Policy::default()
+                    .lease(LEASE)
+                    .retention(Duration::from_secs(3600)),
+            )
+            .build()
+            .unwrap();
         Self {
             store,
             clock,
@@ -114,8 +115,6 @@ impl World {
         let (key, scope, fp) = Self::key();
         // Through the store's wrapper: the store is not passed a second time.
         self.engine
-            .clone()
-            .with_transactions(self.store.clone())
             .run_phases(&key, &scope, &fp, flow(self.payments.clone()))
             .await
     }
@@ -123,17 +122,10 @@ impl World {
     /// Runs the flow in a task that dies (is aborted) once its charge was made.
     async fn run_and_die_after_charge(&self) {
         self.payments.hang_after_acting(1);
-        let (engine, store, payments) = (
-            self.engine.clone(),
-            self.store.clone(),
-            self.payments.clone(),
-        );
+        let (engine, payments) = (self.engine.clone(), self.payments.clone());
         let task = tokio::spawn(async move {
             let (key, scope, fp) = Self::key();
-            engine
-                .with_transactions(store.clone())
-                .run_phases(&key, &scope, &fp, flow(payments))
-                .await
+            engine.run_phases(&key, &scope, &fp, flow(payments)).await
         });
         self.payments.acted_and_hung().await;
         task.abort();
@@ -319,17 +311,18 @@ async fn sqlite_passes_every_recovery_point_case() {
     for mode in MODES {
         let (store, clock, _dir) = common::manual_store(mode).await;
         let (lease, ttl) = (Duration::from_secs(10), Duration::from_secs(60));
-        let engine = Idempotency::new(
-            Arc::new(store.clone()),
-            Policy::default()
-                .lease(lease)
-                .retention(ttl)
-                .heartbeat(None),
-        )
-        .unwrap();
+        let engine = Idempotency::builder(store.clone())
+            .policy(
+                Policy::default()
+                    .lease(lease)
+                    .retention(ttl)
+                    .heartbeat(None),
+            )
+            .build()
+            .unwrap();
         let kit = RecoveryKit {
             store,
-            engine,
+            engine: engine.into(),
             lease,
             ttl,
             pass: Box::new(move |d| {
@@ -345,7 +338,7 @@ async fn sqlite_passes_every_recovery_point_case() {
 
 fn completer(w: &World) -> idempotency_core::Completer<SqliteStore> {
     let payments = w.payments.clone();
-    idempotency_core::Completer::new(&w.engine.with_transactions(w.store.clone()))
+    idempotency_core::Completer::new(&w.engine)
         .operation("book-ride", move || flow(payments.clone()))
 }
 
@@ -394,7 +387,7 @@ async fn the_completer_leaves_other_operations_and_plain_keys_alone() {
     };
     drop(lease);
     w.clock.advance(LEASE + Duration::from_secs(1));
-    let nobody = idempotency_core::Completer::new(&w.engine.with_transactions(w.store.clone()));
+    let nobody = idempotency_core::Completer::new(&w.engine);
     let round = nobody.run_once().await.unwrap();
     assert_eq!(
         (round.found, round.unknown, round.completed),
@@ -509,14 +502,11 @@ async fn abandon(w: &World, name: &'static str, key: &str) {
                 }
             })
     };
-    let (engine, store) = (w.engine.clone(), w.store.clone());
+    let engine = w.engine.clone();
     let key = IdempotencyKey::new(key).unwrap();
     let task = tokio::spawn(async move {
         let (_, scope, fp) = World::key();
-        engine
-            .with_transactions(store.clone())
-            .run_phases(&key, &scope, &fp, flow)
-            .await
+        engine.run_phases(&key, &scope, &fp, flow).await
     });
     // The first phase and its recovery point committed before the call.
     reached.notified().await;
@@ -716,7 +706,7 @@ async fn the_completer_never_starts_an_operation() {
         }
     };
     let flow = Arc::new(flow);
-    let completer = idempotency_core::Completer::new(&w.engine.with_transactions(w.store.clone()))
+    let completer = idempotency_core::Completer::new(&w.engine)
         .operation("ship", {
             let flow = flow.clone();
             move || flow()
@@ -739,7 +729,6 @@ async fn the_completer_never_starts_an_operation() {
     let (_, scope, fp) = World::key();
     let fresh = w
         .engine
-        .with_transactions(w.store.clone())
         .run_phases(&IdempotencyKey::new("ship-b").unwrap(), &scope, &fp, flow())
         .await
         .unwrap();
@@ -777,14 +766,11 @@ async fn the_completer_skips_an_operation_not_past_its_first_phase() {
                 )
         }
     };
-    let (engine, store, first) = (w.engine.clone(), w.store.clone(), flow(true));
+    let (engine, first) = (w.engine.clone(), flow(true));
     let task = tokio::spawn(async move {
         let (_, scope, fp) = World::key();
         let key = IdempotencyKey::new("notify-1").unwrap();
-        engine
-            .with_transactions(store.clone())
-            .run_phases(&key, &scope, &fp, first)
-            .await
+        engine.run_phases(&key, &scope, &fp, first).await
     });
     while calls.load(Ordering::SeqCst) == 0 {
         tokio::time::sleep(Duration::from_millis(5)).await;
@@ -792,8 +778,8 @@ async fn the_completer_skips_an_operation_not_past_its_first_phase() {
     task.abort();
     let _ = task.await;
     w.clock.advance(LEASE + Duration::from_secs(1));
-    let completer = idempotency_core::Completer::new(&w.engine.with_transactions(w.store.clone()))
-        .operation("notify", move || flow(false));
+    let completer =
+        idempotency_core::Completer::new(&w.engine).operation("notify", move || flow(false));
     let round = completer.run_once().await.unwrap();
     assert_eq!((round.found, round.skipped), (1, 1), "{round}");
     assert_eq!(
