@@ -107,7 +107,9 @@ async fn storm(mode: ConnectionMode, connections: usize, deadline: Duration) {
     let plain: Arc<dyn Runner> = Arc::new(EngineRunner::new(Arc::new(store.clone()), LEASE));
     let transactional: Arc<dyn Runner> = Arc::new(SqliteTransactionalRunner {
         store: store.clone(),
-        engine: Idempotency::new(Arc::new(store.clone()), soak_policy(LEASE, true))
+        engine: Idempotency::builder(store.clone())
+            .policy(soak_policy(LEASE, true))
+            .build()
             .expect("engine"),
     });
     let (plain_scope, tx_scope) = (
@@ -253,11 +255,10 @@ fn child_process_entry() {
         .expect("runtime");
     runtime.block_on(async move {
         let store = SqliteStore::open(&db).await.expect("open");
-        let engine = Idempotency::new(
-            Arc::new(store.clone()),
-            Policy::default().lease(KILL_LEASE).heartbeat(None),
-        )
-        .expect("engine");
+        let engine = Idempotency::builder(store.clone())
+            .policy(Policy::default().lease(KILL_LEASE).heartbeat(None))
+            .build()
+            .expect("engine");
         match role.as_str() {
             // Claims the key, writes its row inside BEGIN IMMEDIATE, says so and waits there
             // for the kill.
@@ -265,8 +266,6 @@ fn child_process_entry() {
                 let key = IdempotencyKey::new(std::env::var(KEY).expect("key")).expect("key");
                 let k = key.to_string();
                 let r = engine
-                    .clone()
-                    .with_transactions(store.clone())
                     .run_in_transaction(&key, &scope(), &fingerprint(&key), move |tx, _| {
                         let k = k.clone();
                         Box::pin(tx.run(move |tx| {
@@ -307,8 +306,6 @@ fn child_process_entry() {
                     let value = pid * 1_000_000 + n;
                     let k = key.to_string();
                     let _ = engine
-                        .clone()
-                        .with_transactions(store.clone())
                         .run_in_transaction(&key, &scope(), &fingerprint(&key), move |tx, _| {
                             let k = k.clone();
                             Box::pin(tx.run(move |tx| {
@@ -338,26 +335,22 @@ fn child_process_entry() {
 
 const CHURN_KEYS: usize = 30;
 
-async fn parent_store(db: &Path) -> (SqliteStore, Idempotency) {
+async fn parent_store(db: &Path) -> (SqliteStore, Idempotency<SqliteStore>) {
     let store = open(db, ConnectionMode::DedicatedThread).await;
-    let engine = Idempotency::new(
-        Arc::new(store.clone()),
-        Policy::default().lease(KILL_LEASE).heartbeat(None),
-    )
-    .expect("engine");
+    let engine = Idempotency::builder(store.clone())
+        .policy(Policy::default().lease(KILL_LEASE).heartbeat(None))
+        .build()
+        .expect("engine");
     (store, engine)
 }
 
 async fn run_once(
-    store: &SqliteStore,
-    engine: &Idempotency,
+    engine: &Idempotency<SqliteStore>,
     key: &IdempotencyKey,
     value: u64,
 ) -> Result<Answer<Result<u64, String>>, Error> {
     let k = key.to_string();
     engine
-        .clone()
-        .with_transactions(store.clone())
         .run_in_transaction(key, &scope(), &fingerprint(key), move |tx, _| {
             let k = k.clone();
             Box::pin(tx.run(move |tx| {
@@ -420,7 +413,7 @@ async fn kill_9_while_holding_the_write_transaction() {
             .expect("the claim survives");
         assert_eq!((record.status, record.attempts), (RecordStatus::Pending, 1));
         let held = record.token;
-        let early = run_once(&store, &engine, &key, 7).await;
+        let early = run_once(&engine, &key, 7).await;
         assert!(
             matches!(early, Ok(Answer::Refused(Refusal::InProgress { .. }))),
             "{early:?}"
@@ -429,9 +422,7 @@ async fn kill_9_while_holding_the_write_transaction() {
             KILL_LEASE.saturating_sub(killed_at.elapsed()) + Duration::from_millis(50),
         )
         .await;
-        let retry = run_once(&store, &engine, &key, 7)
-            .await
-            .expect("the retry runs");
+        let retry = run_once(&engine, &key, 7).await.expect("the retry runs");
         assert_eq!(retry, Answer::Executed(Ok(7)));
         assert_eq!(
             effects(&store, &scope()).await.get(key.as_str()),
@@ -546,7 +537,7 @@ async fn kill_9_under_load_no_corruption_no_double_effect() {
     tokio::time::sleep(KILL_LEASE + Duration::from_millis(50)).await;
     for i in 0..CHURN_KEYS {
         let key = IdempotencyKey::new(format!("churn-{i:02}")).expect("key");
-        let r = run_once(&store, &engine, &key, 9_000 + i as u64).await;
+        let r = run_once(&engine, &key, 9_000 + i as u64).await;
         assert!(
             matches!(r, Ok(Answer::Executed(Ok(_)) | Answer::Replayed(Ok(_)))),
             "{key}: {r:?}"

@@ -409,18 +409,17 @@ async fn case2_panic_after_the_business_write_rolls_back_and_releases_the_key() 
         .unwrap();
     let key = IdempotencyKey::random();
     let fp = Fingerprint::from_bytes(b"order");
-    let (s, e, k) = (store.clone(), engine.clone(), key.clone());
+    let (e, k) = (engine.clone(), key.clone());
     let crashed = tokio::spawn(async move {
         let kk = k.to_string();
-        e.with_transactions(s.clone())
-            .run_in_transaction(&k, &scope(), &fp, move |tx, _| {
-                let kk = kk.clone();
-                Box::pin(tx.run(move |tx| -> Result<i64, String> {
-                    place_order(tx, &kk, "panicking holder").unwrap();
-                    panic!("the holder dies after its business write");
-                }))
-            })
-            .await
+        e.run_in_transaction(&k, &scope(), &fp, move |tx, _| {
+            let kk = kk.clone();
+            Box::pin(tx.run(move |tx| -> Result<i64, String> {
+                place_order(tx, &kk, "panicking holder").unwrap();
+                panic!("the holder dies after its business write");
+            }))
+        })
+        .await
     })
     .await;
     assert!(crashed.unwrap_err().is_panic());

@@ -12,7 +12,7 @@ use std::sync::Arc;
 /// transaction.
 pub(crate) struct SqliteTransactionalRunner {
     pub store: SqliteStore,
-    pub engine: Idempotency,
+    pub engine: Idempotency<SqliteStore>,
 }
 
 impl Runner for SqliteTransactionalRunner {
@@ -27,12 +27,10 @@ impl Runner for SqliteTransactionalRunner {
         fingerprint: Fingerprint,
         work: Work,
     ) -> BoxFuture<'static, RunResult> {
-        let (store, engine) = (self.store.clone(), self.engine.clone());
+        let engine = self.engine.clone();
         Box::pin(async move {
             let (s, k) = (scope.as_str().to_owned(), key.as_str().to_owned());
             engine
-                .clone()
-                .with_transactions(store.clone())
                 .run_in_transaction(&key, &scope, &fingerprint, move |tx, _ctx| {
                     let (s, k) = (s.clone(), k.clone());
                     Box::pin(tx.run(move |tx| {
