@@ -221,9 +221,10 @@ impl<S: RecoveryPoints, M> fmt::Debug for Completer<S, M> {
 
 impl<S: RecoveryPoints + 'static, M: ErrorMode> Completer<S, M> {
     /// A completer over `engine`'s store, taking operations over with `engine` (its policy's
-    /// lease and heartbeat apply to the completer's runs). Rounds list
-    /// up to 100 operations and run up to 4 at once; a failed operation is taken up again
-    /// after 10 seconds, and given up after 10 attempts.
+    /// lease and heartbeat apply to the completer's runs, and its error mode to how a phase
+    /// that fails is settled: build it from an engine of the mode your requests run the
+    /// operation with). Rounds list up to 100 operations and run up to 4 at once; a failed
+    /// operation is taken up again after 10 seconds, and given up after 10 attempts.
     pub fn new(engine: &Idempotency<S, M>) -> Self {
         Self {
             engine: engine.erased(),

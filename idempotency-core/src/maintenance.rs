@@ -2,7 +2,7 @@
 //! purge of expired keys, the completers of multi-step operations), started with one call and
 //! stopped cleanly with another.
 
-use crate::{Completer, CompleterStats, Idempotency, RecoveryPoints};
+use crate::{Completer, CompleterStats, ErrorMode, Idempotency, RecoveryPoints};
 use futures::future::BoxFuture;
 use futures::FutureExt;
 use std::fmt;
@@ -54,12 +54,13 @@ impl fmt::Debug for Maintain {
     }
 }
 
-impl<St: ?Sized> Idempotency<St> {
+impl<St: ?Sized, M> Idempotency<St, M> {
     /// The background tasks of this engine: a purge of expired keys (on by default, every
     /// minute) and the completers you add. See [`Maintain`].
     pub fn maintain(&self) -> Maintain {
         Maintain {
-            engine: self.erased(),
+            // The purge settles no work: what the engine does with errors is not its concern.
+            engine: self.erased().releasing_errors(),
             purge_every: Some(DEFAULT_PURGE_EVERY),
             purge_batch: DEFAULT_PURGE_BATCH,
             completers: Vec::new(),
@@ -87,10 +88,13 @@ impl Maintain {
         self
     }
 
-    /// Runs `completer` every `every`, finishing the operations whose holders died.
-    pub fn complete<S: RecoveryPoints + 'static>(
+    /// Runs `completer` every `every`, finishing the operations whose holders died. Build the
+    /// completer from an engine of the same kind as the one your requests run the operation
+    /// with ([`Completer::new`]): one that stores errors finishes an operation whose phase
+    /// ends with an error by storing it, as the request would have.
+    pub fn complete<S: RecoveryPoints + 'static, M: ErrorMode>(
         mut self,
-        completer: Completer<S>,
+        completer: Completer<S, M>,
         every: Duration,
     ) -> Self {
         let stats = completer.stats();

@@ -984,3 +984,38 @@ async fn an_engine_that_stores_errors_replays_them_and_one_that_releases_them_re
     assert!(matches!(read, Err(Error::StoredOutcome { .. })), "{read:?}");
     assert_eq!(runs.load(Ordering::SeqCst), 1, "the work ran once");
 }
+
+/// An engine that stores errors starts its completer with `maintain()` like any other, and the
+/// completer settles as that engine does: a phase that fails while it finishes an abandoned
+/// operation stores the error, which the client's retry is then replayed.
+#[tokio::test]
+async fn an_engine_that_stores_errors_runs_its_completer_in_the_background() {
+    let w = World::storing_errors(short_lease());
+    w.run_and_die_after_charge().await;
+    // The receipt fails once more: in the completer's run.
+    w.receipt_fails.store(1, Ordering::SeqCst);
+    let storing = w.engine.storing_errors().with_transactions(w.bank.clone());
+    let (payments, keys, fails) = (w.payments.clone(), w.keys.clone(), w.receipt_fails.clone());
+    let completer = Completer::new(&storing).operation("book-ride", move || {
+        ride_flow(payments.clone(), keys.clone(), fails.clone())
+    });
+    let maintenance = storing
+        .maintain()
+        .no_purge()
+        .complete(completer, Duration::from_millis(50))
+        .spawn();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while maintenance.completer_stats()[0].completed() == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the completer did not finish the abandoned operation"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    maintenance.shutdown().await;
+    let Answer::Replayed(Err(e)) = w.run().await.expect("replays") else {
+        panic!("the completer's stored error is not replayed");
+    };
+    assert!(e.contains("paper"), "{e}");
+    assert_eq!(w.counts(), (1, 1, 0), "one ride, one charge, no receipt");
+}
