@@ -32,6 +32,9 @@ pub enum Fault {
     Refused,
     /// The write is applied, then the answer is lost: [`Error::OutcomeUnknown`].
     AckLost,
+    /// The write is applied at once and its answer arrives this much later: a stalled machine
+    /// or network, whose caller resumes after time it did not count on has passed.
+    LateAnswer(std::time::Duration),
 }
 
 #[derive(Debug, Default)]
@@ -125,6 +128,11 @@ impl FlakyStore {
                 Err(Error::OutcomeUnknown {
                     source: what.into(),
                 })
+            }
+            Fault::LateAnswer(pause) => {
+                let answer = write.await;
+                tokio::time::sleep(pause).await;
+                answer
             }
         }
     }

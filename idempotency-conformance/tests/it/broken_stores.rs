@@ -3,7 +3,9 @@
 //!
 //! Each broken store wraps a correct `MemoryStore` and breaks one primitive.
 
-use idempotency_conformance::{all_cases, process_clock, run_case, CaseFn, TestStore};
+use idempotency_conformance::{
+    all_cases, process_clock, run_case, CaseFn, Fault, FlakyOp, FlakyStore, TestStore,
+};
 use idempotency_core::store::{
     async_trait, Cas, Claim, ClaimRequest, Clock, Failure, ManualClock, Reclaim, Record,
     RecordStatus, SystemClock, Timestamp,
@@ -839,70 +841,6 @@ fn rejects_reclaim_keeping_the_old_failure() {
     );
 }
 
-/// A correct store whose first `extend` is applied at once but answered late: the machine
-/// stalls (a loaded CI runner, a GC pause) for longer than the case's lease.
-#[derive(Debug)]
-struct LateFirstExtend {
-    inner: MemoryStore,
-    extends: AtomicUsize,
-    stall: Duration,
-}
-
-#[async_trait]
-impl IdempotencyStore for LateFirstExtend {
-    async fn claim(&self, request: &ClaimRequest) -> Result<Claim, Error> {
-        self.inner.claim(request).await
-    }
-    async fn complete(
-        &self,
-        id: &RecordId,
-        token: FencingToken,
-        outcome: &[u8],
-        ttl: Duration,
-    ) -> Result<Cas, Error> {
-        self.inner.complete(id, token, outcome, ttl).await
-    }
-    async fn fail(
-        &self,
-        id: &RecordId,
-        token: FencingToken,
-        failure: &Failure,
-        ttl: Duration,
-    ) -> Result<Cas, Error> {
-        self.inner.fail(id, token, failure, ttl).await
-    }
-    async fn extend(
-        &self,
-        id: &RecordId,
-        token: FencingToken,
-        lease: Duration,
-    ) -> Result<Cas, Error> {
-        let applied = self.inner.extend(id, token, lease).await;
-        if self.extends.fetch_add(1, Ordering::SeqCst) == 0 {
-            tokio::time::sleep(self.stall).await;
-        }
-        applied
-    }
-    async fn reclaim(
-        &self,
-        id: &RecordId,
-        expected: FencingToken,
-        fingerprint: &Fingerprint,
-        lease: Duration,
-        ttl: Duration,
-    ) -> Result<Reclaim, Error> {
-        self.inner
-            .reclaim(id, expected, fingerprint, lease, ttl)
-            .await
-    }
-    async fn get(&self, id: &RecordId) -> Result<Option<Record>, Error> {
-        self.inner.get(id).await
-    }
-    async fn purge_expired(&self, batch: usize) -> Result<u64, Error> {
-        self.inner.purge_expired(batch).await
-    }
-}
-
 /// On a real clock, a stall longer than the lease between the extension and the checks after
 /// it lets the lease pass before them, and a reclaim then rightly wins: the case must not
 /// blame the store for it, but try again (a loaded machine once failed DynamoDB's run this
@@ -915,13 +853,14 @@ fn a_stall_past_the_lease_on_a_real_clock_is_not_blamed_on_the_store() {
         .expect("the case");
     run_case(
         || async {
-            let store = LateFirstExtend {
-                inner: MemoryStore::builder().clock(Arc::new(SystemClock)).build(),
-                extends: AtomicUsize::new(0),
-                // Longer than the case's lease (twice the short lease, 400 ms for a fast
-                // store) and its half waited after the extension.
-                stall: Duration::from_millis(1_500),
-            };
+            // The first extension is applied at once and answered 1.5 s later: longer than
+            // the case's lease (twice the short lease, 400 ms for a fast store).
+            let memory = MemoryStore::builder().clock(Arc::new(SystemClock)).build();
+            let store = FlakyStore::new(
+                Arc::new(memory),
+                Fault::LateAnswer(Duration::from_millis(1_500)),
+            );
+            store.inject(FlakyOp::Extend, 1);
             TestStore::real_time(Arc::new(store)).with_server_clock(process_clock())
         },
         move |t| bounded(run, t),
