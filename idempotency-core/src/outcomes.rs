@@ -119,7 +119,7 @@ pub enum Settling {
 }
 
 impl Settling {
-    fn stored<R: Serialize + ?Sized>(result: &R) -> Self {
+    pub(crate) fn stored<R: Serialize + ?Sized>(result: &R) -> Self {
         match serde_json::to_vec(result) {
             Ok(bytes) => Self::Store(bytes),
             Err(source) => Self::Unencodable(Error::Codec { source }),

@@ -288,10 +288,7 @@ impl<S: ?Sized, M> Idempotency<S, M> {
             scope,
             fingerprint,
             |result: &R| match classify(result) {
-                Disposition::Store => match serde_json::to_vec(result) {
-                    Ok(bytes) => Settling::Store(bytes),
-                    Err(source) => Settling::Unencodable(Error::Codec { source }),
-                },
+                Disposition::Store => Settling::stored(result),
                 Disposition::Release(failure) => Settling::Release(failure),
             },
             decode_replay,
